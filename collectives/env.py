@@ -1,0 +1,175 @@
+"""The distributed environment, read once into one small dataclass.
+
+Every program in this project learns who it is from `init_from_env()` (started by torchrun,
+srun, or plainly) or from `collectives.run` (which hands each rank its `DistEnv`), and passes
+that `DistEnv` on. No other module reads RANK from os.environ.
+
+    torchrun --nproc_per_node=4 my_prog.py      # RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT
+    srun -N2 --ntasks-per-node=4 python my_prog.py   # SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID
+    python my_prog.py                            # one process: rank 0 of a world of 1
+
+In `my_prog.py`:
+
+    env = collectives.init_from_env()
+    print(env.rank, env.world_size, env.device, env.backend)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import re
+import tempfile
+from typing import Mapping, Optional
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_PG_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+@dataclasses.dataclass(frozen=True)
+class DistEnv:
+    """Who this process is. Both branches (distributed or not) fill the same fields.
+
+    Attributes:
+        rank: global rank, 0 <= rank < world_size.
+        world_size: number of processes in the default group.
+        local_rank: rank among the processes on this machine (picks the GPU).
+        device: the device this rank computes on (cuda:local_rank with NCCL, else cpu).
+        backend: "nccl" or "gloo".
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        """True on rank 0, the rank that prints and writes files."""
+        return self.rank == 0
+
+
+def pick_backend(local_world_size: int, backend: Optional[str] = None) -> str:
+    """NCCL only when every local rank can have a GPU of its own, else Gloo.
+
+    One GPU cannot host two NCCL ranks ("Duplicate GPU detected"), so two ranks on one GPU
+    use Gloo (with CUDA tensors where the caller asks for them).
+    """
+    if backend is not None:
+        backend = backend.lower()
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+        if backend == "nccl" and not torch.cuda.is_available():
+            raise ValueError("backend 'nccl' needs CUDA, and torch.cuda.is_available() is False")
+        if backend == "nccl" and torch.cuda.device_count() < local_world_size:
+            raise ValueError(
+                f"backend 'nccl' needs one GPU per local rank: {local_world_size} local ranks, "
+                f"{torch.cuda.device_count()} GPU(s) (NCCL refuses two ranks on one GPU)"
+            )
+        return backend
+    if torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size:
+        return "nccl"
+    return "gloo"
+
+
+def device_for(backend: str, local_rank: int) -> torch.device:
+    """cuda:local_rank for NCCL, cpu for Gloo."""
+    return torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: "gpu[03-05,9],cpu1" -> "gpu03".
+
+    Zero padding inside the brackets is kept, as SLURM does.
+    """
+    nodelist = nodelist.strip()
+    if not nodelist:
+        raise ValueError("empty SLURM node list")
+    match = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist)
+    if match is None:
+        raise ValueError(f"cannot read SLURM node list {nodelist!r}")
+    prefix, _, ranges = match.groups()
+    if ranges is None:
+        return prefix
+    first = ranges.split(",")[0].split("-")[0]
+    return prefix + first
+
+
+def _slurm_port(job_id: str) -> int:
+    # Every task of a job must agree on the port without talking first; derive it from the job
+    # id so two jobs on one node rarely collide (MASTER_PORT in the environment wins).
+    return 15000 + int(re.sub(r"\D", "", job_id) or "0") % 20000
+
+
+def read_env(environ: Mapping[str, str]) -> dict:
+    """Parse torchrun's or SLURM's variables into rank/world_size/local_rank/master address.
+
+    Returns a dict with keys rank, world_size, local_rank, local_world_size, master_addr,
+    master_port (the last two None when not launched). Pure function, so it is testable.
+    """
+    if "RANK" in environ and "WORLD_SIZE" in environ:
+        missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in environ]
+        if missing:
+            raise RuntimeError(f"RANK and WORLD_SIZE are set but {', '.join(missing)} is not")
+        world_size = int(environ["WORLD_SIZE"])
+        return dict(
+            rank=int(environ["RANK"]),
+            world_size=world_size,
+            local_rank=int(environ.get("LOCAL_RANK", "0")),
+            local_world_size=int(environ.get("LOCAL_WORLD_SIZE", str(world_size))),
+            master_addr=environ["MASTER_ADDR"],
+            master_port=int(environ["MASTER_PORT"]),
+        )
+    if "SLURM_PROCID" in environ and "SLURM_NTASKS" in environ:
+        nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST")
+        if not nodelist:
+            raise RuntimeError("SLURM_PROCID is set but SLURM_JOB_NODELIST is not")
+        world_size = int(environ["SLURM_NTASKS"])
+        nnodes = int(environ.get("SLURM_NNODES", "1"))
+        return dict(
+            rank=int(environ["SLURM_PROCID"]),
+            world_size=world_size,
+            local_rank=int(environ.get("SLURM_LOCALID", "0")),
+            local_world_size=max(1, world_size // max(1, nnodes)),
+            master_addr=environ.get("MASTER_ADDR") or first_slurm_host(nodelist),
+            master_port=int(environ.get("MASTER_PORT") or _slurm_port(environ.get("SLURM_JOB_ID", "0"))),
+        )
+    return dict(rank=0, world_size=1, local_rank=0, local_world_size=1, master_addr=None, master_port=None)
+
+
+def init_from_env(
+    backend: Optional[str] = None,
+    timeout: datetime.timedelta = DEFAULT_PG_TIMEOUT,
+    environ: Optional[Mapping[str, str]] = None,
+) -> DistEnv:
+    """Initialise the default process group from torchrun's, SLURM's or no environment.
+
+    Without either, this is rank 0 of a world of 1 (a file rendezvous in a temporary folder),
+    so collectives still work and later code never branches on "distributed or not".
+
+    Args:
+        backend: "gloo" or "nccl"; None picks NCCL when each local rank can have a GPU.
+        timeout: how long a collective may wait for its peers before the backend gives up.
+        environ: the variables to read (os.environ by default).
+
+    Returns:
+        The DistEnv of this process. Call `dist.destroy_process_group()` at the end.
+    """
+    info = read_env(os.environ if environ is None else environ)
+    backend = pick_backend(info["local_world_size"], backend)
+    device = device_for(backend, info["local_rank"])
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if info["master_addr"] is None:
+        init_method = "file://" + os.path.join(tempfile.mkdtemp(prefix="collectives-"), "store")
+    else:
+        init_method = f"tcp://{info['master_addr']}:{info['master_port']}"
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend, init_method=init_method, rank=info["rank"], world_size=info["world_size"], timeout=timeout
+        )
+    return DistEnv(info["rank"], info["world_size"], info["local_rank"], device, backend)

@@ -1,0 +1,49 @@
+"""Run a function on N local ranks: `collectives.run(fn, world_size)`.
+
+    import collectives
+
+    def hello(env):
+        t = torch.tensor([env.rank + 1.0])
+        return collectives.all_reduce(t).item()
+
+    if __name__ == "__main__":
+        print(collectives.run(hello, world_size=3))   # [6.0, 6.0, 6.0]
+
+`fn` receives the rank's `DistEnv` first, then `args`. It must be defined at module level (the
+ranks are spawned, so they import it). For programs started by torchrun or srun, use
+`collectives.init_from_env()` instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, List, Optional, Sequence
+
+from .pool import RankPool
+
+
+def run(
+    fn: Callable,
+    world_size: int,
+    *,
+    backend: Optional[str] = None,
+    args: Sequence[Any] = (),
+    timeout: float = 300.0,
+    threads: int = 1,
+) -> List[Any]:
+    """Spawn `world_size` ranks, run `fn(env, *args)` on each, return the results in rank order.
+
+    Args:
+        fn: a module-level function taking the rank's DistEnv and then `args`.
+        world_size: how many ranks to spawn on this machine.
+        backend: "gloo" or "nccl"; None picks NCCL only with one GPU per rank, else Gloo.
+        args: extra positional arguments (must pickle).
+        timeout: seconds the function may run on the ranks; after that every rank's Python stack
+            is dumped into the error and all ranks are killed.
+        threads: torch threads per rank.
+
+    Raises:
+        RankFailure: a rank raised, died or hung; the message names it and carries its
+            traceback, signal or exit code, or stack. No rank is left running.
+    """
+    with RankPool(world_size, backend=backend, threads=threads) as pool:
+        return pool.submit(fn, args=args, timeout=timeout)
