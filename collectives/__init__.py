@@ -3,14 +3,23 @@
     import collectives
     results = collectives.run(fn, world_size=4)     # fn(env) on 4 spawned ranks
     env = collectives.init_from_env()               # under torchrun / srun / plain python
+    collectives.all_reduce(t, op="sum")             # checked wrapper, same answer on Gloo and NCCL
 """
 
+from .checked_mode import checked, is_checked
 from .env import DistEnv, init_from_env
 from .errors import CollectiveError, CollectiveMismatchError, RankFailure
+from .groups import Mesh2D, global_rank, group_rank, new_group, split
 from .launch import run
+from .ops import (
+    Work, all_gather, all_reduce, all_to_all, barrier, broadcast, gather, reduce, reduce_scatter, scatter,
+)
 from .pool import RankPool
 
 __all__ = [
     "DistEnv", "init_from_env", "run", "RankPool",
+    "broadcast", "all_reduce", "reduce", "all_gather", "reduce_scatter", "gather", "scatter", "all_to_all",
+    "barrier", "Work", "checked", "is_checked",
+    "new_group", "split", "Mesh2D", "group_rank", "global_rank",
     "CollectiveError", "CollectiveMismatchError", "RankFailure",
 ]

@@ -1,0 +1,72 @@
+"""Reduction ops: names, which dtypes each makes sense for, and the gaps the wrappers fill.
+
+Ops are given as strings ("sum", "avg", "min", "max", "product", "band", "bor", "bxor") or as
+torch.distributed.ReduceOp values; both mean the same thing on every backend.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import List, Union
+
+import torch
+import torch.distributed as dist
+
+from .errors import CollectiveError
+
+R = dist.ReduceOp
+OP_NAMES = ("sum", "avg", "min", "max", "product", "band", "bor", "bxor")
+TORCH_OPS = {
+    "sum": R.SUM, "avg": R.AVG, "min": R.MIN, "max": R.MAX,
+    "product": R.PRODUCT, "band": R.BAND, "bor": R.BOR, "bxor": R.BXOR,
+}
+BITWISE = ("band", "bor", "bxor")
+
+OpLike = Union[str, "dist.ReduceOp", "dist.ReduceOp.RedOpType"]
+
+
+def op_name(op: OpLike, collective: str = "collective") -> str:
+    """Normalise "SUM", ReduceOp.SUM or ReduceOp(ReduceOp.SUM) to "sum"."""
+    if isinstance(op, R):  # a ReduceOp instance wraps a RedOpType
+        op = op.op
+    name = op.lower() if isinstance(op, str) else getattr(op, "name", str(op)).lower()
+    if name == "prod":
+        name = "product"
+    if name not in OP_NAMES:
+        raise CollectiveError(f"{collective}: unknown reduction op {op!r}; use one of {', '.join(OP_NAMES)}")
+    return name
+
+
+def check_op_dtype(name: str, dtype: torch.dtype, collective: str) -> None:
+    """Refuse an op that makes no sense for the dtype, with the same rule on every backend."""
+    is_int = not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool
+    if name in BITWISE and not (is_int or dtype == torch.bool):
+        raise CollectiveError(f"{collective}: op '{name}' needs an integer or bool tensor, got {dtype}")
+    if dtype.is_complex and name not in ("sum", "avg"):
+        raise CollectiveError(f"{collective}: op '{name}' is not defined on complex tensors ({dtype}); only sum and avg are")
+    if name == "avg" and (is_int or dtype == torch.bool):
+        raise CollectiveError(
+            f"{collective}: op 'avg' on {dtype} would have to round; Gloo refuses it and NCCL truncates. "
+            "Use 'sum' and divide, or cast to a floating dtype first"
+        )
+    if dtype == torch.bool and name in ("sum", "product"):
+        raise CollectiveError(
+            f"{collective}: op '{name}' on bool is ambiguous (a count, or any/all?); "
+            "use 'bor' (any) or 'band' (all), or cast to an integer dtype to count"
+        )
+
+
+def backend_supports(backend: str, name: str) -> bool:
+    """NCCL has no bitwise reductions; the wrappers fill that gap (see `fold`)."""
+    return not (backend == "nccl" and name in BITWISE)
+
+
+_FOLDS = {
+    "sum": torch.add, "product": torch.mul, "min": torch.minimum, "max": torch.maximum,
+    "band": torch.bitwise_and, "bor": torch.bitwise_or, "bxor": torch.bitwise_xor,
+}
+
+
+def fold(name: str, tensors: List[torch.Tensor]) -> torch.Tensor:
+    """Reduce a list of tensors locally, in rank order (used where a backend lacks the op)."""
+    return functools.reduce(_FOLDS[name], tensors)
