@@ -64,6 +64,11 @@ def check_tensor(tensor, collective: str, info: GroupInfo, name: str = "tensor")
         raise CollectiveError(f"{where}: {name} must be dense (strided), got layout {tensor.layout}")
     device = tensor.device.type
     if info.backend == "nccl":
+        if not tensor.is_contiguous():
+            raise CollectiveError(
+                f"{where}: the nccl backend needs a contiguous {name} (shape {tuple(tensor.shape)}, "
+                f"stride {tensor.stride()}); call .contiguous() first"
+            )
         if device != "cuda":
             raise CollectiveError(
                 f"{where}: the nccl backend needs CUDA tensors, but {name} is on {tensor.device}; "
@@ -73,11 +78,6 @@ def check_tensor(tensor, collective: str, info: GroupInfo, name: str = "tensor")
             raise CollectiveError(
                 f"{where}: {name} is on {tensor.device} but this rank's current device is "
                 f"cuda:{torch.cuda.current_device()}; NCCL needs them to match"
-            )
-        if not tensor.is_contiguous():
-            raise CollectiveError(
-                f"{where}: the nccl backend needs a contiguous {name} (shape {tuple(tensor.shape)}, "
-                f"stride {tensor.stride()}); call .contiguous() first"
             )
     elif info.backend == "gloo":
         if device not in ("cpu", "cuda"):

@@ -1,0 +1,113 @@
+"""A pytest harness for multi-process code: test bodies run on N ranks kept alive across tests.
+
+Spawning ranks costs ~3 s (importing torch); this harness spawns a pool of ranks once per
+(world_size, backend) and sends each test body to it, so a multi-rank test case costs
+milliseconds. After any failure or timeout the pool is torn down and the next test gets a fresh
+one, so one bad test cannot poison the next.
+
+    from collectives.testing import distributed
+
+    @distributed(world_size=3)
+    def test_sum(env):                       # runs on ranks 0, 1, 2; env is the rank's DistEnv
+        t = torch.tensor([env.rank + 1.0])
+        collectives.all_reduce(t)
+        assert t.item() == 6
+
+    @pytest.mark.parametrize("n", [1, 5])
+    @distributed(world_size=2, timeout=30)
+    def test_param(env, n): ...               # pytest parameters reach every rank
+
+A failing rank's traceback appears in the pytest failure, named by rank; a hang past `timeout`
+shows every rank's Python stack. The test module must be importable by the ranks (a normal test
+file is). The `dist_run` fixture (registered as a pytest plugin) runs a module-level function:
+
+    def test_x(dist_run):
+        assert dist_run(my_fn, world_size=2, args=(3,)) == [..., ...]
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import importlib
+import inspect
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import pytest
+
+from .pool import RankPool
+
+DEFAULT_TIMEOUT_S = 60.0
+_pools: Dict[Tuple[int, Optional[str]], RankPool] = {}
+
+
+def get_pool(world_size: int, backend: Optional[str] = None) -> RankPool:
+    """The shared pool for (world_size, backend); started on first use, closed at exit."""
+    key = (world_size, backend)
+    if key not in _pools:
+        _pools[key] = RankPool(world_size, backend=backend)
+    return _pools[key]
+
+
+@atexit.register
+def close_pools() -> None:
+    for pool in _pools.values():
+        pool.close()
+    _pools.clear()
+
+
+def run_on_ranks(
+    fn: Callable, world_size: int = 2, args: Sequence[Any] = (), *, backend: Optional[str] = None,
+    timeout: float = DEFAULT_TIMEOUT_S,
+) -> List[Any]:
+    """Run module-level `fn(env, *args)` on the shared pool's ranks; results in rank order."""
+    return get_pool(world_size, backend).submit(fn, args=args, timeout=timeout)
+
+
+class _TestBody:
+    """A picklable reference to a decorated test's body: the ranks import the module and unwrap it."""
+
+    def __init__(self, module: str, qualname: str):
+        self.module, self.qualname = module, qualname
+
+    def __call__(self, env, kwargs: Dict[str, Any]):
+        obj: Any = importlib.import_module(self.module)
+        for part in self.qualname.split("."):
+            obj = getattr(obj, part)
+        body = getattr(obj, "_collectives_body", obj)
+        return body(env, **kwargs)
+
+
+def distributed(world_size: int = 2, *, backend: Optional[str] = None, timeout: float = DEFAULT_TIMEOUT_S):
+    """Decorate `def test_x(env, ...)` to run its body on `world_size` pooled ranks.
+
+    Args:
+        world_size: ranks to run the body on.
+        backend: "gloo", "nccl" or None (NCCL only with one GPU per rank).
+        timeout: seconds before every rank's stack is dumped and the test fails.
+    """
+
+    def decorate(fn: Callable) -> Callable:
+        params = list(inspect.signature(fn).parameters.values())
+        if not params:
+            raise TypeError(f"{fn.__qualname__}: a @distributed test takes the rank's env as its first argument")
+
+        @functools.wraps(fn)
+        def test(**kwargs):
+            get_pool(world_size, backend).submit(
+                _TestBody(fn.__module__, fn.__qualname__), args=(kwargs,), timeout=timeout,
+                name=f"{fn.__qualname__} on {world_size} ranks",
+            )
+
+        # pytest must see the test's own parameters, without `env` (which each rank supplies).
+        test.__signature__ = inspect.Signature(params[1:])
+        test._collectives_body = fn
+        return test
+
+    return decorate
+
+
+@pytest.fixture
+def dist_run() -> Callable[..., List[Any]]:
+    """`dist_run(fn, world_size=2, args=(), backend=None, timeout=60)` on the shared pools."""
+    return run_on_ranks

@@ -1,0 +1,146 @@
+"""Every error the wrappers raise: the message names what is wrong, nothing hangs or aborts, and
+the next collective on the same group still gives the right answer.
+
+Mismatches that would abort Gloo (sizes), hang it (different collectives) or silently mix ops
+(SUM on one rank, MAX on another) are caught by checked mode on every rank.
+
+    pytest tests/collectives/test_errors.py -q
+"""
+
+import pytest
+import torch
+
+import collectives as C
+from collectives.checks import GroupInfo, check_tensor
+from collectives.errors import CollectiveError, CollectiveMismatchError
+from collectives.testing import distributed
+
+
+def raises(fn, exc_type, *fragments):
+    """Call fn, require exc_type whose message holds every fragment; return the message."""
+    with pytest.raises(exc_type) as info:
+        fn()
+    message = str(info.value)
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} missing from: {message}"
+    return message
+
+
+def group_still_works(group=None, ranks=None):
+    """A SUM all_reduce on the group gives the closed form: the group is usable."""
+    import torch.distributed as dist
+
+    ranks = ranks if ranks is not None else list(range(dist.get_world_size()))
+    t = torch.tensor([dist.get_rank() + 1.0])
+    C.all_reduce(t, group=group)
+    assert t.item() == sum(r + 1 for r in ranks)
+
+
+@distributed(world_size=2)
+def test_local_checks_name_the_problem(env):
+    r = env.rank
+    raises(lambda: C.broadcast(torch.ones(2), src=2), CollectiveError, "broadcast", f"rank {r}", "src=2", "world_size 2")
+    raises(lambda: C.reduce(torch.ones(2), dst=-1), CollectiveError, "reduce", "dst=-1")
+    raises(lambda: C.all_reduce(torch.ones(2), op="band"), CollectiveError, "'band'", "torch.float32")
+    raises(lambda: C.all_reduce(torch.ones(2, dtype=torch.complex64), op="min"), CollectiveError, "'min'", "complex")
+    raises(lambda: C.all_reduce(torch.ones(2, dtype=torch.int32), op="avg"), CollectiveError, "'avg'", "torch.int32")
+    raises(lambda: C.all_reduce(torch.ones(2, dtype=torch.bool), op="sum"), CollectiveError, "'sum'", "bool", "bor")
+    raises(lambda: C.all_reduce(torch.ones(2), op="mean"), CollectiveError, "unknown reduction op 'mean'")
+    raises(lambda: C.all_reduce([1.0, 2.0]), CollectiveError, "must be a torch.Tensor", "list")
+    raises(lambda: C.all_reduce(torch.ones(2, device="meta")), CollectiveError, "gloo", "meta")
+    raises(lambda: C.reduce_scatter(torch.ones(3, 2)), CollectiveError, "reduce_scatter", "first dimension 3", "group size 2")
+    raises(lambda: C.scatter(torch.ones(5)), CollectiveError, "scatter", "first dimension 5")
+    raises(lambda: C.all_to_all(torch.ones(())), CollectiveError, "all_to_all", "0-d tensor")
+    raises(lambda: C.all_reduce(torch.sparse_coo_tensor(torch.zeros(1, 0, dtype=torch.long), torch.ones(0), (2,))),
+           CollectiveError, "dense")
+    group_still_works()
+
+
+def test_nccl_checks_without_a_gpu():
+    """The NCCL device and contiguity checks, run against a NCCL-like group description."""
+    info = GroupInfo(group=None, ranks=(0, 1), group_rank=0, global_rank=0, backend="nccl")
+    raises(lambda: check_tensor(torch.ones(4, 4).t(), "all_reduce", info), CollectiveError, "contiguous", "stride (1, 4)")
+    raises(lambda: check_tensor(torch.ones(4), "all_reduce", info), CollectiveError, "nccl", "CUDA", "cpu")
+
+
+@distributed(world_size=4)
+def test_root_not_in_group_and_rank_not_in_group(env):
+    low = C.new_group([0, 1])  # every rank creates it; only 0 and 1 are in it
+    if env.rank in (0, 1):
+        raises(lambda: C.broadcast(torch.ones(1), src=3, group=low), CollectiveError, "src=3", "not in the group", "[0, 1]")
+        group_still_works(low, [0, 1])
+    else:
+        # torch.distributed would only warn here and leave the tensor untouched.
+        raises(lambda: C.all_reduce(torch.ones(1), group=low), CollectiveError, f"rank {env.rank}", "not in", "[0, 1]")
+    group_still_works()
+
+
+@distributed(world_size=3)
+def test_all_gather_trailing_shape_mismatch_is_caught_without_checked_mode(env):
+    # Unchecked, raw Gloo aborts the process (SIGABRT) on this; the wrapper's size exchange
+    # sees it first and every rank raises.
+    t = torch.ones(2, 3) if env.rank != 1 else torch.ones(2, 4)
+    raises(lambda: C.all_gather(t), CollectiveMismatchError, "trailing", "rank 1: shape=(2, 4)", "rank 0: shape=(2, 3)")
+    dtype = torch.float32 if env.rank != 2 else torch.float64
+    raises(lambda: C.gather(torch.ones(2, dtype=dtype)), CollectiveMismatchError, "rank 2: shape=(2,), dtype=torch.float64")
+    group_still_works()
+
+
+def _mismatches(rank):
+    """(name, what this rank calls, what the message must say) for each mismatch checked mode catches."""
+    odd = rank == 1
+    return [
+        ("op", lambda: C.all_reduce(torch.ones(2), op="max" if odd else "sum"), ["op differ", "op=max", "op=sum"]),
+        ("size", lambda: C.all_reduce(torch.ones(3 if odd else 2)), ["shape differ", "shape=(3,)", "shape=(2,)"]),
+        ("dtype", lambda: C.broadcast(torch.ones(2, dtype=torch.float64 if odd else torch.float32)), ["dtype differ"]),
+        ("collective", lambda: C.broadcast(torch.ones(2)) if odd else C.all_reduce(torch.ones(2)),
+         ["collective", "rank 1: broadcast(", "rank 0: all_reduce("]),
+        ("root", lambda: C.broadcast(torch.ones(2), src=1 if odd else 0), ["src/dst differ", "src=1", "src=0"]),
+        ("gather dim", lambda: C.all_gather(torch.ones(2, 3 if odd else 2)), ["shape differ"]),
+    ]
+
+
+@distributed(world_size=3)
+def test_checked_mode_catches_mismatches_on_every_rank(env):
+    for name, call, fragments in _mismatches(env.rank):
+        with C.checked():
+            message = raises(call, CollectiveMismatchError, "checked mode", *fragments)
+        assert "rank 0" in message and "rank 2" in message, name
+        group_still_works()
+
+
+@distributed(world_size=2)
+def test_checked_mode_spreads_one_ranks_local_error_to_all_ranks(env):
+    # Only rank 1 passes a bad tensor; unchecked, rank 0 would enter the collective and wait forever.
+    t = torch.ones(2) if env.rank == 1 else torch.ones(2, dtype=torch.int32)
+    with C.checked():
+        raises(lambda: C.all_reduce(t, op="bor"), CollectiveError, "rank(s) [1] failed a local check", "'bor'")
+    group_still_works()
+
+
+@distributed(world_size=2)
+def test_checked_mode_passes_matching_calls_and_can_be_switched_off(env):
+    with C.checked():
+        assert C.is_checked()
+        group_still_works()
+        with C.checked(False):
+            assert not C.is_checked()
+        assert C.is_checked()
+    assert not C.is_checked()
+
+
+def _env_checked_body(env):
+    assert C.is_checked(), "COLLECTIVES_CHECKED=1 did not turn checked mode on"
+    message = ""
+    try:
+        C.all_reduce(torch.ones(2), op="max" if env.rank else "sum")
+    except CollectiveMismatchError as exc:
+        message = str(exc)
+    group_still_works()
+    return message
+
+
+def test_checked_mode_from_the_environment(monkeypatch):
+    monkeypatch.setenv("COLLECTIVES_CHECKED", "1")  # the spawned ranks inherit it
+    messages = C.run(_env_checked_body, world_size=2, timeout=60)
+    assert all("op differ" in m for m in messages), messages
