@@ -128,9 +128,11 @@ def reduce(tensor: torch.Tensor, dst: int = 0, op="sum", group: Group = None, as
 
 def _gather_equal(info: GroupInfo, tensor: torch.Tensor) -> torch.Tensor:
     """All ranks' equal-shaped tensors stacked: (group size, *shape). Used to fill op gaps."""
-    out = torch.empty((info.size,) + tuple(tensor.shape), dtype=tensor.dtype, device=tensor.device)
-    _compat.all_gather_single(out, tensor.contiguous(), group=info.group)
-    return out
+    # Gloo takes only the concatenated form of the output (not the stacked one), so gather flat.
+    flat = tensor.reshape(-1).contiguous()
+    out = flat.new_empty(info.size * flat.numel())
+    _compat.all_gather_single(out, flat, group=info.group)
+    return out.view((info.size,) + tuple(tensor.shape))
 
 
 def _exchange_dim0(info: GroupInfo, tensor: torch.Tensor, collective: str) -> List[int]:

@@ -27,8 +27,8 @@ OpLike = Union[str, "dist.ReduceOp", "dist.ReduceOp.RedOpType"]
 
 def op_name(op: OpLike, collective: str = "collective") -> str:
     """Normalise "SUM", ReduceOp.SUM or ReduceOp(ReduceOp.SUM) to "sum"."""
-    if isinstance(op, R):  # a ReduceOp instance wraps a RedOpType
-        op = op.op
+    if not isinstance(op, str) and not hasattr(op, "name") and hasattr(op, "op"):
+        op = op.op  # a ReduceOp instance wraps a RedOpType
     name = op.lower() if isinstance(op, str) else getattr(op, "name", str(op)).lower()
     if name == "prod":
         name = "product"

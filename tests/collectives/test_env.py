@@ -1,0 +1,107 @@
+"""Reading torchrun's and SLURM's environments, and programs really started by torchrun and by
+an srun-like launcher.
+
+    pytest tests/collectives/test_env.py -q
+"""
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from collectives.env import first_slurm_host, pick_backend, read_env
+
+
+def test_torchrun_variables():
+    env = {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+           "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29400"}
+    assert read_env(env) == dict(rank=3, world_size=8, local_rank=1, local_world_size=2,
+                                 master_addr="10.0.0.1", master_port=29400)
+
+
+def test_torchrun_variables_without_master_are_refused():
+    with pytest.raises(RuntimeError, match="MASTER_ADDR, MASTER_PORT"):
+        read_env({"RANK": "0", "WORLD_SIZE": "2"})
+
+
+def test_slurm_variables():
+    env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_NNODES": "2",
+           "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "123456"}
+    got = read_env(env)
+    assert (got["rank"], got["world_size"], got["local_rank"], got["local_world_size"]) == (5, 8, 1, 4)
+    assert got["master_addr"] == "gpu07"
+    assert got["master_port"] == 15000 + 123456 % 20000
+    assert read_env({**env, "MASTER_PORT": "4000", "MASTER_ADDR": "x"})["master_port"] == 4000
+
+
+@pytest.mark.parametrize("nodelist, first", [
+    ("node1", "node1"), ("gpu[03-05,9],cpu1", "gpu03"), ("a[1,3]", "a1"), ("h-01,h-02", "h-01"), ("x[007]", "x007"),
+])
+def test_first_slurm_host(nodelist, first):
+    assert first_slurm_host(nodelist) == first
+
+
+def test_plain_process_is_rank_0_of_1():
+    assert read_env({}) == dict(rank=0, world_size=1, local_rank=0, local_world_size=1,
+                                master_addr=None, master_port=None)
+
+
+def test_backend_choice():
+    assert pick_backend(2, "GLOO") == "gloo"
+    with pytest.raises(ValueError, match="'gloo' or 'nccl'"):
+        pick_backend(1, "mpi")
+    import torch
+
+    if not torch.cuda.is_available():
+        assert pick_backend(1) == "gloo"
+        with pytest.raises(ValueError, match="needs CUDA"):
+            pick_backend(1, "nccl")
+
+
+PROGRAM = textwrap.dedent("""
+    import torch, collectives
+    env = collectives.init_from_env()
+    t = torch.tensor([env.rank + 1.0])
+    collectives.all_reduce(t)
+    print(f"rank={env.rank} world={env.world_size} local={env.local_rank} backend={env.backend} sum={t.item():g}")
+    torch.distributed.destroy_process_group()
+""")
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_plain_python_program(tmp_path):
+    (tmp_path / "prog.py").write_text(PROGRAM)
+    out = subprocess.run([sys.executable, str(tmp_path / "prog.py")], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "rank=0 world=1 local=0 backend=gloo sum=1" in out.stdout
+
+
+def test_torchrun_program(tmp_path):
+    (tmp_path / "prog.py").write_text(PROGRAM)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(tmp_path / "prog.py")]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr
+    for r in range(2):
+        assert f"rank={r} world=2 local={r} backend=gloo sum=3" in out.stdout
+
+
+def test_slurm_like_program(tmp_path):
+    """Two processes given only SLURM's variables, as srun would, find each other."""
+    (tmp_path / "prog.py").write_text(PROGRAM)
+    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")}
+    base.update(SLURM_NTASKS="2", SLURM_NNODES="1", SLURM_JOB_NODELIST="localhost", SLURM_JOB_ID="1",
+                MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, str(tmp_path / "prog.py")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env={**base, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)}) for r in range(2)]
+    outs = [p.communicate(timeout=180) for p in procs]
+    for r, (p, (stdout, stderr)) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, stderr
+        assert f"rank={r} world=2 local={r} backend=gloo sum=3" in stdout

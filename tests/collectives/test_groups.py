@@ -1,0 +1,69 @@
+"""Subgroups: new_group, split, a 2x2 mesh, rank translation, collectives on several subgroups at once.
+
+    pytest tests/collectives/test_groups.py -q
+"""
+
+import pytest
+import torch
+
+import collectives as C
+from collectives.errors import CollectiveError
+from collectives.testing import distributed
+
+
+@distributed(world_size=4)
+def test_split_runs_collectives_on_disjoint_groups_at_once(env):
+    r = env.rank
+    pairs = C.split([[0, 1], [2, 3]])
+    t = torch.tensor([r + 1.0])
+    C.all_reduce(t, group=pairs)
+    assert t.item() == (3.0 if r < 2 else 7.0)
+    # interleaved pairs, and a gather inside each group, rooted at a global rank of that group
+    evens_odds = C.split([[0, 2], [1, 3]])
+    got = C.all_gather(torch.tensor([float(r)]), group=evens_odds)
+    assert got.tolist() == ([0.0, 2.0] if r % 2 == 0 else [1.0, 3.0])
+    root = 2 if r % 2 == 0 else 3
+    t = torch.tensor([float(r)])
+    C.broadcast(t, src=root, group=evens_odds)
+    assert t.item() == root
+
+
+@distributed(world_size=4)
+def test_mesh_rows_and_columns(env):
+    mesh = C.Mesh2D(2, 2)
+    r = env.rank
+    assert (mesh.row_index, mesh.col_index) == divmod(r, 2)
+    row_sum = C.all_reduce(torch.tensor([r + 1.0]), group=mesh.row)
+    col_sum = C.all_reduce(torch.tensor([r + 1.0]), group=mesh.col)
+    # row i holds ranks 2i, 2i+1; column j holds ranks j, j+2 (values are rank + 1)
+    assert row_sum.item() == (2 * mesh.row_index + 1) + (2 * mesh.row_index + 2)
+    assert col_sum.item() == (mesh.col_index + 1) + (mesh.col_index + 3)
+    assert C.group_rank(mesh.col) == mesh.row_index
+    assert C.global_rank(mesh.row, 1) == 2 * mesh.row_index + 1
+    # reduce_scatter inside a row: each of the 2 ranks gets its half of the row's sum
+    half = C.reduce_scatter(torch.arange(4.0) + r, group=mesh.row)
+    lo = 2 * C.group_rank(mesh.row)
+    assert half.tolist() == [2 * (lo + i) + (4 * mesh.row_index + 1) for i in range(2)]
+
+
+@distributed(world_size=4)
+def test_odd_sized_group_and_left_out_rank(env):
+    trio = C.split([[0, 1, 2]])
+    if env.rank == 3:
+        assert trio is None
+    else:
+        assert C.all_reduce(torch.tensor([1.0]), group=trio).item() == 3.0
+        assert C.group_rank(trio) == env.rank
+    assert C.group_rank(C.new_group([1, 3]), global_rank=2) == -1
+
+
+@distributed(world_size=2)
+def test_group_errors(env):
+    with pytest.raises(CollectiveError, match="not disjoint"):
+        C.split([[0, 1], [1]])
+    with pytest.raises(CollectiveError, match=r"ranks \[5\] are out of range for world_size 2"):
+        C.new_group([0, 5])
+    with pytest.raises(CollectiveError, match="2 x 2 = 4 != world_size 2"):
+        C.Mesh2D(2, 2)
+    with pytest.raises(CollectiveError, match="group rank 2 is out of range"):
+        C.global_rank(C.new_group([0, 1]), 2)

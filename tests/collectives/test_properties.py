@@ -1,0 +1,77 @@
+"""Property tests (hypothesis): random shapes (zero elements included), dtypes, world sizes 1-4,
+roots and uneven first dimensions. Each rank draws its input from (seed, rank); the expectation
+is computed locally from every rank's regenerated input, so it never runs the code under test.
+
+    pytest tests/collectives/test_properties.py -q
+"""
+
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import collectives as C
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64]
+COLLECTIVES = ["all_reduce", "reduce", "broadcast", "all_gather", "gather", "reduce_scatter", "scatter", "all_to_all"]
+
+
+def draw(seed: int, rank: int, shape, dtype) -> torch.Tensor:
+    # small integers: sums of up to 4 of them are exact in every dtype, in any order
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    return torch.randint(-8, 9, shape, generator=g).to(dtype)
+
+
+def _body(env, collective, op, shape, dtype, seed, root, dim0s):
+    n, r = env.world_size, env.rank
+    if collective in ("all_gather", "gather"):
+        inputs = [draw(seed, i, (dim0s[i],) + shape[1:], dtype) for i in range(n)]
+    else:
+        inputs = [draw(seed, i, shape, dtype) for i in range(n)]
+    mine = inputs[r].clone()
+    stacked = torch.stack(inputs) if collective not in ("all_gather", "gather") else None
+    reduced = None
+    if stacked is not None:
+        reduced = {"sum": stacked.sum(0), "min": stacked.amin(0) if stacked.numel() else stacked.sum(0),
+                   "max": stacked.amax(0) if stacked.numel() else stacked.sum(0)}[op].to(dtype)
+    if collective == "all_reduce":
+        assert torch.equal(C.all_reduce(mine, op=op), reduced)
+    elif collective == "reduce":
+        C.reduce(mine, dst=root, op=op)
+        assert r != root or torch.equal(mine, reduced)
+    elif collective == "broadcast":
+        assert torch.equal(C.broadcast(mine, src=root), inputs[root])
+    elif collective == "all_gather":
+        assert torch.equal(C.all_gather(mine), torch.cat(inputs))
+    elif collective == "gather":
+        got = C.gather(mine, dst=root)
+        assert got is None if r != root else torch.equal(got, torch.cat(inputs))
+    else:
+        chunk = shape[0] // n
+        if collective == "reduce_scatter":
+            assert torch.equal(C.reduce_scatter(mine, op=op), reduced[r * chunk : (r + 1) * chunk])
+        elif collective == "scatter":
+            assert torch.equal(C.scatter(mine, src=root), inputs[root][r * chunk : (r + 1) * chunk])
+        else:
+            want = torch.cat([inputs[i][r * chunk : (r + 1) * chunk] for i in range(n)])
+            assert torch.equal(C.all_to_all(mine), want)
+
+
+@st.composite
+def cases(draw_):
+    n = draw_(st.sampled_from([1, 2, 3, 4]))
+    collective = draw_(st.sampled_from(COLLECTIVES))
+    trailing = tuple(draw_(st.lists(st.integers(0, 3), max_size=2)))
+    if collective in ("reduce_scatter", "scatter", "all_to_all"):
+        dim0 = n * draw_(st.integers(0, 3))  # must divide by the group size
+    else:
+        dim0 = draw_(st.integers(0, 5))
+    dim0s = tuple(draw_(st.integers(0, 4)) for _ in range(n))  # uneven, for (all_)gather
+    return (n, collective, draw_(st.sampled_from(["sum", "min", "max"])), (dim0,) + trailing,
+            draw_(st.sampled_from(DTYPES)), draw_(st.integers(0, 10**6)), draw_(st.integers(0, n - 1)), dim0s)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=cases())
+def test_collectives_match_a_local_computation(case, dist_run):
+    n, *args = case
+    dist_run(_body, n, args=tuple(args))
