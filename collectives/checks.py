@@ -34,11 +34,14 @@ class GroupInfo:
         return len(self.ranks)
 
 
+_group_cache: dict = {}
+
+
 def resolve_group(group: Optional[dist.ProcessGroup], collective: str) -> GroupInfo:
     """The group (WORLD when None), refusing a rank that is not in it.
 
     torch.distributed only warns and returns None in that case, leaving the tensor untouched:
-    a silent wrong answer.
+    a silent wrong answer. A group's membership never changes, so it is looked up once.
     """
     if not dist.is_initialized():
         raise CollectiveError(
@@ -46,17 +49,24 @@ def resolve_group(group: Optional[dist.ProcessGroup], collective: str) -> GroupI
             "collectives.init_from_env() or run the function with collectives.run()"
         )
     group = dist.group.WORLD if group is None else group
-    global_rank = dist.get_rank()
-    ranks = tuple(dist.get_process_group_ranks(group))
-    if global_rank not in ranks:
+    info = _group_cache.get(group)
+    if info is None:
+        global_rank = dist.get_rank()
+        ranks = tuple(dist.get_process_group_ranks(group))
+        group_rank = ranks.index(global_rank) if global_rank in ranks else -1
+        info = GroupInfo(group, ranks, group_rank, global_rank, str(dist.get_backend(group)).lower() if group_rank >= 0 else "")
+        _group_cache[group] = info
+    if info.group_rank < 0:
         raise CollectiveError(
-            f"{collective}: rank {global_rank} called it on a group it is not in (group ranks {list(ranks)})"
+            f"{collective}: rank {info.global_rank} called it on a group it is not in (group ranks {list(info.ranks)})"
         )
-    return GroupInfo(group, ranks, ranks.index(global_rank), global_rank, str(dist.get_backend(group)).lower())
+    return info
 
 
 def check_tensor(tensor, collective: str, info: GroupInfo, name: str = "tensor") -> None:
     """A dense tensor on a device the group's backend can use, contiguous where it must be."""
+    if info.backend == "gloo" and isinstance(tensor, torch.Tensor) and tensor.layout == torch.strided and tensor.is_cpu:
+        return  # the common case, kept short: time spent here shows up in small-message latency
     where = f"{collective} on rank {info.global_rank}"
     if not isinstance(tensor, torch.Tensor):
         raise CollectiveError(f"{where}: {name} must be a torch.Tensor, got {type(tensor).__name__}")

@@ -47,21 +47,25 @@ class Work:
 
 def _finish(work, finish: Callable[[], object], async_op: bool):
     """Return the result now, or a Work that produces it on wait()."""
-    works = [work] if work is not None else []
-    handle = Work(works, finish)
-    return handle if async_op else handle.wait()
+    if not async_op:
+        return finish()  # a synchronous torch call has already completed
+    return Work([work] if work is not None else [], finish)
 
 
 def _begin(collective: str, group: Group, tensor=None, op=None, root=None, root_kind="src", divisible=False):
-    """Resolve the group, run the local checks, and in checked mode compare with the other ranks."""
+    """Resolve the group, run the local checks, and in checked mode compare with the other ranks.
+
+    Returns (group info, op name or None). Kept lean: it runs before every collective.
+    """
     info = resolve_group(group, collective)
-    call = _checked.Call(collective, info, _checked.next_sequence(info), tensor, root=root)
+    sequence = _checked.next_sequence(info)
+    name = error = None
     try:
         if tensor is not None:
             check_tensor(tensor, collective, info)
         if op is not None:
-            call.op = reduce_ops.op_name(op, collective)
-            reduce_ops.check_op_dtype(call.op, tensor.dtype, collective)
+            name = reduce_ops.op_name(op, collective)
+            reduce_ops.check_op_dtype(name, tensor.dtype, collective)
         if root is not None:
             check_root(root, root_kind, collective, info)
         if divisible:
@@ -69,10 +73,10 @@ def _begin(collective: str, group: Group, tensor=None, op=None, root=None, root_
     except CollectiveError as exc:
         if not _checked.is_checked():
             raise
-        call.error = str(exc)
-    if _checked.is_checked():
-        _checked.verify(call)  # raises on every rank if any rank differs or failed
-    return info, call.op
+        error = str(exc)
+    if _checked.is_checked():  # raises on every rank if any rank differs or failed
+        _checked.verify(_checked.Call(collective, info, sequence, tensor, name, root, error))
+    return info, name
 
 
 def _staged(info: GroupInfo, tensor: torch.Tensor) -> torch.Tensor:

@@ -25,8 +25,16 @@ BITWISE = ("band", "bor", "bxor")
 OpLike = Union[str, "dist.ReduceOp", "dist.ReduceOp.RedOpType"]
 
 
+_names: dict = {}
+
+
 def op_name(op: OpLike, collective: str = "collective") -> str:
     """Normalise "SUM", ReduceOp.SUM or ReduceOp(ReduceOp.SUM) to "sum"."""
+    try:
+        return _names[op]
+    except (KeyError, TypeError):
+        pass
+    key = op
     if not isinstance(op, str) and not hasattr(op, "name") and hasattr(op, "op"):
         op = op.op  # a ReduceOp instance wraps a RedOpType
     name = op.lower() if isinstance(op, str) else getattr(op, "name", str(op)).lower()
@@ -34,11 +42,20 @@ def op_name(op: OpLike, collective: str = "collective") -> str:
         name = "product"
     if name not in OP_NAMES:
         raise CollectiveError(f"{collective}: unknown reduction op {op!r}; use one of {', '.join(OP_NAMES)}")
+    try:
+        _names[key] = name
+    except TypeError:  # an unhashable ReduceOp instance
+        pass
     return name
+
+
+_allowed: set = set()
 
 
 def check_op_dtype(name: str, dtype: torch.dtype, collective: str) -> None:
     """Refuse an op that makes no sense for the dtype, with the same rule on every backend."""
+    if (name, dtype) in _allowed:
+        return
     is_int = not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool
     if name in BITWISE and not (is_int or dtype == torch.bool):
         raise CollectiveError(f"{collective}: op '{name}' needs an integer or bool tensor, got {dtype}")
@@ -54,6 +71,7 @@ def check_op_dtype(name: str, dtype: torch.dtype, collective: str) -> None:
             f"{collective}: op '{name}' on bool is ambiguous (a count, or any/all?); "
             "use 'bor' (any) or 'band' (all), or cast to an integer dtype to count"
         )
+    _allowed.add((name, dtype))
 
 
 def backend_supports(backend: str, name: str) -> bool:
