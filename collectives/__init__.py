@@ -7,7 +7,7 @@
 """
 
 from .checked_mode import checked, is_checked
-from .env import DistEnv, init_from_env
+from .env import DistEnv, init_from_env, shutdown
 from .errors import CollectiveError, CollectiveMismatchError, RankFailure
 from .groups import Mesh2D, global_rank, group_rank, new_group, split
 from .launch import run
@@ -17,7 +17,7 @@ from .ops import (
 from .pool import RankPool
 
 __all__ = [
-    "DistEnv", "init_from_env", "run", "RankPool",
+    "DistEnv", "init_from_env", "shutdown", "run", "RankPool",
     "broadcast", "all_reduce", "reduce", "all_gather", "reduce_scatter", "gather", "scatter", "all_to_all",
     "barrier", "Work", "checked", "is_checked",
     "new_group", "split", "Mesh2D", "group_rank", "global_rank",

@@ -157,7 +157,7 @@ def init_from_env(
         environ: the variables to read (os.environ by default).
 
     Returns:
-        The DistEnv of this process. Call `dist.destroy_process_group()` at the end.
+        The DistEnv of this process. Call `collectives.shutdown()` at the end.
     """
     info = read_env(os.environ if environ is None else environ)
     backend = pick_backend(info["local_world_size"], backend)
@@ -173,3 +173,16 @@ def init_from_env(
             backend, init_method=init_method, rank=info["rank"], world_size=info["world_size"], timeout=timeout
         )
     return DistEnv(info["rank"], info["world_size"], info["local_rank"], device, backend)
+
+
+def shutdown() -> None:
+    """Leave the process group cleanly: a barrier, then destroy_process_group().
+
+    With a tcp:// rendezvous (SLURM, or MASTER_ADDR/PORT by hand) rank 0 hosts the store; if it
+    exits while another rank is still tearing down, that rank can die of SIGABRT ("terminate
+    called without an active exception", seen here in about one run in ten). The barrier makes
+    every rank leave together.
+    """
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

@@ -67,7 +67,7 @@ PROGRAM = textwrap.dedent("""
     t = torch.tensor([env.rank + 1.0])
     collectives.all_reduce(t)
     print(f"rank={env.rank} world={env.world_size} local={env.local_rank} backend={env.backend} sum={t.item():g}")
-    torch.distributed.destroy_process_group()
+    collectives.shutdown()
 """)
 
 

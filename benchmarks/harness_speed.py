@@ -1,0 +1,86 @@
+"""How many multi-rank test cases a minute: the pooled harness against one spawn per test.
+
+Each "test case" runs the same body on 2 ranks (an all_reduce checked against its closed form).
+The two ways are alternated in one run: a spawn-per-test case (`collectives.run`, what
+torch.multiprocessing.spawn-style tests do), then a block of pooled cases
+(`collectives.testing.run_on_ranks`), and so on; medians per case are reported.
+
+    python -m benchmarks.harness_speed                 # 2 ranks, 5 rounds
+    python -m benchmarks.harness_speed --json benchmarks/results/harness-speed.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import time
+
+import torch
+
+import collectives
+from collectives.testing import close_pools, get_pool, run_on_ranks
+
+
+def _case(env):
+    t = torch.tensor([env.rank + 1.0])
+    collectives.all_reduce(t)
+    assert t.item() == env.world_size * (env.world_size + 1) / 2
+    return True
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world-size", type=int, default=2, help="ranks per test case (default 2)")
+    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds (default 5)")
+    parser.add_argument("--pooled-per-round", type=int, default=50, help="pooled cases per round (default 50)")
+    parser.add_argument("--json", help="write the figures and environment to this file")
+    args = parser.parse_args(argv)
+
+    spawn_s, pooled_s = [], []
+    first_pool_start = time.perf_counter()
+    get_pool(args.world_size).start()
+    pool_start_s = time.perf_counter() - first_pool_start
+    for i in range(args.rounds):
+        start = time.perf_counter()
+        collectives.run(_case, world_size=args.world_size)
+        spawn_s.append(time.perf_counter() - start)
+        for _ in range(args.pooled_per_round):
+            start = time.perf_counter()
+            run_on_ranks(_case, args.world_size)
+            pooled_s.append(time.perf_counter() - start)
+        print(f"round {i + 1}/{args.rounds}: spawn {spawn_s[-1]:.2f} s/case, "
+              f"pooled {statistics.median(pooled_s[-args.pooled_per_round:]) * 1e3:.2f} ms/case", flush=True)
+    close_pools()
+    spawn, pooled = statistics.median(spawn_s), statistics.median(pooled_s)
+    total = args.rounds * args.pooled_per_round
+    amortised = (pool_start_s + sum(pooled_s)) / total  # the pool's own start-up spread over its cases
+    report = {
+        "world_size": args.world_size,
+        "spawn_per_test_s": spawn, "pooled_per_test_s": pooled, "pool_start_s": pool_start_s,
+        "pooled_amortised_per_test_s": amortised,
+        "cases_per_minute_spawn": 60 / spawn, "cases_per_minute_pooled": 60 / amortised,
+        "speedup": spawn / amortised,
+    }
+    print(f"\n{args.world_size}-rank test cases, medians over {args.rounds} spawn-per-test cases and {total} pooled cases:")
+    print(f"  one spawn per test : {spawn:.2f} s/case  = {60 / spawn:7.1f} cases/min")
+    print(f"  pooled harness     : {pooled * 1e3:.2f} ms/case median; with the pool's {pool_start_s:.1f} s start "
+          f"spread over {total} cases {amortised * 1e3:.1f} ms/case = {60 / amortised:7.0f} cases/min")
+    print(f"  speed-up {spawn / amortised:.0f}x; target: <= 0.3 s/case amortised and >= 10x: "
+          f"{'met' if amortised <= 0.3 and spawn / amortised >= 10 else 'MISSED'}")
+    if args.json:
+        environment = {
+            "date": datetime.date.today().isoformat(), "torch": torch.__version__, "backend": "gloo",
+            "cpus": os.cpu_count(), "machine": platform.machine(),
+            "command": "python -m benchmarks.harness_speed " + " ".join(argv if argv is not None else os.sys.argv[1:]),
+        }
+        with open(args.json, "w") as f:
+            json.dump({"environment": environment, "results": report}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
