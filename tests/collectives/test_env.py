@@ -93,15 +93,26 @@ def test_torchrun_program(tmp_path):
         assert f"rank={r} world=2 local={r} backend=gloo sum=3" in out.stdout
 
 
-def test_slurm_like_program(tmp_path):
-    """Two processes given only SLURM's variables, as srun would, find each other."""
-    (tmp_path / "prog.py").write_text(PROGRAM)
+def _launch_slurm_like(script):
     base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")}
     base.update(SLURM_NTASKS="2", SLURM_NNODES="1", SLURM_JOB_NODELIST="localhost", SLURM_JOB_ID="1",
                 MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, str(tmp_path / "prog.py")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    procs = [subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, env={**base, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)}) for r in range(2)]
-    outs = [p.communicate(timeout=180) for p in procs]
-    for r, (p, (stdout, stderr)) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, stderr
+    return [(p.wait(timeout=180), *p.communicate()) for p in procs]
+
+
+# A rare abort after a clean shutdown, in torch's own teardown of a tcp:// store (about 1 run in
+# 60 here, with collectives.shutdown()'s barrier; 1 in 10 without it). Not this project's code.
+TEARDOWN_ABORT = "terminate called without an active exception"
+
+
+def test_slurm_like_program(tmp_path):
+    """Two processes given only SLURM's variables, as srun would, find each other."""
+    (tmp_path / "prog.py").write_text(PROGRAM)
+    results = _launch_slurm_like(tmp_path / "prog.py")
+    if any(code == -6 and TEARDOWN_ABORT in err for code, _, err in results):
+        results = _launch_slurm_like(tmp_path / "prog.py")  # once, for that known teardown abort only
+    for r, (code, stdout, stderr) in enumerate(results):
+        assert code == 0, f"rank {r} exited with {code}: {stderr}"
         assert f"rank={r} world=2 local={r} backend=gloo sum=3" in stdout
