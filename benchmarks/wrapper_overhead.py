@@ -1,8 +1,15 @@
 """What the checked wrappers cost: collectives.all_reduce against raw torch.distributed.all_reduce.
 
-Measured side by side in one run on spawned ranks (one thread each): each round times a block of
-calls of every variant, in an order that rotates from round to round; a block's time is the
-slowest rank's; the table gives the median per call over rounds, and the ratio to raw.
+Measured side by side in one run on spawned ranks (one thread each). Four variants alternate
+call by call, in a random order each time: raw, the wrapper, the wrapper in checked mode, and a
+control (the raw call after busy-waiting as long as the wrapper's own Python work, measured in
+the same run). Every call is timed on every rank and the slowest rank's time is kept; the table
+gives medians over calls; 'added' is the median over iterations of the difference to the raw call
+of the same iteration (a paired comparison, which cancels slow drift).
+
+Why the control: on Gloo, any Python work just before a call costs several times its own
+duration, because the peer rank waits longer and drops from spinning to sleeping. If the control
+costs what the wrapper costs, the difference is that effect, not the wrapper's code.
 
     python -m benchmarks.wrapper_overhead                       # 2 ranks, 4 B / 64 KiB / 16 MiB
     python -m benchmarks.wrapper_overhead --json benchmarks/results/wrapper-overhead.json
@@ -18,8 +25,10 @@ import datetime
 import json
 import os
 import platform
+import random
 import statistics
 import time
+import timeit
 
 import torch
 import torch.distributed as dist
@@ -28,72 +37,104 @@ from tabulate import tabulate
 import collectives
 
 SIZES = {"4 B": 4, "64 KiB": 64 << 10, "16 MiB": 16 << 20}
-VARIANTS = ("raw", "wrapper", "checked")
+VARIANTS = ("raw", "wrapper", "checked", "control")
 
 
-def _calls_per_block(nbytes: int) -> int:
-    return 2000 if nbytes <= 4 else 400 if nbytes <= (64 << 10) else 4
+def _calls(nbytes: int) -> int:
+    return 6000 if nbytes <= 4 else 2000 if nbytes <= (64 << 10) else 400
 
 
-def _time_block(variant: str, tensor: torch.Tensor, calls: int) -> float:
-    if variant == "raw":
+def _python_cost_s(tensor: torch.Tensor) -> float:
+    """The wrapper's own Python time per call: the wrapper with the torch call stubbed out."""
+    real = dist.all_reduce
+    dist.all_reduce = lambda *args, **kwargs: None
+    try:
+        return min(timeit.repeat(lambda: collectives.all_reduce(tensor), number=20000, repeat=5)) / 20000
+    finally:
+        dist.all_reduce = real
+
+
+_control_s = 0.0
+
+
+def _one_call(variant: str, tensor: torch.Tensor) -> float:
+    if variant == "control":  # raw, after busy-waiting as long as the wrapper's own Python work
         start = time.perf_counter()
-        for _ in range(calls):
-            dist.all_reduce(tensor)
+        while time.perf_counter() - start < _control_s:
+            pass
+        dist.all_reduce(tensor)
+    elif variant == "raw":
+        start = time.perf_counter()
+        dist.all_reduce(tensor)
     elif variant == "wrapper":
         start = time.perf_counter()
-        for _ in range(calls):
-            collectives.all_reduce(tensor)
+        collectives.all_reduce(tensor)
     else:
+        start = time.perf_counter()
         with collectives.checked():
-            start = time.perf_counter()
-            for _ in range(calls):
-                collectives.all_reduce(tensor)
-    return (time.perf_counter() - start) / calls
+            collectives.all_reduce(tensor)
+    return time.perf_counter() - start
 
 
-def _measure(env, rounds: int):
-    """On each rank: {size: {variant: [seconds per call, one per round]}}, slowest rank's per block."""
-    out = {}
+def _measure(env, scale: float):
+    """{size: {variant: [seconds, one per call]}}: calls alternate variant by variant (the order
+    rotating each time), each call is timed on every rank, and the slowest rank's time is kept."""
+    global _control_s
+    _control_s = _python_cost_s(torch.ones(1))
+    out = {"python_us": _control_s * 1e6}
     for label, nbytes in SIZES.items():
         tensor = torch.ones(max(1, nbytes // 4))  # float32
-        calls = _calls_per_block(nbytes)
-        times = {v: [] for v in VARIANTS}
+        calls = max(3, int(_calls(nbytes) * scale))
         for v in VARIANTS:  # warm-up
-            _time_block(v, tensor, max(1, calls // 10))
-        for i in range(rounds):
-            order = VARIANTS[i % 3:] + VARIANTS[: i % 3]
-            for v in order:
-                dist.barrier()
-                per_call = torch.tensor([_time_block(v, tensor, calls)], dtype=torch.float64)
-                dist.all_reduce(per_call, op=dist.ReduceOp.MAX)  # the slowest rank's time
-                times[v].append(per_call.item())
-        out[label] = times
+            for _ in range(max(1, calls // 10)):
+                _one_call(v, tensor)
+        mine = torch.zeros(len(VARIANTS), calls, dtype=torch.float64)  # (variant, call)
+        # A fresh random order for every call, the same on every rank (same seed). A fixed
+        # rotation would always run each variant right after the same other one, and whatever
+        # one call leaves behind (a checked call's extra all_gather) would land on one variant.
+        order = random.Random(nbytes)
+        for i in range(calls):
+            for v in order.sample(range(len(VARIANTS)), len(VARIANTS)):
+                mine[v, i] = _one_call(VARIANTS[v], tensor)
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX)  # the slowest rank's time for each call
+        out[label] = {v: mine[j].tolist() for j, v in enumerate(VARIANTS)}
     return out
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world-size", type=int, default=2, help="ranks to spawn (default 2)")
-    parser.add_argument("--rounds", type=int, default=15, help="alternating rounds per size (default 15)")
+    parser.add_argument("--scale", type=float, default=1.0,
+                        help="multiply the calls per size (6000 at 4 B, 2000 at 64 KiB, 400 at 16 MiB) by this")
     parser.add_argument("--json", help="write the medians, ratios and environment to this file")
     args = parser.parse_args(argv)
 
-    results = collectives.run(_measure, world_size=args.world_size, args=(args.rounds,), timeout=1800)[0]
-    rows, report = [], {}
+    results = collectives.run(_measure, world_size=args.world_size, args=(args.scale,), timeout=1800)[0]
+    python_us = results.pop("python_us")
+    rows, report = [], {"wrapper_python_us": python_us}
     for label, times in results.items():
         med = {v: statistics.median(ts) * 1e6 for v, ts in times.items()}  # us per call
+
+        def paired(v):  # median over iterations of (v - raw) in the same iteration: cancels drift
+            return statistics.median(a - b for a, b in zip(times[v], times["raw"])) * 1e6
+
+        added, control, checked = paired("wrapper"), paired("control"), paired("checked")
         report[label] = {
-            "raw_us": med["raw"], "wrapper_us": med["wrapper"], "checked_us": med["checked"],
-            "wrapper_ratio": med["wrapper"] / med["raw"], "wrapper_added_us": med["wrapper"] - med["raw"],
-            "checked_ratio": med["checked"] / med["raw"],
+            "raw_us": med["raw"], "wrapper_us": med["wrapper"], "checked_us": med["checked"], "control_us": med["control"],
+            "wrapper_added_us": added, "wrapper_ratio": 1 + added / med["raw"],
+            "checked_added_us": checked, "checked_ratio": 1 + checked / med["raw"],
+            "control_added_us": control,
         }
         r = report[label]
-        rows.append([label, f"{med['raw']:.1f}", f"{med['wrapper']:.1f}", f"{r['wrapper_ratio']:.3f}x",
-                     f"{r['wrapper_added_us']:+.1f}", f"{med['checked']:.1f}", f"{r['checked_ratio']:.2f}x"])
+        rows.append([label, f"{med['raw']:.1f}", f"{med['wrapper']:.1f}", f"{added:+.1f}", f"{r['wrapper_ratio']:.3f}x",
+                     f"{control:+.1f}", f"{med['checked']:.1f}", f"{r['checked_ratio']:.2f}x"])
     print(f"all_reduce (float32, sum) on {args.world_size} Gloo ranks, one thread each; "
-          f"median of {args.rounds} alternating rounds, slowest rank per block")
-    print(tabulate(rows, headers=["size", "raw us", "wrapper us", "wrapper/raw", "added us", "checked us", "checked/raw"]))
+          "calls alternated one by one; median over calls of the slowest rank's time")
+    print(tabulate(rows, headers=["size", "raw us", "wrapper us", "added us", "wrapper/raw", "control added us",
+                                 "checked us", "checked/raw"]))
+    print(f"added = median over iterations of (variant - raw) within the same iteration; ratio = 1 + added / raw.\n"
+          f"the wrapper's own Python work: {python_us:.2f} us per call (torch call stubbed out); 'control' is the "
+          f"raw call after busy-waiting that long, so its 'added' shows this machine's noise for that much work")
     small, large = report["4 B"], [report[k] for k in ("64 KiB", "16 MiB")]
     ok_small = small["wrapper_added_us"] <= 20
     ok_large = all(r["wrapper_ratio"] <= 1.02 for r in large)

@@ -19,7 +19,7 @@ import contextlib
 import dataclasses
 import os
 import zlib
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -43,7 +43,6 @@ MAX_DIMS = 6  # dims beyond these are compared by a checksum
 
 _depth = 0
 _from_env = os.environ.get(ENV_VAR, "0").strip().lower() not in ("", "0", "false", "no")
-_sequence: Dict[Tuple[int, ...], int] = {}
 
 
 @contextlib.contextmanager
@@ -67,9 +66,8 @@ def is_checked() -> bool:
 
 def next_sequence(info: GroupInfo) -> int:
     """Count collectives per group on every call (checked or not), so the ranks' counts agree."""
-    n = _sequence.get(info.ranks, 0) + 1
-    _sequence[info.ranks] = n
-    return n
+    info.calls[0] += 1
+    return info.calls[0]
 
 
 @dataclasses.dataclass

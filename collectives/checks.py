@@ -28,6 +28,7 @@ class GroupInfo:
     group_rank: int
     global_rank: int
     backend: str
+    calls: list = dataclasses.field(default_factory=lambda: [0], compare=False)  # [collectives so far]
 
     @property
     def size(self) -> int:
@@ -41,20 +42,23 @@ def resolve_group(group: Optional[dist.ProcessGroup], collective: str) -> GroupI
     """The group (WORLD when None), refusing a rank that is not in it.
 
     torch.distributed only warns and returns None in that case, leaving the tensor untouched:
-    a silent wrong answer. A group's membership never changes, so it is looked up once.
+    a silent wrong answer. A group's membership never changes, so it is looked up once; this
+    runs before every collective, so it is kept to a dictionary lookup.
     """
-    if not dist.is_initialized():
-        raise CollectiveError(
-            f"{collective}: the default process group is not initialised; call "
-            "collectives.init_from_env() or run the function with collectives.run()"
-        )
-    group = dist.group.WORLD if group is None else group
+    if group is None:
+        group = dist.group.WORLD
+        if group is None:
+            raise CollectiveError(
+                f"{collective}: the default process group is not initialised; call "
+                "collectives.init_from_env() or run the function with collectives.run()"
+            )
     info = _group_cache.get(group)
     if info is None:
         global_rank = dist.get_rank()
         ranks = tuple(dist.get_process_group_ranks(group))
         group_rank = ranks.index(global_rank) if global_rank in ranks else -1
-        info = GroupInfo(group, ranks, group_rank, global_rank, str(dist.get_backend(group)).lower() if group_rank >= 0 else "")
+        backend = str(dist.get_backend(group)).lower() if group_rank >= 0 else ""
+        info = GroupInfo(group, ranks, group_rank, global_rank, backend, [0])
         _group_cache[group] = info
     if info.group_rank < 0:
         raise CollectiveError(

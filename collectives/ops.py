@@ -98,6 +98,11 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group: Group = None, async_op:
     return _finish(work, lambda: tensor, async_op)
 
 
+# (group, op, dtype) -> (GroupInfo, torch op) for CPU all_reduces on Gloo that passed every check:
+# what those checks decide cannot change for the same key, so later calls skip straight to torch.
+_all_reduce_ready: dict = {}
+
+
 def all_reduce(tensor: torch.Tensor, op="sum", group: Group = None, async_op: bool = False):
     """Reduce `tensor` over the group with `op`; every rank gets the result in place.
 
@@ -107,13 +112,27 @@ def all_reduce(tensor: torch.Tensor, op="sum", group: Group = None, async_op: bo
         group: process group (default: the world).
         async_op: return a Work instead of waiting.
     """
+    if not _checked.is_checked() and type(tensor) is torch.Tensor and tensor.is_cpu and tensor.layout is torch.strided:
+        try:
+            ready = _all_reduce_ready.get((group, op, tensor.dtype))
+        except TypeError:  # an unhashable ReduceOp instance
+            ready = None
+        if ready is not None and (group is not None or ready[0].group is dist.group.WORLD):
+            ready[0].calls[0] += 1
+            work = dist.all_reduce(tensor, op=ready[1], group=group, async_op=async_op)
+            return Work([work], lambda: tensor) if async_op else tensor
     info, name = _begin("all_reduce", group, tensor, op=op)
     if not reduce_ops.backend_supports(info.backend, name):
         stacked = _gather_equal(info, tensor)  # (group size, *tensor.shape)
         tensor.copy_(reduce_ops.fold(name, list(stacked.unbind(0))))
         return _finish(None, lambda: tensor, async_op)
+    if info.backend == "gloo" and tensor.is_cpu and not _checked.is_checked():
+        try:
+            _all_reduce_ready[(group, op, tensor.dtype)] = (info, reduce_ops.TORCH_OPS[name])
+        except TypeError:
+            pass
     work = dist.all_reduce(tensor, op=reduce_ops.TORCH_OPS[name], group=group, async_op=async_op)
-    return _finish(work, lambda: tensor, async_op)
+    return Work([work], lambda: tensor) if async_op else tensor
 
 
 def reduce(tensor: torch.Tensor, dst: int = 0, op="sum", group: Group = None, async_op: bool = False):
