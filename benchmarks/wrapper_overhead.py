@@ -5,7 +5,9 @@ call by call, in a random order each time: raw, the wrapper, the wrapper in chec
 control (the raw call after busy-waiting as long as the wrapper's own Python work, measured in
 the same run). Every call is timed on every rank and the slowest rank's time is kept; the table
 gives medians over calls; 'added' is the median over iterations of the difference to the raw call
-of the same iteration (a paired comparison, which cancels slow drift).
+of the same iteration (a paired comparison, which cancels slow drift). The whole measurement is
+repeated in freshly spawned ranks (--repeats, 3 by default) and the table gives the median of
+the runs with the range of the ratio, because one run on 2 shared cores moves by a few percent.
 
 Why the control: on Gloo, any Python work just before a call costs several times its own
 duration, because the peer rank waits longer and drops from spinning to sleeping. If the control
@@ -27,6 +29,7 @@ import os
 import platform
 import random
 import statistics
+import sys
 import time
 import timeit
 
@@ -101,17 +104,9 @@ def _measure(env, scale: float):
     return out
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--world-size", type=int, default=2, help="ranks to spawn (default 2)")
-    parser.add_argument("--scale", type=float, default=1.0,
-                        help="multiply the calls per size (6000 at 4 B, 2000 at 64 KiB, 400 at 16 MiB) by this")
-    parser.add_argument("--json", help="write the medians, ratios and environment to this file")
-    args = parser.parse_args(argv)
-
-    results = collectives.run(_measure, world_size=args.world_size, args=(args.scale,), timeout=1800)[0]
-    python_us = results.pop("python_us")
-    rows, report = [], {"wrapper_python_us": python_us}
+def _summarise(results) -> dict:
+    """Per size: medians per variant (us), and paired differences to raw (us) with ratios."""
+    out = {"python_us": results.pop("python_us")}
     for label, times in results.items():
         med = {v: statistics.median(ts) * 1e6 for v, ts in times.items()}  # us per call
 
@@ -119,22 +114,48 @@ def main(argv=None) -> int:
             return statistics.median(a - b for a, b in zip(times[v], times["raw"])) * 1e6
 
         added, control, checked = paired("wrapper"), paired("control"), paired("checked")
-        report[label] = {
+        out[label] = {
             "raw_us": med["raw"], "wrapper_us": med["wrapper"], "checked_us": med["checked"], "control_us": med["control"],
             "wrapper_added_us": added, "wrapper_ratio": 1 + added / med["raw"],
             "checked_added_us": checked, "checked_ratio": 1 + checked / med["raw"],
             "control_added_us": control,
         }
-        r = report[label]
-        rows.append([label, f"{med['raw']:.1f}", f"{med['wrapper']:.1f}", f"{added:+.1f}", f"{r['wrapper_ratio']:.3f}x",
-                     f"{control:+.1f}", f"{med['checked']:.1f}", f"{r['checked_ratio']:.2f}x"])
-    print(f"all_reduce (float32, sum) on {args.world_size} Gloo ranks, one thread each; "
-          "calls alternated one by one; median over calls of the slowest rank's time")
-    print(tabulate(rows, headers=["size", "raw us", "wrapper us", "added us", "wrapper/raw", "control added us",
-                                 "checked us", "checked/raw"]))
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world-size", type=int, default=2, help="ranks to spawn (default 2)")
+    parser.add_argument("--scale", type=float, default=1.0,
+                        help="multiply the calls per size (6000 at 4 B, 2000 at 64 KiB, 400 at 16 MiB) by this")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="whole measurements, each in freshly spawned ranks; the table is their median (default 3)")
+    parser.add_argument("--json", help="write the medians, ratios, every run and the environment to this file")
+    args = parser.parse_args(argv)
+
+    runs = []  # one {size: figures} per run, each run in freshly spawned ranks
+    for i in range(args.repeats):
+        results = collectives.run(_measure, world_size=args.world_size, args=(args.scale,), timeout=1800)[0]
+        runs.append(_summarise(results))
+        print(f"run {i + 1}/{args.repeats}: " + ", ".join(
+            f"{k} {v['wrapper_ratio']:.3f}x" for k, v in runs[-1].items() if k in SIZES), file=sys.stderr, flush=True)
+    keys = [k for k in runs[0]["4 B"]]
+    report = {"wrapper_python_us": statistics.median(r["python_us"] for r in runs), "runs": runs}
+    rows = []
+    for label in SIZES:
+        med = {k: statistics.median(r[label][k] for r in runs) for k in keys}  # median over runs
+        lo, hi = min(r[label]["wrapper_ratio"] for r in runs), max(r[label]["wrapper_ratio"] for r in runs)
+        report[label] = med
+        rows.append([label, f"{med['raw_us']:.1f}", f"{med['wrapper_us']:.1f}", f"{med['wrapper_added_us']:+.1f}",
+                     f"{med['wrapper_ratio']:.3f}x", f"{lo:.3f}-{hi:.3f}", f"{med['control_added_us']:+.1f}",
+                     f"{med['checked_us']:.1f}", f"{med['checked_ratio']:.2f}x"])
+    print(f"all_reduce (float32, sum) on {args.world_size} Gloo ranks, one thread each; calls alternated one by one "
+          f"in random order; slowest rank per call; median of {args.repeats} runs")
+    print(tabulate(rows, headers=["size", "raw us", "wrapper us", "added us", "wrapper/raw", "range over runs",
+                                 "control added us", "checked us", "checked/raw"]))
     print(f"added = median over iterations of (variant - raw) within the same iteration; ratio = 1 + added / raw.\n"
-          f"the wrapper's own Python work: {python_us:.2f} us per call (torch call stubbed out); 'control' is the "
-          f"raw call after busy-waiting that long, so its 'added' shows this machine's noise for that much work")
+          f"the wrapper's own Python work: {report['wrapper_python_us']:.2f} us per call (torch call stubbed out); "
+          f"'control' is the raw call after busy-waiting that long, so its 'added' shows this machine's noise")
     small, large = report["4 B"], [report[k] for k in ("64 KiB", "16 MiB")]
     ok_small = small["wrapper_added_us"] <= 20
     ok_large = all(r["wrapper_ratio"] <= 1.02 for r in large)
@@ -145,7 +166,7 @@ def main(argv=None) -> int:
         environment = {
             "date": datetime.date.today().isoformat(), "torch": torch.__version__, "backend": "gloo",
             "world_size": args.world_size, "cpus": os.cpu_count(), "machine": platform.machine(),
-            "command": "python -m benchmarks.wrapper_overhead " + " ".join(argv if argv is not None else os.sys.argv[1:]),
+            "command": "python -m benchmarks.wrapper_overhead " + " ".join(argv if argv is not None else sys.argv[1:]),
         }
         with open(args.json, "w") as f:
             json.dump({"environment": environment, "results": report}, f, indent=2)
