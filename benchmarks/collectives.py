@@ -1,0 +1,325 @@
+"""Collective bandwidth in nccl-tests' format, on Gloo or NCCL, with a correctness count.
+
+    python -m benchmarks.collectives --world-size 2 -b 8 -e 64M -f 2 --limits --plot busbw.png
+    python -m benchmarks.collectives --world-size 4 -c all -b 1K -e 256M --json run.json
+    torchrun --nproc_per_node=8 -m benchmarks.collectives -c all_reduce -b 8 -e 8G --device cuda
+    srun -N2 --ntasks-per-node=8 python -m benchmarks.collectives -c all -b 8 -e 1G --device cuda
+
+Started plainly it spawns --world-size ranks; under torchrun or srun it uses theirs. The table
+(stdout) has nccl-tests' columns for out-of-place and in-place; torch.distributed has no
+out-of-place all_reduce, broadcast or reduce and no in-place all_to_all, so those columns read
+N/A. Timing: warm-up, then per iteration a barrier (and a device sync), the call, and the
+slowest rank's time; the median over iterations. #wrong is a separate run on data whose result
+is exact in any order, counted over all ranks; any wrong element makes the exit code 1.
+The timed calls are raw torch.distributed (the backend's own speed); benchmarks/wrapper_overhead.py
+measures what the checked wrappers add.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import os
+import platform
+import re
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import collectives
+from collectives import _compat
+from collectives.env import read_env
+
+from . import limits as machine_limits
+from .nccl_format import TYPE_NAMES, bandwidths, footer, format_row, header
+
+COLLECTIVES = ["all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all"]
+REDUCING = ("all_reduce", "reduce", "reduce_scatter")
+ROOTED = ("broadcast", "reduce")
+OPS = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT, "max": dist.ReduceOp.MAX,
+       "min": dist.ReduceOp.MIN, "avg": dist.ReduceOp.AVG}
+DTYPES = {name: getattr(torch, name) for name in TYPE_NAMES}
+
+
+def parse_size(text: str) -> int:
+    """'8', '64K', '16M', '1G' -> bytes (binary multiples, as nccl-tests)."""
+    match = re.fullmatch(r"\s*(\d+)\s*([KMG]?)B?\s*", text.upper())
+    if not match:
+        raise argparse.ArgumentTypeError(f"size {text!r} is not a number with an optional K, M or G suffix")
+    return int(match.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30}[match.group(2)]
+
+
+def size_list(begin: int, end: int, factor: int) -> list:
+    sizes, size = [], begin
+    while size <= end:
+        sizes.append(size)
+        size *= factor
+    return sizes
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.collectives", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("-c", "--collective", nargs="+", default=["all_reduce"], choices=COLLECTIVES + ["all"],
+                   help="collectives to run ('all' runs each)")
+    p.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("8"), help="smallest size, bytes (K/M/G)")
+    p.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("64M"), help="largest size, bytes (K/M/G)")
+    p.add_argument("-f", "--stepfactor", type=int, default=2, help="multiply the size by this each step")
+    p.add_argument("-n", "--iters", type=int, default=20, help="timed iterations per size")
+    p.add_argument("-w", "--warmup_iters", type=int, default=5, help="warm-up iterations per size")
+    p.add_argument("-o", "--op", default="sum", choices=list(OPS), help="reduction op")
+    p.add_argument("-d", "--datatype", default="float32", choices=list(DTYPES), help="element type")
+    p.add_argument("--backend", choices=["gloo", "nccl"], help="default: nccl with one GPU per rank on cuda, else gloo")
+    p.add_argument("--device", choices=["cpu", "cuda"], help="where the buffers live (default: cuda with nccl, else cpu)")
+    p.add_argument("--check", type=int, default=1, choices=[0, 1], help="count wrong elements (#wrong)")
+    p.add_argument("--world-size", type=int, default=2, help="ranks to spawn when not under torchrun/srun")
+    p.add_argument("--limits", action="store_true", help="also measure memory copy and point-to-point bandwidth")
+    p.add_argument("--json", metavar="FILE", help="write every row and the environment as JSON")
+    p.add_argument("--csv", metavar="FILE", help="write every row as CSV")
+    p.add_argument("--plot", metavar="FILE.png", help="draw busbw against size per collective")
+    p.add_argument("--timeout", type=float, default=3600, help="seconds before a hung run is stopped (spawn mode)")
+    return p
+
+
+def validate(args, parser) -> None:
+    """Refuse nonsense with a message naming the flag, before any rank starts."""
+    if args.minbytes < 1 or args.maxbytes < args.minbytes:
+        parser.error(f"-b {args.minbytes} must be at least 1 and at most -e {args.maxbytes}")
+    if args.stepfactor < 2:
+        parser.error(f"-f {args.stepfactor}: the step factor must be at least 2")
+    if args.iters < 1 or args.warmup_iters < 0:
+        parser.error("-n must be at least 1 and -w at least 0")
+    if args.world_size < 1:
+        parser.error("--world-size must be at least 1")
+    dtype = DTYPES[args.datatype]
+    if args.op == "avg" and not dtype.is_floating_point:
+        parser.error(f"-o avg needs a floating -d, not {args.datatype} (the average of integers would round)")
+    if args.device == "cuda" or args.backend == "nccl":
+        if not torch.cuda.is_available():
+            parser.error("--device cuda / --backend nccl need a CUDA device, and none is available here")
+    if args.backend == "nccl" and args.device == "cpu":
+        parser.error("--backend nccl moves CUDA tensors only; use --device cuda or --backend gloo")
+    if "all" in args.collective:
+        args.collective = list(COLLECTIVES)
+
+
+# -- data whose reduction is exact in any order ----------------------------------------------------
+def _modulus(op: str) -> int:
+    return 2 if op == "prod" else 3  # values 1..m: products of up to ~20 ranks stay exact
+
+
+def pattern(rank: int, count: int, offset: int, op: str, dtype, device) -> torch.Tensor:
+    """Rank r's element i (global index offset + i): ((offset + i + r) mod m) + 1."""
+    idx = torch.arange(offset, offset + count, dtype=torch.int64, device=device)
+    return ((idx + rank) % _modulus(op) + 1).to(dtype)
+
+
+def reduced(world: int, count: int, offset: int, op: str, dtype, device) -> torch.Tensor:
+    """The op over ranks 0..world-1 of `pattern`: depends only on (offset + i) mod m."""
+    m = _modulus(op)
+    table = []
+    for residue in range(m):
+        values = [((residue + r) % m) + 1 for r in range(world)]
+        combined = {"sum": sum(values), "prod": float(torch.tensor(values, dtype=torch.float64).prod()),
+                    "max": max(values), "min": min(values), "avg": sum(values) / world}[op]
+        table.append(combined)
+    idx = torch.arange(offset, offset + count, dtype=torch.int64, device=device) % m
+    return torch.tensor(table, dtype=torch.float64, device=device)[idx].to(dtype)
+
+
+# -- one collective, one side (out-of-place or in-place) --------------------------------------------
+def make_case(collective: str, side: str, count: int, n: int, r: int, op: str, dtype, device):
+    """(run, refill, expected) for this rank, or None where torch.distributed has no such variant.
+
+    run() is what gets timed; refill() puts the check data back; expected() is the closed form of
+    what the output should then hold (None on ranks whose output is undefined).
+    """
+    torch_op, c, root = OPS[op], count // n, 0
+    fill = lambda k, off=0, rank=r: pattern(rank, k, off, op, dtype, device)  # noqa: E731
+    if collective in ("all_reduce", "broadcast", "reduce"):
+        if side == "oop":
+            return None
+        buf = fill(count)
+        run = {"all_reduce": lambda: dist.all_reduce(buf, op=torch_op),
+               "broadcast": lambda: dist.broadcast(buf, src=root),
+               "reduce": lambda: dist.reduce(buf, dst=root, op=torch_op)}[collective]
+        if collective == "broadcast":
+            want = lambda: fill(count, rank=root)  # noqa: E731
+        else:
+            want = lambda: reduced(n, count, 0, op, dtype, device) if collective == "all_reduce" or r == root else None  # noqa: E731
+        return run, lambda: buf.copy_(fill(count)), lambda: (buf, want())
+    if collective == "all_gather":
+        out = torch.empty(count, dtype=dtype, device=device)
+        inp = fill(c) if side == "oop" else out[r * c:(r + 1) * c]  # in place: my chunk of the output
+        run = lambda: _compat.all_gather_single(out, inp)  # noqa: E731
+        want = lambda: torch.cat([fill(c, rank=j) for j in range(n)])  # noqa: E731
+        return run, lambda: inp.copy_(fill(c)), lambda: (out, want())
+    if collective == "reduce_scatter":
+        inp = fill(count)
+        out = torch.empty(c, dtype=dtype, device=device) if side == "oop" else inp[r * c:(r + 1) * c]
+        run = lambda: _compat.reduce_scatter_single(out, inp, op=torch_op)  # noqa: E731
+        return run, lambda: inp.copy_(fill(count)), lambda: (out, reduced(n, c, r * c, op, dtype, device))
+    if collective == "all_to_all":
+        if side == "ip":
+            return None
+        inp, out = fill(count), torch.empty(count, dtype=dtype, device=device)
+        run = lambda: dist.all_to_all_single(out, inp)  # noqa: E731
+        want = lambda: torch.cat([fill(c, r * c, rank=j) for j in range(n)])  # noqa: E731
+        return run, lambda: inp.copy_(fill(count)), lambda: (out, want())
+    raise ValueError(collective)
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_us(run, warmup: int, iters: int, device, reduce_device) -> float:
+    """Median over iterations of the slowest rank's time for one call, in microseconds."""
+    for _ in range(warmup):
+        run()
+    times = torch.zeros(iters, dtype=torch.float64)
+    for i in range(iters):
+        dist.barrier()
+        _sync(device)
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run()
+            end.record()
+            end.synchronize()
+            times[i] = start.elapsed_time(end) / 1e3
+        else:
+            start_s = time.perf_counter()
+            run()
+            times[i] = time.perf_counter() - start_s
+    times = times.to(reduce_device)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    return statistics.median(times.cpu().tolist()) * 1e6
+
+
+def count_wrong(case, reduce_device) -> int:
+    run, refill, expected = case
+    refill()
+    run()
+    _sync(torch.device(reduce_device))
+    got, want = expected()
+    wrong = torch.zeros(1, dtype=torch.int64, device=reduce_device)
+    if want is not None:
+        wrong += (got != want).sum().to(reduce_device)
+    dist.all_reduce(wrong)  # over every rank
+    return int(wrong.item())
+
+
+def run_benchmark(env, config: dict) -> dict:
+    """On every rank: measure every (collective, size); return the rows and the limits."""
+    device = torch.device(config["device"], env.local_rank % max(1, torch.cuda.device_count())) \
+        if config["device"] == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    reduce_device = device if env.backend == "nccl" else torch.device("cpu")
+    dtype, n, r = DTYPES[config["datatype"]], env.world_size, env.rank
+    found = machine_limits.measure(device, n) if config["limits"] else None
+    limit = found and (found["p2p_gbps"] or found["copy_gbps"])
+    sizes = size_list(config["minbytes"], config["maxbytes"], config["stepfactor"])
+    rows = []
+    for collective in config["collective"]:
+        for k, nbytes in enumerate(sizes):
+            count = max(1, nbytes // dtype.itemsize)
+            if collective in ("all_gather", "reduce_scatter", "all_to_all"):
+                count = max(n, count - count % n)  # one equal chunk per rank
+            row = {"collective": collective, "size": count * dtype.itemsize, "count": count,
+                   "type": TYPE_NAMES[config["datatype"]], "redop": config["op"] if collective in REDUCING else "none",
+                   "root": 0 if collective in ROOTED else -1}
+            for side in ("oop", "ip"):
+                case = make_case(collective, side, count, n, r, config["op"], dtype, device)
+                if case is None:
+                    row[side] = None
+                    continue
+                t = time_us(case[0], config["warmup_iters"], config["iters"], device, reduce_device)
+                algbw, busbw = bandwidths(row["size"], t, collective, n)
+                row[side] = {"time_us": t, "algbw": algbw, "busbw": busbw,
+                             "limit_pct": 100 * busbw / limit if limit else None,
+                             "wrong": count_wrong(case, reduce_device) if config["check"] else None}
+                del case
+            rows.append(row)
+            if r == 0:
+                print(f"[{collective}] {row['size']} B done ({k + 1}/{len(sizes)})", file=sys.stderr, flush=True)
+    return {"rows": rows, "limits": found, "backend": env.backend, "world_size": n, "device": str(device),
+            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"}
+
+
+def report(result: dict, args, argv) -> int:
+    """Print the table(s) and footer on stdout, write the requested files; return the exit code."""
+    rows, found, with_limit = result["rows"], result["limits"], result["limits"] is not None
+    print(f"# collectives-playground benchmark: backend {result['backend']}, world size {result['world_size']}, "
+          f"device {result['device']} ({result['device_name']}), torch {torch.__version__}")
+    print(f"# -b {args.minbytes} -e {args.maxbytes} -f {args.stepfactor} -n {args.iters} -w {args.warmup_iters} "
+          f"-o {args.op} -d {args.datatype} --check {args.check}")
+    if with_limit:
+        p2p = f"{found['p2p_gbps']:.2f} GB/s" if found["p2p_gbps"] else "N/A (one rank)"
+        print(f"# limits: memory copy {found['copy_gbps']:.2f} GB/s (read+write, one rank); point-to-point {p2p} "
+              f"(rank 0 -> 1, {found['nbytes'] >> 20} MiB); %limit = busbw / "
+              f"{'point-to-point' if found['p2p_gbps'] else 'memory copy'}")
+    for collective in dict.fromkeys(r["collective"] for r in rows):
+        print(f"#\n# {collective}")
+        print(header(with_limit))
+        for row in rows:
+            if row["collective"] == collective:
+                print(format_row(row, with_limit))
+    print(footer(rows))
+    environment = {
+        "date": datetime.date.today().isoformat(), "torch": torch.__version__, "backend": result["backend"],
+        "world_size": result["world_size"], "device": result["device"], "device_name": result["device_name"],
+        "cpus": os.cpu_count(), "command": "python -m benchmarks.collectives " + " ".join(argv),
+    }
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"environment": environment, "limits": found, "rows": rows}, f, indent=1)
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["collective", "size", "count", "type", "redop", "root"]
+                            + [f"{s}_{k}" for s in ("oop", "ip") for k in ("time_us", "algbw", "busbw", "limit_pct", "wrong")])
+            for row in rows:
+                cells = [row[k] for k in ("collective", "size", "count", "type", "redop", "root")]
+                for s in ("oop", "ip"):
+                    side = row[s] or {}
+                    cells += [side.get(k) for k in ("time_us", "algbw", "busbw", "limit_pct", "wrong")]
+                writer.writerow(cells)
+    if args.plot:
+        from .plot import plot_results
+
+        plot_results([{"environment": environment, "limits": found, "rows": rows}], args.plot)
+    wrong = sum((row[s] or {}).get("wrong") or 0 for row in rows for s in ("oop", "ip"))
+    return 1 if wrong else 0
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    validate(args, parser)
+    args.device = args.device or ("cuda" if args.backend == "nccl" else "cpu")
+    config = {k: getattr(args, k) for k in ("collective", "minbytes", "maxbytes", "stepfactor", "iters",
+                                            "warmup_iters", "op", "datatype", "check", "limits", "device")}
+    if read_env(os.environ)["master_addr"] is not None:  # started by torchrun or srun
+        env = collectives.init_from_env(backend=args.backend or ("nccl" if args.device == "cuda" else "gloo"))
+        result = run_benchmark(env, config)
+        collectives.shutdown()
+        if env.rank != 0:
+            return 0
+    else:
+        backend = args.backend or ("gloo" if args.device == "cpu" else None)
+        result = collectives.run(run_benchmark, world_size=args.world_size, backend=backend, args=(config,),
+                                 timeout=args.timeout)[0]
+    return report(result, args, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

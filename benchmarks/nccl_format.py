@@ -1,0 +1,110 @@
+"""nccl-tests' table: columns, bus-bandwidth factors, formatting, and a parser that reads it back.
+
+The meanings follow NVIDIA's nccl-tests (doc/PERFORMANCE.md there):
+  size   bytes of the full buffer per rank (all_gather: the gathered output; reduce_scatter: the
+         input before scattering; all_to_all: the send buffer)
+  count  elements of that buffer
+  algbw  size / time, in GB/s with 1 GB = 1e9 bytes
+  busbw  algbw x a factor that makes collectives comparable with the hardware's link speed:
+         all_reduce 2(n-1)/n; all_gather, reduce_scatter, all_to_all (n-1)/n; broadcast, reduce 1
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Dict, List, Optional
+
+BUS_FACTORS = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+    "reduce": lambda n: 1.0,
+}
+# nccl-tests' names for torch dtypes
+TYPE_NAMES = {
+    "float32": "float", "float64": "double", "float16": "half", "bfloat16": "bfloat16",
+    "int8": "int8", "uint8": "uint8", "int32": "int32", "int64": "int64",
+}
+SIDES = ("oop", "ip")  # out-of-place, in-place
+
+
+def bus_factor(collective: str, world_size: int) -> float:
+    """busbw / algbw for the collective on world_size ranks."""
+    return BUS_FACTORS[collective](world_size)
+
+
+def bandwidths(size_bytes: int, time_us: float, collective: str, world_size: int):
+    """(algbw, busbw) in GB/s (1e9 bytes) for a buffer of size_bytes moved in time_us."""
+    algbw = size_bytes / (time_us * 1e-6) / 1e9 if time_us > 0 else 0.0
+    return algbw, algbw * bus_factor(collective, world_size)
+
+
+def _side_cols(with_limit: bool) -> List[str]:
+    return ["time", "algbw", "busbw"] + (["%limit"] if with_limit else []) + ["#wrong"]
+
+
+def header(with_limit: bool) -> str:
+    cols = _side_cols(with_limit)
+    width = 8 * len(cols)
+    line1 = "#" + " " * 56 + f"{'out-of-place':^{width}}" + f"{'in-place':^{width}}"
+    names = "".join(f"{c:>8}" for c in cols)
+    line2 = f"#{'size':>11}{'count':>14}{'type':>10}{'redop':>8}{'root':>8}" + names + names
+    units = {"time": "(us)", "algbw": "(GB/s)", "busbw": "(GB/s)", "%limit": "", "#wrong": ""}
+    unit_cols = "".join(f"{units[c]:>8}" for c in cols)
+    line3 = f"#{'(B)':>11}{'(elements)':>14}{'':>10}{'':>8}{'':>8}" + unit_cols + unit_cols
+    return "\n".join([line1, line2, line3])
+
+
+def _fmt_side(side: Optional[Dict], with_limit: bool) -> str:
+    n = len(_side_cols(with_limit))
+    if side is None:
+        return "".join(f"{'N/A':>8}" for _ in range(n))
+    cells = [f"{side['time_us']:8.2f}", f"{side['algbw']:8.2f}", f"{side['busbw']:8.2f}"]
+    if with_limit:
+        cells.append(f"{side['limit_pct']:7.1f}%" if side.get("limit_pct") is not None else f"{'N/A':>8}")
+    wrong = side.get("wrong")
+    cells.append(f"{'N/A' if wrong is None else wrong:>8}")
+    return "".join(cells)
+
+
+def format_row(row: Dict, with_limit: bool) -> str:
+    """One table line; row has size, count, type, redop, root, and oop/ip dicts (or None: N/A)."""
+    lead = f"{row['size']:12d}{row['count']:14d}{row['type']:>10}{row['redop']:>8}{row['root']:8d}"
+    return lead + "".join(_fmt_side(row.get(s), with_limit) for s in SIDES)
+
+
+def footer(rows: List[Dict]) -> str:
+    wrong = sum((r[s] or {}).get("wrong") or 0 for r in rows for s in SIDES)
+    busbws = [r[s]["busbw"] for r in rows for s in SIDES if r.get(s)]
+    avg = sum(busbws) / len(busbws) if busbws else 0.0
+    return (f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}\n"
+            f"# Avg bus bandwidth    : {avg:.6g}")
+
+
+def parse_table(text: str) -> List[Dict]:
+    """Read the data lines of a table written by format_row back into row dicts."""
+    rows = []
+    with_limit = "%limit" in text
+    per_side = len(_side_cols(with_limit))
+    for line in text.splitlines():
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        cells = line.split()
+        if len(cells) != 5 + 2 * per_side or not re.fullmatch(r"\d+", cells[0]):
+            continue
+        row = {"size": int(cells[0]), "count": int(cells[1]), "type": cells[2], "redop": cells[3], "root": int(cells[4])}
+        for k, side in enumerate(SIDES):
+            part = cells[5 + k * per_side : 5 + (k + 1) * per_side]
+            if all(c == "N/A" for c in part):
+                row[side] = None
+                continue
+            values = dict(zip(_side_cols(with_limit), part))
+            parsed = {"time_us": float(values["time"]), "algbw": float(values["algbw"]), "busbw": float(values["busbw"]),
+                      "wrong": None if values["#wrong"] == "N/A" else int(values["#wrong"])}
+            if with_limit:
+                parsed["limit_pct"] = None if values["%limit"] == "N/A" else float(values["%limit"].rstrip("%"))
+            row[side] = parsed
+        rows.append(row)
+    return rows
