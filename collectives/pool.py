@@ -255,6 +255,12 @@ class RankPool:
             f"(world_size={self.world_size}, backend={self.backend}): ranks {sorted(failures)}"
         )
         body = "\n".join(f"----- {failures[r]}".rstrip() for r in sorted(failures))
+        if what == "start-up" and any("exited with code 1" in f for f in failures.values()):
+            body += (
+                "\nHint: the ranks are spawned, so each one imports your main module first; a script that "
+                "calls collectives.run() must do it under `if __name__ == \"__main__\":` (the ranks' own "
+                "error output, above this message, says more)."
+            )
         raise RankFailure(f"{header}\n{body}", failures)
 
     # -- hang diagnosis ---------------------------------------------------------------------------

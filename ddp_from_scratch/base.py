@@ -1,0 +1,79 @@
+"""What every data-parallel wrapper here shares; the subclasses differ only in how gradients move.
+
+- At construction: check that every rank has the same parameter names and shapes (an error
+  naming the ranks that differ, not a hang), then broadcast parameters and buffers from the
+  group's first rank, so every replica starts equal.
+- Before each forward: broadcast buffers (BatchNorm running statistics) from that rank, as
+  torch's DDP does with broadcast_buffers=True.
+- During backward: a hook on every parameter fires after its gradient is accumulated
+  (`register_post_accumulate_grad_hook` hands the hook the *parameter*; its gradient is
+  `param.grad`). When the last one has fired, `_sync()` runs in the subclass.
+
+Gradients are scaled by 1 / world_size before they are summed, as torch's DDP does, so that the
+sum cannot overflow in low precision and the result matches torch's bit for bit.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import collectives
+
+
+class DataParallelBase(nn.Module):
+    """Wrap `module`; after backward every rank holds the gradient averaged over the group."""
+
+    def __init__(self, module: nn.Module, group: Optional[dist.ProcessGroup] = None, broadcast_buffers: bool = True):
+        super().__init__()
+        self.module = module
+        self.group = group
+        self.broadcast_buffers = broadcast_buffers
+        self.world_size = dist.get_world_size(group)
+        self.src = dist.get_process_group_ranks(group or dist.group.WORLD)[0]
+        self.named_params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self._check_same_parameters()
+        with torch.no_grad():
+            for tensor in list(module.parameters()) + list(module.buffers()):
+                collectives.broadcast(tensor.data, src=self.src, group=group)
+        self._ready = 0
+        for _, param in self.named_params:
+            param.register_post_accumulate_grad_hook(self._grad_ready)
+
+    @property
+    def params(self) -> List[nn.Parameter]:
+        return [p for _, p in self.named_params]
+
+    def _check_same_parameters(self) -> None:
+        signature = repr([(n, tuple(p.shape), str(p.dtype)) for n, p in self.named_params])
+        mine = torch.tensor([zlib.crc32(signature.encode())], dtype=torch.int64)
+        everyone = collectives.all_gather(mine, group=self.group).tolist()
+        if len(set(everyone)) > 1:
+            ranks = dist.get_process_group_ranks(self.group or dist.group.WORLD)
+            groups = {}
+            for rank, value in zip(ranks, everyone):
+                groups.setdefault(value, []).append(rank)
+            raise collectives.CollectiveError(
+                f"{type(self).__name__}: the ranks' models differ in parameter names, shapes or dtypes; "
+                f"ranks grouped by identical models: {sorted(groups.values())}"
+            )
+
+    def forward(self, *args, **kwargs):
+        if self.broadcast_buffers and self.world_size > 1:
+            with torch.no_grad():
+                for buffer in self.module.buffers():
+                    collectives.broadcast(buffer, src=self.src, group=self.group)
+        self._ready = 0
+        return self.module(*args, **kwargs)
+
+    def _grad_ready(self, param: nn.Parameter) -> None:
+        self._ready += 1
+        if self._ready == len(self.named_params):
+            self._sync()
+
+    def _sync(self) -> None:  # pragma: no cover - each subclass says how gradients move
+        raise NotImplementedError
