@@ -7,6 +7,9 @@ Written so far:
   base.py     what the wrappers share: shape check, broadcasts, gradient-ready hooks
   naive.py    step 1: one all_reduce per parameter after backward
   flat.py     step 2: one all_reduce of all gradients, flattened, after backward
-Still to come: step 3 (buckets overlapped with backward, ddp.py), the compare program, the
-training program and its benchmark.
+  bucket.py   step 3's buckets: assignment by size, flat buffers, the layout printout
+  ddp.py      step 3: buckets all-reduced while backward runs, rebuilt from the ready order, no_sync
+Still to come: unused parameters, communication hooks (fp16/bf16), instrumentation (trace and
+timeline), torch's exact bucket layout (needed for bitwise equality beyond 2 ranks), ResNet-50
+parity, the compare program, the training program and its benchmark.
 """ 

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import collectives
+from ddp_from_scratch.ddp import DistributedDataParallel as BucketedDataParallel
 from ddp_from_scratch.flat import FlatDataParallel
 from ddp_from_scratch.naive import NaiveDataParallel
 
@@ -62,9 +63,24 @@ class HookReadsTheParameter(NaiveDataParallel):
             param.grad.copy_(reduced)
 
 
-WRAPPERS = {"naive": NaiveDataParallel, "flat": FlatDataParallel, "wrong_divisor": WrongDivisor,
+class SmallBuckets(BucketedDataParallel):
+    def __init__(self, module):  # several buckets even for the small model
+        super().__init__(module, bucket_cap_mb=0.0005, first_bucket_mb=0.0001)
+
+
+class SkipsABucket(SmallBuckets):
+    def _finish(self):  # bucket 1 is reduced but never copied back
+        for b in self.buckets:
+            b.work.wait()
+        kept = self.buckets.pop(1)
+        super()._finish()
+        self.buckets.insert(1, kept)
+
+
+WRAPPERS = {"naive": NaiveDataParallel, "flat": FlatDataParallel, "bucketed": BucketedDataParallel,
+            "bucketed_small": SmallBuckets, "wrong_divisor": WrongDivisor,
             "no_initial_broadcast": NoInitialBroadcast, "no_buffer_broadcast": NoBufferBroadcast,
-            "hook_reads_parameter": HookReadsTheParameter}
+            "hook_reads_parameter": HookReadsTheParameter, "skips_a_bucket": SkipsABucket}
 
 
 def _batch(step, rank):
@@ -100,14 +116,14 @@ def _train_side_by_side(env, impl, steps):
     return report
 
 
-@pytest.mark.parametrize("impl", ["naive", "flat"])
+@pytest.mark.parametrize("impl", ["naive", "flat", "bucketed", "bucketed_small"])
 def test_bitwise_equal_to_torch_ddp_on_two_ranks(impl, dist_run):
     for rank, steps in enumerate(dist_run(_train_side_by_side, 2, args=(impl, 4))):
         for step, (params, buffers, loss, diff) in enumerate(steps):
             assert params and buffers and loss, f"{impl}, rank {rank}, step {step}: differs from torch's DDP by {diff:g}"
 
 
-@pytest.mark.parametrize("impl", ["naive", "flat"])
+@pytest.mark.parametrize("impl", ["naive", "flat", "bucketed_small"])
 def test_close_to_torch_ddp_on_four_and_three_ranks(impl, dist_run):
     # With 3 or 4 ranks the order in which Gloo sums an element depends on where it sits in the
     # buffer; torch's buckets lay gradients out differently, so the last bits may differ.
@@ -117,7 +133,8 @@ def test_close_to_torch_ddp_on_four_and_three_ranks(impl, dist_run):
                 assert diff < 1e-5, f"{impl}, {n} ranks, rank {rank}, step {step}: differs by {diff:g}"
 
 
-@pytest.mark.parametrize("broken", ["wrong_divisor", "no_initial_broadcast", "no_buffer_broadcast", "hook_reads_parameter"])
+@pytest.mark.parametrize("broken", ["wrong_divisor", "no_initial_broadcast", "no_buffer_broadcast", "hook_reads_parameter",
+                                    "skips_a_bucket"])
 def test_a_broken_wrapper_turns_the_check_red(broken, dist_run):
     steps = dist_run(_train_side_by_side, 2, args=(broken, 2))
     assert any(not (p and b and l) for rank in steps for p, b, l, _ in rank), f"{broken} went unnoticed"
@@ -134,3 +151,41 @@ def _mismatched_models(env):
 
 def test_different_models_are_refused_by_name(dist_run):
     dist_run(_mismatched_models, 2)
+
+
+def _layout_and_rebuild(env):
+    model = SmallBuckets(SmallNet())
+    before = [list(b.param_indices) for b in model.buckets]
+    x, y = _batch(0, env.rank)
+    F.cross_entropy(model(x), y).backward()
+    seen = list(model._ready_order)
+    model(x)  # the next forward rebuilds from the order seen
+    after = [list(b.param_indices) for b in model.buckets]
+    return before, seen, after, model.layout()
+
+
+def test_buckets_are_rebuilt_from_the_ready_order(dist_run):
+    before, seen, after, text = dist_run(_layout_and_rebuild, 2)[0]
+    assert len(before) > 2 and before[0][0] == max(max(b) for b in before)  # reverse parameter order
+    assert sorted(seen) == list(range(len(seen)))  # every gradient arrived once
+    assert [i for b in after for i in b] == seen  # rebuilt in the order the gradients arrived
+    assert "bucket 0:" in text and "MiB" in text and "fc." in text
+
+
+def _accumulate(env):
+    """Two micro-batches, the first under no_sync(): ours and torch's must end equal."""
+    torch.manual_seed(100 + env.rank)
+    model = SmallNet()
+    theirs = nn.parallel.DistributedDataParallel(copy.deepcopy(model))
+    ours = SmallBuckets(model)
+    for m in (ours, theirs):
+        with m.no_sync():
+            x, y = _batch(0, env.rank)
+            F.cross_entropy(m(x), y).backward()
+        x, y = _batch(1, env.rank)
+        F.cross_entropy(m(x), y).backward()
+    return all(torch.equal(a.grad, b.grad) for a, b in zip(ours.module.parameters(), theirs.module.parameters()))
+
+
+def test_no_sync_accumulation_matches_torch(dist_run):
+    assert dist_run(_accumulate, 2) == [True, True]

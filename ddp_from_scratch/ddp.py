@@ -1,0 +1,101 @@
+"""Step 3 of the teaching path: gradient buckets, all-reduced while backward is still running.
+
+    model = DistributedDataParallel(resnet50(10), bucket_cap_mb=25)
+    loss = criterion(model(x), y); loss.backward()   # every rank now holds the averaged gradient
+    with model.no_sync(): ...                        # accumulate locally, sync on the next backward
+
+How it works: a hook on each parameter fires as soon as its gradient has been accumulated
+(`register_post_accumulate_grad_hook` hands the hook the parameter, not the gradient). The hook
+copies grad / world_size into the parameter's slot of its bucket's flat buffer; when a bucket's
+last gradient has arrived, its all_reduce starts asynchronously, in bucket order (every rank
+must issue the same collectives in the same order). When the last gradient of the backward has
+arrived, we wait for every bucket and copy the averaged values back into `param.grad`. After the
+first backward, the buckets are rebuilt once from the order in which gradients actually became
+ready (rank 0's order, broadcast so that every rank agrees).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import collectives
+
+from . import bucket as bucketing
+from .base import DataParallelBase
+
+MiB = 1 << 20
+
+
+class DistributedDataParallel(DataParallelBase):
+    def __init__(self, module: nn.Module, group: Optional[dist.ProcessGroup] = None, bucket_cap_mb: float = 25,
+                 first_bucket_mb: float = 1, broadcast_buffers: bool = True):
+        super().__init__(module, group=group, broadcast_buffers=broadcast_buffers)
+        self.bucket_cap_bytes = int(bucket_cap_mb * MiB)
+        self.first_bucket_bytes = int(first_bucket_mb * MiB)
+        self.names = [n for n, _ in self.named_params]
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+        self._set_layout(list(reversed(range(len(self.params)))))  # gradients arrive roughly in reverse
+        self._ready_order: Optional[list] = []  # recorded during the first backward, then None
+        self._next_launch = 0
+        self._syncing = True
+
+    def _set_layout(self, order) -> None:
+        layout = bucketing.assign_buckets(self.params, order, self.bucket_cap_bytes, self.first_bucket_bytes)
+        self.buckets = bucketing.build(self.params, layout)
+        self._where = {}  # parameter index -> (bucket, offset)
+        for b in self.buckets:
+            for i, offset in zip(b.param_indices, b.offsets):
+                self._where[i] = (b, offset)
+
+    def layout(self) -> str:
+        """The current bucket layout (parameters, bytes, order), for printing."""
+        return bucketing.describe(self.buckets, self.names)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Gradients accumulate locally inside the block; the next backward outside it syncs them all."""
+        self._syncing = False
+        try:
+            yield
+        finally:
+            self._syncing = True
+
+    def forward(self, *args, **kwargs):
+        if self._ready_order:  # the first backward has happened: rebuild once from what it showed
+            order = torch.tensor(self._ready_order, dtype=torch.int64)
+            collectives.broadcast(order, src=self.src, group=self.group)
+            self._set_layout(order.tolist())
+            self._ready_order = None
+        for b in self.buckets:
+            b.pending, b.work = len(b.param_indices), None
+        self._next_launch = 0
+        return super().forward(*args, **kwargs)
+
+    def _grad_ready(self, param: nn.Parameter) -> None:
+        if not self._syncing:
+            return
+        i = self._index[id(param)]
+        if self._ready_order is not None:
+            self._ready_order.append(i)
+        b, offset = self._where[i]
+        # scale before the sum, as torch's DDP does: the sum of world_size gradients cannot overflow
+        torch.mul(param.grad.reshape(-1), 1.0 / self.world_size, out=b.buffer[offset:offset + param.numel()])
+        b.pending -= 1
+        while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].pending == 0:
+            nxt = self.buckets[self._next_launch]
+            nxt.work = collectives.all_reduce(nxt.buffer, group=self.group, async_op=True)
+            self._next_launch += 1
+        if self._next_launch == len(self.buckets):  # the last bucket has been launched
+            self._finish()
+
+    def _finish(self) -> None:
+        for b in self.buckets:
+            b.work.wait()
+            for i, offset in zip(b.param_indices, b.offsets):
+                p = self.params[i]
+                p.grad.copy_(b.buffer[offset:offset + p.numel()].view_as(p.grad))
