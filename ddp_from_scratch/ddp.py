@@ -43,6 +43,8 @@ class DistributedDataParallel(DataParallelBase):
         self._ready_order: Optional[list] = []  # recorded during the first backward, then None
         self._next_launch = 0
         self._syncing = True
+        self._seen: set = set()  # parameter indices whose gradient arrived in this backward
+        self._callback_queued = False
 
     def _set_layout(self, order) -> None:
         layout = bucketing.assign_buckets(self.params, order, self.bucket_cap_bytes, self.first_bucket_bytes)
@@ -74,12 +76,19 @@ class DistributedDataParallel(DataParallelBase):
         for b in self.buckets:
             b.pending, b.work = len(b.param_indices), None
         self._next_launch = 0
+        self._seen, self._callback_queued = set(), False
         return super().forward(*args, **kwargs)
 
     def _grad_ready(self, param: nn.Parameter) -> None:
         if not self._syncing:
             return
         i = self._index[id(param)]
+        self._seen.add(i)
+        if not self._callback_queued:
+            # Run _end_of_backward when autograd has finished this backward. There is no public
+            # API for that; torch's own DDP and FSDP queue a callback on the engine the same way.
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._callback_queued = True
         if self._ready_order is not None:
             self._ready_order.append(i)
         b, offset = self._where[i]
@@ -92,6 +101,23 @@ class DistributedDataParallel(DataParallelBase):
             self._next_launch += 1
         if self._next_launch == len(self.buckets):  # the last bucket has been launched
             self._finish()
+
+    def _end_of_backward(self) -> None:
+        """Every gradient arrived (nothing to do), or some parameters got none: name them.
+
+        torch's DDP only notices at the next forward; here the backward that skipped them fails.
+        """
+        missing = [self.names[i] for i in range(len(self.params)) if i not in self._seen]
+        if not missing:
+            return
+        for b in self.buckets[: self._next_launch]:
+            b.work.wait()  # leave no collective in flight: the group stays usable
+        shown = ", ".join(missing[:10]) + (f" and {len(missing) - 10} more" if len(missing) > 10 else "")
+        raise RuntimeError(
+            f"DistributedDataParallel on rank {dist.get_rank()}: {len(missing)} parameter(s) got no gradient in "
+            f"this backward, so their buckets were never reduced: {shown}. Make every parameter take part in "
+            "the loss, or set requires_grad=False on the ones you do not train."
+        )
 
     def _finish(self) -> None:
         for b in self.buckets:

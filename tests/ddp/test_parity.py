@@ -189,3 +189,25 @@ def _accumulate(env):
 
 def test_no_sync_accumulation_matches_torch(dist_run):
     assert dist_run(_accumulate, 2) == [True, True]
+
+
+class TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body, self.used, self.unused = nn.Linear(4, 4), nn.Linear(4, 2), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.used(self.body(x))
+
+
+def _unused(env):
+    model = BucketedDataParallel(TwoHeads(), bucket_cap_mb=0.00002, first_bucket_mb=0.00001)
+    with pytest.raises(RuntimeError, match=r"2 parameter\(s\) got no gradient in this backward.*unused.weight, unused.bias"):
+        model(torch.ones(3, 4)).sum().backward()
+    t = torch.ones(1)
+    collectives.all_reduce(t)  # the group is still usable
+    return t.item()
+
+
+def test_unused_parameters_are_named_at_the_end_of_that_backward(dist_run):
+    assert dist_run(_unused, 2) == [2.0, 2.0]
