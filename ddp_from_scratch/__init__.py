@@ -8,8 +8,9 @@ Written so far:
   naive.py    step 1: one all_reduce per parameter after backward
   flat.py     step 2: one all_reduce of all gradients, flattened, after backward
   bucket.py   step 3's buckets: assignment by size, flat buffers, the layout printout
-  ddp.py      step 3: buckets all-reduced while backward runs, rebuilt from the ready order, no_sync
-Still to come: unused parameters, communication hooks (fp16/bf16), instrumentation (trace and
+  ddp.py      step 3: buckets all-reduced while backward runs, rebuilt from the ready order,
+              no_sync, fp16/bf16 compression, unused parameters named at the end of backward
+Still to come: find_unused_parameters=True, gradient_as_bucket_view, instrumentation (trace and
 timeline), torch's exact bucket layout (needed for bitwise equality beyond 2 ranks), ResNet-50
 parity, the compare program, the training program and its benchmark.
 """ 

@@ -27,6 +27,7 @@ class Bucket:
     buffer: torch.Tensor  # (total elements,)
     pending: int = 0  # gradients still to arrive in this backward
     work: Optional[object] = None  # the async all_reduce in flight
+    sent: Optional[torch.Tensor] = None  # the compressed copy on the wire (compress="fp16"/"bf16")
 
     @property
     def nbytes(self) -> int:

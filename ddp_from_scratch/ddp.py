@@ -33,8 +33,17 @@ MiB = 1 << 20
 
 class DistributedDataParallel(DataParallelBase):
     def __init__(self, module: nn.Module, group: Optional[dist.ProcessGroup] = None, bucket_cap_mb: float = 25,
-                 first_bucket_mb: float = 1, broadcast_buffers: bool = True):
+                 first_bucket_mb: float = 1, broadcast_buffers: bool = True, compress: Optional[str] = None):
+        """Args:
+            bucket_cap_mb: bucket size in MiB (the first bucket is first_bucket_mb).
+            broadcast_buffers: send rank 0's buffers (BatchNorm statistics) before each forward.
+            compress: None, "fp16" or "bf16": send each bucket in that dtype (half the bytes), as
+                torch's fp16_compress_hook / bf16_compress_hook do.
+        """
         super().__init__(module, group=group, broadcast_buffers=broadcast_buffers)
+        if compress not in (None, "fp16", "bf16"):
+            raise ValueError(f"compress must be None, 'fp16' or 'bf16', got {compress!r}")
+        self.compress = {None: None, "fp16": torch.float16, "bf16": torch.bfloat16}[compress]
         self.bucket_cap_bytes = int(bucket_cap_mb * MiB)
         self.first_bucket_bytes = int(first_bucket_mb * MiB)
         self.names = [n for n, _ in self.named_params]
@@ -92,15 +101,25 @@ class DistributedDataParallel(DataParallelBase):
         if self._ready_order is not None:
             self._ready_order.append(i)
         b, offset = self._where[i]
-        # scale before the sum, as torch's DDP does: the sum of world_size gradients cannot overflow
-        torch.mul(param.grad.reshape(-1), 1.0 / self.world_size, out=b.buffer[offset:offset + param.numel()])
+        slot = b.buffer[offset:offset + param.numel()]
+        if self.compress is None:
+            # scale before the sum, as torch's DDP does: the sum of world_size gradients cannot overflow
+            torch.mul(param.grad.reshape(-1), 1.0 / self.world_size, out=slot)
+        else:
+            slot.copy_(param.grad.reshape(-1))  # compressed at launch, then divided, as torch's hooks do
         b.pending -= 1
         while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].pending == 0:
-            nxt = self.buckets[self._next_launch]
-            nxt.work = collectives.all_reduce(nxt.buffer, group=self.group, async_op=True)
+            self._launch(self.buckets[self._next_launch])
             self._next_launch += 1
         if self._next_launch == len(self.buckets):  # the last bucket has been launched
             self._finish()
+
+    def _launch(self, b) -> None:
+        if self.compress is None:
+            b.work = collectives.all_reduce(b.buffer, group=self.group, async_op=True)
+            return
+        b.sent = b.buffer.to(self.compress).div_(self.world_size)  # half the bytes on the wire
+        b.work = collectives.all_reduce(b.sent, group=self.group, async_op=True)
 
     def _end_of_backward(self) -> None:
         """Every gradient arrived (nothing to do), or some parameters got none: name them.
@@ -122,6 +141,8 @@ class DistributedDataParallel(DataParallelBase):
     def _finish(self) -> None:
         for b in self.buckets:
             b.work.wait()
+            if self.compress is not None:
+                b.buffer.copy_(b.sent)  # decompress
             for i, offset in zip(b.param_indices, b.offsets):
                 p = self.params[i]
                 p.grad.copy_(b.buffer[offset:offset + p.numel()].view_as(p.grad))
