@@ -18,21 +18,9 @@ from torch import nn
 
 import collectives
 from ddp_from_scratch.ddp import DistributedDataParallel as BucketedDataParallel
+from ddp_from_scratch.compare import SmallNet, batch, train_side_by_side
 from ddp_from_scratch.flat import FlatDataParallel
 from ddp_from_scratch.naive import NaiveDataParallel
-
-
-class SmallNet(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv1, self.bn1 = nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8)
-        self.conv2, self.bn2 = nn.Conv2d(8, 16, 3, stride=2, bias=False), nn.BatchNorm2d(16)
-        self.fc = nn.Linear(16, 10)
-
-    def forward(self, x):
-        x = F.relu(self.bn1(self.conv1(x)))
-        x = F.relu(self.bn2(self.conv2(x)))
-        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
 
 
 # -- broken wrappers: each must turn the parity check red ---------------------------------------
@@ -84,36 +72,11 @@ WRAPPERS = {"naive": NaiveDataParallel, "flat": FlatDataParallel, "bucketed": Bu
 
 
 def _batch(step, rank):
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(4, 3, 12, 12, generator=g), torch.randint(0, 10, (4,), generator=g)
+    return batch(step, rank, 4, 12)
 
 
 def _train_side_by_side(env, impl, steps):
-    """Per step: (params equal, buffers equal, loss equal, largest parameter difference)."""
-    torch.manual_seed(100 + env.rank)  # every rank starts from different weights
-    model = SmallNet()
-    theirs = nn.parallel.DistributedDataParallel(copy.deepcopy(model))
-    ours = WRAPPERS[impl](model)
-    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (ours, theirs)]
-    report = []
-    for step in range(steps):
-        x, y = _batch(step, env.rank)
-        losses = []
-        for m, opt in zip((ours, theirs), opts):
-            opt.zero_grad()
-            loss = F.cross_entropy(m(x), y)
-            loss.backward()
-            opt.step()
-            losses.append(loss.detach())
-        p_ours, p_theirs = dict(ours.module.named_parameters()), dict(theirs.module.named_parameters())
-        b_ours, b_theirs = dict(ours.module.named_buffers()), dict(theirs.module.named_buffers())
-        report.append((
-            all(torch.equal(p_ours[k], p_theirs[k]) for k in p_theirs),
-            all(torch.equal(b_ours[k], b_theirs[k]) for k in b_theirs),
-            torch.equal(losses[0], losses[1]),
-            max((p_ours[k] - p_theirs[k]).abs().max().item() for k in p_theirs),
-        ))
-    return report
+    return train_side_by_side(env, WRAPPERS[impl], steps)
 
 
 @pytest.mark.parametrize("impl", ["naive", "flat", "bucketed", "bucketed_small"])
@@ -249,3 +212,10 @@ def test_bf16_compression_is_close_to_uncompressed_ddp(dist_run):
     for equal, largest, wire in dist_run(_compressed, 2, args=("bf16", False)):
         assert wire == {torch.bfloat16}
         assert not equal and largest < 1e-3, f"largest difference {largest:g}"
+
+
+def test_resnet50_bucketed_is_bitwise_equal_to_torch_ddp_on_two_ranks(dist_run):
+    """The real model: ResNet-50 (BatchNorm everywhere, several 25 MiB buckets), 2 steps."""
+    for rank, steps in enumerate(dist_run(train_side_by_side, 2, args=("bucketed", 2, "resnet50", 2, 32))):
+        for step, (params, buffers, loss, diff) in enumerate(steps):
+            assert params and buffers and loss, f"rank {rank}, step {step}: differs from torch's DDP by {diff:g}"
