@@ -44,6 +44,10 @@ class Work:
     def is_completed(self) -> bool:
         return self._done or all(w.is_completed() for w in self._works)
 
+    def get_future(self):
+        """torch's Future of the underlying collective (None when the wrapper did the work itself)."""
+        return self._works[-1].get_future() if self._works else None
+
 
 def _finish(work, finish: Callable[[], object], async_op: bool):
     """Return the result now, or a Work that produces it on wait()."""

@@ -10,7 +10,8 @@ Written so far:
   bucket.py   step 3's buckets: assignment by size, flat buffers, the layout printout
   ddp.py      step 3: buckets all-reduced while backward runs, rebuilt from the ready order,
               no_sync, fp16/bf16 compression, unused parameters named at the end of backward
-Still to come: find_unused_parameters=True, gradient_as_bucket_view, instrumentation (trace and
-timeline), torch's exact bucket layout (needed for bitwise equality beyond 2 ranks), ResNet-50
-parity, the compare program, the training program and its benchmark.
-""" 
+  trace.py    the bucket timeline as a Chrome trace and a PNG
+  compare.py  side-by-side parity with torch's DDP (python -m ddp_from_scratch.compare)
+Still to come: find_unused_parameters=True, gradient_as_bucket_view, torch's exact bucket layout
+(needed for bitwise equality beyond 2 ranks), the training program and its benchmark.
+"""

@@ -17,6 +17,7 @@ ready (rank 0's order, broadcast so that every rank agrees).
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Optional
 
 import torch
@@ -54,6 +55,8 @@ class DistributedDataParallel(DataParallelBase):
         self._syncing = True
         self._seen: set = set()  # parameter indices whose gradient arrived in this backward
         self._callback_queued = False
+        self.timeline: Optional[dict] = None  # the last backward's events (see trace.py)
+        self.layouts = {"initial": self.layout()}
 
     def _set_layout(self, order) -> None:
         layout = bucketing.assign_buckets(self.params, order, self.bucket_cap_bytes, self.first_bucket_bytes)
@@ -82,10 +85,14 @@ class DistributedDataParallel(DataParallelBase):
             collectives.broadcast(order, src=self.src, group=self.group)
             self._set_layout(order.tolist())
             self._ready_order = None
+            self.layouts["rebuilt"] = self.layout()
         for b in self.buckets:
             b.pending, b.work = len(b.param_indices), None
         self._next_launch = 0
         self._seen, self._callback_queued = set(), False
+        self.timeline = {"start": time.perf_counter(), "ready": [], "launch": {}, "done": {}, "end": None,
+                         "buckets": [[self.names[i] for i in b.param_indices] for b in self.buckets],
+                         "bytes": [b.nbytes for b in self.buckets]}
         return super().forward(*args, **kwargs)
 
     def _grad_ready(self, param: nn.Parameter) -> None:
@@ -93,6 +100,8 @@ class DistributedDataParallel(DataParallelBase):
             return
         i = self._index[id(param)]
         self._seen.add(i)
+        if self.timeline is not None:
+            self.timeline["ready"].append((self.names[i], self._where[i][0].index, time.perf_counter()))
         if not self._callback_queued:
             # Run _end_of_backward when autograd has finished this backward. There is no public
             # API for that; torch's own DDP and FSDP queue a callback on the engine the same way.
@@ -117,9 +126,15 @@ class DistributedDataParallel(DataParallelBase):
     def _launch(self, b) -> None:
         if self.compress is None:
             b.work = collectives.all_reduce(b.buffer, group=self.group, async_op=True)
-            return
-        b.sent = b.buffer.to(self.compress).div_(self.world_size)  # half the bytes on the wire
-        b.work = collectives.all_reduce(b.sent, group=self.group, async_op=True)
+        else:
+            b.sent = b.buffer.to(self.compress).div_(self.world_size)  # half the bytes on the wire
+            b.work = collectives.all_reduce(b.sent, group=self.group, async_op=True)
+        if self.timeline is not None:
+            timeline, index = self.timeline, b.index
+            timeline["launch"][index] = time.perf_counter()
+            future = b.work.get_future()
+            if future is not None:  # completion as the backend reports it, not when we waited
+                future.then(lambda _: timeline["done"].__setitem__(index, time.perf_counter()))
 
     def _end_of_backward(self) -> None:
         """Every gradient arrived (nothing to do), or some parameters got none: name them.
@@ -146,3 +161,5 @@ class DistributedDataParallel(DataParallelBase):
             for i, offset in zip(b.param_indices, b.offsets):
                 p = self.params[i]
                 p.grad.copy_(b.buffer[offset:offset + p.numel()].view_as(p.grad))
+        if self.timeline is not None:
+            self.timeline["end"] = time.perf_counter()

@@ -1,0 +1,44 @@
+"""The bucket timeline: every gradient's ready time, every bucket's launch and completion, the
+end of backward, exported as a Chrome trace and a PNG; and the layout before and after the rebuild.
+
+    pytest tests/ddp/test_trace.py -q
+"""
+
+import json
+
+import torch.nn.functional as F
+
+from ddp_from_scratch.compare import SmallNet, batch
+from ddp_from_scratch.ddp import DistributedDataParallel
+from ddp_from_scratch.trace import plot_timeline, write_chrome_trace
+
+
+def _traced(env, out_dir):
+    model = DistributedDataParallel(SmallNet(), bucket_cap_mb=0.0005, first_bucket_mb=0.0001)
+    for step in range(2):
+        x, y = batch(step, env.rank, 4, 12)
+        F.cross_entropy(model(x), y).backward()
+    tl = model.timeline
+    n_buckets = len(tl["buckets"])
+    assert len(tl["ready"]) == sum(len(b) for b in tl["buckets"]) == 8
+    assert sorted(tl["launch"]) == list(range(n_buckets)) and sorted(tl["done"]) == list(range(n_buckets))
+    for bucket in range(n_buckets):
+        last_ready = max(t for _, b, t in tl["ready"] if b == bucket)
+        assert last_ready <= tl["launch"][bucket] <= tl["done"][bucket] <= tl["end"]
+    launches = [tl["launch"][b] for b in range(n_buckets)]
+    assert launches == sorted(launches)  # buckets go out in order
+    if env.rank == 0:
+        write_chrome_trace(tl, str(out_dir / "trace.json"), rank=0)
+        plot_timeline(tl, str(out_dir / "timeline.png"))
+    return n_buckets, model.layouts
+
+
+def test_timeline_trace_and_layouts(dist_run, tmp_path):
+    n_buckets, layouts = dist_run(_traced, 2, args=(tmp_path,))[0]
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    assert len(spans) == n_buckets == 3 and all(e["dur"] >= 0 for e in spans)
+    assert sum(e["name"].startswith("grad ready") for e in events) == 8
+    assert any(e["name"] == "end of backward" for e in events)
+    assert (tmp_path / "timeline.png").stat().st_size > 5000
+    assert set(layouts) == {"initial", "rebuilt"} and "bucket 2:" in layouts["initial"]
