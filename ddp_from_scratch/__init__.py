@@ -12,6 +12,7 @@ Written so far:
               no_sync, fp16/bf16 compression, unused parameters named at the end of backward
   trace.py    the bucket timeline as a Chrome trace and a PNG
   compare.py  side-by-side parity with torch's DDP (python -m ddp_from_scratch.compare)
+  train.py    the training program (python -m ddp_from_scratch.train), checkpoint and --resume
 Still to come: find_unused_parameters=True, gradient_as_bucket_view, torch's exact bucket layout
-(needed for bitwise equality beyond 2 ranks), the training program and its benchmark.
+(needed for bitwise equality beyond 2 ranks), the step-time benchmark.
 """
