@@ -14,5 +14,6 @@ Written so far:
   compare.py  side-by-side parity with torch's DDP (python -m ddp_from_scratch.compare)
   train.py    the training program (python -m ddp_from_scratch.train), checkpoint and --resume
 Still to come: find_unused_parameters=True, gradient_as_bucket_view, torch's exact bucket layout
-(needed for bitwise equality beyond 2 ranks), the step-time benchmark.
+(needed for bitwise equality beyond 2 ranks), and closing the 1.07x step-time gap to torch's DDP
+(benchmarks/ddp_step_time.py).
 """
