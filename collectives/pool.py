@@ -283,6 +283,6 @@ class RankPool:
                 continue
             # The spawn bootstrap frames say nothing about where the rank is stuck.
             stacks[rank] = "\n".join(
-                ln for ln in lines if "multiprocessing/" not in ln and '"<string>"' not in ln and "pool.py" not in ln
+                ln for ln in lines if "multiprocessing/" not in ln and '"<string>"' not in ln and __file__ not in ln
             )
         return stacks
