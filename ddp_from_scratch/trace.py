@@ -50,7 +50,7 @@ def plot_timeline(timeline: Dict, path: str) -> None:
 
     n = len(timeline["buckets"])
     fig, ax = plt.subplots(figsize=(9, 1.0 + 0.5 * n))
-    for name, bucket, t in timeline["ready"]:
+    for _, bucket, t in timeline["ready"]:
         ax.plot(_us(timeline, t) / 1e3, bucket, "|", color="tab:blue", markersize=12)
     for bucket, launched in timeline["launch"].items():
         done = timeline["done"].get(bucket, timeline["end"])

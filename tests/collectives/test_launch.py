@@ -6,7 +6,6 @@ process is left behind. Each case spawns ranks (~3 s), so the grid is small.
 """
 
 import os
-import signal
 import time
 
 import pytest

@@ -12,7 +12,6 @@ import math
 
 import pytest
 import torch
-from torch.testing import assert_close
 
 import collectives as C
 from collectives.errors import CollectiveError
@@ -70,10 +69,11 @@ def expected(op: str, dtype: torch.dtype, n: int, rows: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("collective", REDUCTIONS)
+@pytest.mark.parametrize("collective", REDUCTIONS + MOVES)
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_reductions(world_size, collective, dtype, dist_run):
-    dist_run(_reductions_body, world_size, args=(collective, dtype))
+def test_collective(world_size, collective, dtype, dist_run):
+    body = _reductions_body if collective in REDUCTIONS else _movement_body
+    dist_run(body, world_size, args=(collective, dtype))
 
 
 def _reductions_body(env, collective, dtype):
@@ -99,13 +99,6 @@ def _reductions_body(env, collective, dtype):
                 out = C.reduce_scatter(t, op=op, async_op=async_op)
                 got = out.wait() if async_op else out
                 assert torch.equal(got, want[2 * r : 2 * r + 2]), f"{tag}: {got}"
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("collective", MOVES)
-@pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_data_movement(world_size, collective, dtype, dist_run):
-    dist_run(_movement_body, world_size, args=(collective, dtype))
 
 
 def _movement_body(env, collective, dtype):
