@@ -57,14 +57,18 @@ def batch(step: int, rank: int, batch_size: int, image: int = 32):
     return torch.randn(batch_size, 3, image, image, generator=g), torch.randint(0, 10, (batch_size,), generator=g)
 
 
-def train_side_by_side(env, wrapper, steps: int, model: str = "small", batch_size: int = 4, image: int = 12) -> List:
+def train_side_by_side(env, wrapper, steps: int, model: str = "small", batch_size: int = 4, image: int = 12,
+                       torch_comm_hook=None) -> List:
     """On each rank, per step: (params equal, buffers equal, loss equal, largest parameter difference).
 
-    `wrapper` is a name in WRAPPERS or a class taking the module (tests pass broken ones).
+    `wrapper` is a name in WRAPPERS or a class taking the module (tests pass broken ones);
+    `torch_comm_hook` is registered on torch's DDP (e.g. default_hooks.fp16_compress_hook).
     """
     torch.manual_seed(100 + env.rank)  # every rank starts from different weights
     base = MODELS[model]()
     theirs = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    if torch_comm_hook is not None:
+        theirs.register_comm_hook(None, torch_comm_hook)
     ours = (WRAPPERS[wrapper] if isinstance(wrapper, str) else wrapper)(base)
     opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (ours, theirs)]
     report = []

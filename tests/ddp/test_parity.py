@@ -176,42 +176,43 @@ def test_unused_parameters_are_named_at_the_end_of_that_backward(dist_run):
     assert dist_run(_unused, 2) == [2.0, 2.0]
 
 
-def _compressed(env, compress, hook):
-    """Ours with compress=... against torch's DDP, with the matching built-in comm hook if `hook`."""
+class Fp16Buckets(BucketedDataParallel):
+    WIRE = torch.float16
+
+    def __init__(self, module):
+        super().__init__(module, compress="fp16")
+
+    def _launch(self, b):
+        super()._launch(b)
+        assert b.sent.dtype == self.WIRE, f"bucket {b.index} went out as {b.sent.dtype}"
+
+
+class Bf16Buckets(Fp16Buckets):
+    WIRE = torch.bfloat16
+
+    def __init__(self, module):
+        BucketedDataParallel.__init__(self, module, compress="bf16")
+
+
+def _with_fp16_hook(env, steps):
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-    torch.manual_seed(100 + env.rank)
-    model = SmallNet()
-    theirs = nn.parallel.DistributedDataParallel(copy.deepcopy(model))
-    if hook:
-        theirs.register_comm_hook(None, default_hooks.fp16_compress_hook)
-    ours = BucketedDataParallel(model, compress=compress)
-    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (ours, theirs)]
-    equal, largest = True, 0.0
-    for step in range(3):
-        x, y = _batch(step, env.rank)
-        for m, opt in zip((ours, theirs), opts):
-            opt.zero_grad()
-            F.cross_entropy(m(x), y).backward()
-            opt.step()
-        for a, b in zip(ours.module.parameters(), theirs.module.parameters()):
-            equal &= torch.equal(a, b)
-            largest = max(largest, (a - b).abs().max().item())
-    return equal, largest, {b.sent.dtype for b in ours.buckets}
+    return train_side_by_side(env, Fp16Buckets, steps, torch_comm_hook=default_hooks.fp16_compress_hook)
 
 
 def test_fp16_compression_is_bitwise_torchs_fp16_hook(dist_run):
-    for equal, largest, wire in dist_run(_compressed, 2, args=("fp16", True)):
-        assert wire == {torch.float16}
-        assert equal, f"differs from torch's fp16_compress_hook by {largest:g}"
+    for rank, steps in enumerate(dist_run(_with_fp16_hook, 2, args=(3,))):
+        for step, (params, _, _, diff) in enumerate(steps):
+            assert params, f"rank {rank}, step {step}: differs from torch's fp16_compress_hook by {diff:g}"
 
 
 def test_bf16_compression_is_close_to_uncompressed_ddp(dist_run):
     # torch's bf16_compress_hook refuses to run without CUDA and NCCL, so on Gloo the comparison
     # is with uncompressed DDP: bf16 keeps 8 bits of mantissa, so the steps differ slightly.
-    for equal, largest, wire in dist_run(_compressed, 2, args=("bf16", False)):
-        assert wire == {torch.bfloat16}
-        assert not equal and largest < 1e-3, f"largest difference {largest:g}"
+    for rank, steps in enumerate(dist_run(train_side_by_side, 2, args=(Bf16Buckets, 3))):
+        assert not all(params for params, *_ in steps), f"rank {rank}: bf16 changed nothing"
+        largest = max(diff for *_, diff in steps)
+        assert largest < 1e-3, f"rank {rank}: largest difference {largest:g}"
 
 
 def test_resnet50_bucketed_is_bitwise_equal_to_torch_ddp_on_two_ranks(dist_run):
