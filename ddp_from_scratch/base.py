@@ -4,7 +4,7 @@
   naming the ranks that differ, not a hang), then broadcast parameters and buffers from the
   group's first rank, so every replica starts equal.
 - Before each forward: broadcast buffers (BatchNorm running statistics) from that rank, as
-  torch's DDP does with broadcast_buffers=True.
+  torch's DDP does with broadcast_buffers=True, packed into one message per dtype.
 - During backward: a hook on every parameter fires after its gradient is accumulated
   (`register_post_accumulate_grad_hook` hands the hook the *parameter*; its gradient is
   `param.grad`). When the last one has fired, `_sync()` runs in the subclass.
@@ -37,9 +37,8 @@ class DataParallelBase(nn.Module):
         self.src = dist.get_process_group_ranks(group or dist.group.WORLD)[0]
         self.named_params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self._check_same_parameters()
-        with torch.no_grad():
-            for tensor in list(module.parameters()) + list(module.buffers()):
-                collectives.broadcast(tensor.data, src=self.src, group=group)
+        self._broadcast_coalesced([t.data for t in list(module.parameters()) + list(module.buffers())])
+        self._buffers_to_sync = list(module.buffers())
         self._ready = 0
         for _, param in self.named_params:
             param.register_post_accumulate_grad_hook(self._grad_ready)
@@ -62,11 +61,36 @@ class DataParallelBase(nn.Module):
                 f"ranks grouped by identical models: {sorted(groups.values())}"
             )
 
+    def _broadcast_coalesced(self, tensors: List[torch.Tensor], chunk_bytes: int = 250 << 20) -> None:
+        """Broadcast `tensors` from the group's first rank, packed into few flat messages.
+
+        One collective per dtype (and per 250 MiB, as torch's DDP does) instead of one per tensor:
+        ResNet-50 has 159 BatchNorm buffers, and each collective costs tens of microseconds.
+        """
+        by_kind = {}
+        for t in tensors:
+            by_kind.setdefault((t.dtype, t.device), []).append(t)
+        with torch.no_grad():
+            for group_of_kind in by_kind.values():
+                chunks, current, size = [], [], 0
+                for t in group_of_kind:
+                    if current and size + t.numel() * t.element_size() > chunk_bytes:
+                        chunks.append(current)
+                        current, size = [], 0
+                    current.append(t)
+                    size += t.numel() * t.element_size()
+                chunks.append(current)
+                for chunk in chunks:
+                    flat = torch.cat([t.reshape(-1) for t in chunk])
+                    collectives.broadcast(flat, src=self.src, group=self.group)
+                    offset = 0
+                    for t in chunk:
+                        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                        offset += t.numel()
+
     def forward(self, *args, **kwargs):
-        if self.broadcast_buffers and self.world_size > 1:
-            with torch.no_grad():
-                for buffer in self.module.buffers():
-                    collectives.broadcast(buffer, src=self.src, group=self.group)
+        if self.broadcast_buffers and self.world_size > 1 and self._buffers_to_sync:
+            self._broadcast_coalesced(self._buffers_to_sync)
         self._ready = 0
         return self.module(*args, **kwargs)
 

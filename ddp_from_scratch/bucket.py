@@ -1,17 +1,30 @@
 """Buckets: which gradients travel together, and where each one sits in its bucket's flat buffer.
 
-Gradients are grouped in the order they are expected to become ready (reverse parameter order
-at first, then the order actually seen in the first backward), and a bucket is closed once it
-holds at least its byte cap: a small first bucket (1 MiB) so that communication starts early,
-then `bucket_cap_mb` (25 MiB by default). Parameters of different dtypes never share a bucket.
+A bucket is closed once it holds at least its byte limit: a small first bucket (1 MiB) so that
+communication starts early, then `bucket_cap_mb` (25 MiB by default). Parameters of different
+dtypes or devices never share a bucket. The layouts are torch's (torch 2.13,
+nn/parallel/distributed.py and the C++ Reducer), because with more than two ranks the sum's
+rounding depends on where an element sits in the buffer, so only the same layout gives the same
+bits:
 
-    layout = assign_buckets(params, order, bucket_cap_bytes=25 << 20, first_bucket_bytes=1 << 20)
-    print(describe(layout, names))
+- First iteration (`initial_layout`): one bucket holding every parameter in definition order.
+  The definition order may not be the order gradients arrive in, so torch does not bucket until
+  it has seen one backward. With find_unused_parameters=True (no rebuild follows), buckets of
+  [first, cap] bytes are cut walking the definition order, and the list of buckets is reversed
+  (the parameters inside a bucket stay in definition order).
+- After the first backward (`rebuilt_layout`): buckets cut walking the order in which gradients
+  actually became ready, [first, cap] bytes.
+
+    layout = rebuilt_layout(params, ready_order, bucket_cap_bytes=25 << 20, first_bucket_bytes=1 << 20)
+    print(describe(build(params, layout), names))
+
+tests/ddp/test_bucket.py checks these against torch's own `_compute_bucket_assignment_by_size`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -28,29 +41,58 @@ class Bucket:
     pending: int = 0  # gradients still to arrive in this backward
     work: Optional[object] = None  # the async all_reduce in flight
     sent: Optional[torch.Tensor] = None  # the compressed copy on the wire (compress="fp16"/"bf16")
+    views: List[torch.Tensor] = dataclasses.field(default_factory=list)  # each parameter's slot, shaped like it
 
     @property
     def nbytes(self) -> int:
         return self.buffer.numel() * self.buffer.element_size()
 
+    def view(self, position: int, like: torch.Tensor) -> torch.Tensor:
+        """The slot of the `position`-th parameter of this bucket, shaped like it."""
+        offset = self.offsets[position]
+        return self.buffer[offset:offset + like.numel()].view_as(like)
 
-def assign_buckets(params: Sequence[torch.Tensor], order: Sequence[int], bucket_cap_bytes: int,
-                   first_bucket_bytes: int) -> List[List[int]]:
-    """Parameter indices per bucket, walking `order`; a bucket closes once it reaches its cap."""
-    buckets: List[List[int]] = []
-    open_by_dtype: Dict[torch.dtype, List[int]] = {}
-    size_by_dtype: Dict[torch.dtype, int] = {}
+
+def assign_buckets(params: Sequence[torch.Tensor], order: Sequence[int], limits: Sequence[int]) -> List[List[int]]:
+    """Parameter indices per bucket, walking `order`.
+
+    Per (dtype, device): a bucket closes as soon as it holds at least its limit; that kind's k-th
+    bucket has limit limits[min(k, len(limits) - 1)]. Closed buckets come in the order they
+    closed, then the still-open ones (one per kind) in the order their kinds first appeared.
+    """
+    closed: List[List[int]] = []
+    open_: Dict[tuple, List[int]] = {}
+    size: Dict[tuple, int] = {}
+    count: Dict[tuple, int] = {}  # buckets closed so far, per kind
     for i in order:
         p = params[i]
-        current = open_by_dtype.setdefault(p.dtype, [])
-        current.append(i)
-        size_by_dtype[p.dtype] = size_by_dtype.get(p.dtype, 0) + p.numel() * p.element_size()
-        cap = first_bucket_bytes if not buckets else bucket_cap_bytes
-        if size_by_dtype[p.dtype] >= cap:
-            buckets.append(current)
-            open_by_dtype[p.dtype], size_by_dtype[p.dtype] = [], 0
-    buckets += [b for b in open_by_dtype.values() if b]
-    return buckets
+        kind = (p.dtype, p.device)
+        open_.setdefault(kind, []).append(i)
+        size[kind] = size.get(kind, 0) + p.numel() * p.element_size()
+        if size[kind] >= limits[min(count.get(kind, 0), len(limits) - 1)]:
+            closed.append(open_[kind])
+            open_[kind], size[kind] = [], 0
+            count[kind] = count.get(kind, 0) + 1
+    return closed + [b for b in open_.values() if b]
+
+
+def initial_layout(params: Sequence[torch.Tensor], bucket_cap_bytes: int, first_bucket_bytes: int,
+                   find_unused_parameters: bool = False) -> List[List[int]]:
+    """torch's layout for the first iteration (see the module docstring)."""
+    if not find_unused_parameters:
+        limits = [sys.maxsize]  # one bucket per kind
+    elif first_bucket_bytes < bucket_cap_bytes:
+        limits = [first_bucket_bytes, bucket_cap_bytes]
+    else:
+        limits = [bucket_cap_bytes]
+    buckets = sorted(assign_buckets(params, range(len(params)), limits), key=min)
+    return buckets[::-1]  # gradients arrive roughly in reverse definition order
+
+
+def rebuilt_layout(params: Sequence[torch.Tensor], ready_order: Sequence[int], bucket_cap_bytes: int,
+                   first_bucket_bytes: int) -> List[List[int]]:
+    """torch's layout after the first backward: cut in the order gradients became ready."""
+    return assign_buckets(params, ready_order, [first_bucket_bytes, bucket_cap_bytes])
 
 
 def build(params: Sequence[torch.Tensor], layout: List[List[int]]) -> List[Bucket]:
@@ -61,7 +103,9 @@ def build(params: Sequence[torch.Tensor], layout: List[List[int]]) -> List[Bucke
             offsets.append(total)
             total += params[i].numel()
         buffer = torch.zeros(total, dtype=params[members[0]].dtype, device=params[members[0]].device)
-        out.append(Bucket(index, list(members), offsets, buffer, pending=len(members)))
+        b = Bucket(index, list(members), offsets, buffer, pending=len(members))
+        b.views = [b.view(pos, params[i]) for pos, i in enumerate(members)]
+        out.append(b)
     return out
 
 

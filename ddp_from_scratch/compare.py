@@ -16,9 +16,10 @@ from __future__ import annotations
 import argparse
 import copy
 import sys
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from tabulate import tabulate
 from torch import nn
@@ -48,7 +49,25 @@ class SmallNet(nn.Module):
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
 
 
-MODELS = {"small": SmallNet, "resnet50": lambda: resnet50(num_classes=10)}
+class Branchy(SmallNet):
+    """SmallNet with two more heads: `extra` is used on rank 0 only, `never` by no rank.
+
+    For find_unused_parameters=True: rank 1 gets no local gradient for `extra` but must end with
+    the average; `never`'s gradient must stay None everywhere.
+    """
+
+    def __init__(self, num_classes: int = 10):
+        super().__init__(num_classes)
+        self.extra, self.never = nn.Linear(16, num_classes), nn.Linear(16, num_classes)
+
+    def forward(self, x):
+        x = F.relu(self.bn1(self.conv1(x)))
+        x = torch.flatten(F.adaptive_avg_pool2d(F.relu(self.bn2(self.conv2(x))), 1), 1)
+        out = self.fc(x)
+        return out + self.extra(x) if dist.get_rank() == 0 else out
+
+
+MODELS = {"small": SmallNet, "resnet50": lambda: resnet50(num_classes=10), "branchy": Branchy}
 
 
 def batch(step: int, rank: int, batch_size: int, image: int = 32):
@@ -57,26 +76,35 @@ def batch(step: int, rank: int, batch_size: int, image: int = 32):
     return torch.randn(batch_size, 3, image, image, generator=g), torch.randint(0, 10, (batch_size,), generator=g)
 
 
-def train_side_by_side(env, wrapper, steps: int, model: str = "small", batch_size: int = 4, image: int = 12,
-                       torch_comm_hook=None) -> List:
+def _same_grad(a: nn.Parameter, b: nn.Parameter) -> bool:
+    return (a.grad is None and b.grad is None) or (a.grad is not None and b.grad is not None and torch.equal(a.grad, b.grad))
+
+
+def train_side_by_side(env, wrapper, steps: int, model="small", batch_size: int = 4, image: int = 12,
+                       torch_comm_hook=None, ddp_kwargs: Optional[dict] = None, set_to_none: bool = True) -> List:
     """On each rank, per step: (params equal, buffers equal, loss equal, largest parameter difference).
 
+    "params equal" covers each parameter and its .grad (both None, or equal).
     `wrapper` is a name in WRAPPERS or a class taking the module (tests pass broken ones);
-    `torch_comm_hook` is registered on torch's DDP (e.g. default_hooks.fp16_compress_hook).
+    `model` a name in MODELS or a callable building one; `ddp_kwargs` go to both torch's DDP and
+    ours (find_unused_parameters=..., gradient_as_bucket_view=...); `torch_comm_hook` is
+    registered on torch's DDP (e.g. default_hooks.fp16_compress_hook); `set_to_none` is passed to
+    zero_grad.
     """
+    ddp_kwargs = ddp_kwargs or {}
     torch.manual_seed(100 + env.rank)  # every rank starts from different weights
-    base = MODELS[model]()
-    theirs = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    base = (MODELS[model] if isinstance(model, str) else model)()
+    theirs = nn.parallel.DistributedDataParallel(copy.deepcopy(base), **ddp_kwargs)
     if torch_comm_hook is not None:
         theirs.register_comm_hook(None, torch_comm_hook)
-    ours = (WRAPPERS[wrapper] if isinstance(wrapper, str) else wrapper)(base)
+    ours = (WRAPPERS[wrapper] if isinstance(wrapper, str) else wrapper)(base, **ddp_kwargs)
     opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (ours, theirs)]
     report = []
     for step in range(steps):
         x, y = batch(step, env.rank, batch_size, image)
         losses = []
         for m, opt in zip((ours, theirs), opts):
-            opt.zero_grad()
+            opt.zero_grad(set_to_none=set_to_none)
             loss = F.cross_entropy(m(x), y)
             loss.backward()
             opt.step()
@@ -84,7 +112,7 @@ def train_side_by_side(env, wrapper, steps: int, model: str = "small", batch_siz
         p_ours, p_theirs = dict(ours.module.named_parameters()), dict(theirs.module.named_parameters())
         b_ours, b_theirs = dict(ours.module.named_buffers()), dict(theirs.module.named_buffers())
         report.append((
-            all(torch.equal(p_ours[k], p_theirs[k]) for k in p_theirs),
+            all(torch.equal(p_ours[k], p_theirs[k]) and _same_grad(p_ours[k], p_theirs[k]) for k in p_theirs),
             all(torch.equal(b_ours[k], b_theirs[k]) for k in b_theirs),
             torch.equal(losses[0], losses[1]),
             max((p_ours[k] - p_theirs[k]).abs().max().item() for k in p_theirs),
