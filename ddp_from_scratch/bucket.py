@@ -16,7 +16,7 @@ bits:
   actually became ready, [first, cap] bytes.
 
     layout = rebuilt_layout(params, ready_order, bucket_cap_bytes=25 << 20, first_bucket_bytes=1 << 20)
-    print(describe(build(params, layout), names))
+    print(describe(layout, params, names))
 
 tests/ddp/test_bucket.py checks these against torch's own `_compute_bucket_assignment_by_size`.
 """
@@ -109,11 +109,20 @@ def build(params: Sequence[torch.Tensor], layout: List[List[int]]) -> List[Bucke
     return out
 
 
-def describe(buckets: List[Bucket], names: Sequence[str]) -> str:
-    """The layout as a reader wants to see it: per bucket, its bytes and its parameters in order."""
+def describe(layout: List[List[int]], params: Sequence[torch.Tensor], names: Sequence[str], verbose: bool = False) -> str:
+    """The layout as a reader wants to see it: per bucket, its bytes and its parameters in buffer order.
+
+    verbose=True lists every parameter with its element offset in the buffer, shape and bytes.
+    """
     lines = []
-    for b in buckets:
-        first, last = names[b.param_indices[0]], names[b.param_indices[-1]]
-        lines.append(f"bucket {b.index}: {len(b.param_indices):3d} params, {b.nbytes / 2**20:8.3f} MiB  "
-                     f"[{first} ... {last}]")
+    for index, members in enumerate(layout):
+        nbytes = sum(params[i].numel() * params[i].element_size() for i in members)
+        lines.append(f"bucket {index}: {len(members):3d} params, {nbytes / 2**20:8.3f} MiB  "
+                     f"[{names[members[0]]} ... {names[members[-1]]}]")
+        if verbose:
+            offset = 0
+            for i in members:
+                p = params[i]
+                lines.append(f"    {offset:>10d}  {names[i]:<40s} {str(tuple(p.shape)):<20s} {p.numel() * p.element_size():>10d} B")
+                offset += p.numel()
     return "\n".join(lines)

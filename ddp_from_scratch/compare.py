@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import copy
 import sys
+from functools import partial
 from typing import Dict, List, Optional
 
 import torch
@@ -26,6 +27,7 @@ from torch import nn
 
 import collectives
 
+from .bucket import describe as bucket_describe
 from .ddp import DistributedDataParallel
 from .flat import FlatDataParallel
 from .naive import NaiveDataParallel
@@ -81,13 +83,15 @@ def _same_grad(a: nn.Parameter, b: nn.Parameter) -> bool:
 
 
 def train_side_by_side(env, wrapper, steps: int, model="small", batch_size: int = 4, image: int = 12,
-                       torch_comm_hook=None, ddp_kwargs: Optional[dict] = None, set_to_none: bool = True) -> List:
+                       torch_comm_hook=None, ddp_kwargs: Optional[dict] = None, set_to_none: bool = True,
+                       ours_kwargs: Optional[dict] = None) -> List:
     """On each rank, per step: (params equal, buffers equal, loss equal, largest parameter difference).
 
     "params equal" covers each parameter and its .grad (both None, or equal).
     `wrapper` is a name in WRAPPERS or a class taking the module (tests pass broken ones);
     `model` a name in MODELS or a callable building one; `ddp_kwargs` go to both torch's DDP and
-    ours (find_unused_parameters=..., gradient_as_bucket_view=...); `torch_comm_hook` is
+    ours (find_unused_parameters=..., gradient_as_bucket_view=...), `ours_kwargs` to ours only
+    (compress="fp16"); `torch_comm_hook` is
     registered on torch's DDP (e.g. default_hooks.fp16_compress_hook); `set_to_none` is passed to
     zero_grad.
     """
@@ -97,7 +101,7 @@ def train_side_by_side(env, wrapper, steps: int, model="small", batch_size: int 
     theirs = nn.parallel.DistributedDataParallel(copy.deepcopy(base), **ddp_kwargs)
     if torch_comm_hook is not None:
         theirs.register_comm_hook(None, torch_comm_hook)
-    ours = (WRAPPERS[wrapper] if isinstance(wrapper, str) else wrapper)(base, **ddp_kwargs)
+    ours = (WRAPPERS[wrapper] if isinstance(wrapper, str) else wrapper)(base, **ddp_kwargs, **(ours_kwargs or {}))
     opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (ours, theirs)]
     report = []
     for step in range(steps):
@@ -127,27 +131,107 @@ def summarise(per_rank: List[List]) -> Dict:
     return {"bitwise": bitwise, "largest_diff": max(d for rank in per_rank for *_, d in rank), "first_step_differing": first_off}
 
 
+def bf16_compress_hook_on_gloo(state, bucket):
+    """torch's bf16_compress_hook, run on Gloo.
+
+    torch refuses the public hook without NCCL ("BF16 all reduce communication hook required
+    CUDA 11+ and NCCL 2.10+"), but it is only `_compress_hook(torch.bfloat16, ...)`, the same
+    body as fp16_compress_hook; Gloo sums bf16 fine. So we call that body directly.
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    return default_hooks._compress_hook(torch.bfloat16, state, bucket)
+
+
+def options():
+    """The bucketed wrapper's settings compared with torch's: {label: (train_side_by_side kwargs, note)}."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    return {
+        "find_unused_parameters": (
+            {"model": "branchy", "ddp_kwargs": {"find_unused_parameters": True}},
+            "model Branchy: one head used on rank 0 only, one used by no rank; .grad None-ness compared too"),
+        "gradient_as_bucket_view": ({"ddp_kwargs": {"gradient_as_bucket_view": True}}, ""),
+        "gradient_as_bucket_view, set_to_none=False": (
+            {"ddp_kwargs": {"gradient_as_bucket_view": True}, "set_to_none": False},
+            "zero_grad(set_to_none=False): the gradients stay bucket views from step to step"),
+        "bucket_cap_mb=0.0005": ({"ddp_kwargs": {"bucket_cap_mb": 0.0005}}, "several buckets even for the small model"),
+        "compress fp16": (
+            {"ours_kwargs": {"compress": "fp16"}, "torch_comm_hook": default_hooks.fp16_compress_hook},
+            "ours with compress='fp16' against torch's DDP with fp16_compress_hook"),
+        "compress bf16": (
+            {"ours_kwargs": {"compress": "bf16"}, "torch_comm_hook": bf16_compress_hook_on_gloo},
+            "ours with compress='bf16' against torch's DDP with bf16_compress_hook's body (the hook refuses Gloo by name)"),
+    }
+
+
+def layouts(env, model: str = "small", batch_size: int = 2, image: int = 12, verbose: bool = False) -> Dict:
+    """Our bucket layout before and after the rebuild (two steps of our DDP, default settings)."""
+    ddp = DistributedDataParallel(MODELS[model]())
+    for step in range(2):
+        x, y = batch(step, env.rank, batch_size, image)
+        F.cross_entropy(ddp(x), y).backward()
+    return {when: bucket_describe(layout, ddp.params, ddp.names, verbose) for when, layout in ddp.layout_history.items()}
+
+
+def _row(label, n, steps, res):
+    return [label, n, steps, "yes" if res["bitwise"] else "no", f"{res['largest_diff']:.3g}",
+            "-" if res["first_step_differing"] is None else res["first_step_differing"]]
+
+
+HEADERS = ["wrapper", "ranks", "steps", "bitwise equal to torch DDP", "largest param diff", "first step differing"]
+NOT_BITWISE = """naive and flat are not bitwise equal to torch's DDP on more than 2 ranks, and cannot be: Gloo's ring
+all_reduce adds the ranks' values in an order that depends on where an element sits in the buffer,
+and they lay gradients out differently from torch's buckets (naive: one message per parameter;
+flat: one buffer in definition order, which is torch's layout in the first step only). On 2
+ranks a sum of two values does not depend on the order. The bucketed wrapper uses torch's layouts."""
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="Compare our data-parallel wrappers with torch's DDP, step by step.")
-    parser.add_argument("--model", choices=list(MODELS), default="small", help="small CNN or ResNet-50 (10 classes)")
+    parser.add_argument("--model", choices=list(MODELS), default="small",
+                        help="small CNN, ResNet-50 (10 classes), or the small CNN with unused heads")
     parser.add_argument("--impl", nargs="+", choices=list(WRAPPERS), default=list(WRAPPERS), help="wrappers to compare")
     parser.add_argument("--world-sizes", nargs="+", type=int, default=[2, 4], help="ranks to spawn, one run each")
     parser.add_argument("--steps", type=int, default=4, help="training steps compared")
     parser.add_argument("--batch-size", type=int, default=4, help="images per rank per step")
     parser.add_argument("--image", type=int, default=None, help="image side in pixels (default 12 small, 32 resnet50)")
+    parser.add_argument("--no-options", action="store_true",
+                        help="skip the second table (the bucketed wrapper's options against torch's)")
+    parser.add_argument("--show-layout", action="store_true",
+                        help="print the bucket layout before and after the rebuild, every parameter listed")
     args = parser.parse_args(argv)
     image = args.image or (32 if args.model == "resnet50" else 12)
+    data = f"synthetic CIFAR-shaped data ({args.batch_size} x 3 x {image} x {image} per rank)"
     rows = []
     for n in args.world_sizes:
         for impl in args.impl:
             print(f"running {impl} on {n} ranks ...", file=sys.stderr, flush=True)
             res = summarise(collectives.run(train_side_by_side, n, args=(impl, args.steps, args.model, args.batch_size, image)))
-            rows.append([impl, n, args.steps, "yes" if res["bitwise"] else "no", f"{res['largest_diff']:.3g}",
-                         "-" if res["first_step_differing"] is None else res["first_step_differing"]])
-    print(f"model {args.model}, synthetic CIFAR-shaped data ({args.batch_size} x 3 x {image} x {image} per rank), "
-          "SGD momentum 0.9, Gloo; compared after every step on every rank")
-    print(tabulate(rows, headers=["wrapper", "ranks", "steps", "bitwise equal to torch DDP",
-                                  "largest param diff", "first step differing"]))
+            rows.append(_row(impl, n, args.steps, res))
+    print(f"model {args.model}, {data}, SGD momentum 0.9, Gloo; parameters, their .grad, buffers and the loss "
+          "compared with torch.equal after every step on every rank")
+    print(tabulate(rows, headers=HEADERS))
+    if any(row[3] == "no" and row[0] in ("naive", "flat") and row[1] > 2 for row in rows):
+        print("\n" + NOT_BITWISE)
+    if not args.no_options:
+        rows = []
+        for n in args.world_sizes:
+            for label, (kwargs, note) in options().items():
+                print(f"running bucketed, {label}, on {n} ranks ...", file=sys.stderr, flush=True)
+                kwargs = {"model": args.model, "batch_size": args.batch_size, "image": image, **kwargs}
+                res = summarise(collectives.run(partial(train_side_by_side, **kwargs), n, args=("bucketed", args.steps)))
+                rows.append(_row(label, n, args.steps, res))
+        print(f"\nthe bucketed wrapper's options, each against torch's DDP with the same option")
+        print(tabulate(rows, headers=["bucketed, option"] + HEADERS[1:]))
+        for label, (_, note) in options().items():
+            if note:
+                print(f"  {label}: {note}")
+    if args.show_layout:
+        shown = collectives.run(layouts, 1, args=(args.model, args.batch_size, image, True))[0]
+        for when in ("initial", "rebuilt"):
+            print(f"\nbucket layout, {when} ({'first iteration' if when == 'initial' else 'from the first backward'}'s "
+                  f"order), model {args.model}:\n{shown[when]}")
     return 0
 
 

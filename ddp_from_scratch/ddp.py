@@ -114,7 +114,7 @@ class DistributedDataParallel(DataParallelBase):
         self._unused: list = []  # indices the graph walk did not reach in this forward
         self._callback_queued = False
         self.timeline: Optional[dict] = None  # the last backward's events (see trace.py)
-        self.layouts = {"initial": self.layout()}
+        self.layout_history = {"initial": [b.param_indices for b in self.buckets]}  # and "rebuilt" later
 
     def _set_layout(self, layout) -> None:
         old = getattr(self, "buckets", [])
@@ -132,9 +132,14 @@ class DistributedDataParallel(DataParallelBase):
                         p.grad = b.views[pos]
         self._bucket_names = [[self.names[i] for i in b.param_indices] for b in self.buckets]
 
-    def layout(self) -> str:
+    def layout(self, verbose: bool = False) -> str:
         """The current bucket layout (parameters, bytes, order), for printing."""
-        return bucketing.describe(self.buckets, self.names)
+        return bucketing.describe([b.param_indices for b in self.buckets], self.params, self.names, verbose)
+
+    @property
+    def layouts(self) -> dict:
+        """{"initial": text, "rebuilt": text (after the rebuild)}: the layout before and after."""
+        return {when: bucketing.describe(layout, self.params, self.names) for when, layout in self.layout_history.items()}
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -153,7 +158,7 @@ class DistributedDataParallel(DataParallelBase):
             self._set_layout(bucketing.rebuilt_layout(self.params, order.tolist(), self.bucket_cap_bytes,
                                                       self.first_bucket_bytes))
             self._ready_order = None
-            self.layouts["rebuilt"] = self.layout()
+            self.layout_history["rebuilt"] = [b.param_indices for b in self.buckets]
         for b in self.buckets:
             b.pending, b.work = len(b.param_indices), None
         self._next_launch = 0

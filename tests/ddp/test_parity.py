@@ -19,7 +19,7 @@ from torch import nn
 
 import collectives
 from ddp_from_scratch.ddp import DistributedDataParallel as BucketedDataParallel
-from ddp_from_scratch.compare import Branchy, SmallNet, batch, train_side_by_side
+from ddp_from_scratch.compare import Branchy, SmallNet, batch, bf16_compress_hook_on_gloo, train_side_by_side
 from ddp_from_scratch.flat import FlatDataParallel
 from ddp_from_scratch.naive import NaiveDataParallel
 
@@ -222,9 +222,19 @@ def test_fp16_compression_is_bitwise_torchs_fp16_hook(dist_run):
             assert params, f"rank {rank}, step {step}: differs from torch's fp16_compress_hook by {diff:g}"
 
 
-def test_bf16_compression_is_close_to_uncompressed_ddp(dist_run):
-    # torch's bf16_compress_hook refuses to run without CUDA and NCCL, so on Gloo the comparison
-    # is with uncompressed DDP: bf16 keeps 8 bits of mantissa, so the steps differ slightly.
+def _with_bf16_hook(env, steps):
+    return train_side_by_side(env, Bf16Buckets, steps, torch_comm_hook=bf16_compress_hook_on_gloo)
+
+
+def test_bf16_compression_is_bitwise_torchs_bf16_hook(dist_run):
+    # torch's bf16_compress_hook refuses Gloo by name; compare.bf16_compress_hook_on_gloo runs its body
+    for rank, steps in enumerate(dist_run(_with_bf16_hook, 2, args=(3,))):
+        for step, (params, _, _, diff) in enumerate(steps):
+            assert params, f"rank {rank}, step {step}: differs from torch's bf16 hook by {diff:g}"
+
+
+def test_bf16_compression_differs_from_uncompressed_ddp(dist_run):
+    # the check can see compression at all: bf16 keeps 8 bits of mantissa
     for rank, steps in enumerate(dist_run(train_side_by_side, 2, args=(Bf16Buckets, 3))):
         assert not all(params for params, *_ in steps), f"rank {rank}: bf16 changed nothing"
         largest = max(diff for *_, diff in steps)
