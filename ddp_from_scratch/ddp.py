@@ -83,13 +83,14 @@ class DistributedDataParallel(DataParallelBase):
     def __init__(self, module: nn.Module, group: Optional[dist.ProcessGroup] = None,
                  bucket_cap_mb: Optional[float] = None, first_bucket_mb: Optional[float] = None,
                  broadcast_buffers: bool = True, find_unused_parameters: bool = False,
-                 gradient_as_bucket_view: bool = False, compress: Optional[str] = None):
+                 gradient_as_bucket_view: bool = False, compress: Optional[str] = None, timeline: bool = True):
         """Args:
             bucket_cap_mb: bucket size in MiB. None (torch's default): 25 MiB with a 1 MiB first
                 bucket; a number: every bucket that size, unless first_bucket_mb says otherwise
                 (torch 2.13 uses the small first bucket only with the default cap).
             broadcast_buffers: send rank 0's buffers (BatchNorm statistics) before each forward.
             find_unused_parameters, gradient_as_bucket_view, compress: see the module docstring.
+            timeline: record each backward's per-bucket events in `self.timeline` (see trace.py).
         """
         super().__init__(module, group=group, broadcast_buffers=broadcast_buffers)
         if compress not in (None, "fp16", "bf16"):
@@ -113,6 +114,7 @@ class DistributedDataParallel(DataParallelBase):
         self._seen = bytearray(len(self.params))  # 1 where a gradient arrived in this backward
         self._unused: list = []  # indices the graph walk did not reach in this forward
         self._callback_queued = False
+        self.record_timeline = timeline
         self.timeline: Optional[dict] = None  # the last backward's events (see trace.py)
         self.layout_history = {"initial": [b.param_indices for b in self.buckets]}  # and "rebuilt" later
 
@@ -165,8 +167,9 @@ class DistributedDataParallel(DataParallelBase):
         self._seen = bytearray(len(self.params))
         self._callback_queued = False
         self._unused = []
-        self.timeline = {"start": time.perf_counter(), "ready": [], "launch": {}, "done": {}, "end": None,
-                         "buckets": self._bucket_names, "bytes": [b.nbytes for b in self.buckets]}
+        if self.record_timeline:
+            self.timeline = {"start": time.perf_counter(), "ready": [], "launch": {}, "done": {}, "end": None,
+                             "buckets": self._bucket_names, "bytes": [b.nbytes for b in self.buckets]}
         output = super().forward(*args, **kwargs)
         if self.find_unused_parameters and self._syncing and torch.is_grad_enabled():
             reached = reachable_parameters(output)

@@ -12,9 +12,18 @@ def test_step_time_benchmark_smoke(tmp_path, capsys):
     out = tmp_path / "steps.json"
     assert ddp_step_time.main(["--rounds", "1", "--batch-size", "2", "--caps", "25", "--skip-table", "--json", str(out)]) == 0
     text = capsys.readouterr().out
-    for label in ("torch, no_sync", "naive", "flat", "bucketed", "bucket_cap_mb sweep"):
+    for label in ("torch again (control)", "torch, no_sync", "naive", "flat", "bucketed", "bucket_cap_mb sweep"):
         assert label in text
-    report = json.loads(out.read_text())["seconds_per_step_median"]
-    assert set(report["comparison"]) == {"torch", "torch, no_sync", "naive", "flat", "bucketed"}
-    assert all(v > 0 for v in report["comparison"].values())
-    assert set(report["bucket_cap_sweep"]) == {"torch cap 25", "bucketed cap 25"}
+    report = json.loads(out.read_text())["seconds_per_step"]
+    assert set(report["comparison"]) == {"torch", "torch again (control)", "torch, no_sync", "naive", "flat",
+                                         "bucketed", "bucketed, timeline=False"}
+    assert all(e["median_s"] > 0 and len(e["steps"]) == 1 for e in report["comparison"].values())
+    assert report["comparison"]["torch"]["ratio"] == 1
+    assert set(report["bucket_cap_sweep"]["25"]) == {"torch", "bucketed"}
+
+
+def test_ratios_are_paired_within_rounds():
+    times = {"torch": [1.0, 2.0, 4.0], "ours": [1.1, 2.2, 4.4]}  # 10% slower in every round
+    summary = ddp_step_time.summarise(times, "torch")
+    assert abs(summary["ours"]["ratio"] - 1.1) < 1e-12 and summary["ours"]["median_s"] == 2.2
+    assert abs(summary["ours"]["ratio_q1"] - 1.1) < 1e-12 and abs(summary["ours"]["ratio_q3"] - 1.1) < 1e-12
