@@ -40,6 +40,13 @@ from ddp_from_scratch.naive import NaiveDataParallel
 from ddp_from_scratch.resnet import resnet50
 
 
+# --variants name: (row label, (kind, bucket_cap_mb[, timeline]))
+MAIN_VARIANTS = {"torch": ("torch", ("torch", None)), "control": ("torch again (control)", ("torch", None)),
+                 "no_sync": ("torch, no_sync", ("torch", None)), "naive": ("naive", ("naive", None)),
+                 "flat": ("flat", ("flat", None)), "bucketed": ("bucketed", ("bucketed", None)),
+                 "no_timeline": ("bucketed, timeline=False", ("bucketed", None, False))}
+
+
 def _make(kind: str, cap: Optional[float], timeline: bool = True):
     torch.manual_seed(0)
     model = resnet50(num_classes=10)
@@ -108,7 +115,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=11, help="timed steps per variant (alternated)")
     parser.add_argument("--batch-size", type=int, default=32, help="images per rank per step")
-    parser.add_argument("--caps", type=float, nargs="+", default=[1, 5, 25, 100], help="bucket_cap_mb values to sweep")
+    parser.add_argument("--caps", type=float, nargs="*", default=[1, 5, 25, 100],
+                        help="bucket_cap_mb values to sweep (none: no sweep)")
+    parser.add_argument("--variants", nargs="+", choices=list(MAIN_VARIANTS), default=list(MAIN_VARIANTS),
+                        help="rows of the first table (torch is always run: it is the reference)")
     parser.add_argument("--skip-table", action="store_true", help="skip the seeds-style table (4 ranks, AMP)")
     parser.add_argument("--json", help="write every step time, median and ratio, and the environment to this file")
     args = parser.parse_args(argv)
@@ -116,9 +126,7 @@ def main(argv=None) -> int:
     how = (f"median of {args.rounds} rounds; in each round every variant does one step, in random order; "
            "'/ torch' is the median of the per-round ratios, with quartiles")
 
-    main_variants = {"torch": ("torch", None), "torch again (control)": ("torch", None),
-                     "torch, no_sync": ("torch", None), "naive": ("naive", None), "flat": ("flat", None),
-                     "bucketed": ("bucketed", None), "bucketed, timeline=False": ("bucketed", None, False)}
+    main_variants = dict(v for k, v in MAIN_VARIANTS.items() if k == "torch" or k in args.variants)
     med = summarise(_run(2, main_variants, args.rounds, args.batch_size), "torch")
     report["comparison"] = med
     rows = [[label, f"{e['median_s']:.3f}", _ratio(e)] for label, e in med.items()]
@@ -131,16 +139,18 @@ def main(argv=None) -> int:
     for cap in args.caps:
         sweep[cap] = summarise(_run(2, {"torch": ("torch", cap), "bucketed": ("bucketed", cap)}, args.rounds,
                                     args.batch_size), "torch")
-    report["bucket_cap_sweep"] = {f"{cap:g}": v for cap, v in sweep.items()}
-    print("\nbucket_cap_mb sweep (2 ranks; torch and ours alternated at each cap, every bucket that size)")
-    print(tabulate([[f"{cap:g}", f"{v['torch']['median_s']:.3f}", f"{v['bucketed']['median_s']:.3f}",
-                     _ratio(v["bucketed"])] for cap, v in sweep.items()],
-                   headers=["bucket_cap_mb", "torch s/step", "ours s/step", "ours / torch"]))
+    if sweep:
+        report["bucket_cap_sweep"] = {f"{cap:g}": v for cap, v in sweep.items()}
+        print("\nbucket_cap_mb sweep (2 ranks; torch and ours alternated at each cap, every bucket that size)")
+        print(tabulate([[f"{cap:g}", f"{v['torch']['median_s']:.3f}", f"{v['bucketed']['median_s']:.3f}",
+                         _ratio(v["bucketed"])] for cap, v in sweep.items()],
+                       headers=["bucket_cap_mb", "torch s/step", "ours s/step", "ours / torch"]))
 
     if not args.skip_table:
         pair = {"torch": ("torch", None), "bucketed": ("bucketed", None)}
         table = {"one process": summarise(_run(1, pair, args.rounds, args.batch_size), "torch"),
-                 "DDP, 2 ranks": {k: med[k] for k in pair},
+                 "DDP, 2 ranks": ({k: med[k] for k in pair} if "bucketed" in med else
+                                  summarise(_run(2, pair, args.rounds, args.batch_size), "torch")),
                  "DDP, 4 ranks": summarise(_run(4, pair, args.rounds, args.batch_size), "torch"),
                  "DDP, 2 ranks + AMP (bf16)": summarise(_run(2, pair, args.rounds, args.batch_size, amp=True), "torch")}
         report["seeds_table"] = table

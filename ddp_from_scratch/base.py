@@ -83,10 +83,8 @@ class DataParallelBase(nn.Module):
                 for chunk in chunks:
                     flat = torch.cat([t.reshape(-1) for t in chunk])
                     collectives.broadcast(flat, src=self.src, group=self.group)
-                    offset = 0
-                    for t in chunk:
-                        t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                        offset += t.numel()
+                    pieces = flat.split([t.numel() for t in chunk])
+                    torch._foreach_copy_(chunk, [p.view_as(t) for p, t in zip(pieces, chunk)])  # one call, not one per tensor
 
     def forward(self, *args, **kwargs):
         if self.broadcast_buffers and self.world_size > 1 and self._buffers_to_sync:

@@ -260,6 +260,7 @@ class DistributedDataParallel(DataParallelBase):
             b.work.wait()
             if self.compress is not None:
                 b.buffer.copy_(b.sent)  # decompress
+            grads, views = [], []
             for pos, i in enumerate(b.param_indices):
                 p = self.params[i]
                 if used is not None and not used[i]:
@@ -267,6 +268,9 @@ class DistributedDataParallel(DataParallelBase):
                 if p.grad is None:  # used by other ranks, not here
                     p.grad = b.views[pos] if self.gradient_as_bucket_view else b.views[pos].clone()
                 elif p.grad.data_ptr() != b.views[pos].data_ptr():
-                    p.grad.copy_(b.views[pos])
+                    grads.append(p.grad)
+                    views.append(b.views[pos])
+            if grads:
+                torch._foreach_copy_(grads, views)  # the averaged values back into .grad, one call per bucket
         if self.timeline is not None:
             self.timeline["end"] = time.perf_counter()

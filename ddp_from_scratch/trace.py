@@ -5,6 +5,10 @@
     write_chrome_trace(model.timeline, "ddp_trace.json", rank=env.rank)   # open in ui.perfetto.dev
     plot_timeline(model.timeline, "ddp_timeline.png")
 
+    python -m ddp_from_scratch.trace --world-size 2 --batch-size 8 --out ddp-timeline   # ResNet-50
+        -> ddp-timeline.json (every rank, one process row each), ddp-timeline.png (rank 0), and the
+           bucket layout before and after the rebuild printed
+
 Per bucket: when each of its gradients became ready (instants), and its all_reduce from launch
 to completion (a span); plus the end of backward, when every averaged gradient is in place.
 Times are microseconds from the forward's start.
@@ -12,7 +16,9 @@ Times are microseconds from the forward's start.
 
 from __future__ import annotations
 
+import argparse
 import json
+import sys
 from typing import Dict
 
 
@@ -63,3 +69,58 @@ def plot_timeline(timeline: Dict, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _traced_steps(env, model_name: str, batch_size: int, steps: int):
+    """Train `steps` steps of our DDP (default settings); the last backward's timeline and the layouts."""
+    import torch
+    import torch.nn.functional as F
+
+    from .compare import MODELS, batch
+    from .ddp import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = DistributedDataParallel(MODELS[model_name]())
+    opt = torch.optim.SGD(model.parameters(), lr=0.001, momentum=0.9)
+    image = 32 if model_name == "resnet50" else 12
+    for step in range(steps):
+        x, y = batch(step, env.rank, batch_size, image)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    return model.timeline, model.layouts
+
+
+def main(argv=None) -> int:
+    import collectives
+
+    from .compare import MODELS
+
+    parser = argparse.ArgumentParser(description="Record our DDP's bucket timeline: Chrome trace, PNG, layouts.")
+    parser.add_argument("--model", choices=list(MODELS), default="resnet50")
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=8, help="images per rank")
+    parser.add_argument("--steps", type=int, default=3, help="steps trained; the last one is traced (the buckets "
+                        "are rebuilt at step 1)")
+    parser.add_argument("--out", default="ddp-timeline", help="writes OUT.json (Chrome trace) and OUT.png")
+    args = parser.parse_args(argv)
+    results = collectives.run(_traced_steps, args.world_size, args=(args.model, args.batch_size, args.steps))
+    events = [e for rank, (timeline, _) in enumerate(results) for e in chrome_trace_events(timeline, rank)]
+    with open(args.out + ".json", "w") as f:
+        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+    plot_timeline(results[0][0], args.out + ".png")
+    timeline, layouts = results[0]
+    for when, text in layouts.items():
+        print(f"bucket layout, {when}:\n{text}\n")
+    for bucket, launched in sorted(timeline["launch"].items()):
+        done = timeline["done"].get(bucket, timeline["end"])
+        last_ready = max(t for _, b, t in timeline["ready"] if b == bucket)
+        print(f"rank 0, bucket {bucket}: last gradient ready at {_us(timeline, last_ready) / 1e3:8.1f} ms, "
+              f"all_reduce {_us(timeline, launched) / 1e3:8.1f} -> {_us(timeline, done) / 1e3:8.1f} ms")
+    print(f"rank 0, end of backward at {_us(timeline, timeline['end']) / 1e3:.1f} ms (from the forward's start)")
+    print(f"wrote {args.out}.json (open in ui.perfetto.dev) and {args.out}.png", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

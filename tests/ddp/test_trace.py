@@ -44,3 +44,16 @@ def test_timeline_trace_and_layouts(dist_run, tmp_path):
     assert set(layouts) == {"initial", "rebuilt"}
     assert layouts["initial"].count("bucket ") == 1  # first iteration: one bucket, as torch does
     assert "bucket 2:" in layouts["rebuilt"] and "bucket 3:" not in layouts["rebuilt"]
+
+
+def test_trace_program_writes_every_rank_and_prints_the_layouts(tmp_path, capsys):
+    from ddp_from_scratch import trace
+
+    out = tmp_path / "tl"
+    assert trace.main(["--model", "small", "--world-size", "2", "--batch-size", "4", "--out", str(out)]) == 0
+    events = json.loads((tmp_path / "tl.json").read_text())["traceEvents"]
+    assert {e["pid"] for e in events} == {0, 1}
+    assert (tmp_path / "tl.png").stat().st_size > 5000
+    text = capsys.readouterr().out
+    assert "bucket layout, initial:\nbucket 0:   8 params" in text and "bucket layout, rebuilt:" in text
+    assert "rank 0, bucket 0: last gradient ready at" in text and "end of backward at" in text
