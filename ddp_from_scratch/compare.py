@@ -1,14 +1,18 @@
 """Prove it: train torch's DDP and ours side by side and compare after every step.
 
     python -m ddp_from_scratch.compare                                   # small CNN, 2 and 4 ranks
-    python -m ddp_from_scratch.compare --model resnet50 --world-sizes 2 --steps 2 --batch-size 2
+    python -m ddp_from_scratch.compare --model resnet50 --world-sizes 2 4 --steps 2 --batch-size 2 --show-layout
 
 On each rank, the same model is built from a different seed (so a missing initial broadcast
 shows), one copy is wrapped in torch.nn.parallel.DistributedDataParallel and one in ours, and
 both train with SGD (momentum 0.9) on the same CIFAR-shaped per-rank batches. After every step
-every parameter, every buffer (BatchNorm running statistics) and the loss are compared with
-torch.equal on every rank; the table says whether all were equal and the largest parameter
-difference. Data here is synthetic (random CIFAR-shaped tensors), and the table says so.
+every parameter and its .grad, every buffer (BatchNorm running statistics) and the loss are
+compared with torch.equal on every rank; the table says whether all were equal and the largest
+parameter difference. A second table does the same for the bucketed wrapper's options
+(find_unused_parameters, gradient_as_bucket_view, small buckets, fp16/bf16 compression), each
+against torch's DDP with the same option. Data here is synthetic (random CIFAR-shaped tensors),
+and the output says so. Exit code 1 when a comparison that should be bitwise is not (anything
+but naive and flat on more than 2 ranks, whose table note says why they cannot be).
 """
 
 from __future__ import annotations
@@ -198,41 +202,43 @@ def main(argv=None) -> int:
     parser.add_argument("--image", type=int, default=None, help="image side in pixels (default 12 small, 32 resnet50)")
     parser.add_argument("--no-options", action="store_true",
                         help="skip the second table (the bucketed wrapper's options against torch's)")
-    parser.add_argument("--show-layout", action="store_true",
-                        help="print the bucket layout before and after the rebuild, every parameter listed")
+    parser.add_argument("--show-layout", nargs="?", const="summary", choices=["summary", "full"],
+                        help="print our bucket layout before and after the rebuild: one line per bucket, or "
+                             "'full': every parameter with its offset, shape and bytes")
     args = parser.parse_args(argv)
     image = args.image or (32 if args.model == "resnet50" else 12)
     data = f"synthetic CIFAR-shaped data ({args.batch_size} x 3 x {image} x {image} per rank)"
-    rows = []
+    rows, option_rows = [], []
     for n in args.world_sizes:
-        for impl in args.impl:
-            print(f"running {impl} on {n} ranks ...", file=sys.stderr, flush=True)
-            res = summarise(collectives.run(train_side_by_side, n, args=(impl, args.steps, args.model, args.batch_size, image)))
-            rows.append(_row(impl, n, args.steps, res))
+        with collectives.RankPool(n) as pool:  # one spawn per world size, shared by every comparison
+            for impl in args.impl:
+                print(f"running {impl} on {n} ranks ...", file=sys.stderr, flush=True)
+                res = summarise(pool.submit(train_side_by_side, args=(impl, args.steps, args.model, args.batch_size, image),
+                                            timeout=3600))
+                rows.append(_row(impl, n, args.steps, res))
+            for label, (kwargs, _) in ({} if args.no_options else options()).items():
+                print(f"running bucketed, {label}, on {n} ranks ...", file=sys.stderr, flush=True)
+                kwargs = {"model": args.model, "batch_size": args.batch_size, "image": image, **kwargs}
+                res = summarise(pool.submit(partial(train_side_by_side, **kwargs), args=("bucketed", args.steps),
+                                            timeout=3600))
+                option_rows.append(_row(label, n, args.steps, res))
     print(f"model {args.model}, {data}, SGD momentum 0.9, Gloo; parameters, their .grad, buffers and the loss "
           "compared with torch.equal after every step on every rank")
     print(tabulate(rows, headers=HEADERS))
     if any(row[3] == "no" and row[0] in ("naive", "flat") and row[1] > 2 for row in rows):
         print("\n" + NOT_BITWISE)
-    if not args.no_options:
-        rows = []
-        for n in args.world_sizes:
-            for label, (kwargs, note) in options().items():
-                print(f"running bucketed, {label}, on {n} ranks ...", file=sys.stderr, flush=True)
-                kwargs = {"model": args.model, "batch_size": args.batch_size, "image": image, **kwargs}
-                res = summarise(collectives.run(partial(train_side_by_side, **kwargs), n, args=("bucketed", args.steps)))
-                rows.append(_row(label, n, args.steps, res))
-        print(f"\nthe bucketed wrapper's options, each against torch's DDP with the same option")
-        print(tabulate(rows, headers=["bucketed, option"] + HEADERS[1:]))
+    if option_rows:
+        print("\nthe bucketed wrapper's options, each against torch's DDP with the same option")
+        print(tabulate(option_rows, headers=["bucketed, option"] + HEADERS[1:]))
         for label, (_, note) in options().items():
             if note:
                 print(f"  {label}: {note}")
     if args.show_layout:
-        shown = collectives.run(layouts, 1, args=(args.model, args.batch_size, image, True))[0]
+        shown = collectives.run(layouts, 1, args=(args.model, args.batch_size, image, args.show_layout == "full"))[0]
         for when in ("initial", "rebuilt"):
             print(f"\nbucket layout, {when} ({'first iteration' if when == 'initial' else 'from the first backward'}'s "
                   f"order), model {args.model}:\n{shown[when]}")
-    return 0
+    return 0 if all(row[3] == "yes" for row in rows + option_rows if row[0] not in ("naive", "flat") or row[1] <= 2) else 1
 
 
 if __name__ == "__main__":

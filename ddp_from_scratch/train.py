@@ -46,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--epochs", type=int, default=1, help="epochs to train (in total, counting resumed ones)")
     p.add_argument("--batch-size", type=int, default=32, help="images per rank per step (the seeds use 256 and 128)")
     p.add_argument("--lr", type=float, default=0.001, help="SGD learning rate (momentum 0.9), as in the seeds")
-    p.add_argument("--bucket-cap-mb", type=float, default=25, help="bucket size for --impl bucketed / torch, MiB")
+    p.add_argument("--bucket-cap-mb", type=float, default=None,
+                   help="bucket size for --impl bucketed / torch, MiB (default: torch's, 25 with a 1 MiB first bucket)")
     p.add_argument("--amp", action="store_true", help="mixed precision: bf16 autocast on CPU, fp16 + GradScaler on CUDA")
     p.add_argument("--seed", type=int, default=0, help="initialisation, shuffling and augmentation")
     p.add_argument("--checkpoint", default=None, help="folder for checkpoint.pt, written each epoch")
