@@ -107,7 +107,7 @@ def test_naive_and_flat_are_close_to_torch_ddp_on_four_ranks(impl, dist_run):
     steps_per_rank = dist_run(_train_side_by_side, 4, args=(impl, 3))
     for rank, steps in enumerate(steps_per_rank):
         for step, (_, _, _, diff) in enumerate(steps):
-            assert diff < 1e-5, f"{impl}, 4 ranks, rank {rank}, step {step}: differs by {diff:g}"
+            assert diff < 1e-5, f"{impl}, 4 ranks, rank {rank}, step {step}: differs by {diff:g} (relative)"
     if impl == "flat":  # same layout as torch's first iteration: bitwise there
         assert all(steps[0][0] for steps in steps_per_rank)
 
@@ -234,11 +234,13 @@ def test_bf16_compression_is_bitwise_torchs_bf16_hook(dist_run):
 
 
 def test_bf16_compression_differs_from_uncompressed_ddp(dist_run):
-    # the check can see compression at all: bf16 keeps 8 bits of mantissa
+    # the check can see compression at all; and it is only compression: bf16 keeps 8 bits of
+    # mantissa (a relative rounding of at most 2**-9 per gradient element), so after 3 steps the
+    # weights stay within 1e-2 of uncompressed DDP's, relative to each tensor's largest weight
     for rank, steps in enumerate(dist_run(train_side_by_side, 2, args=(Bf16Buckets, 3))):
         assert not all(params for params, *_ in steps), f"rank {rank}: bf16 changed nothing"
         largest = max(diff for *_, diff in steps)
-        assert largest < 1e-3, f"rank {rank}: largest difference {largest:g}"
+        assert largest < 1e-2, f"rank {rank}: largest relative difference {largest:g}"
 
 
 def test_resnet50_bucketed_is_bitwise_equal_to_torch_ddp_on_two_ranks(dist_run):
