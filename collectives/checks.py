@@ -72,17 +72,14 @@ def check_tensor(tensor, collective: str, info: GroupInfo, name: str = "tensor")
     if info.backend == "gloo" and isinstance(tensor, torch.Tensor) and tensor.layout == torch.strided and tensor.is_cpu:
         return  # the common case, kept short: time spent here shows up in small-message latency
     where = f"{collective} on rank {info.global_rank}"
+    if tensor is None:
+        raise CollectiveError(f"{where}: {name} is None; pass a torch.Tensor")
     if not isinstance(tensor, torch.Tensor):
         raise CollectiveError(f"{where}: {name} must be a torch.Tensor, got {type(tensor).__name__}")
     if tensor.layout != torch.strided:
         raise CollectiveError(f"{where}: {name} must be dense (strided), got layout {tensor.layout}")
     device = tensor.device.type
     if info.backend == "nccl":
-        if not tensor.is_contiguous():
-            raise CollectiveError(
-                f"{where}: the nccl backend needs a contiguous {name} (shape {tuple(tensor.shape)}, "
-                f"stride {tensor.stride()}); call .contiguous() first"
-            )
         if device != "cuda":
             raise CollectiveError(
                 f"{where}: the nccl backend needs CUDA tensors, but {name} is on {tensor.device}; "
@@ -96,8 +93,40 @@ def check_tensor(tensor, collective: str, info: GroupInfo, name: str = "tensor")
     elif info.backend == "gloo":
         if device not in ("cpu", "cuda"):
             raise CollectiveError(f"{where}: the gloo backend takes CPU or CUDA tensors, but {name} is on {tensor.device}")
-    # Gloo copies non-contiguous tensors itself (measured on torch 2.13), so no check there.
+    # Non-contiguous tensors are fine: the wrappers hand the backend a contiguous copy (see ops.py).
 
+
+def overlaps_itself(tensor: torch.Tensor) -> bool:
+    """True when two elements of `tensor` share memory (an expand, or an as_strided window).
+
+    A collective that writes its result in place cannot write two different values into one
+    memory location. Cheap for the common views (sorted strides each reaching past the extent of
+    the smaller ones); exact, by listing every element's offset, only for exotic strides.
+    """
+    dims = sorted((st, n) for n, st in zip(tensor.shape, tensor.stride()) if n > 1)
+    if any(st == 0 for st, _ in dims):
+        return True
+    extent = 0
+    for st, n in dims:
+        if st <= extent:
+            break
+        extent += st * (n - 1)
+    else:
+        return False
+    offsets = torch.zeros((), dtype=torch.int64)
+    for n, st in zip(tensor.shape, tensor.stride()):
+        offsets = offsets.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * st
+    return offsets.unique().numel() < tensor.numel()
+
+
+def check_writable(tensor: torch.Tensor, collective: str, info: GroupInfo) -> None:
+    """An in-place collective's tensor must not overlap itself (see `overlaps_itself`)."""
+    if not tensor.is_contiguous() and overlaps_itself(tensor):
+        raise CollectiveError(
+            f"{collective} on rank {info.global_rank}: the tensor (shape {tuple(tensor.shape)}, stride "
+            f"{tensor.stride()}) has elements that share memory (an expand() or as_strided view), so the "
+            "result cannot be written into it in place; pass .clone() of it"
+        )
 
 def check_root(root: int, kind: str, collective: str, info: GroupInfo) -> None:
     """`src`/`dst` is a global rank (torch.distributed's convention) that is in the group."""

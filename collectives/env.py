@@ -20,7 +20,6 @@ import dataclasses
 import datetime
 import os
 import re
-import tempfile
 from typing import Mapping, Optional
 
 import torch
@@ -148,7 +147,7 @@ def init_from_env(
 ) -> DistEnv:
     """Initialise the default process group from torchrun's, SLURM's or no environment.
 
-    Without either, this is rank 0 of a world of 1 (a file rendezvous in a temporary folder),
+    Without either, this is rank 0 of a world of 1 (an in-memory store, no file or port),
     so collectives still work and later code never branches on "distributed or not".
 
     Args:
@@ -164,14 +163,14 @@ def init_from_env(
     device = device_for(backend, info["local_rank"])
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if info["master_addr"] is None:
-        init_method = "file://" + os.path.join(tempfile.mkdtemp(prefix="collectives-"), "store")
-    else:
-        init_method = f"tcp://{info['master_addr']}:{info['master_port']}"
     if not dist.is_initialized():
-        dist.init_process_group(
-            backend, init_method=init_method, rank=info["rank"], world_size=info["world_size"], timeout=timeout
-        )
+        if info["master_addr"] is None:  # a world of one: an in-memory store, nothing left on disk
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        else:
+            dist.init_process_group(
+                backend, init_method=f"tcp://{info['master_addr']}:{info['master_port']}", rank=info["rank"],
+                world_size=info["world_size"], timeout=timeout,
+            )
     return DistEnv(info["rank"], info["world_size"], info["local_rank"], device, backend)
 
 

@@ -42,8 +42,13 @@ def run(
         threads: torch threads per rank.
 
     Raises:
-        RankFailure: a rank raised, died or hung; the message names it and carries its
-            traceback, signal or exit code, or stack. No rank is left running.
+        RankFailure: a rank raised, died or hung; the message leads with the rank that failed
+            first and why, and carries its traceback, signal or exit code, or stack. No rank is
+            left running, and none outlives this process (even if it is killed).
+        TypeError, ValueError: an argument is of the wrong type or out of range (before any
+            rank starts).
     """
+    if not callable(fn):
+        raise TypeError(f"run: fn must be a function, got {type(fn).__name__} {fn!r}")
     with RankPool(world_size, backend=backend, threads=threads) as pool:
         return pool.submit(fn, args=args, timeout=timeout)

@@ -10,11 +10,14 @@ reduce) return the tensor; the others return a new tensor. With async_op=True ea
     everyone = collectives.all_gather(torch.ones(env.rank + 1))  # uneven dim 0 is fine
 
 `src`/`dst` are global ranks, as in torch.distributed. Run with `collectives.run(fn, n)`.
+
+Any view works, not only contiguous tensors: a backend reads and writes `numel` elements from
+the tensor's first address (a strided view such as `b[:, ::2]` would be read wrong and memory
+outside it overwritten), so the wrappers hand it a contiguous copy and copy the result back.
 """
 
 from __future__ import annotations
 
-import zlib
 from typing import Callable, List, Optional
 
 import torch
@@ -22,8 +25,9 @@ import torch.distributed as dist
 
 from . import checked_mode as _checked
 from . import _compat, reduce_ops
-from .checks import GroupInfo, check_divisible, check_root, check_tensor, resolve_group
+from .checks import GroupInfo, check_divisible, check_root, check_tensor, check_writable, resolve_group
 from .errors import CollectiveError, CollectiveMismatchError
+from .exchange import check_same_root, describe_rows, exchange, raise_if_any_failed
 
 Group = Optional[dist.ProcessGroup]
 
@@ -56,17 +60,27 @@ def _finish(work, finish: Callable[[], object], async_op: bool):
     return Work([work] if work is not None else [], finish)
 
 
-def _begin(collective: str, group: Group, tensor=None, op=None, root=None, root_kind="src", divisible=False):
+_NO_TENSOR = object()  # barrier has no tensor; None is a tensor argument that is missing
+
+
+def _begin(collective: str, group: Group, tensor=_NO_TENSOR, op=None, root=None, root_kind="src",
+           divisible=False, writes=False, spread=False, compare_tensor=True):
     """Resolve the group, run the local checks, and in checked mode compare with the other ranks.
 
-    Returns (group info, op name or None). Kept lean: it runs before every collective.
+    Returns (group info, op name or None, this rank's local check failure or None). A failure
+    raises here, except with spread=True in plain mode: then it is returned, for the caller's
+    metadata exchange to tell every rank (see exchange.py). compare_tensor=False leaves the
+    tensor out of checked mode's fingerprint (scatter: the ranks other than src may pass None).
+    Kept lean: it runs before every collective.
     """
     info = resolve_group(group, collective)
     sequence = _checked.next_sequence(info)
     name = error = None
     try:
-        if tensor is not None:
+        if tensor is not _NO_TENSOR:
             check_tensor(tensor, collective, info)
+            if writes:
+                check_writable(tensor, collective, info)
         if op is not None:
             name = reduce_ops.op_name(op, collective)
             reduce_ops.check_op_dtype(name, tensor.dtype, collective)
@@ -75,17 +89,29 @@ def _begin(collective: str, group: Group, tensor=None, op=None, root=None, root_
         if divisible:
             check_divisible(tensor, collective, info)
     except CollectiveError as exc:
-        if not _checked.is_checked():
+        if not _checked.is_checked() and not spread:
             raise
         error = str(exc)
     if _checked.is_checked():  # raises on every rank if any rank differs or failed
-        _checked.verify(_checked.Call(collective, info, sequence, tensor, name, root, error))
-    return info, name
+        shown = tensor if compare_tensor and tensor is not _NO_TENSOR else None
+        _checked.verify(_checked.Call(collective, info, sequence, shown, name, root, error))
+    return info, name, error
 
 
 def _staged(info: GroupInfo, tensor: torch.Tensor) -> torch.Tensor:
-    # Gloo runs broadcast and all_reduce on CUDA tensors; for the rest we go through host memory.
-    return tensor.cpu() if info.backend == "gloo" and tensor.is_cuda else tensor
+    """What the backend is handed: contiguous, and in host memory where Gloo needs it.
+
+    Gloo runs broadcast and all_reduce on CUDA tensors; for the rest we go through host memory.
+    """
+    if info.backend == "gloo" and tensor.is_cuda:
+        return tensor.cpu()
+    return tensor if tensor.is_contiguous() else tensor.contiguous()
+
+
+def _copy_back(tensor: torch.Tensor, staged: torch.Tensor) -> torch.Tensor:
+    if staged is not tensor:
+        tensor.copy_(staged)
+    return tensor
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, group: Group = None, async_op: bool = False):
@@ -97,14 +123,36 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group: Group = None, async_op:
         group: process group (default: the world).
         async_op: return a Work instead of waiting.
     """
-    _begin("broadcast", group, tensor, root=src)
-    work = dist.broadcast(tensor, src, group=group, async_op=async_op)
-    return _finish(work, lambda: tensor, async_op)
+    _begin("broadcast", group, tensor, root=src, writes=True)
+    staged = tensor if tensor.is_contiguous() else tensor.contiguous()
+    work = dist.broadcast(staged, src, group=group, async_op=async_op)
+    return _finish(work, lambda: _copy_back(tensor, staged), async_op)
 
 
 # (group, op, dtype) -> (GroupInfo, torch op) for CPU all_reduces on Gloo that passed every check:
 # what those checks decide cannot change for the same key, so later calls skip straight to torch.
 _all_reduce_ready: dict = {}
+
+
+def _all_reduce_fast(tensor, op, group, async_op):
+    """The hot path: a contiguous dense CPU tensor whose (group, op, dtype) already passed every
+    check in plain mode. Returns None when the call must take the checked path.
+
+    Measured on Gloo: any Python work right before the call costs several times its own
+    duration, so this does a type check, two attribute reads and one dictionary lookup.
+    """
+    if _checked.is_checked() or type(tensor) is not torch.Tensor or not tensor.is_cpu or not tensor.is_contiguous():
+        return None
+    try:
+        ready = _all_reduce_ready.get((group, op, tensor.dtype))
+    except TypeError:  # an unhashable ReduceOp instance
+        return None
+    # group None means WORLD at the time of the call: valid only while it is the same WORLD
+    if ready is None or (group is None and ready[0].group is not dist.group.WORLD):
+        return None
+    ready[0].calls[0] += 1
+    work = dist.all_reduce(tensor, op=ready[1], group=group, async_op=async_op)
+    return Work([work], lambda: tensor) if async_op else tensor
 
 
 def all_reduce(tensor: torch.Tensor, op="sum", group: Group = None, async_op: bool = False):
@@ -116,33 +164,36 @@ def all_reduce(tensor: torch.Tensor, op="sum", group: Group = None, async_op: bo
         group: process group (default: the world).
         async_op: return a Work instead of waiting.
     """
-    if not _checked.is_checked() and type(tensor) is torch.Tensor and tensor.is_cpu and tensor.layout is torch.strided:
-        try:
-            ready = _all_reduce_ready.get((group, op, tensor.dtype))
-        except TypeError:  # an unhashable ReduceOp instance
-            ready = None
-        if ready is not None and (group is not None or ready[0].group is dist.group.WORLD):
-            ready[0].calls[0] += 1
-            work = dist.all_reduce(tensor, op=ready[1], group=group, async_op=async_op)
-            return Work([work], lambda: tensor) if async_op else tensor
-    info, name = _begin("all_reduce", group, tensor, op=op)
+    fast = _all_reduce_fast(tensor, op, group, async_op)
+    if fast is not None:
+        return fast
+    info, name, _ = _begin("all_reduce", group, tensor, op=op, writes=True)
     if not reduce_ops.backend_supports(info.backend, name):
         stacked = _gather_equal(info, tensor)  # (group size, *tensor.shape)
         tensor.copy_(reduce_ops.fold(name, list(stacked.unbind(0))))
         return _finish(None, lambda: tensor, async_op)
-    if info.backend == "gloo" and tensor.is_cpu and not _checked.is_checked():
+    if info.backend == "gloo" and tensor.is_cpu and tensor.is_contiguous() and not _checked.is_checked():
         try:
             _all_reduce_ready[(group, op, tensor.dtype)] = (info, reduce_ops.TORCH_OPS[name])
         except TypeError:
             pass
-    work = dist.all_reduce(tensor, op=reduce_ops.TORCH_OPS[name], group=group, async_op=async_op)
-    return Work([work], lambda: tensor) if async_op else tensor
+    staged = tensor if tensor.is_contiguous() else tensor.contiguous()
+    work = dist.all_reduce(staged, op=reduce_ops.TORCH_OPS[name], group=group, async_op=async_op)
+    return _finish(work, lambda: _copy_back(tensor, staged), async_op)
 
 
 def reduce(tensor: torch.Tensor, dst: int = 0, op="sum", group: Group = None, async_op: bool = False):
     """Reduce `tensor` over the group into `dst`'s tensor. Returns the tensor on every rank;
-    only dst's holds the result (the backend may use the others' as scratch space)."""
-    info, name = _begin("reduce", group, tensor, op=op, root=dst, root_kind="dst")
+    only dst's holds the result (the backend may use the others' as scratch space).
+
+    Args:
+        tensor: same shape and dtype on every rank.
+        dst: global rank that receives the result.
+        op: as for all_reduce.
+        group: process group (default: the world).
+        async_op: return a Work instead of waiting.
+    """
+    info, name, _ = _begin("reduce", group, tensor, op=op, root=dst, root_kind="dst", writes=True)
     if not reduce_ops.backend_supports(info.backend, name):
         stacked = _gather_equal(info, tensor)
         if info.global_rank == dst:
@@ -150,7 +201,7 @@ def reduce(tensor: torch.Tensor, dst: int = 0, op="sum", group: Group = None, as
         return _finish(None, lambda: tensor, async_op)
     staged = _staged(info, tensor)
     work = dist.reduce(staged, dst, op=reduce_ops.TORCH_OPS[name], group=group, async_op=async_op)
-    return _finish(work, lambda: tensor.copy_(staged) if staged is not tensor else tensor, async_op)
+    return _finish(work, lambda: _copy_back(tensor, staged), async_op)
 
 
 def _gather_equal(info: GroupInfo, tensor: torch.Tensor) -> torch.Tensor:
@@ -162,30 +213,24 @@ def _gather_equal(info: GroupInfo, tensor: torch.Tensor) -> torch.Tensor:
     return out.view((info.size,) + tuple(tensor.shape))
 
 
-def _exchange_dim0(info: GroupInfo, tensor: torch.Tensor, collective: str) -> List[int]:
-    """Every rank's first dimension; refuses (on every rank) trailing shapes or dtypes that differ.
+def _exchange_dim0(info: GroupInfo, tensor, collective: str, error: Optional[str], root: Optional[int] = None) -> List[int]:
+    """Every rank's first dimension; refuses (on every rank) a local check failure on any rank,
+    trailing shapes or dtypes that differ, and (gather) dst that differs.
 
     One small all_gather of a fixed size, so ranks that passed mismatched tensors learn it
     before the data collective, which Gloo would abort on.
     """
-    dims = list(tensor.shape) if tensor.dim() else [1]
-    # crc32, not hash(): Python salts str hashes per process, so ranks would disagree.
-    key = zlib.crc32(repr((tuple(dims[1:]), str(tensor.dtype))).encode())
-    meta = torch.tensor([key, dims[0]], dtype=torch.int64)
-    if info.backend == "nccl":
-        meta = meta.to(tensor.device)
-    everyone = torch.empty(2 * info.size, dtype=torch.int64, device=meta.device)
-    _compat.all_gather_single(everyone, meta, group=info.group)
-    rows = everyone.view(info.size, 2).tolist()  # (group size, [trailing shape+dtype key, dim0])
-    if len({row[0] for row in rows}) > 1:
-        described: List = [None] * info.size
-        dist.all_gather_object(described, (tuple(tensor.shape), str(tensor.dtype)), group=info.group)
-        lines = "\n".join(f"  rank {info.ranks[i]}: shape={s}, dtype={d}" for i, (s, d) in enumerate(described))
+    rows = exchange(info, tensor, root, error)
+    raise_if_any_failed(info, rows, error, collective)
+    if root is not None:
+        check_same_root(info, rows, collective, "dst")
+    kinds = {(row.shape[1:] if len(row.shape) > 1 else (), row.dtype, row.tail_checksum) for row in rows}
+    if len(kinds) > 1:
         raise CollectiveMismatchError(
             f"{collective}: ranks may differ in the first dimension only, but their tensors differ in the "
-            f"trailing dimensions or dtype:\n{lines}"
+            f"trailing dimensions or dtype:\n{describe_rows(info, rows)}"
         )
-    return [row[1] for row in rows]
+    return [row.shape[0] if row.shape else 1 for row in rows]
 
 
 def _padded(tensor: torch.Tensor, length: int) -> torch.Tensor:
@@ -203,9 +248,14 @@ def all_gather(tensor: torch.Tensor, group: Group = None, async_op: bool = False
     ranks (trailing dims and dtype may not); a 0-d tensor counts as one row.
 
     Gloo and NCCL gather equal sizes only, so uneven inputs are padded to the longest and cut.
+
+    Args:
+        tensor: this rank's rows.
+        group: process group (default: the world).
+        async_op: return a Work instead of waiting.
     """
-    info, _ = _begin("all_gather", group, tensor)
-    dim0 = _exchange_dim0(info, tensor, "all_gather")
+    info, _, error = _begin("all_gather", group, tensor, spread=True)
+    dim0 = _exchange_dim0(info, tensor, "all_gather", error)
     longest = max(dim0)
     staged = _padded(_staged(info, tensor), longest)
     out = staged.new_empty((info.size * longest,) + tuple(staged.shape[1:]))
@@ -224,9 +274,16 @@ def all_gather(tensor: torch.Tensor, group: Group = None, async_op: bool = False
 
 def gather(tensor: torch.Tensor, dst: int = 0, group: Group = None, async_op: bool = False):
     """On `dst`, every rank's tensor concatenated on dim 0 in group-rank order (dim 0 may differ);
-    None on the other ranks."""
-    info, _ = _begin("gather", group, tensor, root=dst, root_kind="dst")
-    dim0 = _exchange_dim0(info, tensor, "gather")
+    None on the other ranks.
+
+    Args:
+        tensor: this rank's rows.
+        dst: global rank that receives.
+        group: process group (default: the world).
+        async_op: return a Work instead of waiting.
+    """
+    info, _, error = _begin("gather", group, tensor, root=dst, root_kind="dst", spread=True)
+    dim0 = _exchange_dim0(info, tensor, "gather", error, root=dst)
     longest = max(dim0)
     staged = _padded(_staged(info, tensor), longest)
     parts = [torch.empty_like(staged) for _ in range(info.size)] if info.global_rank == dst else None
@@ -244,43 +301,94 @@ def reduce_scatter(tensor: torch.Tensor, op="sum", group: Group = None, async_op
     """Reduce `tensor` over the group and return this rank's chunk of dim 0 (dim 0 / group size rows).
 
     Note: Gloo implements this as a whole all_reduce, so it moves n times the bytes NCCL does.
+
+    Args:
+        tensor: same shape and dtype on every rank; dim 0 divisible by the group size.
+        op: as for all_reduce.
+        group: process group (default: the world).
+        async_op: return a Work instead of waiting.
     """
-    info, name = _begin("reduce_scatter", group, tensor, op=op, divisible=True)
+    info, name, _ = _begin("reduce_scatter", group, tensor, op=op, divisible=True)
     chunk = tensor.shape[0] // info.size
     if not reduce_ops.backend_supports(info.backend, name):
         stacked = _gather_equal(info, tensor)
         mine = reduce_ops.fold(name, list(stacked.unbind(0)))[info.group_rank * chunk : (info.group_rank + 1) * chunk]
         return _finish(None, lambda: mine.clone(), async_op)
-    staged = _staged(info, tensor).contiguous()
+    staged = _staged(info, tensor)
     out = staged.new_empty((chunk,) + tuple(staged.shape[1:]))
     work = _compat.reduce_scatter_single(out, staged, op=reduce_ops.TORCH_OPS[name], group=group, async_op=async_op)
     return _finish(work, lambda: out.to(tensor.device), async_op)
 
 
-def scatter(tensor: torch.Tensor, src: int = 0, group: Group = None, async_op: bool = False):
+def scatter(tensor: Optional[torch.Tensor], src: int = 0, group: Group = None, async_op: bool = False):
     """Split `src`'s tensor into group-size chunks along dim 0; return this rank's chunk.
 
-    Every rank passes a tensor of the same shape (as in broadcast); only src's contents are used.
+    The other ranks pass None (as with torch.distributed.scatter's scatter_list), or a tensor
+    shaped like src's whose contents are ignored. A small exchange of shapes comes first, so a
+    rank whose tensor does not match src's is refused on every rank.
+
+    Args:
+        tensor: on src, the tensor to split (dim 0 divisible by the group size); elsewhere None.
+        src: global rank that sends.
+        group: process group (default: the world).
+        async_op: return a Work instead of waiting.
     """
-    info, _ = _begin("scatter", group, tensor, root=src, divisible=True)
-    staged = _staged(info, tensor).contiguous()
-    out = staged.new_empty((staged.shape[0] // info.size,) + tuple(staged.shape[1:]))
-    chunks = list(staged.chunk(info.size)) if info.global_rank == src else None
+    me = dist.get_rank() if dist.is_initialized() else -1
+    checked_tensor = _NO_TENSOR if tensor is None and me != src else tensor
+    info, _, error = _begin("scatter", group, checked_tensor, root=src, spread=True, compare_tensor=False)
+    rows = exchange(info, tensor, src, error)
+    raise_if_any_failed(info, rows, error, "scatter")
+    check_same_root(info, rows, "scatter", "src")
+    source = rows[info.ranks.index(src)]
+    if not source.has_tensor:
+        raise CollectiveError(f"scatter: src rank {src} passed None; src must pass the tensor to split")
+    wrong = [info.ranks[i] for i, row in enumerate(rows)
+             if row.has_tensor and (row.shape, row.dtype, row.tail_checksum) != (source.shape, source.dtype, source.tail_checksum)]
+    if wrong:
+        raise CollectiveMismatchError(
+            f"scatter: rank(s) {wrong} passed a tensor not shaped like src rank {src}'s (pass None or the same "
+            f"shape and dtype):\n{describe_rows(info, rows)}")
+    if not source.shape or source.shape[0] % info.size:
+        dim0 = "a 0-d tensor" if not source.shape else f"first dimension {source.shape[0]}"
+        raise CollectiveError(f"scatter: src rank {src}'s tensor has {dim0} (shape {source.shape}), which does not "
+                              f"divide by the group size {info.size}")
+    if "..." in source.shape and tensor is None:
+        raise CollectiveError(f"scatter: src's tensor has more than 10 dimensions; pass a tensor of its shape instead of None")
+    if tensor is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if info.backend == "nccl" else torch.device("cpu")
+        out = torch.empty((source.shape[0] // info.size,) + tuple(source.shape[1:]), dtype=source.dtype, device=device)
+        result_device = device
+    else:
+        staged = _staged(info, tensor)
+        out = staged.new_empty((staged.shape[0] // info.size,) + tuple(staged.shape[1:]))
+        result_device = tensor.device
+    chunks = list(_staged(info, tensor).chunk(info.size)) if info.global_rank == src else None
     work = dist.scatter(out, chunks, src, group=group, async_op=async_op)
-    return _finish(work, lambda: out.to(tensor.device), async_op)
+    return _finish(work, lambda: out.to(result_device), async_op)
 
 
 def all_to_all(tensor: torch.Tensor, group: Group = None, async_op: bool = False):
-    """Chunk j of dim 0 goes to group rank j; the result's chunk i came from group rank i."""
-    info, _ = _begin("all_to_all", group, tensor, divisible=True)
-    staged = _staged(info, tensor).contiguous()
+    """Chunk j of dim 0 goes to group rank j; the result's chunk i came from group rank i.
+
+    Args:
+        tensor: same shape and dtype on every rank; dim 0 divisible by the group size.
+        group: process group (default: the world).
+        async_op: return a Work instead of waiting.
+    """
+    info, _, _ = _begin("all_to_all", group, tensor, divisible=True)
+    staged = _staged(info, tensor)
     out = torch.empty_like(staged)
     work = dist.all_to_all_single(out, staged, group=group, async_op=async_op)
     return _finish(work, lambda: out.to(tensor.device), async_op)
 
 
 def barrier(group: Group = None, async_op: bool = False):
-    """Wait until every rank of the group has reached this call."""
+    """Wait until every rank of the group has reached this call.
+
+    Args:
+        group: process group (default: the world).
+        async_op: return a Work instead of waiting.
+    """
     _begin("barrier", group)
     work = dist.barrier(group=group, async_op=async_op)
     return _finish(work, lambda: None, async_op)

@@ -3,25 +3,36 @@
 Spawning ranks costs seconds (each imports torch); sending a function to ranks that are already
 up costs milliseconds. `collectives.run` uses a pool for one call; `collectives.testing` keeps
 pools alive across tests. Either way, if any rank raises, dies (signal, os._exit, Gloo's
-SIGABRT) or is still running at the timeout, every rank is stopped, none is left behind, and the
-caller gets one `RankFailure` naming the ranks, with each one's traceback, signal, exit code or
-(for a hang) Python stack.
+SIGABRT) or is still running at the timeout, every rank is stopped with anything it started,
+and the caller gets one `RankFailure` that leads with the rank that failed first and why.
 
     with RankPool(world_size=2) as pool:
         print(pool.submit(my_fn, args=(3,)))    # my_fn(env, 3) on each rank, results in rank order
+
+Nothing outlives the pool, whatever ends it:
+- The ranks join through a TCP store that this process hosts on a free port (no fixed port, no
+  rendezvous file to leave behind in /tmp).
+- Each rank watches a "lifeline" pipe whose only writer is this process. When this process
+  ends in any way, SIGKILL included, the pipe reads end-of-file and the rank kills its own
+  process group: itself and anything it started. (PR_SET_PDEATHSIG would kill only the rank,
+  not its children, and fires when the *thread* that started the rank exits.)
+- A hung rank's Python stack comes back through a pipe too (faulthandler writes into it).
 """
 
 from __future__ import annotations
 
+import datetime
 import faulthandler
+import math
 import multiprocessing as mp
 import multiprocessing.connection
 import os
 import pickle
-import shutil
+import re
+import select
 import signal
 import sys
-import tempfile
+import threading
 import time
 import traceback
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -32,14 +43,39 @@ from .errors import RankFailure
 # mode every rank raises the same mismatch; all of their messages are worth showing).
 FAILURE_GRACE_S = 3.0
 STACK_DUMP_WAIT_S = 1.0
+PARENT_POLL_S = 1.0  # the lifeline wakes the watcher at once; this is only the fallback
+PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+# Frames of the harness itself, left out of the tracebacks and stacks shown to the user.
+HIDDEN_FILES = {os.path.join(PACKAGE_DIR, "pool.py"), os.path.join(PACKAGE_DIR, "testing.py")}
 
 
-def _rank_main(rank, world_size, backend, init_method, conn, stack_path, threads):
+def _kill_own_group(*_):
+    os.killpg(os.getpgrp(), signal.SIGKILL)  # this rank and every process it started
+
+
+def _watch_parent(lifeline, parent_pid: int) -> None:
+    """Runs in a daemon thread of each rank: when the parent is gone, take the rank down."""
+    fd = lifeline.fileno()
+    while True:
+        try:
+            ready, _, _ = select.select([fd], [], [], PARENT_POLL_S)
+        except (OSError, ValueError):
+            ready = [fd]
+        if ready or os.getppid() != parent_pid:  # the only writer closed: the parent has ended
+            _kill_own_group()
+
+
+def _rank_main(rank, world_size, backend, store_port, conn, stack_writer, lifeline, parent_pid, threads, setup):
     """Body of one spawned rank: join the group, then run what the parent sends until None."""
-    os.setpgid(0, 0)  # own process group, so the parent can kill the rank and its children
-    stack_file = open(stack_path, "w")
-    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    os.setpgid(0, 0)  # own process group, so the rank and its children can be killed together
+    signal.signal(signal.SIGTERM, _kill_own_group)
+    threading.Thread(target=_watch_parent, args=(lifeline, parent_pid), daemon=True, name="parent-watch").start()
+    if os.getppid() != parent_pid:  # the parent died while this rank was starting
+        _kill_own_group()
+    faulthandler.register(signal.SIGUSR1, file=stack_writer.fileno(), all_threads=True)
     try:
+        if setup is not None:
+            setup()
         import torch
         import torch.distributed as dist
 
@@ -50,12 +86,11 @@ def _rank_main(rank, world_size, backend, init_method, conn, stack_path, threads
         device = device_for(backend, rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group(
-            backend, init_method=init_method, rank=rank, world_size=world_size, timeout=DEFAULT_PG_TIMEOUT
-        )
+        store = dist.TCPStore("127.0.0.1", store_port, world_size, False, timeout=DEFAULT_PG_TIMEOUT)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=DEFAULT_PG_TIMEOUT)
         env = DistEnv(rank=rank, world_size=world_size, local_rank=rank, device=device, backend=backend)
-    except BaseException:
-        conn.send(("error", traceback.format_exc()))
+    except BaseException as exc:
+        conn.send(("error", (_one_line(exc), traceback.format_exc())))
         return
     conn.send(("ready", None))
     while True:
@@ -73,13 +108,26 @@ def _rank_main(rank, world_size, backend, init_method, conn, stack_path, threads
             fn, args = pickle.loads(payload)
             result = fn(env, *args)
             reply = ("ok", pickle.dumps(result))
-        except BaseException:
-            reply = ("error", traceback.format_exc())
+        except BaseException as exc:
+            reply = ("error", (_one_line(exc), _format_exception(exc)))
         conn.send(reply)
     try:
         dist.destroy_process_group()
     except Exception:
         pass
+
+
+def _format_exception(exc: BaseException) -> str:
+    """The traceback without this module's frames: the user's code is what the reader wants."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename not in HIDDEN_FILES]
+    lines = ["Traceback (most recent call last):\n"] + traceback.format_list(frames)
+    return "".join(lines + traceback.format_exception_only(type(exc), exc))
+
+
+def _one_line(exc: BaseException) -> str:
+    """ "ValueError: the first line of its message" """
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
 
 
 def _describe_exit(code: Optional[int]) -> str:
@@ -95,6 +143,33 @@ def _describe_exit(code: Optional[int]) -> str:
     return f"exited with code {code} without reporting a result"
 
 
+# What a rank's error says when the peer it was talking to died or failed first.
+_PEER_LOST = re.compile(r"Connection (reset|closed) by peer|Socket closed|Broken pipe|peer.*(closed|died)", re.IGNORECASE)
+
+
+def _short(text: str, limit: int = 160) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
+
+
+def _where(stack: str) -> str:
+    """Where a rank was, from its main thread's stack (the first block of `_clean_stack`'s
+    output, innermost frame first): "waiting in all_reduce (called from prog.py:6 in boom)" or
+    "in sleep_forever (prog.py:12)"."""
+    frames = [m.groupdict() for m in _FRAME.finditer(stack.split("\n\n")[0])]
+    if not frames:
+        return ""
+    user = next((f for f in frames if "/torch/" not in f["file"] and not f["file"].startswith(PACKAGE_DIR)), None)
+    called = f" (called from {os.path.basename(user['file'])}:{user['line']} in {user['func']})" if user else ""
+    c10d = next((f for f in frames if "torch/distributed/" in f["file"]), None)
+    if c10d is not None:
+        return f"waiting in {c10d['func']}{called}"
+    first = frames[0]
+    return f"in {first['func']} ({os.path.basename(first['file'])}:{first['line']})"
+
+
 class RankPool:
     """`world_size` spawned ranks with an initialised process group, reused across calls.
 
@@ -103,46 +178,69 @@ class RankPool:
         backend: "gloo" or "nccl"; None picks NCCL only with one GPU per rank, else Gloo.
         threads: torch threads per rank (1 by default: ranks share the machine's cores).
         start_timeout: seconds to wait for every rank to import torch and join the group.
+        setup: a module-level function each rank calls first, before importing torch (the
+            pytest harness installs assertion rewriting this way).
     """
 
-    def __init__(self, world_size: int, backend: Optional[str] = None, threads: int = 1, start_timeout: float = 120.0):
-        if world_size < 1:
-            raise ValueError(f"world_size must be at least 1, got {world_size}")
+    def __init__(self, world_size: int, backend: Optional[str] = None, threads: int = 1, start_timeout: float = 120.0,
+                 setup: Optional[Callable[[], None]] = None):
+        _check_world_size(world_size)
+        if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 0):
+            raise ValueError(f"threads must be a non-negative int (0: torch's default), got {threads!r}")
+        _check_timeout(start_timeout, "start_timeout")
         from .env import pick_backend
 
         self.world_size = world_size
         self.backend = pick_backend(world_size, backend)
         self.threads = threads
         self.start_timeout = start_timeout
+        self.setup = setup
         self._procs: List[mp.process.BaseProcess] = []
         self._conns: List[mp.connection.Connection] = []
-        self._tmpdir: Optional[str] = None
+        self._stacks: List[mp.connection.Connection] = []
+        self._lifeline = None
+        self._store = None
 
     # -- life cycle ---------------------------------------------------------------------------
     @property
     def alive(self) -> bool:
         return bool(self._procs) and all(p.is_alive() for p in self._procs)
 
+    @property
+    def pids(self) -> List[int]:
+        """The ranks' process ids, in rank order (empty before start)."""
+        return [p.pid for p in self._procs]
+
     def start(self) -> "RankPool":
         if self.alive:
             return self
-        self.close()
-        self._tmpdir = tempfile.mkdtemp(prefix="collectives-pool-")
-        # A file rendezvous: no port to pick, so parallel runs never collide.
-        init_method = "file://" + os.path.join(self._tmpdir, "store")
+        self._kill()
+        import torch.distributed as dist
+
+        # The rendezvous: a TCP store on a free port of this process, gone when this process is.
+        self._store = dist.TCPStore("127.0.0.1", 0, self.world_size, True, wait_for_workers=False,
+                                    timeout=datetime.timedelta(seconds=self.start_timeout))
         ctx = mp.get_context("spawn")
-        for rank in range(self.world_size):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(
-                target=_rank_main,
-                args=(rank, self.world_size, self.backend, init_method, child, self._stack_path(rank), self.threads),
-                daemon=True,
-                name=f"rank{rank}",
-            )
-            proc.start()
-            child.close()
-            self._procs.append(proc)
-            self._conns.append(parent)
+        lifeline_reader, self._lifeline = ctx.Pipe(duplex=False)
+        try:
+            for rank in range(self.world_size):
+                parent, child = ctx.Pipe()
+                stack_reader, stack_writer = ctx.Pipe(duplex=False)
+                proc = ctx.Process(
+                    target=_rank_main,
+                    args=(rank, self.world_size, self.backend, self._store.port, child, stack_writer, lifeline_reader,
+                          os.getpid(), self.threads, self.setup),
+                    daemon=True,
+                    name=f"rank{rank}",
+                )
+                proc.start()
+                child.close()
+                stack_writer.close()
+                self._procs.append(proc)
+                self._conns.append(parent)
+                self._stacks.append(stack_reader)
+        finally:
+            lifeline_reader.close()
         self._collect("start-up", self.start_timeout, expect="ready")
         return self
 
@@ -167,18 +265,18 @@ class RankPool:
             except (ProcessLookupError, PermissionError):
                 pass
             proc.join(5.0)
-        for conn in self._conns:
+        for conn in self._conns + self._stacks + ([self._lifeline] if self._lifeline else []):
             conn.close()
-        self._procs, self._conns = [], []
-        if self._tmpdir:
-            shutil.rmtree(self._tmpdir, ignore_errors=True)
-            self._tmpdir = None
+        self._procs, self._conns, self._stacks, self._lifeline, self._store = [], [], [], None, None
 
     def __enter__(self) -> "RankPool":
         return self.start()
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is None:
+            self.close()
+        else:  # Ctrl-C or an error here: no point waiting for the ranks to finish their work
+            self._kill()
 
     # -- running --------------------------------------------------------------------------------
     def submit(self, fn: Callable, args: Sequence[Any] = (), timeout: float = 60.0, name: Optional[str] = None) -> List[Any]:
@@ -188,6 +286,12 @@ class RankPool:
         On any failure the pool is torn down (the next submit starts a fresh one) and
         `RankFailure` is raised.
         """
+        __tracebackhide__ = True  # pytest: show the test, not the harness
+        if not callable(fn):
+            raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+        if isinstance(args, (str, bytes)) or not isinstance(args, (tuple, list)):
+            raise TypeError(f"args must be a tuple or list of positional arguments, got {type(args).__name__} {args!r}")
+        _check_timeout(timeout, "timeout")
         name = name or getattr(fn, "__qualname__", repr(fn))
         try:
             payload = pickle.dumps((fn, tuple(args)))
@@ -202,8 +306,11 @@ class RankPool:
         return self._collect(name, timeout, expect="ok")
 
     def _collect(self, what: str, timeout: float, expect: str) -> List[Any]:
+        __tracebackhide__ = True
         results: Dict[int, Any] = {}
         failures: Dict[int, str] = {}
+        summaries: Dict[int, str] = {}
+        order: List[int] = []  # ranks in the order their failures arrived
         deadline = time.monotonic() + timeout
         first_failure_at: Optional[float] = None
         pending = set(range(self.world_size))
@@ -228,61 +335,104 @@ class RankPool:
                     status, value = "died", None
                 if status == "died":
                     self._procs[rank].join(1.0)
-                    failures[rank] = f"rank {rank} {_describe_exit(self._procs[rank].exitcode)}"
+                    summaries[rank] = _describe_exit(self._procs[rank].exitcode)
+                    failures[rank] = f"rank {rank} {summaries[rank]}"
                 elif status == "error":
-                    failures[rank] = f"rank {rank} raised:\n{value}"
+                    summaries[rank] = f"raised {value[0]}"
+                    failures[rank] = f"rank {rank} raised:\n{value[1]}"
                 elif status == expect:
                     results[rank] = pickle.loads(value) if status == "ok" else None
                 else:
-                    failures[rank] = f"rank {rank} sent an unexpected {status!r}"
+                    summaries[rank] = f"sent an unexpected {status!r}"
+                    failures[rank] = f"rank {rank} {summaries[rank]}"
                 pending.discard(rank)
-                if rank in failures and first_failure_at is None:
-                    first_failure_at = time.monotonic()
+                if rank in failures:
+                    order.append(rank)
+                    if first_failure_at is None:
+                        first_failure_at = time.monotonic()
         if not failures and not pending:
             return [results[r] for r in range(self.world_size)]
+        stopped: List[int] = []
         if pending:  # hung (timeout), or still busy after another rank failed
             stacks = self._dump_stacks(sorted(pending))
-            why = (
-                f"was still running {FAILURE_GRACE_S:.0f} s after rank {min(failures)} failed"
-                if failures
-                else f"did not finish within the {timeout:g} s timeout"
-            )
+            where = {r: _where(stacks.get(r, "")) for r in pending}
+            if failures:
+                why = f"was still running {FAILURE_GRACE_S:.0f} s after rank {order[0]} failed"
+                stopped = sorted(pending)
+            else:  # a timeout: ranks busy outside a collective are the likely cause
+                why = f"did not finish within the {timeout:g} s timeout"
+                order = sorted(pending, key=lambda r: (where[r].startswith("waiting in"), r))
+                if not where[order[0]].startswith("waiting in"):
+                    stopped = [r for r in order if where[r].startswith("waiting in")]
             for rank in sorted(pending):
+                summaries[rank] = f"{why}: {where[rank]}" if where[rank] else why
                 failures[rank] = f"rank {rank} {why}; its Python stack:\n{stacks.get(rank) or '(no stack captured)'}"
+        # A rank whose connection to a dead or failed peer broke failed because of that peer.
+        stopped += [r for r in order[1:] if r not in stopped and _PEER_LOST.search(failures[r])]
         self._kill()
-        header = (
-            f"{len(failures)} of {self.world_size} rank(s) failed in {what} "
-            f"(world_size={self.world_size}, backend={self.backend}): ranks {sorted(failures)}"
-        )
-        body = "\n".join(f"----- {failures[r]}".rstrip() for r in sorted(failures))
+        failed = [r for r in order if r not in stopped]
+        first = order[0]
+        lines = [f"rank {first} {summaries[first]}",
+                 f"  in {what} (world_size={self.world_size}, backend={self.backend})"]
+        others = [r for r in failed if r != first]
+        if others:
+            lines.append("  also: " + "; ".join(f"rank {r} {_short(summaries[r])}" for r in others))
+        if stopped:
+            lines.append(f"  stopped because of it: rank(s) {sorted(stopped)}")
+            lines += [f"    rank {r} {_short(summaries[r])}" for r in sorted(stopped)]
+        body = "\n".join(f"----- {failures[r]}".rstrip() for r in [*failed, *sorted(stopped)])
         if what == "start-up" and any("exited with code 1" in f for f in failures.values()):
             body += (
                 "\nHint: the ranks are spawned, so each one imports your main module first; a script that "
                 "calls collectives.run() must do it under `if __name__ == \"__main__\":` (the ranks' own "
                 "error output, above this message, says more)."
             )
-        raise RankFailure(f"{header}\n{body}", failures)
+        raise RankFailure("\n".join(lines) + "\n" + body, failures, first=first, failed=failed, stopped=stopped)
 
     # -- hang diagnosis ---------------------------------------------------------------------------
-    def _stack_path(self, rank: int) -> str:
-        return os.path.join(self._tmpdir, f"stack-rank{rank}.txt")
-
     def _dump_stacks(self, ranks: List[int]) -> Dict[int, str]:
         for rank in ranks:
             try:
                 os.kill(self._procs[rank].pid, signal.SIGUSR1)  # faulthandler writes the stack
             except ProcessLookupError:
                 pass
-        time.sleep(STACK_DUMP_WAIT_S)
-        stacks = {}
-        for rank in ranks:
-            try:
-                with open(self._stack_path(rank)) as f:
-                    lines = f.read().strip().splitlines()
-            except OSError:
-                continue
-            # The spawn bootstrap frames say nothing about where the rank is stuck.
-            stacks[rank] = "\n".join(
-                ln for ln in lines if "multiprocessing/" not in ln and '"<string>"' not in ln and __file__ not in ln
-            )
-        return stacks
+        deadline = time.monotonic() + STACK_DUMP_WAIT_S
+        raw = {rank: b"" for rank in ranks}
+        while time.monotonic() < deadline:
+            readers = {self._stacks[r].fileno(): r for r in ranks}
+            ready, _, _ = select.select(list(readers), [], [], max(0.0, deadline - time.monotonic()))
+            for fd in ready:
+                chunk = os.read(fd, 1 << 16)
+                raw[readers[fd]] += chunk
+            if all(raw.values()) and not ready:
+                break
+            if all(raw.values()):
+                time.sleep(0.05)  # let the last threads' frames arrive
+        return {rank: _clean_stack(text.decode(errors="replace")) for rank, text in raw.items() if text}
+
+
+def _clean_stack(text: str) -> str:
+    """faulthandler's all-thread dump, minus the parent-watch thread and the spawn bootstrap frames."""
+    blocks = re.split(r"\n\s*\n|\n(?=(?:Current thread|Thread) 0x)", text.strip())
+    blocks = [b for b in blocks if b.strip() and "in _watch_parent" not in b]
+    blocks.sort(key=lambda b: "in _rank_main" not in b)  # the main thread (the one running fn) first
+    kept = []
+    for block in blocks:
+        lines = [ln for ln in block.splitlines()
+                 if "multiprocessing/" not in ln and '"<string>"' not in ln and not any(h in ln for h in HIDDEN_FILES)]
+        kept.append("\n".join(lines))
+    return "\n\n".join(kept)
+
+
+def _check_world_size(world_size) -> None:
+    if not isinstance(world_size, int) or isinstance(world_size, bool):
+        raise TypeError(f"world_size must be an int, got {type(world_size).__name__} {world_size!r}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
+
+
+def _check_timeout(timeout, name: str) -> None:
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool):
+        raise TypeError(f"{name} must be a number of seconds, got {type(timeout).__name__} {timeout!r}")
+    if not math.isfinite(timeout) or timeout <= 0:
+        raise ValueError(f"{name} must be a positive, finite number of seconds, got {timeout!r}")

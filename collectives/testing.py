@@ -17,8 +17,10 @@ one, so one bad test cannot poison the next.
     @distributed(world_size=2, timeout=30)
     def test_param(env, n): ...               # pytest parameters reach every rank
 
-A failing rank's traceback appears in the pytest failure, named by rank; a hang past `timeout`
-shows every rank's Python stack. The test module must be importable by the ranks (a normal test
+A failing rank's traceback appears in the pytest failure, named by rank, with the harness's own
+frames left out; the ranks import test modules with pytest's assertion rewriting, so a failed
+`assert a == b` on a rank shows the values, as it would in pytest's own process. A hang past
+`timeout` shows every rank's Python stack. The test module must be importable by the ranks (a normal test
 file is). The `dist_run` fixture (registered as a pytest plugin) runs a module-level function:
 
     def test_x(dist_run):
@@ -27,10 +29,16 @@ file is). The `dist_run` fixture (registered as a pytest plugin) runs a module-l
 
 from __future__ import annotations
 
+import ast
 import atexit
+import fnmatch
 import functools
 import importlib
+import importlib.abc
+import importlib.machinery
 import inspect
+import os
+import sys
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import pytest
@@ -38,14 +46,41 @@ import pytest
 from .pool import RankPool
 
 DEFAULT_TIMEOUT_S = 60.0
+TEST_FILES = ("test_*.py", "*_test.py", "conftest.py")  # pytest's default python_files, and conftest
 _pools: Dict[Tuple[int, Optional[str]], RankPool] = {}
+
+
+class _AssertRewritingLoader(importlib.machinery.SourceFileLoader):
+    """Compiles a test module with pytest's assertion rewriting, never from a cached .pyc."""
+
+    def get_code(self, fullname):
+        source = self.get_data(self.path)
+        from _pytest.assertion.rewrite import rewrite_asserts
+
+        tree = ast.parse(source, filename=self.path)
+        rewrite_asserts(tree, source, self.path)
+        return compile(tree, self.path, "exec", dont_inherit=True)
+
+
+class _AssertRewritingFinder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or not spec.origin or not any(fnmatch.fnmatch(os.path.basename(spec.origin), p) for p in TEST_FILES):
+            return None
+        spec.loader = _AssertRewritingLoader(name, spec.origin)
+        return spec
+
+
+def install_assert_rewriting() -> None:
+    """In a rank: import test modules as pytest does, so a failed assert shows its values."""
+    sys.meta_path.insert(0, _AssertRewritingFinder())
 
 
 def get_pool(world_size: int, backend: Optional[str] = None) -> RankPool:
     """The shared pool for (world_size, backend); started on first use, closed at exit."""
     key = (world_size, backend)
     if key not in _pools:
-        _pools[key] = RankPool(world_size, backend=backend)
+        _pools[key] = RankPool(world_size, backend=backend, setup=install_assert_rewriting)
     return _pools[key]
 
 
@@ -61,6 +96,7 @@ def run_on_ranks(
     timeout: float = DEFAULT_TIMEOUT_S,
 ) -> List[Any]:
     """Run module-level `fn(env, *args)` on the shared pool's ranks; results in rank order."""
+    __tracebackhide__ = True
     return get_pool(world_size, backend).submit(fn, args=args, timeout=timeout)
 
 
@@ -94,6 +130,7 @@ def distributed(world_size: int = 2, *, backend: Optional[str] = None, timeout: 
 
         @functools.wraps(fn)
         def test(**kwargs):
+            __tracebackhide__ = True  # pytest shows the ranks' report, not this wrapper
             get_pool(world_size, backend).submit(
                 _TestBody(fn.__module__, fn.__qualname__), args=(kwargs,), timeout=timeout,
                 name=f"{fn.__qualname__} on {world_size} ranks",

@@ -57,9 +57,9 @@ def test_local_checks_name_the_problem(env):
 
 
 def test_nccl_checks_without_a_gpu():
-    """The NCCL device and contiguity checks, run against a NCCL-like group description."""
+    """The NCCL device check, run against a NCCL-like group description. Non-contiguous tensors
+    pass (the wrappers hand NCCL a contiguous copy)."""
     info = GroupInfo(group=None, ranks=(0, 1), group_rank=0, global_rank=0, backend="nccl")
-    raises(lambda: check_tensor(torch.ones(4, 4).t(), "all_reduce", info), CollectiveError, "contiguous", "stride (1, 4)")
     raises(lambda: check_tensor(torch.ones(4), "all_reduce", info), CollectiveError, "nccl", "CUDA", "cpu")
 
 
