@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, List, Optional, Sequence
 
-from .pool import RankPool
+from .pool import RankPool, check_call
 
 
 def run(
@@ -48,7 +48,6 @@ def run(
         TypeError, ValueError: an argument is of the wrong type or out of range (before any
             rank starts).
     """
-    if not callable(fn):
-        raise TypeError(f"run: fn must be a function, got {type(fn).__name__} {fn!r}")
+    check_call(fn, args, timeout)
     with RankPool(world_size, backend=backend, threads=threads) as pool:
         return pool.submit(fn, args=args, timeout=timeout)

@@ -287,11 +287,7 @@ class RankPool:
         `RankFailure` is raised.
         """
         __tracebackhide__ = True  # pytest: show the test, not the harness
-        if not callable(fn):
-            raise TypeError(f"fn must be callable, got {type(fn).__name__}")
-        if isinstance(args, (str, bytes)) or not isinstance(args, (tuple, list)):
-            raise TypeError(f"args must be a tuple or list of positional arguments, got {type(args).__name__} {args!r}")
-        _check_timeout(timeout, "timeout")
+        check_call(fn, args, timeout)
         name = name or getattr(fn, "__qualname__", repr(fn))
         try:
             payload = pickle.dumps((fn, tuple(args)))
@@ -422,6 +418,15 @@ def _clean_stack(text: str) -> str:
                  if "multiprocessing/" not in ln and '"<string>"' not in ln and not any(h in ln for h in HIDDEN_FILES)]
         kept.append("\n".join(lines))
     return "\n\n".join(kept)
+
+
+def check_call(fn, args, timeout) -> None:
+    """What submit() and run() take: a function, a tuple or list of arguments, a timeout."""
+    if not callable(fn):
+        raise TypeError(f"fn must be a function, got {type(fn).__name__} {fn!r}")
+    if isinstance(args, (str, bytes)) or not isinstance(args, (tuple, list)):
+        raise TypeError(f"args must be a tuple or list of positional arguments, got {type(args).__name__} {args!r}")
+    _check_timeout(timeout, "timeout")
 
 
 def _check_world_size(world_size) -> None:

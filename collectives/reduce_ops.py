@@ -87,4 +87,6 @@ _FOLDS = {
 
 def fold(name: str, tensors: List[torch.Tensor]) -> torch.Tensor:
     """Reduce a list of tensors locally, in rank order (used where a backend lacks the op)."""
+    if name == "avg":  # floats only (check_op_dtype refuses it on integers)
+        return functools.reduce(torch.add, tensors) / len(tensors)
     return functools.reduce(_FOLDS[name], tensors)

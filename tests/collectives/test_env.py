@@ -77,11 +77,15 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def test_plain_python_program(tmp_path):
+def test_plain_python_program_leaves_nothing_in_tmp(tmp_path):
     (tmp_path / "prog.py").write_text(PROGRAM)
-    out = subprocess.run([sys.executable, str(tmp_path / "prog.py")], capture_output=True, text=True, timeout=120)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    out = subprocess.run([sys.executable, str(tmp_path / "prog.py")], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "TMPDIR": str(tmp)})
     assert out.returncode == 0, out.stderr
     assert "rank=0 world=1 local=0 backend=gloo sum=1" in out.stdout
+    assert list(tmp.iterdir()) == []  # no rendezvous folder left behind (there used to be one per run)
 
 
 def test_torchrun_program(tmp_path):

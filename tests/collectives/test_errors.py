@@ -7,6 +7,8 @@ Mismatches that would abort Gloo (sizes), hang it (different collectives) or sil
     pytest tests/collectives/test_errors.py -q
 """
 
+import time
+
 import pytest
 import torch
 
@@ -144,3 +146,69 @@ def test_checked_mode_from_the_environment(monkeypatch):
     monkeypatch.setenv("COLLECTIVES_CHECKED", "1")  # the spawned ranks inherit it
     messages = C.run(_env_checked_body, world_size=2, timeout=60)
     assert all("op differ" in m for m in messages), messages
+
+
+@distributed(world_size=3)
+def test_none_is_a_collective_error_not_an_attribute_error(env):
+    for call in (lambda: C.all_reduce(None), lambda: C.reduce(None), lambda: C.broadcast(None),
+                 lambda: C.reduce_scatter(None), lambda: C.all_to_all(None)):
+        raises(call, CollectiveError, "is None", f"rank {env.rank}")
+    # collectives that exchange shapes first: every rank raises, even those that passed a tensor
+    raises(lambda: C.all_gather(None if env.rank == 1 else torch.ones(2)), CollectiveError,
+           "rank(s) [1] failed a local check", "rank 1: all_gather on rank 1: tensor is None")
+    raises(lambda: C.gather(torch.ones(2) if env.rank else None), CollectiveError, "rank(s) [0] failed a local check")
+    group_still_works()
+
+
+@distributed(world_size=3)
+def test_scatter_takes_none_on_the_ranks_other_than_src(env):
+    src = 2
+    full = torch.arange(12.0).view(6, 2) if env.rank == src else None
+    got = C.scatter(full, src=src)
+    assert torch.equal(got, torch.arange(12.0).view(6, 2)[2 * env.rank:2 * env.rank + 2])
+    ints = C.scatter(torch.arange(3, dtype=torch.int8) if env.rank == 0 else None, src=0, async_op=True).wait()
+    assert ints.dtype == torch.int8 and ints.tolist() == [env.rank]
+    with C.checked():  # checked mode does not count None against src's shape
+        assert C.scatter(torch.ones(3) if env.rank == 0 else None, src=0).tolist() == [1.0]
+    # src passing None, or another rank passing a tensor of another shape: every rank raises
+    raises(lambda: C.scatter(None, src=1), CollectiveError, "failed a local check", "rank 1: scatter on rank 1: tensor is None")
+    raises(lambda: C.scatter(torch.ones(3) if env.rank != 1 else torch.ones(6), src=0), CollectiveMismatchError,
+           "rank(s) [1] passed a tensor not shaped like src rank 0's", "rank 1: shape=(6,)")
+    raises(lambda: C.scatter(torch.ones(4) if env.rank == 0 else None, src=0), CollectiveError,
+           "src rank 0's tensor has first dimension 4", "group size 3")
+    group_still_works()
+
+
+@distributed(world_size=3)
+def test_plain_mode_spreads_a_local_failure_where_it_exchanges_shapes(env):
+    # Only rank 2 passes a bad dst. Without the shape exchange carrying that failure, ranks 0
+    # and 1 would enter the gather and wait for rank 2 forever.
+    dst = 7 if env.rank == 2 else 0
+    raises(lambda: C.gather(torch.ones(2), dst=dst), CollectiveError, "rank(s) [2] failed a local check", "dst=7")
+    # different dst on different ranks (each valid): every rank is told
+    raises(lambda: C.gather(torch.ones(2), dst=env.rank % 2), CollectiveMismatchError, "different dst",
+           "rank 1: dst=1", "rank 0: dst=0")
+    raises(lambda: C.scatter(torch.ones(3), src=env.rank % 2), CollectiveMismatchError, "different src")
+    group_still_works()
+
+
+@pytest.mark.parametrize("kwargs, error, fragment", [
+    ({"world_size": "2"}, TypeError, "world_size must be an int, got str '2'"),
+    ({"world_size": None}, TypeError, "world_size must be an int, got NoneType"),
+    ({"world_size": True}, TypeError, "world_size must be an int, got bool"),
+    ({"world_size": 0}, ValueError, "world_size must be at least 1, got 0"),
+    ({"world_size": 2, "timeout": float("nan")}, ValueError, "timeout must be a positive, finite number of seconds, got nan"),
+    ({"world_size": 2, "timeout": "5"}, TypeError, "timeout must be a number of seconds, got str '5'"),
+    ({"world_size": 2, "timeout": -1}, ValueError, "got -1"),
+    ({"world_size": 2, "args": 5}, TypeError, "args must be a tuple or list of positional arguments, got int 5"),
+    ({"world_size": 2, "args": "ab"}, TypeError, "got str 'ab'"),
+    ({"world_size": 2, "threads": -1}, ValueError, "threads must be a non-negative int"),
+])
+def test_run_refuses_bad_arguments_before_spawning(kwargs, error, fragment):
+    start = time.monotonic()
+    with pytest.raises(error) as info:
+        C.run(_env_checked_body, **kwargs)
+    assert fragment in str(info.value)
+    assert time.monotonic() - start < 1.0  # refused before any rank was spawned
+    with pytest.raises(TypeError, match="fn must be a function, got int"):
+        C.run(5, 2)

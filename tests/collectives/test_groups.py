@@ -67,3 +67,29 @@ def test_group_errors(env):
         C.Mesh2D(2, 2)
     with pytest.raises(CollectiveError, match="group rank 2 is out of range"):
         C.global_rank(C.new_group([0, 1]), 2)
+
+
+@distributed(world_size=4)
+def test_rooted_collectives_in_a_subgroup_whose_ranks_are_shifted(env):
+    """Group [1, 2, 3]: global rank r is group rank r - 1, so a root given as a global rank, or
+    a chunk picked by global rank instead of group rank, shows up as a wrong value."""
+    trio = C.split([[1, 2, 3]])
+    if env.rank == 0:
+        return
+    r, g, members = env.rank, env.rank - 1, [1, 2, 3]
+    for root in (2, 3):
+        t = torch.tensor([10.0 * r, 1.0])
+        C.broadcast(t, src=root, group=trio)
+        assert t.tolist() == [10.0 * root, 1.0]
+        t = torch.tensor([10.0 * r, 1.0])
+        C.reduce(t, dst=root, group=trio)
+        assert r != root or t.tolist() == [60.0, 3.0]
+        got = C.gather(torch.full((r,), float(r)), dst=root, group=trio)  # uneven: rank r sends r rows
+        assert got is None if r != root else got.tolist() == [1.0, 2.0, 2.0, 3.0, 3.0, 3.0]
+        full = torch.arange(6.0) + 100 * root if r == root else None
+        assert C.scatter(full, src=root, group=trio).tolist() == [100.0 * root + 2 * g, 100.0 * root + 2 * g + 1]
+    assert C.all_gather(torch.tensor([float(r)]), group=trio).tolist() == [1.0, 2.0, 3.0]
+    chunk = C.reduce_scatter(torch.arange(3.0) * r, group=trio)  # sum over members of i * r, for i = g
+    assert chunk.tolist() == [g * sum(members)]
+    sent = torch.tensor([10.0 * r + j for j in range(3)])  # chunk j goes to group rank j
+    assert C.all_to_all(sent, group=trio).tolist() == [10.0 * m + g for m in members]

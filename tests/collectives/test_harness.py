@@ -24,6 +24,11 @@ def _fails_on_rank_1(env):
     return env.rank
 
 
+def _compares(env):
+    total = sum(range(env.rank + 3))
+    assert total == 3, "planted"
+
+
 def _sleeps(env):
     time.sleep(60)
 
@@ -37,6 +42,16 @@ def test_failure_names_the_rank_and_the_pool_is_rebuilt():
     after = run_on_ranks(_pid, 2)  # a fresh pool, not the one that saw the failure
     assert set(before).isdisjoint(after)
     assert run_on_ranks(_pid, 2) == after  # and it is reused again
+
+
+def test_a_failed_assert_shows_its_values_and_the_users_frames_only():
+    with pytest.raises(C.RankFailure) as info:
+        run_on_ranks(_compares, 2)
+    message = str(info.value)
+    assert message.startswith("rank 1 raised AssertionError: planted"), message
+    assert "assert 6 == 3" in message  # the values, as pytest's own assertion rewriting shows them
+    assert "in _compares" in message
+    assert "pool.py" not in message and "testing.py" not in message, message
 
 
 def test_a_hang_dumps_every_ranks_stack():

@@ -1,11 +1,17 @@
 """collectives.run: results in rank order; a rank that raises, dies, aborts or hangs gives one
-RankFailure naming it, with its traceback, exit code, signal or Python stack, and no rank
-process is left behind. Each case spawns ranks (~3 s), so the grid is small.
+RankFailure that leads with that rank (not with the ranks stopped because of it), with its
+traceback, exit code, signal or Python stack; no rank process, and nothing a rank started, is
+left behind, even when the launcher itself is killed. Each case spawns ranks (~3 s), so the
+grid is small.
 
     pytest tests/collectives/test_launch.py -q
 """
 
 import os
+import signal
+import subprocess
+import sys
+import textwrap
 import time
 
 import pytest
@@ -26,7 +32,9 @@ def test_results_come_back_in_rank_order():
 
 
 def _fail(env, how, pid_dir):
-    (pid_dir / f"rank{env.rank}.pid").write_text(str(os.getpid()))
+    # each rank starts a child of its own: the launcher must stop it too
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    (pid_dir / f"rank{env.rank}.pid").write_text(f"{os.getpid()} {child.pid}")
     if env.rank == 1:
         if how == "raise":
             raise ValueError("planted failure on rank 1")
@@ -37,39 +45,126 @@ def _fail(env, how, pid_dir):
             dist.all_reduce(t)
     if how == "abort" and env.rank == 0:
         dist.all_reduce(torch.ones(5))  # the size mismatch: raw Gloo aborts
-    if how == "hang":
+    if how == "hang" and env.rank == 1:
         time.sleep(600)
     dist.all_reduce(torch.ones(1))  # rank 0 waits here for a rank 1 that never comes
     time.sleep(600)
 
 
-def _assert_all_gone(pid_dir):
-    pids = [int(p.read_text()) for p in pid_dir.glob("*.pid")]
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a killed process whose parent has not reaped it yet counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def assert_all_gone(pids, within: float = 10.0):
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline and any(_running(p) for p in pids):
+        time.sleep(0.1)
+    assert not [p for p in pids if _running(p)], f"left running: {[p for p in pids if _running(p)]} of {pids}"
+
+
+def _pids_in(pid_dir):
+    pids = [int(x) for p in pid_dir.glob("*.pid") for x in p.read_text().split()]
     assert pids, "the ranks never started"
-    for pid in pids:
-        with pytest.raises(ProcessLookupError):
-            os.kill(pid, 0)
+    return pids
 
 
 @pytest.mark.parametrize(
-    "how, fragments",
+    "how, headline, fragments",
     [
-        ("raise", ["rank 1 raised", "ValueError: planted failure on rank 1", "rank 0 was still running", "in _fail"]),
-        ("exit", ["rank 1 exited with code 7"]),
-        ("abort", ["died from SIGABRT"]),
-        ("hang", ["did not finish within the 2 s timeout", "its Python stack", "in _fail"]),
+        ("raise", "rank 1 raised ValueError: planted failure on rank 1\n",
+         ["stopped because of it: rank(s) [0]", "rank 0 was still running", "waiting in all_reduce", "in _fail"]),
+        ("exit", "rank 1 exited with code 7", ["stopped because of it: rank(s) [0]"]),
+        ("abort", "died from SIGABRT", []),
+        ("hang", "rank 1 did not finish within the 2 s timeout: in _fail (test_launch.py:", [
+            "stopped because of it: rank(s) [0]", "rank 0 did not finish within the 2 s timeout: waiting in all_reduce",
+            "its Python stack", "in _fail"]),
     ],
 )
-def test_a_failing_rank_is_named_and_nothing_is_left_behind(how, fragments, tmp_path):
+def test_a_failing_rank_is_named_first_and_nothing_is_left_behind(how, headline, fragments, tmp_path):
     start = time.monotonic()
     with pytest.raises(C.RankFailure) as info:
         C.run(_fail, world_size=2, args=(how, tmp_path), timeout=2 if how == "hang" else 60)
     message = str(info.value)
+    assert message.startswith(headline) or (how == "abort" and headline in message.splitlines()[0]), message
     for fragment in fragments:
         assert fragment in message, f"{fragment!r} missing from:\n{message}"
+    if how != "abort":  # which rank Gloo's abort hits first is up to Gloo
+        assert (info.value.first, info.value.failed, info.value.stopped) == (1, [1], [0])
     assert info.value.ranks == [0, 1]
     assert time.monotonic() - start < 30
-    _assert_all_gone(tmp_path)
+    assert_all_gone(_pids_in(tmp_path))
+
+
+LAUNCHER = textwrap.dedent("""
+    import os, subprocess, sys, time
+    import collectives
+
+    def work(env, pid_dir):
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        with open(os.path.join(pid_dir, f"rank{env.rank}.pid"), "w") as f:
+            f.write(f"{os.getpid()} {child.pid}")
+        time.sleep(600)
+
+    if __name__ == "__main__":
+        collectives.run(work, world_size=2, args=(sys.argv[1],))
+""")
+
+
+def descendants(pid: int):
+    """Every process below `pid`, read from /proc."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, stack = [], [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
+
+
+def start_and_kill(argv, sig, ready, tmp_path, env=None):
+    """Start a launcher, wait until `ready()`, note every process below it, kill it with `sig`;
+    return those processes' pids."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir(exist_ok=True)
+    proc = subprocess.Popen(argv, env={**os.environ, "TMPDIR": str(tmp), **(env or {})},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while not ready() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    assert proc.poll() is None and ready(), f"the launcher did not get going: {proc.stderr.read().decode()[-2000:]}"
+    below = descendants(proc.pid)
+    os.kill(proc.pid, sig)
+    proc.wait(30)
+    proc.stderr.close()
+    return below, tmp
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_ranks_die_with_a_killed_launcher(sig, tmp_path):
+    script = tmp_path / "launcher.py"
+    script.write_text(LAUNCHER)
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    ready = lambda: len(list(pid_dir.glob("*.pid"))) == 2 and all(p.read_text() for p in pid_dir.glob("*.pid"))  # noqa: E731
+    below, tmp = start_and_kill([sys.executable, str(script), str(pid_dir)], sig, ready, tmp_path)
+    ranks_and_children = _pids_in(pid_dir)
+    assert set(ranks_and_children) <= set(below)
+    assert len(below) >= 5  # 2 ranks, their 2 children, multiprocessing's resource tracker
+    assert_all_gone(below)
+    assert not [p.name for p in tmp.iterdir() if p.name.startswith("collectives")], list(tmp.iterdir())
 
 
 def test_a_function_the_ranks_cannot_import_is_refused_clearly():
