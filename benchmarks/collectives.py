@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 import collectives
 from collectives import _compat
+from collectives.cli import command, eta
 from collectives.env import read_env
 
 from . import limits as machine_limits
@@ -106,6 +107,17 @@ def validate(args, parser) -> None:
         parser.error("--backend nccl moves CUDA tensors only; use --device cuda or --backend gloo")
     if "all" in args.collective:
         args.collective = list(COLLECTIVES)
+
+
+def buffer_count(collective: str, nbytes: int, n: int, itemsize: int) -> int:
+    """Elements of nccl-tests' buffer for a requested size: the full buffer per rank (all_gather:
+    the gathered output; reduce_scatter: the input; all_to_all: the send buffer), rounded down
+    to one equal chunk per rank where the collective splits it. The size column is this times
+    the element size: the bytes the collective actually moved through that buffer."""
+    count = max(1, nbytes // itemsize)
+    if collective in ("all_gather", "reduce_scatter", "all_to_all"):
+        count = max(n, count - count % n)  # one equal chunk per rank
+    return count
 
 
 # -- data whose reduction is exact in any order ----------------------------------------------------
@@ -228,11 +240,12 @@ def run_benchmark(env, config: dict) -> dict:
     limit = found and (found["p2p_gbps"] or found["copy_gbps"])
     sizes = size_list(config["minbytes"], config["maxbytes"], config["stepfactor"])
     rows = []
-    for collective in config["collective"]:
+    start = time.perf_counter()
+    # progress: the time a size takes grows with its bytes, so the work left is counted in bytes
+    total_work = len(config["collective"]) * sum(sizes)
+    for c_index, collective in enumerate(config["collective"]):
         for k, nbytes in enumerate(sizes):
-            count = max(1, nbytes // dtype.itemsize)
-            if collective in ("all_gather", "reduce_scatter", "all_to_all"):
-                count = max(n, count - count % n)  # one equal chunk per rank
+            count = buffer_count(collective, nbytes, n, dtype.itemsize)
             row = {"collective": collective, "size": count * dtype.itemsize, "count": count,
                    "type": TYPE_NAMES[config["datatype"]], "redop": config["op"] if collective in REDUCING else "none",
                    "root": 0 if collective in ROOTED else -1}
@@ -249,7 +262,10 @@ def run_benchmark(env, config: dict) -> dict:
                 del case
             rows.append(row)
             if r == 0:
-                print(f"[{collective}] {row['size']} B done ({k + 1}/{len(sizes)})", file=sys.stderr, flush=True)
+                done = c_index * sum(sizes) + sum(sizes[:k + 1])
+                left = eta(done, total_work, time.perf_counter() - start)
+                print(f"[{collective}] {row['size']} B done ({k + 1}/{len(sizes)}) {left}".rstrip(), file=sys.stderr,
+                      flush=True)
     return {"rows": rows, "limits": found, "backend": env.backend, "world_size": n, "device": str(device),
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"}
 
@@ -300,6 +316,7 @@ def report(result: dict, args, argv) -> int:
     return 1 if wrong else 0
 
 
+@command
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()

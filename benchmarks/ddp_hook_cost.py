@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from tabulate import tabulate
 
+from collectives.cli import command
 from ddp_from_scratch.resnet import resnet50
 
 
@@ -54,6 +55,7 @@ def _hooked(kind: str):
     return model, events
 
 
+@command
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=15, help="backwards per variant (alternated)")

@@ -34,6 +34,7 @@ from tabulate import tabulate
 from torch import nn
 
 import collectives
+from collectives.cli import command
 from ddp_from_scratch.ddp import DistributedDataParallel as Bucketed
 from ddp_from_scratch.flat import FlatDataParallel
 from ddp_from_scratch.naive import NaiveDataParallel
@@ -111,6 +112,7 @@ def _ratio(entry) -> str:
     return f"{entry['ratio']:.3f} ({entry['ratio_q1']:.3f}-{entry['ratio_q3']:.3f})"
 
 
+@command
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=11, help="timed steps per variant (alternated)")

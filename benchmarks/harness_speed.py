@@ -22,6 +22,7 @@ import time
 import torch
 
 import collectives
+from collectives.cli import command
 from collectives.testing import close_pools, get_pool, run_on_ranks
 
 
@@ -32,6 +33,7 @@ def _case(env):
     return True
 
 
+@command
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world-size", type=int, default=2, help="ranks per test case (default 2)")

@@ -45,33 +45,54 @@ def _side_cols(with_limit: bool) -> List[str]:
     return ["time", "algbw", "busbw"] + (["%limit"] if with_limit else []) + ["#wrong"]
 
 
+WIDTH = 9  # every cell: a space, then the value right-aligned in 8 characters (or more: never merged)
+LEAD = [("size", "(B)", 12), ("count", "(elements)", 14), ("type", "", 10), ("redop", "", 8), ("root", "", 8)]
+
+
+def _cell(text: str, width: int = WIDTH) -> str:
+    """One column: always at least one space before the value, however long the value is."""
+    return " " + text.rjust(width - 1)
+
+
+def format_time(time_us: float) -> str:
+    """Microseconds in at most 8 characters where possible: fewer decimals as the value grows
+    (nccl-tests also switches format for large times), so 132366.16 us prints as 132366.2."""
+    for digits in (2, 1, 0):
+        text = f"{time_us:.{digits}f}"
+        if len(text) <= WIDTH - 1:
+            return text
+    return text
+
+
 def header(with_limit: bool) -> str:
     cols = _side_cols(with_limit)
-    width = 8 * len(cols)
-    line1 = "#" + " " * 56 + f"{'out-of-place':^{width}}" + f"{'in-place':^{width}}"
-    names = "".join(f"{c:>8}" for c in cols)
-    line2 = f"#{'size':>11}{'count':>14}{'type':>10}{'redop':>8}{'root':>8}" + names + names
+    width = WIDTH * len(cols)
+    lead = sum(w for *_, w in LEAD)
+    line1 = "#" + " " * (lead - 1) + f"{'out-of-place':^{width}}" + f"{'in-place':^{width}}"
+    names = "".join(_cell(c) for c in cols)
+    line2 = "#" + "".join(_cell(name, w) for name, _, w in LEAD)[1:] + names + names
     units = {"time": "(us)", "algbw": "(GB/s)", "busbw": "(GB/s)", "%limit": "", "#wrong": ""}
-    unit_cols = "".join(f"{units[c]:>8}" for c in cols)
-    line3 = f"#{'(B)':>11}{'(elements)':>14}{'':>10}{'':>8}{'':>8}" + unit_cols + unit_cols
+    unit_cols = "".join(_cell(units[c]) for c in cols)
+    line3 = "#" + "".join(_cell(unit, w) for _, unit, w in LEAD)[1:] + unit_cols + unit_cols
     return "\n".join([line1, line2, line3])
 
 
 def _fmt_side(side: Optional[Dict], with_limit: bool) -> str:
     n = len(_side_cols(with_limit))
     if side is None:
-        return "".join(f"{'N/A':>8}" for _ in range(n))
-    cells = [f"{side['time_us']:8.2f}", f"{side['algbw']:8.2f}", f"{side['busbw']:8.2f}"]
+        return "".join(_cell("N/A") for _ in range(n))
+    cells = [format_time(side["time_us"]), f"{side['algbw']:.2f}", f"{side['busbw']:.2f}"]
     if with_limit:
-        cells.append(f"{side['limit_pct']:7.1f}%" if side.get("limit_pct") is not None else f"{'N/A':>8}")
+        cells.append(f"{side['limit_pct']:.1f}%" if side.get("limit_pct") is not None else "N/A")
     wrong = side.get("wrong")
-    cells.append(f"{'N/A' if wrong is None else wrong:>8}")
-    return "".join(cells)
+    cells.append("N/A" if wrong is None else str(wrong))
+    return "".join(_cell(c) for c in cells)
 
 
 def format_row(row: Dict, with_limit: bool) -> str:
     """One table line; row has size, count, type, redop, root, and oop/ip dicts (or None: N/A)."""
-    lead = f"{row['size']:12d}{row['count']:14d}{row['type']:>10}{row['redop']:>8}{row['root']:8d}"
+    values = [str(row["size"]), str(row["count"]), row["type"], row["redop"], str(row["root"])]
+    lead = "".join(_cell(v, w) for v, (_, _, w) in zip(values, LEAD))
     return lead + "".join(_fmt_side(row.get(s), with_limit) for s in SIDES)
 
 

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from tabulate import tabulate
 
 import collectives
+from collectives.cli import command
 
 SIZES = {"4 B": 4, "64 KiB": 64 << 10, "16 MiB": 16 << 20}
 VARIANTS = ("raw", "wrapper", "checked", "control")
@@ -123,6 +124,7 @@ def _summarise(results) -> dict:
     return out
 
 
+@command
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world-size", type=int, default=2, help="ranks to spawn (default 2)")

@@ -16,6 +16,7 @@ import sys
 import torch
 
 import collectives as C
+from collectives.cli import command
 
 COLLECTIVES = ["broadcast", "all_reduce", "reduce", "all_gather", "reduce_scatter", "gather", "scatter", "all_to_all"]
 
@@ -71,6 +72,7 @@ def _body(env, names, checked):
     return lines, wrong
 
 
+@command
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="Show each collective's input and output on every rank.")
     parser.add_argument("--world-size", "-n", type=int, default=4, help="ranks to spawn (default 4)")

@@ -353,7 +353,7 @@ def scatter(tensor: Optional[torch.Tensor], src: int = 0, group: Group = None, a
         raise CollectiveError(f"scatter: src rank {src}'s tensor has {dim0} (shape {source.shape}), which does not "
                               f"divide by the group size {info.size}")
     if "..." in source.shape and tensor is None:
-        raise CollectiveError(f"scatter: src's tensor has more than 10 dimensions; pass a tensor of its shape instead of None")
+        raise CollectiveError("scatter: src's tensor has more than 10 dimensions; pass a tensor of its shape instead of None")
     if tensor is None:
         device = torch.device("cuda", torch.cuda.current_device()) if info.backend == "nccl" else torch.device("cpu")
         out = torch.empty((source.shape[0] // info.size,) + tuple(source.shape[1:]), dtype=source.dtype, device=device)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import pickle
 import tarfile
+import zlib
 from typing import List, Tuple
 
 import numpy as np
@@ -37,6 +38,14 @@ class DatasetMissing(FileNotFoundError):
     """The CIFAR-10 files are not where they were looked for; the message says how to get them."""
 
 
+class DatasetCorrupt(ValueError):
+    """A CIFAR-10 file is there but damaged (truncated download, wrong file); the message names it."""
+
+
+def _damaged(path: str, why: str) -> DatasetCorrupt:
+    return DatasetCorrupt(f"{path} is damaged ({why}); delete it and download {URL} again")
+
+
 def _missing(root: str) -> DatasetMissing:
     return DatasetMissing(
         f"CIFAR-10 not found under {os.path.abspath(root)!r}: expected {FOLDER}/ (data_batch_1..5, test_batch) "
@@ -45,10 +54,21 @@ def _missing(root: str) -> DatasetMissing:
     )
 
 
-def _unpickle(stream) -> Tuple[np.ndarray, List[int]]:
-    batch = pickle.load(stream, encoding="bytes")
-    data = np.asarray(batch[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32)  # (N, C, H, W), the files' order
-    return data, list(batch[b"labels"])
+def _unpickle(stream, path: str) -> Tuple[np.ndarray, List[int]]:
+    """One batch file; a file that is not a whole CIFAR-10 batch raises DatasetCorrupt naming `path`."""
+    try:
+        batch = pickle.load(stream, encoding="bytes")
+    except EOFError:
+        raise _damaged(path, "it ends early: a truncated download?") from None
+    except Exception as exc:  # UnpicklingError, a gzip/tar read error inside an archive, ...
+        raise _damaged(path, f"not a CIFAR-10 batch: {type(exc).__name__}: {exc}") from None
+    if not isinstance(batch, dict) or b"data" not in batch or b"labels" not in batch:
+        raise _damaged(path, "not a CIFAR-10 batch: no b'data' and b'labels' in it")
+    data = np.asarray(batch[b"data"], dtype=np.uint8)
+    labels = list(batch[b"labels"])
+    if data.ndim != 2 or data.shape[1] != 3 * 32 * 32 or data.shape[0] != len(labels):
+        raise _damaged(path, f"data of shape {data.shape} for {len(labels)} labels; expected (N, 3072)")
+    return data.reshape(-1, 3, 32, 32), labels  # (N, C, H, W), the files' order
 
 
 def load_arrays(root: str, train: bool) -> Tuple[np.ndarray, np.ndarray]:
@@ -62,14 +82,20 @@ def load_arrays(root: str, train: bool) -> Tuple[np.ndarray, np.ndarray]:
             if not os.path.exists(path):
                 raise DatasetMissing(f"{path} is missing; the folder {folder} is incomplete. {_missing(root)}")
             with open(path, "rb") as f:
-                parts.append(_unpickle(f))
+                parts.append(_unpickle(f, path))
     elif os.path.exists(archive):
-        with tarfile.open(archive, "r:gz") as tar:
-            for name in names:
-                member = tar.extractfile(f"{FOLDER}/{name}")
-                if member is None:
-                    raise DatasetMissing(f"{archive} has no {FOLDER}/{name}")
-                parts.append(_unpickle(member))
+        try:
+            with tarfile.open(archive, "r:gz") as tar:
+                for name in names:
+                    try:
+                        member = tar.extractfile(f"{FOLDER}/{name}")
+                    except KeyError:
+                        member = None
+                    if member is None:
+                        raise _damaged(archive, f"it has no {FOLDER}/{name}")
+                    parts.append(_unpickle(member, f"{archive} ({FOLDER}/{name})"))
+        except (tarfile.TarError, EOFError, OSError, zlib.error) as exc:
+            raise _damaged(archive, f"cannot be read as .tar.gz: {type(exc).__name__}: {exc}") from None
     else:
         raise _missing(root)
     images = np.concatenate([p[0] for p in parts])

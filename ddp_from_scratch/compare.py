@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import copy
 import sys
+import time
 from functools import partial
 from typing import Dict, List, Optional
 
@@ -30,6 +31,7 @@ from tabulate import tabulate
 from torch import nn
 
 import collectives
+from collectives.cli import command, eta
 
 from .bucket import describe as bucket_describe
 from .ddp import DistributedDataParallel
@@ -200,14 +202,32 @@ flat: one buffer in definition order, which is torch's layout in the first step 
 ranks a sum of two values does not depend on the order. The bucketed wrapper uses torch's layouts."""
 
 
+def _validate(args, parser, image: int) -> None:
+    """Refuse what would crash the ranks or report a false "not bitwise", before any rank starts."""
+    for name in ("steps", "batch_size"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if min(args.world_sizes) < 1:
+        parser.error(f"--world-sizes must all be at least 1, got {args.world_sizes}")
+    if image < 4:
+        parser.error(f"--image must be at least 4 pixels, got {image}")
+    if args.model == "resnet50":
+        # BatchNorm needs two values per channel; ResNet-50's last stage is image / 32 pixels wide
+        side = max(1, -(-image // 32))
+        if args.batch_size * side * side < 2:
+            parser.error(f"--batch-size {args.batch_size} with --image {image}: ResNet-50's last BatchNorm would see one "
+                         "value per channel (torch refuses that in training); use --batch-size 2 or more")
+
+
+@command
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="Compare our data-parallel wrappers with torch's DDP, step by step.")
     parser.add_argument("--model", choices=list(MODELS), default="small",
                         help="small CNN, ResNet-50 (10 classes), or the small CNN with unused heads")
     parser.add_argument("--impl", nargs="+", choices=list(WRAPPERS), default=list(WRAPPERS), help="wrappers to compare")
     parser.add_argument("--world-sizes", nargs="+", type=int, default=[2, 4], help="ranks to spawn, one run each")
-    parser.add_argument("--steps", type=int, default=4, help="training steps compared")
-    parser.add_argument("--batch-size", type=int, default=4, help="images per rank per step")
+    parser.add_argument("--steps", type=int, default=4, help="training steps compared (at least 1)")
+    parser.add_argument("--batch-size", type=int, default=4, help="images per rank per step (at least 1)")
     parser.add_argument("--image", type=int, default=None, help="image side in pixels (default 12 small, 32 resnet50)")
     parser.add_argument("--no-options", action="store_true",
                         help="skip the second table (the bucketed wrapper's options against torch's)")
@@ -216,21 +236,31 @@ def main(argv=None) -> int:
                              "'full': every parameter with its offset, shape and bytes")
     args = parser.parse_args(argv)
     image = args.image or (32 if args.model == "resnet50" else 12)
+    _validate(args, parser, image)
     data = f"synthetic CIFAR-shaped data ({args.batch_size} x 3 x {image} x {image} per rank)"
     rows, option_rows = [], []
+    runs = len(args.world_sizes) * (len(args.impl) + (0 if args.no_options else len(options())))
+    done, start = 0, time.perf_counter()
+
+    def progress(what: str) -> None:
+        left = eta(done, runs, time.perf_counter() - start)
+        print(f"[{done + 1}/{runs}] running {what} ... {left}".rstrip(), file=sys.stderr, flush=True)
+
     for n in args.world_sizes:
         with collectives.RankPool(n) as pool:  # one spawn per world size, shared by every comparison
             for impl in args.impl:
-                print(f"running {impl} on {n} ranks ...", file=sys.stderr, flush=True)
+                progress(f"{impl} on {n} ranks")
                 res = summarise(pool.submit(train_side_by_side, args=(impl, args.steps, args.model, args.batch_size, image),
                                             timeout=3600))
                 rows.append(_row(impl, n, args.steps, res))
+                done += 1
             for label, (kwargs, _) in ({} if args.no_options else options()).items():
-                print(f"running bucketed, {label}, on {n} ranks ...", file=sys.stderr, flush=True)
+                progress(f"bucketed, {label}, on {n} ranks")
                 kwargs = {"model": args.model, "batch_size": args.batch_size, "image": image, **kwargs}
                 res = summarise(pool.submit(partial(train_side_by_side, **kwargs), args=("bucketed", args.steps),
                                             timeout=3600))
                 option_rows.append(_row(label, n, args.steps, res))
+                done += 1
     print(f"model {args.model}, {data}, SGD momentum 0.9, Gloo; parameters, their .grad, buffers and the loss "
           "compared with torch.equal after every step on every rank")
     print(tabulate(rows, headers=HEADERS))

@@ -21,6 +21,8 @@ import json
 import sys
 from typing import Dict
 
+from collectives.cli import command
+
 
 def _us(timeline: Dict, t: float) -> float:
     return (t - timeline["start"]) * 1e6
@@ -91,6 +93,7 @@ def _traced_steps(env, model_name: str, batch_size: int, steps: int):
     return model.timeline, model.layouts
 
 
+@command
 def main(argv=None) -> int:
     import collectives
 

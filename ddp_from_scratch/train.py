@@ -6,20 +6,26 @@
     srun -N2 --ntasks-per-node=4 python -m ddp_from_scratch.train --impl bucketed --data ./data
 
 Each epoch: a DistributedSampler shard per rank (shuffled by seed and epoch), the augmentation
-fixed by (seed, epoch, sample), SGD with momentum 0.9, progress with images/s on rank 0 (stderr),
-test accuracy reduced over ranks, and an atomic checkpoint (written to a temporary file, then
-renamed). `--resume` continues from the checkpoint and ends with the same parameters as an
-uninterrupted run. The last line on stdout is a JSON summary; with --synthetic every output says
-that the data was synthetic.
+fixed by (seed, epoch, sample), SGD with momentum 0.9, progress with images/s and the time left
+on rank 0 (stderr), test accuracy reduced over ranks, and an atomic checkpoint (written to a
+temporary file, then renamed). `--resume` continues from the checkpoint and ends with the same
+parameters as an uninterrupted run; the checkpoint records the settings that decide the result
+(world size, impl, model, batch size, seed, ...) and a resume with other ones is refused, naming
+them. Every argument, the dataset files and the checkpoint are checked before any rank starts.
+The last line on stdout is a JSON summary; with --synthetic every output says that the data was
+synthetic.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import pickle
 import sys
 import time
+import zipfile
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +33,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
 import collectives
+from collectives.cli import command, eta
 from collectives.env import read_env
 
 from . import cifar10
@@ -54,6 +61,99 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint/checkpoint.pt")
     p.add_argument("--json", default=None, help="also write the summary to this file")
     return p
+
+
+# The settings that decide a run's result: a checkpoint records them and --resume must match.
+RESUME_KEYS = ("world_size", "impl", "model", "batch_size", "seed", "lr", "synthetic", "train_size", "amp",
+               "bucket_cap_mb")
+CIFAR_TRAIN_SIZE = 50_000
+
+
+class CheckpointError(ValueError):
+    """The checkpoint is missing, damaged, or was written by a run with other settings."""
+
+
+def load_checkpoint(path: str, map_location="cpu") -> dict:
+    """The checkpoint at `path`; a damaged file is a CheckpointError naming it, in one line."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"--resume: there is no checkpoint at {path}")
+    if os.path.getsize(path) == 0:
+        raise CheckpointError(f"{path} is damaged (empty file); delete it or point --checkpoint elsewhere")
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=True)
+    except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError, OSError) as exc:
+        # torch's own messages here are long and suggest weights_only=False, which would not help
+        why = "truncated" if isinstance(exc, EOFError) or "central directory" in str(exc) else (
+            f"not a torch checkpoint: {type(exc).__name__}")
+        raise CheckpointError(f"{path} is damaged ({why}); delete it or point --checkpoint elsewhere") from None
+    missing = [k for k in ("model", "optimizer", "epoch", "settings") if not isinstance(state, dict) or k not in state]
+    if missing:
+        raise CheckpointError(f"{path} is not a checkpoint of this program (no {', '.join(missing)} in it)")
+    return state
+
+
+def check_resume(state: dict, settings: dict, path: str, epochs: int) -> None:
+    """Refuse a resume whose settings differ from the checkpoint's, naming each difference."""
+    saved = state["settings"]
+    differ = [f"{k} {saved.get(k)!r} in the checkpoint, {settings[k]!r} now" for k in RESUME_KEYS if saved.get(k) != settings[k]]
+    if differ:
+        raise CheckpointError(f"--resume: {path} was written with other settings: {'; '.join(differ)}. Resume with the "
+                              "checkpoint's settings, or start a new --checkpoint folder")
+    if state["epoch"] >= epochs:
+        raise CheckpointError(f"--resume: {path} has already trained {state['epoch']} of --epochs {epochs}; "
+                              "raise --epochs to train further")
+
+
+def run_settings(config: dict, world_size: int) -> dict:
+    return {**{k: config[k] for k in RESUME_KEYS if k != "world_size"}, "world_size": world_size}
+
+
+def validate(args, parser, world_size: int) -> None:
+    """Refuse every bad argument, dataset and checkpoint before any rank starts (parser.error: exit 2)."""
+    for name, minimum in (("nproc", 1), ("batch_size", 1), ("epochs", 1), ("train_size", 1), ("test_size", 1)):
+        value = getattr(args, name)
+        if value is not None and value < minimum:
+            parser.error(f"--{name.replace('_', '-')} must be at least {minimum}, got {value}")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        parser.error(f"--lr must be a positive number, got {args.lr}")
+    if args.bucket_cap_mb is not None and not (math.isfinite(args.bucket_cap_mb) and args.bucket_cap_mb > 0):
+        parser.error(f"--bucket-cap-mb must be a positive number of MiB, got {args.bucket_cap_mb}")
+    if args.bucket_cap_mb is not None and args.impl not in ("torch", "bucketed"):
+        parser.error(f"--bucket-cap-mb applies to --impl torch or bucketed, not {args.impl}")
+    if not args.synthetic:
+        try:  # every file, so a damaged one is named now, not by a rank an epoch later
+            train_images = len(cifar10.load_arrays(args.data, train=True)[1])
+            cifar10.load_arrays(args.data, train=False)
+        except (cifar10.DatasetMissing, cifar10.DatasetCorrupt) as exc:
+            parser.error(str(exc))
+    else:
+        train_images = CIFAR_TRAIN_SIZE
+    if args.train_size is not None and args.train_size > train_images and not args.synthetic:
+        parser.error(f"--train-size {args.train_size} is more than the {train_images} training images")
+    images = args.train_size or train_images
+    per_step = args.batch_size * world_size
+    if images // world_size // args.batch_size == 0:
+        parser.error(f"{images} training images make no full step of {args.batch_size} per rank on {world_size} "
+                     f"rank(s): use at least {per_step} images (--train-size) or a smaller --batch-size")
+    if args.resume and not args.checkpoint:
+        parser.error("--resume needs --checkpoint FOLDER (the folder the interrupted run wrote checkpoint.pt to)")
+    if args.checkpoint:
+        if os.path.exists(args.checkpoint) and not os.path.isdir(args.checkpoint):
+            parser.error(f"--checkpoint {args.checkpoint} is a file; it must be a folder (checkpoint.pt is written in it)")
+        try:
+            os.makedirs(args.checkpoint, exist_ok=True)
+            probe = os.path.join(args.checkpoint, ".write-test")
+            with open(probe, "w"):
+                pass
+            os.remove(probe)
+        except OSError as exc:
+            parser.error(f"--checkpoint {args.checkpoint}: cannot write there ({exc.strerror or exc})")
+        if args.resume:
+            path = os.path.join(args.checkpoint, "checkpoint.pt")
+            try:
+                check_resume(load_checkpoint(path), run_settings(vars(args), world_size), path, args.epochs)
+            except CheckpointError as exc:
+                parser.error(str(exc))
 
 
 def _datasets(config):
@@ -101,10 +201,10 @@ def train(env, config) -> dict:
     amp_dtype = torch.float16 if env.device.type == "cuda" else torch.bfloat16
     path = os.path.join(config["checkpoint"], "checkpoint.pt") if config["checkpoint"] else None
     start_epoch = 0
+    settings = run_settings(config, env.world_size)
     if config["resume"]:
-        if not path or not os.path.exists(path):
-            raise FileNotFoundError(f"--resume: no checkpoint at {path!r}")
-        state = torch.load(path, map_location=env.device, weights_only=True)
+        state = load_checkpoint(path, map_location=env.device)
+        check_resume(state, settings, path, config["epochs"])  # under torchrun, the first place it can be checked
         model.module.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         start_epoch = state["epoch"]
@@ -112,9 +212,11 @@ def train(env, config) -> dict:
                                  seed=config["seed"], drop_last=True)
     loader = DataLoader(train_set, batch_size=config["batch_size"], sampler=sampler, drop_last=True)
     tag = " [synthetic data]" if config["synthetic"] else ""
+    clear = "\033[K" if sys.stderr.isatty() else ""  # the rest of a longer earlier progress line
     images, seconds, accuracy = 0, 0.0, None
+    steps_to_do, steps_done, run_start = (config["epochs"] - start_epoch) * len(loader), 0, time.perf_counter()
     for epoch in range(start_epoch, config["epochs"]):
-        sampler.set_epoch(epoch)
+        sampler.set_epoch(epoch)  # a new shuffle each epoch (every rank the same permutation, disjoint shards)
         (train_set.dataset if isinstance(train_set, torch.utils.data.Subset) else train_set).set_epoch(epoch)
         start = time.perf_counter()
         for step, (x, y) in enumerate(loader):
@@ -129,11 +231,14 @@ def train(env, config) -> dict:
             else:
                 loss.backward()
                 opt.step()
+            steps_done += 1
             if env.rank == 0:
                 done = (step + 1) * config["batch_size"] * env.world_size
-                rate = done / (time.perf_counter() - start)
+                now = time.perf_counter()
+                rate = done / (now - start)
+                left = eta(steps_done, steps_to_do, now - run_start)
                 print(f"\repoch {epoch + 1}/{config['epochs']} step {step + 1}/{len(loader)} loss {loss.item():.4f} "
-                      f"{rate:.1f} images/s{tag}", end="", file=sys.stderr, flush=True)
+                      f"{rate:.1f} images/s, {left}{tag}{clear}", end="", file=sys.stderr, flush=True)
         epoch_seconds = time.perf_counter() - start
         images += len(loader) * config["batch_size"] * env.world_size
         seconds += epoch_seconds
@@ -143,7 +248,7 @@ def train(env, config) -> dict:
             if path:
                 os.makedirs(config["checkpoint"], exist_ok=True)
                 torch.save({"model": model.module.state_dict(), "optimizer": opt.state_dict(), "epoch": epoch + 1,
-                            "synthetic": config["synthetic"]}, path + ".tmp")
+                            "synthetic": config["synthetic"], "settings": settings}, path + ".tmp")
                 os.replace(path + ".tmp", path)  # atomic: a crash leaves the previous checkpoint whole
         collectives.barrier()
     return {"impl": config["impl"], "model": config["model"], "world_size": env.world_size, "device": str(env.device),
@@ -153,16 +258,14 @@ def train(env, config) -> dict:
             "synthetic_data": config["synthetic"]}
 
 
+@command
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not args.synthetic:
-        try:
-            cifar10.load_arrays(args.data, train=False)  # the small file: fail before any rank starts
-        except cifar10.DatasetMissing as exc:
-            parser.exit(2, f"error: {exc}\n")
+    launched = read_env(os.environ)
+    validate(args, parser, launched["world_size"] if launched["master_addr"] is not None else args.nproc)
     config = vars(args)
-    if read_env(os.environ)["master_addr"] is not None:  # started by torchrun or srun
+    if launched["master_addr"] is not None:  # started by torchrun or srun
         env = collectives.init_from_env()
         summary = train(env, config)
         collectives.shutdown()

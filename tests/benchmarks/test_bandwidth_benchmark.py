@@ -7,6 +7,7 @@ nonsense, and a small end-to-end run writes its table, JSON, CSV and plot.
 
 import csv
 import json
+import pathlib
 
 import pytest
 import torch
@@ -14,6 +15,8 @@ import torch
 from benchmarks import collectives as bench
 from benchmarks.nccl_format import bandwidths, bus_factor, format_row, header, parse_table
 from benchmarks.plot import plot_results
+
+RESULTS = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
 
 def _side(t, wrong=0, limit=None):
@@ -39,6 +42,41 @@ def test_table_round_trips_through_the_parser(with_limit):
         if with_limit:
             assert got["ip"]["limit_pct"] == (None if want["ip"]["limit_pct"] is None else pytest.approx(want["ip"]["limit_pct"], abs=0.05))
     assert "\n".join(format_row(r, with_limit) for r in parsed) == "\n".join(format_row(r, with_limit) for r in rows)
+
+
+def test_cells_never_run_together_at_any_size():
+    """Times past 99,999 us once ran into the previous column ("N/A132366.16"), and the parser
+    dropped those rows. Every cell keeps a space before it, and time switches format as it grows."""
+    big = {"time_us": 132366.16, "algbw": 0.5, "busbw": 0.75, "limit_pct": 27.0, "wrong": 0}
+    huge = {"time_us": 123456789.0, "algbw": 12345.67, "busbw": 0.0, "limit_pct": 1000.0, "wrong": 16777216}
+    rows = [{"size": 64 << 20, "count": 16 << 20, "type": "float", "redop": "sum", "root": -1, "oop": None, "ip": big},
+            {"size": 1 << 40, "count": 1 << 38, "type": "bfloat16", "redop": "none", "root": 0, "oop": huge, "ip": big}]
+    for with_limit in (False, True):
+        text = header(with_limit) + "\n" + "\n".join(format_row(r, with_limit) for r in rows)
+        assert "N/A1" not in text and "%1" not in text
+        parsed = parse_table(text)
+        assert [r["size"] for r in parsed] == [64 << 20, 1 << 40]
+        assert parsed[0]["ip"]["time_us"] == pytest.approx(132366.2) and parsed[1]["oop"]["time_us"] == 123456789.0
+        assert parsed[1]["oop"]["wrong"] == 16777216
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_committed_results_parse_in_full(ranks):
+    """Every row of the committed JSON is in the committed table, with the same numbers."""
+    stem = RESULTS / f"bandwidth_gloo-cpu-2core_{ranks}ranks_2026-11-22"
+    saved = json.loads(stem.with_suffix(".json").read_text())["rows"]
+    text = stem.with_suffix(".txt").read_text()
+    by_collective = text.split("#\n# ")[1:]  # one table per collective
+    parsed = [row for part in by_collective for row in parse_table(part)]
+    assert len(parsed) == len(saved) > 0
+    for got, want in zip(parsed, saved):
+        assert (got["size"], got["count"]) == (want["size"], want["count"])
+        for side in ("oop", "ip"):
+            if want[side] is None:
+                assert got[side] is None
+            else:
+                assert got[side]["time_us"] == pytest.approx(want[side]["time_us"], rel=1e-3, abs=0.006)
+                assert got[side]["wrong"] == want[side]["wrong"] == 0
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
@@ -91,10 +129,10 @@ def _check_all(env, op, dtype_name):
             clean = bench.count_wrong(case, "cpu")
             run, refill, expected = case
 
-            def corrupted():  # the collective, then rank 0's output gets one wrong element
+            def corrupted():  # the collective, then every rank's output gets one wrong element
                 run()
                 got, want = expected()
-                if env.rank == 0 and want is not None:
+                if want is not None:
                     got.view(-1)[1] += 1
 
             planted = bench.count_wrong((corrupted, refill, expected), "cpu")
@@ -104,12 +142,42 @@ def _check_all(env, op, dtype_name):
 
 @pytest.mark.parametrize("world_size, op, dtype", [(2, "sum", "float32"), (3, "prod", "bfloat16"), (4, "avg", "float16"),
                                                     (3, "max", "int32"), (4, "min", "int64")])
-def test_check_data_is_exact_and_a_planted_error_is_counted(world_size, op, dtype, dist_run):
-    results = dist_run(_check_all, world_size, args=(op, dtype))[0]
-    assert len(results) == 8
-    for collective, side, clean, planted in results:
+def test_check_data_is_exact_and_wrong_elements_are_counted_on_every_rank(world_size, op, dtype, dist_run):
+    """One wrong element planted on every rank whose output is defined: #wrong is the sum over
+    ranks (world_size, or 1 for reduce, whose output only the root defines)."""
+    results = dist_run(_check_all, world_size, args=(op, dtype))
+    for rank_results in results:  # every rank reports the same total
+        assert rank_results == results[0]
+    assert len(results[0]) == 8
+    for collective, side, clean, planted in results[0]:
         assert clean == 0, f"{collective} {side}: {clean} wrong on clean data"
-        assert planted == 1, f"{collective} {side}: planted 1 wrong element, counted {planted}"
+        want = 1 if collective == "reduce" else world_size
+        assert planted == want, f"{collective} {side}: planted {want} wrong elements (one per rank), counted {planted}"
+
+
+def _buffers(env, nbytes, dtype_name):
+    """Per collective and side: (the size column's bytes, the bytes of the buffer nccl-tests sizes)."""
+    dtype, n, out = bench.DTYPES[dtype_name], env.world_size, []
+    for collective in bench.COLLECTIVES:
+        count = bench.buffer_count(collective, nbytes, n, dtype.itemsize)
+        for side in ("oop", "ip"):
+            case = bench.make_case(collective, side, count, n, env.rank, "sum", dtype, torch.device("cpu"))
+            if case is None:
+                continue
+            case[0]()
+            got, _ = case[2]()  # the output buffer
+            per_rank_output = {"all_gather": got.numel(), "reduce_scatter": got.numel() * n}.get(collective, got.numel())
+            out.append((collective, side, count * dtype.itemsize, per_rank_output * dtype.itemsize))
+    return out
+
+
+@pytest.mark.parametrize("world_size, nbytes, dtype", [(3, 1000, "float32"), (4, 64, "float16"), (2, 8, "int64")])
+def test_size_column_is_the_bytes_of_the_buffer_moved(world_size, nbytes, dtype, dist_run):
+    for collective, side, size, moved in dist_run(_buffers, world_size, args=(nbytes, dtype))[0]:
+        assert size == moved, f"{collective} {side}: size column {size} B, buffer {moved} B"
+        assert size <= max(nbytes, world_size * bench.DTYPES[dtype].itemsize)
+        if collective in ("all_gather", "reduce_scatter", "all_to_all"):
+            assert (size // bench.DTYPES[dtype].itemsize) % world_size == 0
 
 
 def test_end_to_end_small_run(tmp_path, capfd):  # capfd: the progress comes from the spawned ranks

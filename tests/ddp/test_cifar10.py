@@ -69,6 +69,16 @@ def test_augmentation_is_deterministic_per_seed_epoch_sample(tmp_path):
     assert not torch.equal(CIFAR10(tmp_path, augment=True, seed=8)[3][0], CIFAR10(tmp_path, augment=True, seed=7)[3][0])
 
 
+def test_augmentation_differs_between_the_samples_of_one_batch():
+    """Every image the same: a batch's augmented images must still differ (a generator seeded
+    without the sample index would crop and flip them all alike)."""
+    data = SyntheticCIFAR10(16, augment=True, seed=3)
+    data.images[:] = data.images[0]
+    x, _ = next(iter(torch.utils.data.DataLoader(data, batch_size=16)))
+    distinct = {tuple(img.flatten().tolist()) for img in x}
+    assert len(distinct) >= 8, f"only {len(distinct)} different augmentations in a batch of 16"
+
+
 def test_crop_and_flip_keep_the_pixels():
     image = torch.arange(3 * 32 * 32, dtype=torch.float32).view(3, 32, 32) + 1  # no zeros
     seen_flip = seen_shift = False
@@ -101,3 +111,32 @@ def test_synthetic_is_deterministic_and_labelled_as_such():
     assert a.synthetic and len(a) == 100
     assert torch.equal(a[5][0], b[5][0]) and a[5][1] == b[5][1]
     assert not torch.equal(SyntheticCIFAR10(100, seed=2)[5][0], a[5][0])
+
+
+@pytest.mark.parametrize("damage", ["truncated archive", "empty batch file", "truncated batch file", "not a batch"])
+def test_damaged_files_are_named_in_one_line(tmp_path, damage):
+    as_archive = damage == "truncated archive"
+    _write(tmp_path, as_archive)
+    if as_archive:
+        path = tmp_path / cifar10.ARCHIVE
+        path.write_bytes(path.read_bytes()[:600])
+    else:
+        path = tmp_path / cifar10.FOLDER / "data_batch_3"
+        blob = path.read_bytes()
+        path.write_bytes({"empty batch file": b"", "truncated batch file": blob[: len(blob) // 2],
+                          "not a batch": pickle.dumps({"x": 1})}[damage])
+    with pytest.raises(cifar10.DatasetCorrupt) as info:
+        CIFAR10(tmp_path, train=True)
+    message = str(info.value)
+    assert str(path) in message and "is damaged" in message and "\n" not in message, message
+
+
+def test_train_names_a_damaged_file_before_starting(tmp_path, capsys):
+    from ddp_from_scratch import train
+
+    _write(tmp_path, False)
+    (tmp_path / cifar10.FOLDER / "data_batch_5").write_bytes(b"")
+    with pytest.raises(SystemExit) as info:
+        train.main(["--data", str(tmp_path), "--batch-size", "2"])
+    assert info.value.code == 2
+    assert "data_batch_5 is damaged" in capsys.readouterr().err

@@ -4,6 +4,8 @@ says whether everything that should be bitwise equal was.
     pytest tests/ddp/test_compare.py -q
 """
 
+import pytest
+
 from ddp_from_scratch import compare
 
 
@@ -25,3 +27,15 @@ def test_compare_exit_code_is_1_when_a_bitwise_check_fails(monkeypatch, capsys):
     monkeypatch.setattr(compare, "summarise", broken)
     assert compare.main(["--world-sizes", "2", "--impl", "bucketed", "--steps", "1", "--no-options"]) == 1
     assert "bucketed         2        1  no" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--steps", "0"], "--steps must be at least 1, got 0"),  # crashed
+    (["--batch-size", "0"], "--batch-size must be at least 1, got 0"),  # reported a false "not bitwise"
+    (["--world-sizes", "2", "0"], "--world-sizes must all be at least 1"),
+    (["--model", "resnet50", "--batch-size", "1"], "ResNet-50's last BatchNorm would see one value per channel"),
+])
+def test_nonsense_is_refused_before_any_rank_starts(argv, fragment, capsys):
+    with pytest.raises(SystemExit) as info:
+        compare.main(argv)
+    assert info.value.code == 2 and fragment in capsys.readouterr().err

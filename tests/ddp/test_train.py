@@ -6,6 +6,7 @@ is a clear message; torch's DDP with bf16 autocast runs; the summary says the da
 """
 
 import json
+import time
 
 import pytest
 import torch
@@ -47,3 +48,106 @@ def test_torch_ddp_with_amp(tmp_path, capsys):
     summary = json.loads(out.read_text())
     assert summary["impl"] == "torch" and summary["amp"] and summary["world_size"] == 2
     assert 0.0 <= summary["test_accuracy"] <= 1.0 and summary["images_per_second"] > 0
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--batch-size", "0"], "--batch-size must be at least 1, got 0"),
+    (["--epochs", "-1"], "--epochs must be at least 1, got -1"),
+    (["--nproc", "0"], "--nproc must be at least 1"),
+    (["--train-size", "0"], "--train-size must be at least 1, got 0"),  # once meant "all 50,000"
+    (["--train-size", "10"], "10 training images make no full step of 32 per rank on 2 rank(s)"),  # once trained nothing
+    (["--resume"], "--resume needs --checkpoint FOLDER"),  # once "no checkpoint at None"
+    (["--lr", "-1"], "--lr must be a positive number"),
+    (["--bucket-cap-mb", "0"], "--bucket-cap-mb must be a positive number of MiB"),
+])
+def test_bad_arguments_are_refused_before_any_rank_starts(argv, fragment, capsys):
+    start = time.monotonic()
+    with pytest.raises(SystemExit) as info:
+        train.main(["--synthetic"] + argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert fragment in err and "Traceback" not in err
+    assert time.monotonic() - start < 2.0  # no rank was spawned
+
+
+def test_checkpoint_that_is_a_file_is_refused_up_front(tmp_path, capsys):
+    target = tmp_path / "a-file"
+    target.write_text("x")
+    with pytest.raises(SystemExit):
+        train.main(COMMON + ["--checkpoint", str(target)])
+    assert f"--checkpoint {target} is a file" in capsys.readouterr().err
+
+
+def _checkpoint(folder, **settings):
+    folder.mkdir(exist_ok=True)
+    config = vars(train.build_parser().parse_args(COMMON))
+    state = {"model": {}, "optimizer": {}, "epoch": 1, "settings": {**train.run_settings(config, 2), **settings}}
+    torch.save(state, folder / "checkpoint.pt")
+    return folder / "checkpoint.pt"
+
+
+@pytest.mark.parametrize("damage, fragment", [
+    ("empty", "is damaged (empty file)"),
+    ("truncated", "is damaged ("),
+    ("garbage", "is damaged ("),
+])
+def test_damaged_checkpoint_is_one_line_naming_the_file(damage, fragment, tmp_path, capsys):
+    path = _checkpoint(tmp_path / "ckpt")
+    blob = path.read_bytes()
+    path.write_bytes({"empty": b"", "truncated": blob[: len(blob) // 2], "garbage": b"\x00not a checkpoint" * 10}[damage])
+    with pytest.raises(SystemExit) as info:
+        train.main(COMMON + ["--epochs", "2", "--checkpoint", str(tmp_path / "ckpt"), "--resume"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert info.value.code == 2
+    assert f"{path} {fragment}" in err[-1] and "weights_only" not in err[-1], err
+
+
+def test_resume_with_other_settings_is_refused_naming_them(tmp_path, capsys):
+    _checkpoint(tmp_path / "ckpt")
+    with pytest.raises(SystemExit):  # a 2-rank checkpoint resumed on 3 ranks used to continue silently
+        train.main(COMMON[2:] + ["--nproc", "3", "--batch-size", "4", "--epochs", "2", "--checkpoint",
+                                 str(tmp_path / "ckpt"), "--resume"])
+    err = capsys.readouterr().err
+    assert "world_size 2 in the checkpoint, 3 now" in err and "batch_size 8 in the checkpoint, 4 now" in err
+    with pytest.raises(SystemExit):
+        train.main(COMMON + ["--epochs", "1", "--checkpoint", str(tmp_path / "ckpt"), "--resume"])
+    assert "has already trained 1 of --epochs 1" in capsys.readouterr().err
+
+
+def _record_order(env, argv):
+    """Train for real on this rank, recording which sample each __getitem__ served and the
+    augmentation epoch it used."""
+    from ddp_from_scratch import cifar10
+
+    seen = []
+    original = cifar10._Images.__getitem__
+
+    def recording(self, index):
+        if self.augment:  # the training set
+            seen.append((self.epoch, index))
+        return original(self, index)
+
+    cifar10._Images.__getitem__ = recording
+    try:
+        train.train(env, vars(train.build_parser().parse_args(argv)))
+    finally:
+        cifar10._Images.__getitem__ = original
+    return seen
+
+
+def test_each_epoch_reshuffles_and_the_shards_stay_disjoint(dist_run):
+    """Catches a missing sampler.set_epoch (the same order every epoch) or a missing dataset
+    set_epoch (the same augmentation every epoch)."""
+    argv = ["--model", "small", "--synthetic", "--train-size", "64", "--test-size", "8", "--batch-size", "8",
+            "--epochs", "2"]
+    per_rank = dist_run(_record_order, 2, args=(argv,), timeout=300)
+    epochs = {e for seen in per_rank for e, _ in seen}
+    assert epochs == {0, 1}, f"the training set's augmentation saw epochs {epochs}: dataset.set_epoch not called?"
+    orders = [[[i for e, i in seen if e == epoch] for epoch in range(2)] for seen in per_rank]  # [rank][epoch]
+    for rank, (first, second) in enumerate(orders):
+        assert len(first) == len(second) == 32, (rank, len(first), len(second))
+        assert first != second, f"rank {rank} saw the same order in epochs 0 and 1"
+    for epoch in range(2):
+        a, b = set(orders[0][epoch]), set(orders[1][epoch])
+        assert not a & b, f"epoch {epoch}: ranks 0 and 1 both trained on {sorted(a & b)}"
+        assert a | b == set(range(64))
