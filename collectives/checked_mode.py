@@ -33,10 +33,8 @@ ENV_VAR = "COLLECTIVES_CHECKED"
 COLLECTIVES = ("broadcast", "all_reduce", "reduce", "all_gather", "reduce_scatter", "gather", "scatter", "all_to_all", "barrier")
 # Collectives whose ranks may pass different first dimensions.
 DIM0_FREE = ("all_gather", "gather")
-DTYPES = (
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int16,
-    torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128,
-)
+# Every dtype torch has, in a fixed order (the same on every rank running the same torch).
+DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
 DEVICE_TYPES = ("cpu", "cuda")
 SLOTS = 16
 MAX_DIMS = 6  # dims beyond these are compared by a checksum
@@ -92,7 +90,7 @@ class Call:
         fp[7] = 1 if self.error else 0
         t = self.tensor
         if isinstance(t, torch.Tensor):
-            fp[2] = DTYPES.index(t.dtype) + 1 if t.dtype in DTYPES else 99
+            fp[2] = DTYPES.index(t.dtype) + 1
             fp[3] = DEVICE_TYPES.index(t.device.type) + 1 if t.device.type in DEVICE_TYPES else 99
             shape = list(t.shape)
             if self.collective in DIM0_FREE and shape:

@@ -26,13 +26,12 @@ import torch
 import torch.distributed as dist
 
 from . import _compat
+from .checked_mode import DTYPES
 from .checks import GroupInfo
 from .errors import CollectiveError, CollectiveMismatchError
 
 SLOTS = 16
 MAX_DIMS = 10  # dims beyond these are carried as a checksum
-# Every dtype torch has, in a fixed order (the same on every rank running the same torch).
-DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
 
 
 @dataclasses.dataclass

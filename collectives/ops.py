@@ -27,6 +27,7 @@ from . import checked_mode as _checked
 from . import _compat, reduce_ops
 from .checks import GroupInfo, check_divisible, check_root, check_tensor, check_writable, resolve_group
 from .errors import CollectiveError, CollectiveMismatchError
+from .dtypes import arithmetic_wire, as_bytes, from_bytes, moves_as_bytes, reduction_wire
 from .exchange import check_same_root, describe_rows, exchange, raise_if_any_failed
 
 Group = Optional[dist.ProcessGroup]
@@ -98,19 +99,35 @@ def _begin(collective: str, group: Group, tensor=_NO_TENSOR, op=None, root=None,
     return info, name, error
 
 
-def _staged(info: GroupInfo, tensor: torch.Tensor) -> torch.Tensor:
+def _staged(info: GroupInfo, tensor: torch.Tensor, host: bool = True) -> torch.Tensor:
     """What the backend is handed: contiguous, and in host memory where Gloo needs it.
 
-    Gloo runs broadcast and all_reduce on CUDA tensors; for the rest we go through host memory.
+    Gloo runs broadcast and all_reduce on CUDA tensors (host=False); for the rest we go through
+    host memory.
     """
-    if info.backend == "gloo" and tensor.is_cuda:
+    if host and info.backend == "gloo" and tensor.is_cuda:
         return tensor.cpu()
     return tensor if tensor.is_contiguous() else tensor.contiguous()
 
 
-def _copy_back(tensor: torch.Tensor, staged: torch.Tensor) -> torch.Tensor:
-    if staged is not tensor:
-        tensor.copy_(staged)
+def _carried(info: GroupInfo, staged: torch.Tensor, collective: str) -> torch.Tensor:
+    """`staged`, or its bytes where the backend cannot move its dtype (dtypes.py)."""
+    return as_bytes(staged) if moves_as_bytes(info.backend, staged.dtype, collective) else staged
+
+
+def _reduction_input(info: GroupInfo, tensor: torch.Tensor, name: str, host: bool = True):
+    """(what the backend reduces, how to turn it back into the tensor's dtype, or None)."""
+    staged = _staged(info, tensor, host)
+    wire = reduction_wire(info.backend, tensor.dtype, name)
+    return (staged, None) if wire is None else (wire.to_wire(staged), wire.from_wire)
+
+
+def _copy_back(tensor: torch.Tensor, sent: torch.Tensor, back=None) -> torch.Tensor:
+    """Write the result into the caller's tensor, unless the backend already wrote it there."""
+    if back is not None:
+        tensor.copy_(back(sent))
+    elif sent is not tensor:
+        tensor.copy_(sent)
     return tensor
 
 
@@ -123,9 +140,9 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group: Group = None, async_op:
         group: process group (default: the world).
         async_op: return a Work instead of waiting.
     """
-    _begin("broadcast", group, tensor, root=src, writes=True)
-    staged = tensor if tensor.is_contiguous() else tensor.contiguous()
-    work = dist.broadcast(staged, src, group=group, async_op=async_op)
+    info, _, _ = _begin("broadcast", group, tensor, root=src, writes=True)
+    staged = _staged(info, tensor, host=False)
+    work = dist.broadcast(_carried(info, staged, "broadcast"), src, group=group, async_op=async_op)
     return _finish(work, lambda: _copy_back(tensor, staged), async_op)
 
 
@@ -169,17 +186,16 @@ def all_reduce(tensor: torch.Tensor, op="sum", group: Group = None, async_op: bo
         return fast
     info, name, _ = _begin("all_reduce", group, tensor, op=op, writes=True)
     if not reduce_ops.backend_supports(info.backend, name):
-        stacked = _gather_equal(info, tensor)  # (group size, *tensor.shape)
-        tensor.copy_(reduce_ops.fold(name, list(stacked.unbind(0))))
+        tensor.copy_(_gather_and_fold(info, tensor, name))
         return _finish(None, lambda: tensor, async_op)
-    if info.backend == "gloo" and tensor.is_cpu and tensor.is_contiguous() and not _checked.is_checked():
+    sent, back = _reduction_input(info, tensor, name, host=False)
+    if info.backend == "gloo" and sent is tensor and tensor.is_cpu and not _checked.is_checked():
         try:
             _all_reduce_ready[(group, op, tensor.dtype)] = (info, reduce_ops.TORCH_OPS[name])
         except TypeError:
             pass
-    staged = tensor if tensor.is_contiguous() else tensor.contiguous()
-    work = dist.all_reduce(staged, op=reduce_ops.TORCH_OPS[name], group=group, async_op=async_op)
-    return _finish(work, lambda: _copy_back(tensor, staged), async_op)
+    work = dist.all_reduce(sent, op=reduce_ops.TORCH_OPS[name], group=group, async_op=async_op)
+    return _finish(work, lambda: _copy_back(tensor, sent, back), async_op)
 
 
 def reduce(tensor: torch.Tensor, dst: int = 0, op="sum", group: Group = None, async_op: bool = False):
@@ -195,22 +211,32 @@ def reduce(tensor: torch.Tensor, dst: int = 0, op="sum", group: Group = None, as
     """
     info, name, _ = _begin("reduce", group, tensor, op=op, root=dst, root_kind="dst", writes=True)
     if not reduce_ops.backend_supports(info.backend, name):
-        stacked = _gather_equal(info, tensor)
+        folded = _gather_and_fold(info, tensor, name)
         if info.global_rank == dst:
-            tensor.copy_(reduce_ops.fold(name, list(stacked.unbind(0))))
+            tensor.copy_(folded)
         return _finish(None, lambda: tensor, async_op)
-    staged = _staged(info, tensor)
-    work = dist.reduce(staged, dst, op=reduce_ops.TORCH_OPS[name], group=group, async_op=async_op)
-    return _finish(work, lambda: _copy_back(tensor, staged), async_op)
+    sent, back = _reduction_input(info, tensor, name)
+    work = dist.reduce(sent, dst, op=reduce_ops.TORCH_OPS[name], group=group, async_op=async_op)
+    return _finish(work, lambda: _copy_back(tensor, sent, back), async_op)
 
 
 def _gather_equal(info: GroupInfo, tensor: torch.Tensor) -> torch.Tensor:
     """All ranks' equal-shaped tensors stacked: (group size, *shape). Used to fill op gaps."""
     # Gloo takes only the concatenated form of the output (not the stacked one), so gather flat.
     flat = tensor.reshape(-1).contiguous()
-    out = flat.new_empty(info.size * flat.numel())
-    _compat.all_gather_single(out, flat, group=info.group)
-    return out.view((info.size,) + tuple(tensor.shape))
+    sent = _carried(info, flat, "all_gather")
+    out = sent.new_empty(info.size * sent.numel())
+    _compat.all_gather_single(out, sent, group=info.group)
+    return out.view(tensor.dtype).view((info.size,) + tuple(tensor.shape))
+
+
+def _gather_and_fold(info: GroupInfo, tensor: torch.Tensor, name: str) -> torch.Tensor:
+    """The reduction done here: every rank's tensor gathered, then folded in group-rank order."""
+    parts = list(_gather_equal(info, tensor).unbind(0))
+    wire = arithmetic_wire(tensor.dtype, name)
+    if wire is None:
+        return reduce_ops.fold(name, parts)
+    return wire.from_wire(reduce_ops.fold(name, [wire.to_wire(p) for p in parts]))
 
 
 def _exchange_dim0(info: GroupInfo, tensor, collective: str, error: Optional[str], root: Optional[int] = None) -> List[int]:
@@ -258,14 +284,16 @@ def all_gather(tensor: torch.Tensor, group: Group = None, async_op: bool = False
     dim0 = _exchange_dim0(info, tensor, "all_gather", error)
     longest = max(dim0)
     staged = _padded(_staged(info, tensor), longest)
-    out = staged.new_empty((info.size * longest,) + tuple(staged.shape[1:]))
-    work = _compat.all_gather_single(out, staged, group=group, async_op=async_op)
+    sent = _carried(info, staged, "all_gather")
+    out = sent.new_empty((info.size * sent.shape[0],) + tuple(sent.shape[1:]))
+    work = _compat.all_gather_single(out, sent, group=group, async_op=async_op)
 
     def result():
+        gathered = out if sent is staged else from_bytes(out, staged.dtype, (-1,) + tuple(staged.shape[1:]))
         if all(d == longest for d in dim0):
-            joined = out
+            joined = gathered
         else:
-            rows = out.view((info.size, longest) + tuple(staged.shape[1:]))  # (group size, longest, ...)
+            rows = gathered.view((info.size, longest) + tuple(staged.shape[1:]))  # (group size, longest, ...)
             joined = torch.cat([rows[i, :d] for i, d in enumerate(dim0)])
         return joined.to(tensor.device)
 
@@ -286,13 +314,15 @@ def gather(tensor: torch.Tensor, dst: int = 0, group: Group = None, async_op: bo
     dim0 = _exchange_dim0(info, tensor, "gather", error, root=dst)
     longest = max(dim0)
     staged = _padded(_staged(info, tensor), longest)
-    parts = [torch.empty_like(staged) for _ in range(info.size)] if info.global_rank == dst else None
-    work = dist.gather(staged, parts, dst, group=group, async_op=async_op)
+    sent = _carried(info, staged, "gather")
+    parts = [torch.empty_like(sent) for _ in range(info.size)] if info.global_rank == dst else None
+    work = dist.gather(sent, parts, dst, group=group, async_op=async_op)
 
     def result():
         if parts is None:
             return None
-        return torch.cat([p[:d] for p, d in zip(parts, dim0)]).to(tensor.device)
+        rows = parts if sent is staged else [from_bytes(p, staged.dtype, staged.shape) for p in parts]
+        return torch.cat([p[:d] for p, d in zip(rows, dim0)]).to(tensor.device)
 
     return _finish(work, result, async_op)
 
@@ -311,13 +341,12 @@ def reduce_scatter(tensor: torch.Tensor, op="sum", group: Group = None, async_op
     info, name, _ = _begin("reduce_scatter", group, tensor, op=op, divisible=True)
     chunk = tensor.shape[0] // info.size
     if not reduce_ops.backend_supports(info.backend, name):
-        stacked = _gather_equal(info, tensor)
-        mine = reduce_ops.fold(name, list(stacked.unbind(0)))[info.group_rank * chunk : (info.group_rank + 1) * chunk]
+        mine = _gather_and_fold(info, tensor, name)[info.group_rank * chunk : (info.group_rank + 1) * chunk]
         return _finish(None, lambda: mine.clone(), async_op)
-    staged = _staged(info, tensor)
-    out = staged.new_empty((chunk,) + tuple(staged.shape[1:]))
-    work = _compat.reduce_scatter_single(out, staged, op=reduce_ops.TORCH_OPS[name], group=group, async_op=async_op)
-    return _finish(work, lambda: out.to(tensor.device), async_op)
+    sent, back = _reduction_input(info, tensor, name)
+    out = sent.new_empty((chunk,) + tuple(sent.shape[1:]))
+    work = _compat.reduce_scatter_single(out, sent, op=reduce_ops.TORCH_OPS[name], group=group, async_op=async_op)
+    return _finish(work, lambda: (out if back is None else back(out)).to(tensor.device), async_op)
 
 
 def scatter(tensor: Optional[torch.Tensor], src: int = 0, group: Group = None, async_op: bool = False):
@@ -356,14 +385,14 @@ def scatter(tensor: Optional[torch.Tensor], src: int = 0, group: Group = None, a
         raise CollectiveError("scatter: src's tensor has more than 10 dimensions; pass a tensor of its shape instead of None")
     if tensor is None:
         device = torch.device("cuda", torch.cuda.current_device()) if info.backend == "nccl" else torch.device("cpu")
-        out = torch.empty((source.shape[0] // info.size,) + tuple(source.shape[1:]), dtype=source.dtype, device=device)
         result_device = device
     else:
-        staged = _staged(info, tensor)
-        out = staged.new_empty((staged.shape[0] // info.size,) + tuple(staged.shape[1:]))
+        device = _staged(info, tensor).device
         result_device = tensor.device
-    chunks = list(_staged(info, tensor).chunk(info.size)) if info.global_rank == src else None
-    work = dist.scatter(out, chunks, src, group=group, async_op=async_op)
+    out = torch.empty((source.shape[0] // info.size,) + tuple(source.shape[1:]), dtype=source.dtype, device=device)
+    received = _carried(info, out, "scatter")  # a view of out, or out itself
+    chunks = list(_carried(info, _staged(info, tensor), "scatter").chunk(info.size)) if info.global_rank == src else None
+    work = dist.scatter(received, chunks, src, group=group, async_op=async_op)
     return _finish(work, lambda: out.to(result_device), async_op)
 
 
@@ -378,7 +407,8 @@ def all_to_all(tensor: torch.Tensor, group: Group = None, async_op: bool = False
     info, _, _ = _begin("all_to_all", group, tensor, divisible=True)
     staged = _staged(info, tensor)
     out = torch.empty_like(staged)
-    work = dist.all_to_all_single(out, staged, group=group, async_op=async_op)
+    work = dist.all_to_all_single(_carried(info, out, "all_to_all"), _carried(info, staged, "all_to_all"), group=group,
+                                  async_op=async_op)
     return _finish(work, lambda: out.to(tensor.device), async_op)
 
 

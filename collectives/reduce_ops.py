@@ -12,6 +12,7 @@ from typing import List, Union
 import torch
 import torch.distributed as dist
 
+from .dtypes import FLOAT8
 from .errors import CollectiveError
 
 R = dist.ReduceOp
@@ -56,6 +57,11 @@ def check_op_dtype(name: str, dtype: torch.dtype, collective: str) -> None:
     """Refuse an op that makes no sense for the dtype, with the same rule on every backend."""
     if (name, dtype) in _allowed:
         return
+    if dtype in FLOAT8:
+        raise CollectiveError(
+            f"{collective}: op '{name}' on {dtype} is refused on every backend (the result would depend on the "
+            "backend's accumulation precision); cast to bfloat16 or float32 first. Moving float8 data is fine"
+        )
     is_int = not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool
     if name in BITWISE and not (is_int or dtype == torch.bool):
         raise CollectiveError(f"{collective}: op '{name}' needs an integer or bool tensor, got {dtype}")

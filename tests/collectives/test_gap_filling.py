@@ -15,7 +15,7 @@ import collectives as C
 from collectives import ops, reduce_ops
 from collectives.testing import distributed
 
-from .test_ops import DTYPES, _reductions_body, contribution, expected, valid_ops
+from .test_ops import DTYPES, GAP_DTYPES, _reductions_body, contribution, expected, valid_ops
 
 
 @contextlib.contextmanager
@@ -37,7 +37,7 @@ def _folded(env, dtype):
             _reductions_body(env, collective, dtype)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES + GAP_DTYPES, ids=str)
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_every_op_by_gather_and_fold(world_size, dtype, dist_run):
     dist_run(_folded, world_size, args=(dtype,))

@@ -139,16 +139,17 @@ def start_and_kill(argv, sig, ready, tmp_path, env=None):
     return those processes' pids."""
     tmp = tmp_path / "tmp"
     tmp.mkdir(exist_ok=True)
-    proc = subprocess.Popen(argv, env={**os.environ, "TMPDIR": str(tmp), **(env or {})},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    stderr = tmp_path / "launcher-stderr.txt"
+    with open(stderr, "wb") as err:
+        proc = subprocess.Popen(argv, env={**os.environ, "TMPDIR": str(tmp), **(env or {})},
+                                stdout=subprocess.DEVNULL, stderr=err)
     deadline = time.monotonic() + 120
     while not ready() and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.2)
-    assert proc.poll() is None and ready(), f"the launcher did not get going: {proc.stderr.read().decode()[-2000:]}"
+    assert proc.poll() is None and ready(), f"the launcher did not get going: {stderr.read_text()[-2000:]}"
     below = descendants(proc.pid)
     os.kill(proc.pid, sig)
     proc.wait(30)
-    proc.stderr.close()
     return below, tmp
 
 
@@ -170,3 +171,18 @@ def test_ranks_die_with_a_killed_launcher(sig, tmp_path):
 def test_a_function_the_ranks_cannot_import_is_refused_clearly():
     with pytest.raises(TypeError, match="module level"):
         C.run(lambda env: env.rank, world_size=2)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_training_stops_with_a_killed_launcher(sig, tmp_path):
+    """`timeout 15 python -m ddp_from_scratch.train ...` once left both ranks training and writing
+    checkpoints under init."""
+    ckpt = tmp_path / "ckpt"
+    argv = [sys.executable, "-m", "ddp_from_scratch.train", "--nproc", "2", "--model", "small", "--synthetic",
+            "--train-size", "4096", "--test-size", "8", "--batch-size", "2", "--epochs", "50", "--checkpoint", str(ckpt)]
+    log = tmp_path / "launcher-stderr.txt"
+    below, _ = start_and_kill(argv, sig, lambda: log.exists() and "step 3/" in log.read_text(), tmp_path)
+    assert len(below) >= 3  # 2 ranks and the resource tracker
+    assert_all_gone(below)
+    time.sleep(1.0)
+    assert not (ckpt / "checkpoint.pt").exists(), "a rank went on training and wrote a checkpoint"
