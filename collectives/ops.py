@@ -289,7 +289,7 @@ def all_gather(tensor: torch.Tensor, group: Group = None, async_op: bool = False
     work = _compat.all_gather_single(out, sent, group=group, async_op=async_op)
 
     def result():
-        gathered = out if sent is staged else from_bytes(out, staged.dtype, (-1,) + tuple(staged.shape[1:]))
+        gathered = out if sent is staged else from_bytes(out, staged.dtype, (info.size * longest,) + tuple(staged.shape[1:]))
         if all(d == longest for d in dim0):
             joined = gathered
         else:

@@ -9,9 +9,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import collectives as C
+from .reference import check_collective
 
-DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64]
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.int16, torch.int32, torch.int64]
 COLLECTIVES = ["all_reduce", "reduce", "broadcast", "all_gather", "gather", "reduce_scatter", "scatter", "all_to_all"]
 
 
@@ -27,33 +27,7 @@ def _body(env, collective, op, shape, dtype, seed, root, dim0s):
         inputs = [draw(seed, i, (dim0s[i],) + shape[1:], dtype) for i in range(n)]
     else:
         inputs = [draw(seed, i, shape, dtype) for i in range(n)]
-    mine = inputs[r].clone()
-    stacked = torch.stack(inputs) if collective not in ("all_gather", "gather") else None
-    reduced = None
-    if stacked is not None:
-        reduced = {"sum": stacked.sum(0), "min": stacked.amin(0) if stacked.numel() else stacked.sum(0),
-                   "max": stacked.amax(0) if stacked.numel() else stacked.sum(0)}[op].to(dtype)
-    if collective == "all_reduce":
-        assert torch.equal(C.all_reduce(mine, op=op), reduced)
-    elif collective == "reduce":
-        C.reduce(mine, dst=root, op=op)
-        assert r != root or torch.equal(mine, reduced)
-    elif collective == "broadcast":
-        assert torch.equal(C.broadcast(mine, src=root), inputs[root])
-    elif collective == "all_gather":
-        assert torch.equal(C.all_gather(mine), torch.cat(inputs))
-    elif collective == "gather":
-        got = C.gather(mine, dst=root)
-        assert got is None if r != root else torch.equal(got, torch.cat(inputs))
-    else:
-        chunk = shape[0] // n
-        if collective == "reduce_scatter":
-            assert torch.equal(C.reduce_scatter(mine, op=op), reduced[r * chunk : (r + 1) * chunk])
-        elif collective == "scatter":
-            assert torch.equal(C.scatter(mine, src=root), inputs[root][r * chunk : (r + 1) * chunk])
-        else:
-            want = torch.cat([inputs[i][r * chunk : (r + 1) * chunk] for i in range(n)])
-            assert torch.equal(C.all_to_all(mine), want)
+    check_collective(env, collective, inputs[r].clone(), inputs, op, root)
 
 
 @st.composite

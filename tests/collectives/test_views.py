@@ -19,6 +19,8 @@ import collectives as C
 from collectives.checks import overlaps_itself
 from collectives.errors import CollectiveError
 
+from .reference import check_collective
+
 IN_PLACE = ["all_reduce", "reduce", "broadcast"]
 OUT_OF_PLACE = ["all_gather", "gather", "reduce_scatter", "scatter", "all_to_all"]
 DIVISIBLE = ("reduce_scatter", "scatter", "all_to_all")
@@ -87,9 +89,7 @@ def _body(env, collective, recipe, seed, dtype, op, root):
     base = bases[r].clone()
     view = view_of(base, recipe)
     before = base.clone()
-    outside = ~_covered(base, view)
-    stacked = torch.stack(logical)  # (n, *view.shape)
-    reduced = {"sum": stacked.sum(0), "max": stacked.amax(0)}[op].to(dtype) if stacked.numel() else stacked.sum(0)
+    outside = ~_covered(base, view)  # (reduce may use non-dst ranks' tensors as scratch: only outside is checked)
     if collective in IN_PLACE and overlaps_itself(view):
         try:
             {"all_reduce": lambda: C.all_reduce(view, op=op), "reduce": lambda: C.reduce(view, dst=root, op=op),
@@ -100,31 +100,8 @@ def _body(env, collective, recipe, seed, dtype, op, root):
             raise AssertionError(f"{collective} wrote into a view whose elements share memory")
         assert torch.equal(base, before)
         return
-    if collective == "all_reduce":
-        assert C.all_reduce(view, op=op) is view
-        assert torch.equal(view, reduced), f"{view} != {reduced}"
-    elif collective == "reduce":
-        C.reduce(view, dst=root, op=op)
-        if r == root:
-            assert torch.equal(view, reduced)
-    elif collective == "broadcast":
-        C.broadcast(view, src=root)
-        assert torch.equal(view, logical[root])
-    elif collective == "all_gather":
-        assert torch.equal(C.all_gather(view), torch.cat([v.reshape(1) if v.dim() == 0 else v for v in logical]))
-    elif collective == "gather":
-        got = C.gather(view, dst=root)
-        assert got is None if r != root else torch.equal(got, torch.cat(logical))
-    else:
-        chunk = view.shape[0] // n
-        if collective == "reduce_scatter":
-            assert torch.equal(C.reduce_scatter(view, op=op), reduced[r * chunk:(r + 1) * chunk])
-        elif collective == "scatter":
-            assert torch.equal(C.scatter(view, src=root), logical[root][r * chunk:(r + 1) * chunk])
-        else:
-            want = torch.cat([logical[i][r * chunk:(r + 1) * chunk] for i in range(n)])
-            assert torch.equal(C.all_to_all(view), want)
-    # nothing outside the view was written (reduce may use non-dst ranks' tensors as scratch)
+    check_collective(env, collective, view, logical, op, root)
+    # nothing outside the view was written
     assert torch.equal(base[outside], before[outside]), "memory outside the view was overwritten"
     if collective in OUT_OF_PLACE:
         assert torch.equal(base, before), "an out-of-place collective changed its input"
