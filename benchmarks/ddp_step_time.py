@@ -31,14 +31,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from tabulate import tabulate
-from torch import nn
 
 import collectives
 from collectives.cli import command
-from ddp_from_scratch.ddp import DistributedDataParallel as Bucketed
-from ddp_from_scratch.flat import FlatDataParallel
-from ddp_from_scratch.naive import NaiveDataParallel
 from ddp_from_scratch.resnet import resnet50
+from ddp_from_scratch.wrap import wrap
 
 
 # --variants name: (row label, (kind, bucket_cap_mb[, timeline]))
@@ -50,14 +47,7 @@ MAIN_VARIANTS = {"torch": ("torch", ("torch", None)), "control": ("torch again (
 
 def _make(kind: str, cap: Optional[float], timeline: bool = True):
     torch.manual_seed(0)
-    model = resnet50(num_classes=10)
-    if kind == "torch":
-        return nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cap)
-    if kind == "naive":
-        return NaiveDataParallel(model)
-    if kind == "flat":
-        return FlatDataParallel(model)
-    return Bucketed(model, bucket_cap_mb=cap, timeline=timeline)
+    return wrap(resnet50(num_classes=10), kind, bucket_cap_mb=cap, timeline=None if timeline else False)
 
 
 def _steps(env, variants, rounds: int, batch: int, amp: bool):

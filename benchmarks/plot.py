@@ -51,7 +51,7 @@ def plot_results(results: List[Dict], out_png: str) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="Plot busbw against size from benchmark JSON files.")
-    parser.add_argument("files", nargs="+", help="JSON files written by python -m benchmarks.collectives --json")
+    parser.add_argument("files", nargs="+", help="JSON files written by python -m benchmarks.bandwidth --json")
     parser.add_argument("-o", "--output", required=True, help="PNG file to write")
     args = parser.parse_args(argv)
     results = []

@@ -10,14 +10,14 @@ from .checked_mode import checked, is_checked
 from .env import DistEnv, init_from_env, shutdown
 from .errors import CollectiveError, CollectiveMismatchError, RankFailure
 from .groups import Mesh2D, global_rank, group_rank, new_group, split
-from .launch import run
+from .launch import run, run_or_join
 from .ops import (
     Work, all_gather, all_reduce, all_to_all, barrier, broadcast, gather, reduce, reduce_scatter, scatter,
 )
 from .pool import RankPool
 
 __all__ = [
-    "DistEnv", "init_from_env", "shutdown", "run", "RankPool",
+    "DistEnv", "init_from_env", "shutdown", "run", "run_or_join", "RankPool",
     "broadcast", "all_reduce", "reduce", "all_gather", "reduce_scatter", "gather", "scatter", "all_to_all",
     "barrier", "Work", "checked", "is_checked",
     "new_group", "split", "Mesh2D", "group_rank", "global_rank",

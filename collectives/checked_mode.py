@@ -24,7 +24,7 @@ from typing import Iterator, List, Optional
 import torch
 import torch.distributed as dist
 
-from . import _compat
+from . import compat
 from .checks import GroupInfo
 from .errors import CollectiveError, CollectiveMismatchError
 from .reduce_ops import OP_NAMES
@@ -60,12 +60,6 @@ def checked(enabled: bool = True) -> Iterator[None]:
 
 def is_checked() -> bool:
     return _depth > 0 or _from_env
-
-
-def next_sequence(info: GroupInfo) -> int:
-    """Count collectives per group on every call (checked or not), so the ranks' counts agree."""
-    info.calls[0] += 1
-    return info.calls[0]
 
 
 @dataclasses.dataclass
@@ -127,7 +121,7 @@ def verify(call: Call) -> None:
     info = call.info
     mine = torch.tensor(call.encode(), dtype=torch.int64, device=_exchange_device(info))
     everyone = torch.empty(info.size * SLOTS, dtype=torch.int64, device=mine.device)
-    _compat.all_gather_single(everyone, mine, group=info.group)
+    compat.all_gather_single(everyone, mine, group=info.group)
     rows = everyone.view(info.size, SLOTS).tolist()  # (group size, SLOTS)
     failed = [info.ranks[i] for i, row in enumerate(rows) if row[7]]
     differing = sorted(

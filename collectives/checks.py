@@ -16,11 +16,12 @@ import torch.distributed as dist
 from .errors import CollectiveError
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class GroupInfo:
     """The group a collective runs on, seen from this rank.
 
-    `ranks` are global ranks; `group_rank` is this rank's index in `ranks`.
+    `ranks` are global ranks; `group_rank` is this rank's index in `ranks`; `calls` counts the
+    collectives this rank has started on the group.
     """
 
     group: dist.ProcessGroup
@@ -28,11 +29,17 @@ class GroupInfo:
     group_rank: int
     global_rank: int
     backend: str
-    calls: list = dataclasses.field(default_factory=lambda: [0], compare=False)  # [collectives so far]
+    calls: int = 0
 
     @property
     def size(self) -> int:
         return len(self.ranks)
+
+    def count_call(self) -> int:
+        """The number of the collective starting now on this group (1, 2, ...). Every collective
+        counts, checked or not, so that checked mode can compare the ranks' numbers."""
+        self.calls += 1
+        return self.calls
 
 
 _group_cache: dict = {}
@@ -58,7 +65,7 @@ def resolve_group(group: Optional[dist.ProcessGroup], collective: str) -> GroupI
         ranks = tuple(dist.get_process_group_ranks(group))
         group_rank = ranks.index(global_rank) if global_rank in ranks else -1
         backend = str(dist.get_backend(group)).lower() if group_rank >= 0 else ""
-        info = GroupInfo(group, ranks, group_rank, global_rank, backend, [0])
+        info = GroupInfo(group, ranks, group_rank, global_rank, backend)
         _group_cache[group] = info
     if info.group_rank < 0:
         raise CollectiveError(

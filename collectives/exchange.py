@@ -25,7 +25,7 @@ from typing import List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from . import _compat
+from . import compat
 from .checked_mode import DTYPES
 from .checks import GroupInfo
 from .errors import CollectiveError, CollectiveMismatchError
@@ -78,7 +78,7 @@ def exchange(info: GroupInfo, tensor, root: Optional[int], error: Optional[str])
     device = torch.device("cuda", torch.cuda.current_device()) if info.backend == "nccl" else torch.device("cpu")
     mine = torch.tensor(_encode(tensor, root, error is not None), dtype=torch.int64, device=device)
     everyone = torch.empty(info.size * SLOTS, dtype=torch.int64, device=device)
-    _compat.all_gather_single(everyone, mine, group=info.group)
+    compat.all_gather_single(everyone, mine, group=info.group)
     return [_decode(r) for r in everyone.view(info.size, SLOTS).tolist()]  # (group size, SLOTS)
 
 

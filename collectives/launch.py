@@ -11,13 +11,20 @@
 
 `fn` receives the rank's `DistEnv` first, then `args`. It must be defined at module level (the
 ranks are spawned, so they import it). For programs started by torchrun or srun, use
-`collectives.init_from_env()` instead.
+`collectives.init_from_env()` instead, or `run_or_join`, which does whichever fits:
+
+    result = collectives.run_or_join(main_body, world_size=args.nproc, args=(config,))
+    if result is not None:      # this process reports: the spawner, or rank 0 under torchrun/srun
+        print(result)
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, List, Optional, Sequence
 
+import os
+
+from .env import init_from_env, read_env, shutdown
 from .pool import RankPool, check_call
 
 
@@ -51,3 +58,25 @@ def run(
     check_call(fn, args, timeout)
     with RankPool(world_size, backend=backend, threads=threads) as pool:
         return pool.submit(fn, args=args, timeout=timeout)
+
+
+def run_or_join(fn: Callable, world_size: int, **run_kwargs) -> Any:
+    """`fn(env, *args)` on every rank: here, joined to the other ranks, when torchrun or srun
+    started this process; else on `world_size` ranks spawned by `run`.
+
+    Args:
+        fn: a module-level function taking the rank's DistEnv and then `args`.
+        world_size: ranks to spawn when not started by torchrun or srun (ignored under them).
+        run_kwargs: `run`'s keyword arguments (backend, args, timeout, threads); under
+            torchrun/srun only backend and args apply (the launcher owns the rest).
+
+    Returns:
+        Rank 0's result in the process that should report it (the spawning process, or rank 0
+        under torchrun/srun) and None in the other ranks of a torchrun/srun job.
+    """
+    if read_env(os.environ)["master_addr"] is None:
+        return run(fn, world_size, **run_kwargs)[0]
+    env = init_from_env(backend=run_kwargs.get("backend"))
+    result = fn(env, *run_kwargs.get("args", ()))
+    shutdown()
+    return result if env.rank == 0 else None

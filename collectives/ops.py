@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from . import checked_mode as _checked
-from . import _compat, reduce_ops
+from . import compat, reduce_ops
 from .checks import GroupInfo, check_divisible, check_root, check_tensor, check_writable, resolve_group
 from .errors import CollectiveError, CollectiveMismatchError
 from .dtypes import arithmetic_wire, as_bytes, from_bytes, moves_as_bytes, reduction_wire
@@ -75,7 +75,7 @@ def _begin(collective: str, group: Group, tensor=_NO_TENSOR, op=None, root=None,
     Kept lean: it runs before every collective.
     """
     info = resolve_group(group, collective)
-    sequence = _checked.next_sequence(info)
+    sequence = info.count_call()
     name = error = None
     try:
         if tensor is not _NO_TENSOR:
@@ -167,7 +167,7 @@ def _all_reduce_fast(tensor, op, group, async_op):
     # group None means WORLD at the time of the call: valid only while it is the same WORLD
     if ready is None or (group is None and ready[0].group is not dist.group.WORLD):
         return None
-    ready[0].calls[0] += 1
+    ready[0].count_call()
     work = dist.all_reduce(tensor, op=ready[1], group=group, async_op=async_op)
     return Work([work], lambda: tensor) if async_op else tensor
 
@@ -226,7 +226,7 @@ def _gather_equal(info: GroupInfo, tensor: torch.Tensor) -> torch.Tensor:
     flat = tensor.reshape(-1).contiguous()
     sent = _carried(info, flat, "all_gather")
     out = sent.new_empty(info.size * sent.numel())
-    _compat.all_gather_single(out, sent, group=info.group)
+    compat.all_gather_single(out, sent, group=info.group)
     return out.view(tensor.dtype).view((info.size,) + tuple(tensor.shape))
 
 
@@ -286,7 +286,7 @@ def all_gather(tensor: torch.Tensor, group: Group = None, async_op: bool = False
     staged = _padded(_staged(info, tensor), longest)
     sent = _carried(info, staged, "all_gather")
     out = sent.new_empty((info.size * sent.shape[0],) + tuple(sent.shape[1:]))
-    work = _compat.all_gather_single(out, sent, group=group, async_op=async_op)
+    work = compat.all_gather_single(out, sent, group=group, async_op=async_op)
 
     def result():
         gathered = out if sent is staged else from_bytes(out, staged.dtype, (info.size * longest,) + tuple(staged.shape[1:]))
@@ -345,7 +345,7 @@ def reduce_scatter(tensor: torch.Tensor, op="sum", group: Group = None, async_op
         return _finish(None, lambda: mine.clone(), async_op)
     sent, back = _reduction_input(info, tensor, name)
     out = sent.new_empty((chunk,) + tuple(sent.shape[1:]))
-    work = _compat.reduce_scatter_single(out, sent, op=reduce_ops.TORCH_OPS[name], group=group, async_op=async_op)
+    work = compat.reduce_scatter_single(out, sent, op=reduce_ops.TORCH_OPS[name], group=group, async_op=async_op)
     return _finish(work, lambda: (out if back is None else back(out)).to(tensor.device), async_op)
 
 

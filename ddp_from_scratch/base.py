@@ -7,7 +7,14 @@
   torch's DDP does with broadcast_buffers=True, packed into one message per dtype.
 - During backward: a hook on every parameter fires after its gradient is accumulated
   (`register_post_accumulate_grad_hook` hands the hook the *parameter*; its gradient is
-  `param.grad`). When the last one has fired, `_sync()` runs in the subclass.
+  `param.grad`).
+
+A subclass says how gradients move through one of two extension points:
+- `_sync()`: after backward, once every gradient has arrived (steps 1 and 2, naive.py and
+  flat.py, override this);
+- `_grad_ready(param)`: each gradient as it arrives (step 3, ddp.py, overrides this to start
+  communication while backward is still running; the default counts arrivals and calls
+  `_sync()` after the last).
 
 Gradients are scaled by 1 / world_size before they are summed, as torch's DDP does, so that the
 sum cannot overflow in low precision and the result matches torch's bit for bit.
@@ -93,9 +100,11 @@ class DataParallelBase(nn.Module):
         return self.module(*args, **kwargs)
 
     def _grad_ready(self, param: nn.Parameter) -> None:
+        """Extension point: one parameter's gradient has just been accumulated."""
         self._ready += 1
         if self._ready == len(self.named_params):
             self._sync()
 
     def _sync(self) -> None:  # pragma: no cover - each subclass says how gradients move
+        """Extension point: every gradient of this backward has arrived."""
         raise NotImplementedError

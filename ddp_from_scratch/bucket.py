@@ -17,6 +17,7 @@ bits:
 
     layout = rebuilt_layout(params, ready_order, bucket_cap_bytes=25 << 20, first_bucket_bytes=1 << 20)
     print(describe(layout, params, names))
+    buckets = build(params, layout)      # each: add() its gradients, launch() its all_reduce, unpack()
 
 tests/ddp/test_bucket.py checks these against torch's own `_compute_bucket_assignment_by_size`.
 """
@@ -28,16 +29,25 @@ import sys
 from typing import Dict, List, Optional, Sequence
 
 import torch
+from torch import nn
+
+import collectives
 
 
 @dataclasses.dataclass
 class Bucket:
-    """One flat buffer and the parameters whose gradients it carries, in buffer order."""
+    """One flat buffer and the parameters whose gradients it carries, in buffer order.
+
+    In each backward: add() writes each gradient into its slot as it arrives; once the last has
+    arrived, launch() starts the buffer's all_reduce without waiting; after backward, unpack()
+    waits for it and puts the averaged values into each parameter's .grad.
+    """
 
     index: int
     param_indices: List[int]
     offsets: List[int]  # element offset of each parameter's gradient in the buffer
     buffer: torch.Tensor  # (total elements,)
+    params: List[nn.Parameter] = dataclasses.field(default_factory=list)  # in buffer order
     pending: int = 0  # gradients still to arrive in this backward
     work: Optional[object] = None  # the async all_reduce in flight
     sent: Optional[torch.Tensor] = None  # the compressed copy on the wire (compress="fp16"/"bf16")
@@ -51,6 +61,53 @@ class Bucket:
         """The slot of the `position`-th parameter of this bucket, shaped like it."""
         offset = self.offsets[position]
         return self.buffer[offset:offset + like.numel()].view_as(like)
+
+    def add(self, position: int, grad: Optional[torch.Tensor], divisor: Optional[int]) -> None:
+        """Put one gradient into its slot, divided by `divisor` (the world size) first, as torch's
+        DDP does: the sum of world_size gradients then cannot overflow. divisor=None copies it as
+        it is (compression divides after the cast, as torch's hooks do); grad=None (a parameter
+        this forward did not use) writes zeros."""
+        slot = self.views[position]
+        if grad is None:
+            slot.zero_()
+        elif grad.data_ptr() == slot.data_ptr():  # gradient_as_bucket_view: already in place
+            if divisor:
+                slot.div_(divisor)
+        elif divisor:
+            torch.mul(grad, 1.0 / divisor, out=slot)
+        else:
+            slot.copy_(grad)
+        self.pending -= 1
+
+    def launch(self, group, world_size: int, compress: Optional[torch.dtype]) -> None:
+        """Start the all_reduce of the buffer, or of a copy cast to `compress` (half the bytes)."""
+        if compress is None:
+            self.work = collectives.all_reduce(self.buffer, group=group, async_op=True)
+        else:
+            self.sent = self.buffer.to(compress).div_(world_size)  # cast, then divide: torch's hook order
+            self.work = collectives.all_reduce(self.sent, group=group, async_op=True)
+
+    def unpack(self, used: Optional[List[int]] = None, as_view: bool = False) -> None:
+        """Wait for the all_reduce and put the averaged values into each parameter's .grad.
+
+        used[i] == 0: no rank used parameter i, so its .grad stays as it is (torch does the same).
+        A parameter with no .grad here (unused on this rank only) gets one; as_view=True makes
+        it a view of its slot (gradient_as_bucket_view).
+        """
+        self.work.wait()
+        if self.sent is not None:
+            self.buffer.copy_(self.sent)  # decompress
+        grads, views = [], []
+        for i, p, slot in zip(self.param_indices, self.params, self.views):
+            if used is not None and not used[i]:
+                continue
+            if p.grad is None:
+                p.grad = slot if as_view else slot.clone()
+            elif p.grad.data_ptr() != slot.data_ptr():
+                grads.append(p.grad)
+                views.append(slot)
+        if grads:
+            torch._foreach_copy_(grads, views)  # one call per bucket, not one per tensor
 
 
 def assign_buckets(params: Sequence[torch.Tensor], order: Sequence[int], limits: Sequence[int]) -> List[List[int]]:
@@ -103,7 +160,7 @@ def build(params: Sequence[torch.Tensor], layout: List[List[int]]) -> List[Bucke
             offsets.append(total)
             total += params[i].numel()
         buffer = torch.zeros(total, dtype=params[members[0]].dtype, device=params[members[0]].device)
-        b = Bucket(index, list(members), offsets, buffer, pending=len(members))
+        b = Bucket(index, list(members), offsets, buffer, params=[params[i] for i in members], pending=len(members))
         b.views = [b.view(pos, params[i]) for pos, i in enumerate(members)]
         out.append(b)
     return out

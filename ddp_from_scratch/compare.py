@@ -7,8 +7,9 @@ On each rank, the same model is built from a different seed (so a missing initia
 shows), one copy is wrapped in torch.nn.parallel.DistributedDataParallel and one in ours, and
 both train with SGD (momentum 0.9) on the same CIFAR-shaped per-rank batches. After every step
 every parameter and its .grad, every buffer (BatchNorm running statistics) and the loss are
-compared with torch.equal on every rank; the table says whether all were equal and the largest relative
-parameter difference. A second table does the same for the bucketed wrapper's options
+compared bit for bit on every rank (identical NaNs count as equal: a run that overflows on both
+sides the same way is still bitwise equal, and the "values" column says it overflowed); the
+table says whether all were equal and the largest relative parameter difference. A second table does the same for the bucketed wrapper's options
 (find_unused_parameters, gradient_as_bucket_view, small buckets, fp16/bf16 compression), each
 against torch's DDP with the same option. Data here is synthetic (random CIFAR-shaped tensors),
 and the output says so. Exit code 1 when a comparison that should be bitwise is not (anything
@@ -22,101 +23,90 @@ import copy
 import sys
 import time
 from functools import partial
-from typing import Dict, List, Optional
+from typing import Dict, List, NamedTuple, Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from tabulate import tabulate
-from torch import nn
 
 import collectives
 from collectives.cli import command, eta
 
 from .bucket import describe as bucket_describe
 from .ddp import DistributedDataParallel
-from .flat import FlatDataParallel
-from .naive import NaiveDataParallel
-from .resnet import resnet50
+from .models import MODELS, batch
+from .wrap import WRAPPERS, wrap
 
-WRAPPERS = {"naive": NaiveDataParallel, "flat": FlatDataParallel, "bucketed": DistributedDataParallel}
-
-
-class SmallNet(nn.Module):
-    """Two conv + BatchNorm layers and a classifier: enough to exercise buffers and buckets."""
-
-    def __init__(self, num_classes: int = 10):
-        super().__init__()
-        self.conv1, self.bn1 = nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8)
-        self.conv2, self.bn2 = nn.Conv2d(8, 16, 3, stride=2, bias=False), nn.BatchNorm2d(16)
-        self.fc = nn.Linear(16, num_classes)
-
-    def forward(self, x):
-        x = F.relu(self.bn1(self.conv1(x)))
-        x = F.relu(self.bn2(self.conv2(x)))
-        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+# An integer dtype of each width: "the same bits" is torch.equal on these views
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-class Branchy(SmallNet):
-    """SmallNet with two more heads: `extra` is used on rank 0 only, `never` by no rank.
-
-    For find_unused_parameters=True: rank 1 gets no local gradient for `extra` but must end with
-    the average; `never`'s gradient must stay None everywhere.
-    """
-
-    def __init__(self, num_classes: int = 10):
-        super().__init__(num_classes)
-        self.extra, self.never = nn.Linear(16, num_classes), nn.Linear(16, num_classes)
-
-    def forward(self, x):
-        x = F.relu(self.bn1(self.conv1(x)))
-        x = torch.flatten(F.adaptive_avg_pool2d(F.relu(self.bn2(self.conv2(x))), 1), 1)
-        out = self.fc(x)
-        return out + self.extra(x) if dist.get_rank() == 0 else out
-
-
-MODELS = {"small": SmallNet, "resnet50": lambda: resnet50(num_classes=10), "branchy": Branchy}
-
-
-def batch(step: int, rank: int, batch_size: int, image: int = 32):
-    """This rank's batch for this step: CIFAR-shaped, the same in every program."""
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(batch_size, 3, image, image, generator=g), torch.randint(0, 10, (batch_size,), generator=g)
-
-
-def _same_grad(a: nn.Parameter, b: nn.Parameter) -> bool:
-    return (a.grad is None and b.grad is None) or (a.grad is not None and b.grad is not None and torch.equal(a.grad, b.grad))
+def same_bits(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
+    """Bitwise equal: the same dtype, shape and bit pattern, so identical NaNs (and the sign of
+    zero) count as equal, and a NaN against a number does not. torch.equal would call two
+    identical NaN tensors different. Both None counts as equal."""
+    if a is None or b is None:
+        return a is None and b is None
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.dtype.is_complex:
+        a, b = torch.view_as_real(a), torch.view_as_real(b)
+    if a.dtype.is_floating_point:
+        width = _BITS[a.element_size()]
+        a, b = a.contiguous().view(width), b.contiguous().view(width)
+    return torch.equal(a, b)
 
 
 def _relative_diff(ours: torch.Tensor, theirs: torch.Tensor) -> float:
-    """Largest |ours - theirs| over the tensor, relative to the tensor's largest |value|."""
+    """Largest |ours - theirs| over the tensor, relative to the tensor's largest |value| (0 when
+    the bits are the same; NaN when either side is not finite and they differ)."""
+    if same_bits(ours, theirs):
+        return 0.0
     return ((ours - theirs).abs().max() / theirs.abs().max().clamp_min(1e-30)).item()
+
+
+def _nonfinite(params) -> int:
+    """How many parameter tensors hold an inf or a NaN."""
+    return sum(not bool(torch.isfinite(p).all()) for p in params)
+
+
+class StepCheck(NamedTuple):
+    """One training step on one rank: ours against torch's DDP."""
+
+    params: bool  # every parameter and its .grad: the same bits (or both .grad None)
+    buffers: bool  # every buffer (BatchNorm running statistics)
+    loss: bool
+    largest_diff: float  # the largest relative parameter difference (see _relative_diff)
+    nonfinite_ours: int  # parameter tensors holding inf or NaN after the step
+    nonfinite_theirs: int
+
+    @property
+    def bitwise(self) -> bool:
+        return self.params and self.buffers and self.loss
 
 
 def train_side_by_side(env, wrapper, steps: int, model="small", batch_size: int = 4, image: int = 12,
                        torch_comm_hook=None, ddp_kwargs: Optional[dict] = None, set_to_none: bool = True,
-                       ours_kwargs: Optional[dict] = None) -> List:
-    """On each rank, per step: (params equal, buffers equal, loss equal, largest relative parameter difference).
+                       ours_kwargs: Optional[dict] = None, lr: float = 0.05) -> List[StepCheck]:
+    """Train ours and torch's DDP side by side on this rank; one StepCheck per step.
 
     The difference is per parameter tensor, max |ours - torch's| / max |torch's|, then the largest
     over parameters: absolute figures mislead where weights grow large (ResNet-50 with batch 2).
 
-    "params equal" covers each parameter and its .grad (both None, or equal).
     `wrapper` is a name in WRAPPERS or a class taking the module (tests pass broken ones);
     `model` a name in MODELS or a callable building one; `ddp_kwargs` go to both torch's DDP and
     ours (find_unused_parameters=..., gradient_as_bucket_view=...), `ours_kwargs` to ours only
-    (compress="fp16"); `torch_comm_hook` is
-    registered on torch's DDP (e.g. default_hooks.fp16_compress_hook); `set_to_none` is passed to
-    zero_grad.
+    (compress="fp16"); `torch_comm_hook` is registered on torch's DDP (e.g.
+    default_hooks.fp16_compress_hook); `set_to_none` is passed to zero_grad; `lr` to SGD.
     """
     ddp_kwargs = ddp_kwargs or {}
     torch.manual_seed(100 + env.rank)  # every rank starts from different weights
     base = (MODELS[model] if isinstance(model, str) else model)()
-    theirs = nn.parallel.DistributedDataParallel(copy.deepcopy(base), **ddp_kwargs)
+    theirs = wrap(copy.deepcopy(base), "torch", **ddp_kwargs)
     if torch_comm_hook is not None:
         theirs.register_comm_hook(None, torch_comm_hook)
-    ours = (WRAPPERS[wrapper] if isinstance(wrapper, str) else wrapper)(base, **ddp_kwargs, **(ours_kwargs or {}))
-    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (ours, theirs)]
+    ours = wrap(base, wrapper, **ddp_kwargs, **(ours_kwargs or {}))
+    opts = [torch.optim.SGD(m.parameters(), lr=lr, momentum=0.9) for m in (ours, theirs)]
     report = []
     for step in range(steps):
         x, y = batch(step, env.rank, batch_size, image)
@@ -129,20 +119,41 @@ def train_side_by_side(env, wrapper, steps: int, model="small", batch_size: int 
             losses.append(loss.detach())
         p_ours, p_theirs = dict(ours.module.named_parameters()), dict(theirs.module.named_parameters())
         b_ours, b_theirs = dict(ours.module.named_buffers()), dict(theirs.module.named_buffers())
-        report.append((
-            all(torch.equal(p_ours[k], p_theirs[k]) and _same_grad(p_ours[k], p_theirs[k]) for k in p_theirs),
-            all(torch.equal(b_ours[k], b_theirs[k]) for k in b_theirs),
-            torch.equal(losses[0], losses[1]),
-            max(_relative_diff(p_ours[k], p_theirs[k]) for k in p_theirs),
+        report.append(StepCheck(
+            params=all(same_bits(p_ours[k], p_theirs[k]) and same_bits(p_ours[k].grad, p_theirs[k].grad) for k in p_theirs),
+            buffers=all(same_bits(b_ours[k], b_theirs[k]) for k in b_theirs),
+            loss=same_bits(losses[0], losses[1]),
+            largest_diff=max(_relative_diff(p_ours[k].detach(), p_theirs[k].detach()) for k in p_theirs),
+            nonfinite_ours=_nonfinite(p_ours.values()),
+            nonfinite_theirs=_nonfinite(p_theirs.values()),
         ))
     return report
 
 
-def summarise(per_rank: List[List]) -> Dict:
+def summarise(per_rank: List[List[StepCheck]]) -> Dict:
+    """Over every rank and step: bitwise or not, the largest difference, the first step that
+    differs, and when values stopped being finite (first step, tensors on each side)."""
     steps = len(per_rank[0])
-    bitwise = all(p and b and l for rank in per_rank for p, b, l, _ in rank)
-    first_off = next((s for s in range(steps) if not all(all(rank[s][:3]) for rank in per_rank)), None)
-    return {"bitwise": bitwise, "largest_diff": max(d for rank in per_rank for *_, d in rank), "first_step_differing": first_off}
+    first_off = next((s for s in range(steps) if not all(rank[s].bitwise for rank in per_rank)), None)
+    first_nonfinite = next((s for s in range(steps) if any(rank[s].nonfinite_ours or rank[s].nonfinite_theirs
+                                                            for rank in per_rank)), None)
+    nonfinite = None
+    if first_nonfinite is not None:
+        last = [rank[-1] for rank in per_rank]
+        nonfinite = {"first_step": first_nonfinite, "ours": max(c.nonfinite_ours for c in last),
+                     "theirs": max(c.nonfinite_theirs for c in last)}
+    diffs = [c.largest_diff for rank in per_rank for c in rank]
+    return {"bitwise": first_off is None, "largest_diff": max(diffs, key=lambda d: (d != d, d)),
+            "first_step_differing": first_off, "nonfinite": nonfinite}
+
+
+def describe_nonfinite(res: Dict) -> str:
+    """"" for finite runs, else e.g. "both sides overflow (inf/NaN) from step 0: 129 / 129 tensors"."""
+    nf = res.get("nonfinite")
+    if not nf:
+        return ""
+    who = "both sides" if nf["ours"] and nf["theirs"] else ("ours only" if nf["ours"] else "torch's only")
+    return f"{who} overflow (inf/NaN) from step {nf['first_step']}: {nf['ours']} / {nf['theirs']} tensors at the end"
 
 
 def bf16_compress_hook_on_gloo(state, bucket):
@@ -157,10 +168,23 @@ def bf16_compress_hook_on_gloo(state, bucket):
     return default_hooks._compress_hook(torch.bfloat16, state, bucket)
 
 
-def options():
+# ResNet-50 at 32x32 with 2 images per rank: BatchNorm over 2 values at the 1x1 last stage makes
+# step 0's gradients reach 2.4e9 (conv1.weight), past fp16's largest value, 65504; with 4 images
+# the largest is 912. So the fp16 row runs ResNet-50 with at least this many images per rank.
+FP16_RESNET50_MIN_BATCH = 4
+
+
+def options(model: str = "small", batch_size: int = 4):
     """The bucketed wrapper's settings compared with torch's: {label: (train_side_by_side kwargs, note)}."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
+    fp16_batch = {}
+    fp16_note = "ours with compress='fp16' against torch's DDP with fp16_compress_hook"
+    if model == "resnet50" and batch_size < FP16_RESNET50_MIN_BATCH:
+        fp16_batch = {"batch_size": FP16_RESNET50_MIN_BATCH}
+        fp16_note += (f"; run with {FP16_RESNET50_MIN_BATCH} images per rank, since with {batch_size} ResNet-50's "
+                      "step-0 gradients exceed fp16's range (65504) and both sides overflow, identically "
+                      "(tests/ddp/test_compare.py)")
     return {
         "find_unused_parameters": (
             {"model": "branchy", "ddp_kwargs": {"find_unused_parameters": True}},
@@ -171,8 +195,8 @@ def options():
             "zero_grad(set_to_none=False): the gradients stay bucket views from step to step"),
         "bucket_cap_mb=0.0005": ({"ddp_kwargs": {"bucket_cap_mb": 0.0005}}, "several buckets even for the small model"),
         "compress fp16": (
-            {"ours_kwargs": {"compress": "fp16"}, "torch_comm_hook": default_hooks.fp16_compress_hook},
-            "ours with compress='fp16' against torch's DDP with fp16_compress_hook"),
+            {"ours_kwargs": {"compress": "fp16"}, "torch_comm_hook": default_hooks.fp16_compress_hook, **fp16_batch},
+            fp16_note),
         "compress bf16": (
             {"ours_kwargs": {"compress": "bf16"}, "torch_comm_hook": bf16_compress_hook_on_gloo},
             "ours with compress='bf16' against torch's DDP with bf16_compress_hook's body (the hook refuses Gloo by name)"),
@@ -190,11 +214,12 @@ def layouts(env, model: str = "small", batch_size: int = 2, image: int = 12, ver
 
 def _row(label, n, steps, res):
     return [label, n, steps, "yes" if res["bitwise"] else "no", f"{res['largest_diff']:.3g}",
-            "-" if res["first_step_differing"] is None else res["first_step_differing"]]
+            "-" if res["first_step_differing"] is None else res["first_step_differing"],
+            describe_nonfinite(res) or "finite"]
 
 
 HEADERS = ["wrapper", "ranks", "steps", "bitwise equal to torch DDP", "largest relative param diff",
-           "first step differing"]
+           "first step differing", "values"]
 NOT_BITWISE = """naive and flat are not bitwise equal to torch's DDP on more than 2 ranks, and cannot be: Gloo's ring
 all_reduce adds the ranks' values in an order that depends on where an element sits in the buffer,
 and they lay gradients out differently from torch's buckets (naive: one message per parameter;
@@ -239,7 +264,8 @@ def main(argv=None) -> int:
     _validate(args, parser, image)
     data = f"synthetic CIFAR-shaped data ({args.batch_size} x 3 x {image} x {image} per rank)"
     rows, option_rows = [], []
-    runs = len(args.world_sizes) * (len(args.impl) + (0 if args.no_options else len(options())))
+    chosen = {} if args.no_options else options(args.model, args.batch_size)
+    runs = len(args.world_sizes) * (len(args.impl) + len(chosen))
     done, start = 0, time.perf_counter()
 
     def progress(what: str) -> None:
@@ -254,7 +280,7 @@ def main(argv=None) -> int:
                                             timeout=3600))
                 rows.append(_row(impl, n, args.steps, res))
                 done += 1
-            for label, (kwargs, _) in ({} if args.no_options else options()).items():
+            for label, (kwargs, _) in chosen.items():
                 progress(f"bucketed, {label}, on {n} ranks")
                 kwargs = {"model": args.model, "batch_size": args.batch_size, "image": image, **kwargs}
                 res = summarise(pool.submit(partial(train_side_by_side, **kwargs), args=("bucketed", args.steps),
@@ -262,14 +288,14 @@ def main(argv=None) -> int:
                 option_rows.append(_row(label, n, args.steps, res))
                 done += 1
     print(f"model {args.model}, {data}, SGD momentum 0.9, Gloo; parameters, their .grad, buffers and the loss "
-          "compared with torch.equal after every step on every rank")
+          "compared bit for bit after every step on every rank")
     print(tabulate(rows, headers=HEADERS))
     if any(row[3] == "no" and row[0] in ("naive", "flat") and row[1] > 2 for row in rows):
         print("\n" + NOT_BITWISE)
     if option_rows:
         print("\nthe bucketed wrapper's options, each against torch's DDP with the same option")
         print(tabulate(option_rows, headers=["bucketed, option"] + HEADERS[1:]))
-        for label, (_, note) in options().items():
+        for label, (_, note) in chosen.items():
             if note:
                 print(f"  {label}: {note}")
     if args.show_layout:

@@ -19,9 +19,52 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Dict
+import time
+from typing import Dict, List, Optional
 
 from collectives.cli import command
+
+
+class Timeline:
+    """Records one backward's events on this rank, for the bucket layout it was built with.
+
+    The DDP wrapper calls ready() as each gradient arrives, launched() as each bucket's
+    all_reduce starts, and finished() when the averaged gradients are in place. `events` is the
+    dict that write_chrome_trace() and plot_timeline() draw.
+    """
+
+    def __init__(self, bucket_names: List[List[str]], bucket_bytes: List[int]):
+        self.events: Dict = {"start": time.perf_counter(), "ready": [], "launch": {}, "done": {}, "end": None,
+                             "buckets": bucket_names, "bytes": bucket_bytes}
+
+    def ready(self, name: str, bucket: int) -> None:
+        self.events["ready"].append((name, bucket, time.perf_counter()))
+
+    def launched(self, bucket: int, work) -> None:
+        events = self.events
+        events["launch"][bucket] = time.perf_counter()
+        future = work.get_future()
+        if future is not None:  # completion as the backend reports it, not when we waited
+            future.then(lambda _: events["done"].__setitem__(bucket, time.perf_counter()))
+
+    def finished(self) -> None:
+        self.events["end"] = time.perf_counter()
+
+
+class NoTimeline(Timeline):
+    """timeline=False: records nothing (a benchmark row measures what recording costs)."""
+
+    def __init__(self, *_):
+        self.events: Optional[Dict] = None
+
+    def ready(self, name: str, bucket: int) -> None:
+        pass
+
+    def launched(self, bucket: int, work) -> None:
+        pass
+
+    def finished(self) -> None:
+        pass
 
 
 def _us(timeline: Dict, t: float) -> float:
@@ -78,8 +121,8 @@ def _traced_steps(env, model_name: str, batch_size: int, steps: int):
     import torch
     import torch.nn.functional as F
 
-    from .compare import MODELS, batch
     from .ddp import DistributedDataParallel
+    from .models import MODELS, batch
 
     torch.manual_seed(0)
     model = DistributedDataParallel(MODELS[model_name]())
@@ -97,7 +140,7 @@ def _traced_steps(env, model_name: str, batch_size: int, steps: int):
 def main(argv=None) -> int:
     import collectives
 
-    from .compare import MODELS
+    from .models import MODELS
 
     parser = argparse.ArgumentParser(description="Record our DDP's bucket timeline: Chrome trace, PNG, layouts.")
     parser.add_argument("--model", choices=list(MODELS), default="resnet50")

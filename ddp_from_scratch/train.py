@@ -29,7 +29,6 @@ import zipfile
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
 import collectives
@@ -37,13 +36,14 @@ from collectives.cli import command, eta
 from collectives.env import read_env
 
 from . import cifar10
-from .compare import MODELS, WRAPPERS
+from .models import MODELS
+from .wrap import IMPLS, wrap
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m ddp_from_scratch.train", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--impl", choices=["torch"] + list(WRAPPERS), default="bucketed", help="which DDP")
+    p.add_argument("--impl", choices=IMPLS, default="bucketed", help="which DDP")
     p.add_argument("--nproc", type=int, default=2, help="ranks to spawn when not under torchrun/srun")
     p.add_argument("--model", choices=list(MODELS), default="resnet50", help="ResNet-50 (10 classes) or a small CNN")
     p.add_argument("--data", default="./data", help="folder with cifar-10-batches-py/ or cifar-10-python.tar.gz")
@@ -170,15 +170,6 @@ def _datasets(config):
     return train, test
 
 
-def _wrap(model, config, env):
-    if config["impl"] == "torch":
-        device_ids = [env.device.index] if env.device.type == "cuda" else None
-        return nn.parallel.DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=config["bucket_cap_mb"])
-    if config["impl"] == "bucketed":
-        return WRAPPERS["bucketed"](model, bucket_cap_mb=config["bucket_cap_mb"])
-    return WRAPPERS[config["impl"]](model)
-
-
 def _evaluate(model, test, env, batch_size) -> float:
     sampler = DistributedSampler(test, num_replicas=env.world_size, rank=env.rank, shuffle=False)
     correct_total = torch.zeros(2, dtype=torch.float64)
@@ -195,7 +186,9 @@ def _evaluate(model, test, env, batch_size) -> float:
 def train(env, config) -> dict:
     torch.manual_seed(config["seed"])
     train_set, test_set = _datasets(config)
-    model = _wrap(MODELS[config["model"]]().to(env.device), config, env)
+    device_ids = [env.device.index] if config["impl"] == "torch" and env.device.type == "cuda" else None
+    model = wrap(MODELS[config["model"]]().to(env.device), config["impl"], bucket_cap_mb=config["bucket_cap_mb"],
+                 device_ids=device_ids)
     opt = torch.optim.SGD(model.parameters(), lr=config["lr"], momentum=0.9)
     scaler = torch.amp.GradScaler("cuda") if config["amp"] and env.device.type == "cuda" else None
     amp_dtype = torch.float16 if env.device.type == "cuda" else torch.bfloat16
@@ -265,14 +258,9 @@ def main(argv=None) -> int:
     launched = read_env(os.environ)
     validate(args, parser, launched["world_size"] if launched["master_addr"] is not None else args.nproc)
     config = vars(args)
-    if launched["master_addr"] is not None:  # started by torchrun or srun
-        env = collectives.init_from_env()
-        summary = train(env, config)
-        collectives.shutdown()
-        if env.rank != 0:
-            return 0
-    else:
-        summary = collectives.run(train, world_size=args.nproc, args=(config,), timeout=7 * 24 * 3600)[0]
+    summary = collectives.run_or_join(train, args.nproc, args=(config,), timeout=7 * 24 * 3600)
+    if summary is None:  # a torchrun/srun rank other than 0: rank 0 reports
+        return 0
     text = json.dumps(summary)
     print(text)
     if args.json:

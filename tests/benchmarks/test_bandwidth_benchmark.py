@@ -1,4 +1,4 @@
-"""benchmarks.collectives: the table round-trips through its parser, busbw factors are nccl-tests',
+"""benchmarks.bandwidth: the table round-trips through its parser, busbw factors are nccl-tests',
 #wrong counts a planted wrong element, every collective's check data is exact, flags refuse
 nonsense, and a small end-to-end run writes its table, JSON, CSV and plot.
 
@@ -12,7 +12,7 @@ import pathlib
 import pytest
 import torch
 
-from benchmarks import collectives as bench
+from benchmarks import bandwidth as bench
 from benchmarks.nccl_format import bandwidths, bus_factor, format_row, header, parse_table
 from benchmarks.plot import plot_results
 

@@ -16,7 +16,7 @@ from hypothesis import given, settings, strategies as st
 from torch import nn
 
 from ddp_from_scratch import bucket as bucketing
-from ddp_from_scratch.compare import SmallNet, batch
+from ddp_from_scratch.models import SmallNet, batch
 from ddp_from_scratch.ddp import DistributedDataParallel
 
 sizes = st.lists(st.integers(1, 5000), min_size=1, max_size=30)  # elements per parameter

@@ -5,6 +5,7 @@ says whether everything that should be bitwise equal was.
 """
 
 import pytest
+import torch
 
 from ddp_from_scratch import compare
 
@@ -39,3 +40,35 @@ def test_nonsense_is_refused_before_any_rank_starts(argv, fragment, capsys):
     with pytest.raises(SystemExit) as info:
         compare.main(argv)
     assert info.value.code == 2 and fragment in capsys.readouterr().err
+
+
+def test_same_bits_counts_identical_nans_as_equal():
+    nan = torch.tensor([float("nan"), 1.0])
+    assert compare.same_bits(nan, nan.clone())  # torch.equal says False here
+    assert not torch.equal(nan, nan.clone())
+    assert not compare.same_bits(nan, torch.tensor([1.0, 1.0]))  # a NaN against a number
+    assert not compare.same_bits(torch.tensor([0.0]), torch.tensor([-0.0]))  # torch.equal says True here
+    assert compare.same_bits(torch.tensor([-0.0], dtype=torch.bfloat16), torch.tensor([-0.0], dtype=torch.bfloat16))
+    assert not compare.same_bits(torch.ones(2), torch.ones(2, dtype=torch.float64))
+    assert compare.same_bits(None, None) and not compare.same_bits(None, torch.ones(1))
+    assert compare.same_bits(torch.tensor([1 + 2j]), torch.tensor([1 + 2j]))
+
+
+def _fp16_resnet50_batch2(env):
+    kwargs, _ = compare.options()["compress fp16"]
+    return compare.train_side_by_side(env, "bucketed", 1, model="resnet50", batch_size=2, image=32, **kwargs)
+
+
+def test_fp16_overflow_on_resnet50_is_identical_on_both_sides(dist_run):
+    """At batch 2, ResNet-50's step-0 gradients exceed fp16's range: ours and torch's
+    fp16_compress_hook must overflow into the very same NaN bit patterns, and the report says so."""
+    per_rank = dist_run(_fp16_resnet50_batch2, 2, timeout=300)
+    for steps in per_rank:
+        check = steps[0]
+        assert check.bitwise, check
+        assert check.nonfinite_ours == check.nonfinite_theirs > 100, check
+    res = compare.summarise(per_rank)
+    assert res["bitwise"] and res["nonfinite"]["first_step"] == 0
+    assert compare.describe_nonfinite(res).startswith("both sides overflow (inf/NaN) from step 0")
+    assert "run with 4 images per rank" in compare.options("resnet50", 2)["compress fp16"][1]
+    assert compare.options("resnet50", 2)["compress fp16"][0]["batch_size"] == 4

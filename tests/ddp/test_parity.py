@@ -3,8 +3,8 @@
 Each rank builds the same small CNN (with BatchNorm) from a *different* seed, wraps one copy in
 torch's DistributedDataParallel and one in ours, and trains both with SGD + momentum on the same
 per-rank batches. After every step, every parameter, every buffer (BatchNorm running statistics)
-and the loss are compared with torch.equal on every rank. Deliberately broken wrappers must fail
-the same comparison, so the check can fail.
+and the loss are compared bit for bit on every rank (compare.StepCheck). Deliberately broken
+wrappers must fail the same comparison, so the check can fail.
 
     pytest tests/ddp/test_parity.py -q
 """
@@ -18,10 +18,19 @@ import torch.nn.functional as F
 from torch import nn
 
 import collectives
+from ddp_from_scratch.compare import bf16_compress_hook_on_gloo, train_side_by_side
 from ddp_from_scratch.ddp import DistributedDataParallel as BucketedDataParallel
-from ddp_from_scratch.compare import Branchy, SmallNet, batch, bf16_compress_hook_on_gloo, train_side_by_side
 from ddp_from_scratch.flat import FlatDataParallel
+from ddp_from_scratch.models import Branchy, SmallNet, batch
 from ddp_from_scratch.naive import NaiveDataParallel
+
+
+def assert_bitwise(per_rank, what: str, only_params: bool = False) -> None:
+    """Every StepCheck of every rank bitwise equal to torch's DDP (or just the parameters)."""
+    for rank, steps in enumerate(per_rank):
+        for step, check in enumerate(steps):
+            ok = check.params if only_params else check.bitwise
+            assert ok, f"{what}, rank {rank}, step {step}: differs from torch's DDP by {check.largest_diff:g} ({check})"
 
 
 # -- broken wrappers: each must turn the parity check red ---------------------------------------
@@ -83,9 +92,7 @@ def _train_side_by_side(env, impl, steps):
 
 @pytest.mark.parametrize("impl", ["naive", "flat", "bucketed", "bucketed_small"])
 def test_bitwise_equal_to_torch_ddp_on_two_ranks(impl, dist_run):
-    for rank, steps in enumerate(dist_run(_train_side_by_side, 2, args=(impl, 4))):
-        for step, (params, buffers, loss, diff) in enumerate(steps):
-            assert params and buffers and loss, f"{impl}, rank {rank}, step {step}: differs from torch's DDP by {diff:g}"
+    assert_bitwise(dist_run(_train_side_by_side, 2, args=(impl, 4)), impl)
 
 
 @pytest.mark.parametrize("n", [3, 4])
@@ -95,9 +102,7 @@ def test_bucketed_is_bitwise_equal_to_torch_ddp_on_three_and_four_ranks(cap, n, 
     # buffer, so this holds only because our buckets are laid out exactly as torch's
     # (test_bucket.py). cap 0.0005 MiB gives the small model several buckets, on both sides.
     kwargs = {} if cap is None else {"bucket_cap_mb": cap}
-    for rank, steps in enumerate(dist_run(partial(train_side_by_side, ddp_kwargs=kwargs), n, args=("bucketed", 3))):
-        for step, (params, buffers, loss, diff) in enumerate(steps):
-            assert params and buffers and loss, f"cap {cap}, {n} ranks, rank {rank}, step {step}: differs by {diff:g}"
+    assert_bitwise(dist_run(partial(train_side_by_side, ddp_kwargs=kwargs), n, args=("bucketed", 3)), f"cap {cap}, {n} ranks")
 
 
 @pytest.mark.parametrize("impl", ["naive", "flat"])
@@ -106,17 +111,17 @@ def test_naive_and_flat_are_close_to_torch_ddp_on_four_ranks(impl, dist_run):
     # layout only in the first iteration), so on 4 ranks the ring rounds some elements differently.
     steps_per_rank = dist_run(_train_side_by_side, 4, args=(impl, 3))
     for rank, steps in enumerate(steps_per_rank):
-        for step, (_, _, _, diff) in enumerate(steps):
-            assert diff < 1e-5, f"{impl}, 4 ranks, rank {rank}, step {step}: differs by {diff:g} (relative)"
+        for step, check in enumerate(steps):
+            assert check.largest_diff < 1e-5, f"{impl}, 4 ranks, rank {rank}, step {step}: {check.largest_diff:g} (relative)"
     if impl == "flat":  # same layout as torch's first iteration: bitwise there
-        assert all(steps[0][0] for steps in steps_per_rank)
+        assert all(steps[0].params for steps in steps_per_rank)
 
 
 @pytest.mark.parametrize("broken", ["wrong_divisor", "no_initial_broadcast", "no_buffer_broadcast", "hook_reads_parameter",
                                     "skips_a_bucket"])
 def test_a_broken_wrapper_turns_the_check_red(broken, dist_run):
     steps = dist_run(_train_side_by_side, 2, args=(broken, 2))
-    assert any(not (p and b and l) for rank in steps for p, b, l, _ in rank), f"{broken} went unnoticed"
+    assert any(not check.bitwise for rank in steps for check in rank), f"{broken} went unnoticed"
 
 
 def _mismatched_models(env):
@@ -200,7 +205,7 @@ class Fp16Buckets(BucketedDataParallel):
 
     def _launch(self, b):
         super()._launch(b)
-        assert b.sent.dtype == self.WIRE, f"bucket {b.index} went out as {b.sent.dtype}"
+        assert b.sent.dtype == self.WIRE, f"bucket {b.index} went out as {b.sent.dtype}"  # the wire dtype, each launch
 
 
 class Bf16Buckets(Fp16Buckets):
@@ -217,9 +222,7 @@ def _with_fp16_hook(env, steps):
 
 
 def test_fp16_compression_is_bitwise_torchs_fp16_hook(dist_run):
-    for rank, steps in enumerate(dist_run(_with_fp16_hook, 2, args=(3,))):
-        for step, (params, _, _, diff) in enumerate(steps):
-            assert params, f"rank {rank}, step {step}: differs from torch's fp16_compress_hook by {diff:g}"
+    assert_bitwise(dist_run(_with_fp16_hook, 2, args=(3,)), "fp16 against fp16_compress_hook", only_params=True)
 
 
 def _with_bf16_hook(env, steps):
@@ -228,9 +231,7 @@ def _with_bf16_hook(env, steps):
 
 def test_bf16_compression_is_bitwise_torchs_bf16_hook(dist_run):
     # torch's bf16_compress_hook refuses Gloo by name; compare.bf16_compress_hook_on_gloo runs its body
-    for rank, steps in enumerate(dist_run(_with_bf16_hook, 2, args=(3,))):
-        for step, (params, _, _, diff) in enumerate(steps):
-            assert params, f"rank {rank}, step {step}: differs from torch's bf16 hook by {diff:g}"
+    assert_bitwise(dist_run(_with_bf16_hook, 2, args=(3,)), "bf16 against the bf16 hook's body", only_params=True)
 
 
 def test_bf16_compression_differs_from_uncompressed_ddp(dist_run):
@@ -238,22 +239,18 @@ def test_bf16_compression_differs_from_uncompressed_ddp(dist_run):
     # mantissa (a relative rounding of at most 2**-9 per gradient element), so after 3 steps the
     # weights stay within 1e-2 of uncompressed DDP's, relative to each tensor's largest weight
     for rank, steps in enumerate(dist_run(train_side_by_side, 2, args=(Bf16Buckets, 3))):
-        assert not all(params for params, *_ in steps), f"rank {rank}: bf16 changed nothing"
-        largest = max(diff for *_, diff in steps)
+        assert not all(check.params for check in steps), f"rank {rank}: bf16 changed nothing"
+        largest = max(check.largest_diff for check in steps)
         assert largest < 1e-2, f"rank {rank}: largest relative difference {largest:g}"
 
 
 def test_resnet50_bucketed_is_bitwise_equal_to_torch_ddp_on_two_ranks(dist_run):
     """The real model: ResNet-50 (BatchNorm everywhere, several 25 MiB buckets), 2 steps."""
-    for rank, steps in enumerate(dist_run(train_side_by_side, 2, args=("bucketed", 2, "resnet50", 2, 32))):
-        for step, (params, buffers, loss, diff) in enumerate(steps):
-            assert params and buffers and loss, f"rank {rank}, step {step}: differs from torch's DDP by {diff:g}"
+    assert_bitwise(dist_run(train_side_by_side, 2, args=("bucketed", 2, "resnet50", 2, 32)), "ResNet-50, 2 ranks")
 
 
 def test_resnet50_bucketed_is_bitwise_equal_to_torch_ddp_on_four_ranks(dist_run):
-    for rank, steps in enumerate(dist_run(train_side_by_side, 4, args=("bucketed", 2, "resnet50", 2, 32))):
-        for step, (params, buffers, loss, diff) in enumerate(steps):
-            assert params and buffers and loss, f"rank {rank}, step {step}: differs from torch's DDP by {diff:g}"
+    assert_bitwise(dist_run(train_side_by_side, 4, args=("bucketed", 2, "resnet50", 2, 32)), "ResNet-50, 4 ranks")
 
 
 # -- options: find_unused_parameters, gradient_as_bucket_view -----------------------------------
@@ -261,9 +258,8 @@ def test_resnet50_bucketed_is_bitwise_equal_to_torch_ddp_on_four_ranks(dist_run)
 def test_find_unused_parameters_matches_torch(n, dist_run):
     """Branchy: `extra` is used on rank 0 only, `never` nowhere; grads (None or not) compared too."""
     kwargs = {"find_unused_parameters": True}
-    for rank, steps in enumerate(dist_run(partial(train_side_by_side, ddp_kwargs=kwargs), n, args=("bucketed", 3, "branchy"))):
-        for step, (params, buffers, loss, diff) in enumerate(steps):
-            assert params and buffers and loss, f"{n} ranks, rank {rank}, step {step}: differs by {diff:g}"
+    results = dist_run(partial(train_side_by_side, ddp_kwargs=kwargs), n, args=("bucketed", 3, "branchy"))
+    assert_bitwise(results, f"find_unused_parameters, {n} ranks")
 
 
 def _unused_grads(env):
@@ -282,9 +278,7 @@ def test_find_unused_parameters_averages_the_locally_unused_and_leaves_the_globa
 def test_gradient_as_bucket_view_matches_torch(n, set_to_none, dist_run):
     kwargs = {"gradient_as_bucket_view": True}
     results = dist_run(partial(train_side_by_side, ddp_kwargs=kwargs, set_to_none=set_to_none), n, args=("bucketed", 3))
-    for rank, steps in enumerate(results):
-        for step, (params, buffers, loss, diff) in enumerate(steps):
-            assert params and buffers and loss, f"{n} ranks, rank {rank}, step {step}: differs by {diff:g}"
+    assert_bitwise(results, f"gradient_as_bucket_view, set_to_none={set_to_none}, {n} ranks")
 
 
 def _grads_are_bucket_views(env, gradient_as_bucket_view):

@@ -8,7 +8,7 @@ import json
 
 import torch.nn.functional as F
 
-from ddp_from_scratch.compare import SmallNet, batch
+from ddp_from_scratch.models import SmallNet, batch
 from ddp_from_scratch.ddp import DistributedDataParallel
 from ddp_from_scratch.trace import plot_timeline, write_chrome_trace
 

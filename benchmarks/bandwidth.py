@@ -1,9 +1,9 @@
 """Collective bandwidth in nccl-tests' format, on Gloo or NCCL, with a correctness count.
 
-    python -m benchmarks.collectives --world-size 2 -b 8 -e 64M -f 2 --limits --plot busbw.png
-    python -m benchmarks.collectives --world-size 4 -c all -b 1K -e 256M --json run.json
-    torchrun --nproc_per_node=8 -m benchmarks.collectives -c all_reduce -b 8 -e 8G --device cuda
-    srun -N2 --ntasks-per-node=8 python -m benchmarks.collectives -c all -b 8 -e 1G --device cuda
+    python -m benchmarks.bandwidth --world-size 2 -b 8 -e 64M -f 2 --limits --plot busbw.png
+    python -m benchmarks.bandwidth --world-size 4 -c all -b 1K -e 256M --json run.json
+    torchrun --nproc_per_node=8 -m benchmarks.bandwidth -c all_reduce -b 8 -e 8G --device cuda
+    srun -N2 --ntasks-per-node=8 python -m benchmarks.bandwidth -c all -b 8 -e 1G --device cuda
 
 Started plainly it spawns --world-size ranks; under torchrun or srun it uses theirs. The table
 (stdout) has nccl-tests' columns for out-of-place and in-place; torch.distributed has no
@@ -32,9 +32,8 @@ import torch
 import torch.distributed as dist
 
 import collectives
-from collectives import _compat
+from collectives import compat
 from collectives.cli import command, eta
-from collectives.env import read_env
 
 from . import limits as machine_limits
 from .nccl_format import TYPE_NAMES, bandwidths, footer, format_row, header
@@ -64,7 +63,7 @@ def size_list(begin: int, end: int, factor: int) -> list:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.collectives", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bandwidth", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("-c", "--collective", nargs="+", default=["all_reduce"], choices=COLLECTIVES + ["all"],
                    help="collectives to run ('all' runs each)")
@@ -168,13 +167,13 @@ def make_case(collective: str, side: str, count: int, n: int, r: int, op: str, d
     if collective == "all_gather":
         out = torch.empty(count, dtype=dtype, device=device)
         inp = fill(c) if side == "oop" else out[r * c:(r + 1) * c]  # in place: my chunk of the output
-        run = lambda: _compat.all_gather_single(out, inp)  # noqa: E731
+        run = lambda: compat.all_gather_single(out, inp)  # noqa: E731
         want = lambda: torch.cat([fill(c, rank=j) for j in range(n)])  # noqa: E731
         return run, lambda: inp.copy_(fill(c)), lambda: (out, want())
     if collective == "reduce_scatter":
         inp = fill(count)
         out = torch.empty(c, dtype=dtype, device=device) if side == "oop" else inp[r * c:(r + 1) * c]
-        run = lambda: _compat.reduce_scatter_single(out, inp, op=torch_op)  # noqa: E731
+        run = lambda: compat.reduce_scatter_single(out, inp, op=torch_op)  # noqa: E731
         return run, lambda: inp.copy_(fill(count)), lambda: (out, reduced(n, c, r * c, op, dtype, device))
     if collective == "all_to_all":
         if side == "ip":
@@ -292,7 +291,7 @@ def report(result: dict, args, argv) -> int:
     environment = {
         "date": datetime.date.today().isoformat(), "torch": torch.__version__, "backend": result["backend"],
         "world_size": result["world_size"], "device": result["device"], "device_name": result["device_name"],
-        "cpus": os.cpu_count(), "command": "python -m benchmarks.collectives " + " ".join(argv),
+        "cpus": os.cpu_count(), "command": "python -m benchmarks.bandwidth " + " ".join(argv),
     }
     if args.json:
         with open(args.json, "w") as f:
@@ -325,16 +324,11 @@ def main(argv=None) -> int:
     args.device = args.device or ("cuda" if args.backend == "nccl" else "cpu")
     config = {k: getattr(args, k) for k in ("collective", "minbytes", "maxbytes", "stepfactor", "iters",
                                             "warmup_iters", "op", "datatype", "check", "limits", "device")}
-    if read_env(os.environ)["master_addr"] is not None:  # started by torchrun or srun
-        env = collectives.init_from_env(backend=args.backend or ("nccl" if args.device == "cuda" else "gloo"))
-        result = run_benchmark(env, config)
-        collectives.shutdown()
-        if env.rank != 0:
-            return 0
-    else:
-        backend = args.backend or ("gloo" if args.device == "cpu" else None)
-        result = collectives.run(run_benchmark, world_size=args.world_size, backend=backend, args=(config,),
-                                 timeout=args.timeout)[0]
+    backend = args.backend or ("gloo" if args.device == "cpu" else None)
+    result = collectives.run_or_join(run_benchmark, args.world_size, backend=backend, args=(config,),
+                                     timeout=args.timeout)
+    if result is None:  # a torchrun/srun rank other than 0: rank 0 reports
+        return 0
     return report(result, args, argv)
 
 

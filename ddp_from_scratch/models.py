@@ -1,0 +1,60 @@
+"""The models every program here trains, and the synthetic per-rank batch they train on.
+
+    model = MODELS["resnet50"]()          # or "small", "branchy"
+    x, y = batch(step, rank, batch_size=4, image=12)
+
+`small` is two conv + BatchNorm layers and a classifier: enough to exercise buffers and buckets
+in milliseconds. `branchy` adds a head used on rank 0 only and one used by no rank, for
+find_unused_parameters. `resnet50` is torchvision's architecture (resnet.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .resnet import resnet50
+
+
+class SmallNet(nn.Module):
+    """Two conv + BatchNorm layers and a classifier: enough to exercise buffers and buckets."""
+
+    def __init__(self, num_classes: int = 10):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8)
+        self.conv2, self.bn2 = nn.Conv2d(8, 16, 3, stride=2, bias=False), nn.BatchNorm2d(16)
+        self.fc = nn.Linear(16, num_classes)
+
+    def forward(self, x):
+        x = F.relu(self.bn1(self.conv1(x)))
+        x = F.relu(self.bn2(self.conv2(x)))
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+class Branchy(SmallNet):
+    """SmallNet with two more heads: `extra` is used on rank 0 only, `never` by no rank.
+
+    For find_unused_parameters=True: rank 1 gets no local gradient for `extra` but must end with
+    the average; `never`'s gradient must stay None everywhere.
+    """
+
+    def __init__(self, num_classes: int = 10):
+        super().__init__(num_classes)
+        self.extra, self.never = nn.Linear(16, num_classes), nn.Linear(16, num_classes)
+
+    def forward(self, x):
+        x = F.relu(self.bn1(self.conv1(x)))
+        x = torch.flatten(F.adaptive_avg_pool2d(F.relu(self.bn2(self.conv2(x))), 1), 1)
+        out = self.fc(x)
+        return out + self.extra(x) if dist.get_rank() == 0 else out
+
+
+MODELS = {"small": SmallNet, "resnet50": lambda: resnet50(num_classes=10), "branchy": Branchy}
+
+
+def batch(step: int, rank: int, batch_size: int, image: int = 32):
+    """This rank's batch for this step: CIFAR-shaped, the same in every program."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(batch_size, 3, image, image, generator=g), torch.randint(0, 10, (batch_size,), generator=g)
