@@ -1,0 +1,132 @@
+"""The small transport interface every algorithm here is written against, and its two ends.
+
+An algorithm is a generator run on every rank. It posts point-to-point messages and yields the
+requests it must wait for; whatever runs it (real processes or the simulator) resumes it when
+those have completed:
+
+    def ring_all_gather(comm, out):
+        ...
+        sent = comm.send(out[a:b], right, chunk=k)      # posted now, returns a Request
+        got = comm.recv(out[c:d], left, chunk=k - 1)
+        yield sent, got                                  # wait for both
+        comm.reduce(acc, tmp, "sum")                     # local work: acc op= tmp
+
+Slices passed to send/recv are contiguous 1-d views of the caller's buffers. `chunk` labels the
+message for the traces (which piece of the data it carries); `comm.step` counts the yields, so
+every message is recorded with the step it belongs to.
+
+`DistComm` is the real end: torch.distributed isend/irecv on a group (Gloo across processes and
+machines, NCCL on GPU), with group ranks. `run_on_ranks(algorithm, comm, *args)` drives a
+generator to the end on the calling rank. The simulator (sim.py) is the other end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Iterator, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import reduce_ops
+from ..dtypes import arithmetic_wire, as_bytes, moves_as_bytes
+
+
+@dataclasses.dataclass
+class Message:
+    """One point-to-point message, as the traces show it."""
+
+    step: int
+    src: int  # group ranks
+    dst: int
+    nbytes: int
+    chunk: object
+    start: float  # seconds: when both sides had posted it (simulated), or when the sender posted it (real)
+    end: float
+
+
+class Comm:
+    """One rank's end of a transport. Subclasses provide send, recv and the clock."""
+
+    rank: int
+    size: int
+    step: int = 0
+
+    def send(self, tensor: torch.Tensor, peer: int, chunk=None):
+        raise NotImplementedError
+
+    def recv(self, tensor: torch.Tensor, peer: int, chunk=None):
+        raise NotImplementedError
+
+    def reduce(self, dst: torch.Tensor, src: torch.Tensor, op: str) -> None:
+        """dst = dst op src, elementwise, on this rank (in dst's dtype, as the backends do)."""
+        local_reduce(dst, src, op)
+
+
+_IN_PLACE = {
+    "sum": lambda d, s: d.add_(s), "product": lambda d, s: d.mul_(s),
+    "min": lambda d, s: torch.minimum(d, s, out=d), "max": lambda d, s: torch.maximum(d, s, out=d),
+    "band": lambda d, s: d.bitwise_and_(s), "bor": lambda d, s: d.bitwise_or_(s), "bxor": lambda d, s: d.bitwise_xor_(s),
+}
+
+
+def local_reduce(dst: torch.Tensor, src: torch.Tensor, op: str) -> None:
+    """dst = dst op src in place: one pass over memory, no temporary (this is the gamma term)."""
+    wire = arithmetic_wire(dst.dtype, op)  # torch has no CPU arithmetic on uint16/32/64
+    if wire is None:
+        _IN_PLACE[op](dst, src)
+    else:
+        dst.copy_(wire.from_wire(reduce_ops.fold(op, [wire.to_wire(dst), wire.to_wire(src)])))
+
+
+class _DistRequest:
+    def __init__(self, work, message: Message, messages: List[Message]):
+        self.work, self.message, self.messages = work, message, messages
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+            self.message.end = time.perf_counter()
+            self.messages.append(self.message)
+
+
+class DistComm(Comm):
+    """torch.distributed point-to-point on `group` (None: the world), in group ranks.
+
+    Messages are recorded in `self.messages` (seconds from perf_counter) for the traces.
+    """
+
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, record: bool = True):
+        self.group = group
+        self.ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+        self.rank = self.ranks.index(dist.get_rank())
+        self.size = len(self.ranks)
+        self.backend = str(dist.get_backend(group)).lower()
+        self.record = record
+        self.messages: List[Message] = []
+
+    def _post(self, fn, tensor: torch.Tensor, peer: int, src: int, dst: int, chunk) -> _DistRequest:
+        payload = as_bytes(tensor) if moves_as_bytes(self.backend, tensor.dtype, "send") else tensor
+        message = Message(self.step, src, dst, tensor.numel() * tensor.element_size(), chunk, time.perf_counter(), 0.0)
+        work = fn(payload, self.ranks[peer], group=self.group)
+        return _DistRequest(work, message, self.messages if self.record else [])
+
+    def send(self, tensor, peer, chunk=None):
+        return self._post(dist.isend, tensor, peer, self.rank, peer, chunk)
+
+    def recv(self, tensor, peer, chunk=None):
+        return self._post(dist.irecv, tensor, peer, peer, self.rank, chunk)
+
+
+def run_on_ranks(algorithm, comm: Comm, *args, **kwargs):
+    """Drive `algorithm(comm, *args, **kwargs)` on this rank until it returns; its return value."""
+    steps: Iterator = algorithm(comm, *args, **kwargs)
+    try:
+        while True:
+            for request in next(steps):
+                request.wait()
+            comm.step += 1
+    except StopIteration as done:
+        return done.value

@@ -1,0 +1,193 @@
+"""Run any algorithm on many simulated ranks in one process, on a virtual clock.
+
+Every rank runs the very same generator as on real processes (comm.py), with real tensors, so
+the data really moves and the result can be checked; only time is modelled (alpha-beta-gamma):
+
+- a message of n bytes takes alpha + n beta once both ends have posted it and the sender's
+  outgoing port and the receiver's incoming port are free (each rank sends one message and
+  receives one at a time: full duplex, one port);
+- comm.reduce(dst, src) costs its rank gamma * bytes of dst.
+
+    sim = Simulator(64, CostModel(alpha=5e-6, beta=1e-10, gamma=2e-10))
+    result = sim.run(ring.all_reduce, [(buf_of(r), "sum") for r in range(64)])
+    result.time, result.messages            # seconds, and every message (step, src, dst, bytes, chunk, start, end)
+
+A send without a matching receive (or the reverse) ends in `SimulationError` naming every
+stuck rank and what it waits for, where real processes would hang; a receive of another size
+than what was sent names both ends.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence
+
+
+from .comm import Comm, Message, local_reduce
+
+
+class SimulationError(RuntimeError):
+    """The simulated ranks deadlocked, or a message's two ends disagree on its size."""
+
+
+class _Request:
+    __slots__ = ("kind", "rank", "peer", "tensor", "chunk", "step", "posted", "order", "done", "end")
+
+    def __init__(self, kind, rank, peer, tensor, chunk, step, posted, order):
+        self.kind, self.rank, self.peer, self.tensor, self.chunk = kind, rank, peer, tensor, chunk
+        self.step, self.posted, self.order, self.done, self.end = step, posted, order, False, posted
+
+    def describe(self) -> str:
+        what = f"send to rank {self.peer}" if self.kind == "send" else f"receive from rank {self.peer}"
+        return f"{what} ({self.tensor.numel() * self.tensor.element_size()} bytes, chunk {self.chunk}, step {self.step})"
+
+
+class Compute(NamedTuple):
+    """A local reduction on one rank, for the traces."""
+
+    rank: int
+    step: int
+    nbytes: int
+    start: float
+    end: float
+
+
+class SimComm(Comm):
+    """One simulated rank's end."""
+
+    def __init__(self, sim: "Simulator", rank: int):
+        self.sim, self.rank, self.size, self.step = sim, rank, sim.size, 0
+
+    def send(self, tensor, peer, chunk=None):
+        return self.sim._post("send", self.rank, peer, tensor, chunk)
+
+    def recv(self, tensor, peer, chunk=None):
+        return self.sim._post("recv", self.rank, peer, tensor, chunk)
+
+    def reduce(self, dst, src, op):
+        local_reduce(dst, src, op)
+        start = self.sim.clock[self.rank]
+        self.sim.clock[self.rank] = start + self.sim.model.gamma * dst.numel() * dst.element_size()
+        self.sim.computes.append(Compute(self.rank, self.step, dst.numel() * dst.element_size(), start,
+                                         self.sim.clock[self.rank]))
+
+
+class SimResult(NamedTuple):
+    time: float  # when the last rank finished, seconds
+    clocks: List[float]  # when each rank finished
+    messages: List[Message]
+    computes: List[Compute]
+    snapshots: Dict[int, List[object]]  # rank -> watch(rank) at the start and after each of its steps
+    returns: List[object]  # each rank's generator's return value
+
+
+class Simulator:
+    """`size` simulated ranks under a cost model (cost.CostModel: alpha, beta, gamma)."""
+
+    def __init__(self, size: int, model):
+        self.size, self.model = size, model
+
+    def _post(self, kind, rank, peer, tensor, chunk):
+        if not 0 <= peer < self.size or peer == rank:
+            raise SimulationError(f"rank {rank} posted a {kind} with peer {peer} (world size {self.size})")
+        self._posts += 1
+        request = _Request(kind, rank, peer, tensor, chunk, self.comms[rank].step, self.clock[rank], self._posts)
+        if tensor.numel() == 0:  # an empty message is not sent at all (both ends agree on sizes)
+            request.done = True
+            return request
+        key = (rank, peer) if kind == "send" else (peer, rank)  # (src, dst)
+        mine, theirs = (self.sends, self.recvs) if kind == "send" else (self.recvs, self.sends)
+        if theirs[key]:
+            other = theirs[key].popleft()
+            send, recv = (request, other) if kind == "send" else (other, request)
+            # ties go to the send posted first: a rank's port takes its messages in the order it posted them
+            heapq.heappush(self.ready, (max(send.posted, recv.posted), send.order, send, recv))
+        else:
+            mine[key].append(request)
+        return request
+
+    def run(self, algorithm: Callable, per_rank_args: Sequence[tuple], watch: Optional[Callable[[int], object]] = None,
+            **kwargs) -> SimResult:
+        """Run `algorithm(comm, *per_rank_args[r], **kwargs)` on every simulated rank to the end.
+
+        Args:
+            algorithm: a generator function written against comm.Comm.
+            per_rank_args: one tuple of arguments per rank (its buffers, op, root, ...).
+            watch: called with the rank after each of that rank's steps; what it returns is kept
+                in result.snapshots (the step table summarises the rank's buffer this way).
+        """
+        p = self.size
+        self.clock = [0.0] * p
+        self.comms = [SimComm(self, r) for r in range(p)]
+        self.sends, self.recvs = _Lazy(), _Lazy()  # (src, dst) -> posted requests not yet matched, in order
+        self.ready, self._posts = [], 0
+        self.computes: List[Compute] = []
+        messages: List[Message] = []
+        out_free, in_free = [0.0] * p, [0.0] * p
+        gens = [algorithm(self.comms[r], *per_rank_args[r], **kwargs) for r in range(p)]
+        waiting: List[Optional[list]] = [None] * p
+        returns: List[object] = [None] * p
+        snapshots: Dict[int, List[object]] = {r: [] for r in range(p)} if watch is not None else {}
+        finished = 0
+        runnable = deque(range(p))
+        while True:
+            while runnable:
+                r = runnable.popleft()
+                while True:  # run rank r until it waits for something not yet done, or returns
+                    try:
+                        requests = list(next(gens[r]))
+                    except StopIteration as stop:
+                        returns[r] = stop.value
+                        finished += 1
+                        if watch is not None:
+                            snapshots[r].append(watch(r))
+                        break
+                    if watch is not None:  # the state after the previous step's local work (first: the start)
+                        snapshots[r].append(watch(r))
+                    if all(q.done for q in requests):
+                        self._resume(r, requests)
+                        continue
+                    waiting[r] = requests
+                    break
+            if not self.ready:
+                break
+            ready, _, send, recv = heapq.heappop(self.ready)
+            src, dst = send.rank, recv.rank
+            nbytes = send.tensor.numel() * send.tensor.element_size()
+            if recv.tensor.numel() * recv.tensor.element_size() != nbytes or recv.tensor.dtype != send.tensor.dtype:
+                raise SimulationError(f"rank {src} sent {nbytes} bytes of {send.tensor.dtype} to rank {dst} (chunk "
+                                      f"{send.chunk}, step {send.step}), which posted a receive of "
+                                      f"{recv.tensor.numel() * recv.tensor.element_size()} bytes of {recv.tensor.dtype} "
+                                      f"(chunk {recv.chunk}, step {recv.step})")
+            start = max(ready, out_free[src], in_free[dst])
+            end = start + self.model.alpha + self.model.beta * nbytes
+            out_free[src] = in_free[dst] = end
+            recv.tensor.copy_(send.tensor)
+            send.done = recv.done = True
+            send.end = recv.end = end
+            messages.append(Message(send.step, src, dst, nbytes, send.chunk, start, end))
+            for rank in (src, dst):
+                if waiting[rank] is not None and all(q.done for q in waiting[rank]):
+                    self._resume(rank, waiting[rank])
+                    waiting[rank] = None
+                    runnable.append(rank)
+        if finished < p:
+            stuck = [f"  rank {r} waits for: " + "; ".join(q.describe() for q in waiting[r] if not q.done)
+                     for r in range(p) if waiting[r] is not None]
+            raise SimulationError(f"deadlock: {p - finished} of {p} rank(s) can never go on (on real processes "
+                                  "they would hang):\n" + "\n".join(stuck))
+        return SimResult(max(self.clock), list(self.clock), messages, self.computes, snapshots, returns)
+
+    def _resume(self, rank, requests):
+        if requests:
+            self.clock[rank] = max([self.clock[rank]] + [q.end for q in requests])
+        self.comms[rank].step += 1
+
+
+class _Lazy(dict):
+    """A dict of deques made on first use (p*p empty deques would cost too much at 1024 ranks)."""
+
+    def __missing__(self, key):
+        value = self[key] = deque()
+        return value

@@ -1,0 +1,137 @@
+"""The from-scratch algorithms on real processes (Gloo point-to-point): every algorithm against the
+backend's own collective and the closed form, world sizes 1-4 (and 8 for a few), element counts
+that do not divide, a subgroup, every op, floats bit-identical on every rank.
+
+    pytest tests/algorithms/test_on_ranks.py -q
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import collectives
+import collectives.algorithms as A
+from collectives.errors import CollectiveError
+
+from .reference import expected, inputs_for
+
+CASES = [(c, a) for c, algos in A.ALGORITHMS.items() for a in algos]
+
+
+def _flat_call(collective, algorithm, x, op, root, group=None):
+    """The public call on a flat tensor, its output flattened (None off the root)."""
+    if collective in ("all_reduce", "reduce", "broadcast"):
+        t = x.clone()
+        kwargs = {"op": op} if collective != "broadcast" else {}
+        if collective == "broadcast":
+            A.broadcast(t, src=root, group=group, algorithm=algorithm)
+        elif collective == "reduce":
+            A.reduce(t, dst=root, group=group, algorithm=algorithm, **kwargs)
+        else:
+            A.all_reduce(t, group=group, algorithm=algorithm, **kwargs)
+        return None if collective == "reduce" and dist.get_rank() != root else t
+    fn = getattr(A, collective)
+    if collective == "reduce_scatter":
+        return fn(x, op=op, group=group, algorithm=algorithm)
+    if collective in ("gather", "scatter"):
+        kw = {"dst": root} if collective == "gather" else {"src": root}
+        out = fn(x, group=group, algorithm=algorithm, **kw)
+        return out
+    return fn(x, group=group, algorithm=algorithm)
+
+
+def _every_algorithm(env, numel, op):
+    """Every (collective, algorithm) on this world; what failed, as text (empty: all right)."""
+    n, r = env.world_size, env.rank
+    wrong = []
+    for collective, algorithm in CASES:
+        for root in sorted({0, n - 1}):
+            count = numel
+            if collective in ("reduce_scatter", "scatter", "all_to_all"):
+                count = n * max(1, numel // n)  # the public calls split dim 0 evenly, as the wrappers do
+            inputs = inputs_for(collective, n, count, torch.int64, seed=n * 100 + numel, op=op)
+            got = _flat_call(collective, algorithm, inputs[r], op, root)
+            want = expected(collective, inputs, op, root)[r]
+            if (want is None) != (got is None) or (want is not None and not torch.equal(got, want)):
+                wrong.append(f"{collective}/{algorithm} root {root}: {got} != {want}")
+    return wrong
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("numel", [1, 13])
+def test_every_algorithm_on_real_ranks(world_size, numel, dist_run):
+    for wrong in dist_run(_every_algorithm, world_size, args=(numel, "sum"), timeout=120):
+        assert not wrong, "\n".join(wrong)
+
+
+def _against_backend(env):
+    """Floats: each algorithm's all_reduce gives every rank the same bits, close to Gloo's."""
+    g = torch.Generator().manual_seed(env.rank)
+    x = torch.randn(1000, generator=g) * 100
+    backend = collectives.all_reduce(x.clone())
+    out = {}
+    for algorithm in A.ALGORITHMS["all_reduce"]:
+        mine = A.all_reduce(x.clone(), algorithm=algorithm)
+        torch.testing.assert_close(mine, backend, rtol=1e-5, atol=1e-4)
+        everyone = collectives.all_gather(mine.view(1, -1))  # (world, 1000)
+        out[algorithm] = all(torch.equal(everyone[0].view(torch.int32), row.view(torch.int32)) for row in everyone)
+    return out
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_floats_close_to_the_backend_and_identical_on_every_rank(world_size, dist_run):
+    for per_rank in dist_run(_against_backend, world_size):
+        assert all(per_rank.values()), per_rank
+
+
+def _ops_and_group(env):
+    trio = collectives.split([[1, 2, 3]])
+    if env.rank == 0:
+        return []
+    wrong = []
+    g = env.rank - 1
+    for op in ("min", "max", "product", "bxor"):
+        inputs = inputs_for("all_reduce", 3, 10, torch.int32, seed=7, op=op)
+        for algorithm in A.ALGORITHMS["all_reduce"]:
+            got = A.all_reduce(inputs[g].clone(), op=op, group=trio, algorithm=algorithm)
+            if not torch.equal(got, expected("all_reduce", inputs, op)[g]):
+                wrong.append(f"{op}/{algorithm} in group [1, 2, 3]")
+    full = torch.arange(6.0) if env.rank == 3 else torch.zeros(6)
+    if A.scatter(full, src=3, group=trio, algorithm="binomial").tolist() != [2.0 * g, 2.0 * g + 1]:
+        wrong.append("scatter from global rank 3 (group rank 2)")
+    avg = A.all_reduce(torch.full((4,), float(env.rank)), op="avg", group=trio, algorithm="ring")
+    if avg.tolist() != [2.0] * 4:
+        wrong.append(f"avg: {avg.tolist()}")
+    return wrong
+
+
+def test_ops_avg_and_a_subgroup(dist_run):
+    for wrong in dist_run(_ops_and_group, 4):
+        assert not wrong, wrong
+
+
+def _large_world(env):
+    inputs = inputs_for("all_reduce", env.world_size, 50, seed=3)
+    return [torch.equal(A.all_reduce(inputs[env.rank].clone(), algorithm=a), expected("all_reduce", inputs)[env.rank])
+            for a in A.ALGORITHMS["all_reduce"]]
+
+
+def test_eight_ranks(dist_run):
+    """8 processes on 2 cores: every all_reduce algorithm, a power of two with three levels."""
+    assert all(all(r) for r in dist_run(_large_world, 8, timeout=120))
+
+
+def _bad_calls(env):
+    with pytest.raises(CollectiveError, match="unknown algorithm 'spiral'; one of ring"):
+        A.all_reduce(torch.ones(3), algorithm="spiral")
+    with pytest.raises(CollectiveError, match="does not divide by the group size 2"):
+        A.reduce_scatter(torch.ones(3), algorithm="ring")
+    with pytest.raises(CollectiveError, match="'band' needs an integer"):
+        A.all_reduce(torch.ones(3), op="band", algorithm="ring")
+    t = torch.ones(2)
+    collectives.all_reduce(t)  # the group is still usable
+    return t.tolist()
+
+
+def test_bad_calls_are_refused_before_anything_is_sent(dist_run):
+    assert dist_run(_bad_calls, 2) == [[2.0, 2.0]] * 2
