@@ -113,26 +113,21 @@ def ring_chunk_off_by_one(comm, buf, op):
     yield from ring.all_gather(comm, buf)
 
 
-def ring_wrong_peer(comm, buf, op):
-    """The ring all-gather sends to rank + 2 instead of its right neighbour."""
-    yield from ring.reduce_scatter(comm, buf, op)
-    n, r = comm.size, comm.rank
-    chunks = bounds(buf.numel(), n)
-    for s in range(n - 1):
-        a, b = chunks[(r - s) % n]
-        c, d = chunks[(r - s - 1) % n]
-        yield comm.send(buf[a:b], (r + 2) % n), comm.recv(buf[c:d], (r - 1) % n)
+def _ring_with_a_broken_all_gather(to_offset: int = 1, steps_short: int = 0):
+    """A ring all-reduce whose all-gather sends to rank + to_offset (not + 1), or stops early."""
+    def planted(comm, buf, op):
+        yield from ring.reduce_scatter(comm, buf, op)
+        n, r = comm.size, comm.rank
+        chunks = bounds(buf.numel(), n)
+        for s in range(n - 1 - steps_short):
+            a, b = chunks[(r - s) % n]
+            c, d = chunks[(r - s - 1) % n]
+            yield comm.send(buf[a:b], (r + to_offset) % n), comm.recv(buf[c:d], (r - 1) % n)
+    return planted
 
 
-def ring_skips_a_step(comm, buf, op):
-    """The all-gather stops one step early."""
-    yield from ring.reduce_scatter(comm, buf, op)
-    n, r = comm.size, comm.rank
-    chunks = bounds(buf.numel(), n)
-    for s in range(n - 2):
-        a, b = chunks[(r - s) % n]
-        c, d = chunks[(r - s - 1) % n]
-        yield comm.send(buf[a:b], (r + 1) % n), comm.recv(buf[c:d], (r - 1) % n)
+ring_wrong_peer = _ring_with_a_broken_all_gather(to_offset=2)
+ring_skips_a_step = _ring_with_a_broken_all_gather(steps_short=1)
 
 
 @pytest.mark.parametrize("planted", [ring_chunk_off_by_one, ring_wrong_peer, ring_skips_a_step])
@@ -144,7 +139,7 @@ def test_planted_faults_are_caught(planted, monkeypatch):
             check("all_reduce", "planted", p, 4 * p + 1)
         except (AssertionError, SimulationError):
             caught += 1
-    assert caught == 3, f"{planted.__name__} passed on {3 - caught} world size(s)"
+    assert caught == 3, f"a planted fault passed on {3 - caught} world size(s)"
 
 
 def test_a_deadlock_names_every_stuck_rank():
