@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--csv", metavar="FILE", help="write every row as CSV")
     p.add_argument("--plot", metavar="FILE.png", help="draw busbw against size per collective")
     p.add_argument("--timeout", type=float, default=3600, help="seconds before a hung run is stopped (spawn mode)")
+    p.add_argument("--algorithm", default=None,
+                   help="time a from-scratch algorithm (collectives.algorithms: ring, recursive_doubling, bruck, ...) "
+                        "instead of the backend's own; collectives without it are skipped")
     return p
 
 
@@ -106,6 +109,15 @@ def validate(args, parser) -> None:
         parser.error("--backend nccl moves CUDA tensors only; use --device cuda or --backend gloo")
     if "all" in args.collective:
         args.collective = list(COLLECTIVES)
+    if args.algorithm:
+        import collectives.algorithms as A
+
+        having = [c for c in args.collective if args.algorithm in A.ALGORITHMS.get(c, {})]
+        if not having:
+            known = sorted({a for algos in A.ALGORITHMS.values() for a in algos})
+            parser.error(f"--algorithm {args.algorithm}: none of {', '.join(args.collective)} has it "
+                         f"(algorithms: {', '.join(known)})")
+        args.collective = having
 
 
 def buffer_count(collective: str, nbytes: int, n: int, itemsize: int) -> int:
@@ -185,6 +197,43 @@ def make_case(collective: str, side: str, count: int, n: int, r: int, op: str, d
     raise ValueError(collective)
 
 
+def make_algorithm_case(collective: str, algorithm: str, count: int, n: int, r: int, op: str, dtype, device):
+    """(run, refill, expected) for a from-scratch algorithm (collectives.algorithms) doing
+    `collective`: in place for all_reduce, broadcast and reduce, out of place for the rest (the
+    side it returns first). None where the collective has no such algorithm."""
+    import collectives.algorithms as A
+
+    if algorithm not in A.ALGORITHMS.get(collective, {}):
+        return None
+    c, root = count // n, 0
+    fill = lambda k, off=0, rank=r: pattern(rank, k, off, op, dtype, device)  # noqa: E731
+    if collective in ("all_reduce", "broadcast", "reduce"):
+        buf = fill(count)
+        run = {"all_reduce": lambda: A.all_reduce(buf, op=op, algorithm=algorithm),
+               "broadcast": lambda: A.broadcast(buf, src=root, algorithm=algorithm),
+               "reduce": lambda: A.reduce(buf, dst=root, op=op, algorithm=algorithm)}[collective]
+        if collective == "broadcast":
+            want = lambda: fill(count, rank=root)  # noqa: E731
+        else:
+            want = lambda: reduced(n, count, 0, op, dtype, device) if collective == "all_reduce" or r == root else None  # noqa: E731
+        return ("ip", run, lambda: buf.copy_(fill(count)), lambda: (buf, want()))
+    # the output is allocated once, as for the backend's own calls above
+    if collective == "all_gather":
+        inp, out = fill(c), torch.empty(count, dtype=dtype, device=device)
+        run = lambda: A.all_gather(inp, algorithm=algorithm, out=out)  # noqa: E731
+        want = lambda: torch.cat([fill(c, rank=j) for j in range(n)])  # noqa: E731
+    elif collective == "reduce_scatter":
+        inp, out = fill(count), torch.empty(c, dtype=dtype, device=device)
+        run = lambda: A.reduce_scatter(inp, op=op, algorithm=algorithm, out=out)  # noqa: E731
+        want = lambda: reduced(n, c, r * c, op, dtype, device)  # noqa: E731
+    else:  # all_to_all
+        inp, out = fill(count), torch.empty(count, dtype=dtype, device=device)
+        run = lambda: A.all_to_all(inp, algorithm=algorithm, out=out)  # noqa: E731
+        want = lambda: torch.cat([fill(c, r * c, rank=j) for j in range(n)])  # noqa: E731
+    return ("oop", run, lambda: inp.copy_(fill(inp.numel()) if collective != "all_gather" else fill(c)),
+            lambda: (out, want()))
+
+
 def _sync(device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -248,8 +297,15 @@ def run_benchmark(env, config: dict) -> dict:
             row = {"collective": collective, "size": count * dtype.itemsize, "count": count,
                    "type": TYPE_NAMES[config["datatype"]], "redop": config["op"] if collective in REDUCING else "none",
                    "root": 0 if collective in ROOTED else -1}
+            algorithm_case = None
+            if config.get("algorithm"):
+                algorithm_case = make_algorithm_case(collective, config["algorithm"], count, n, r, config["op"], dtype,
+                                                     device)
             for side in ("oop", "ip"):
-                case = make_case(collective, side, count, n, r, config["op"], dtype, device)
+                if config.get("algorithm"):
+                    case = algorithm_case[1:] if algorithm_case and algorithm_case[0] == side else None
+                else:
+                    case = make_case(collective, side, count, n, r, config["op"], dtype, device)
                 if case is None:
                     row[side] = None
                     continue
@@ -276,6 +332,8 @@ def report(result: dict, args, argv) -> int:
           f"device {result['device']} ({result['device_name']}), torch {torch.__version__}")
     print(f"# -b {args.minbytes} -e {args.maxbytes} -f {args.stepfactor} -n {args.iters} -w {args.warmup_iters} "
           f"-o {args.op} -d {args.datatype} --check {args.check}")
+    if args.algorithm:
+        print(f"# algorithm {args.algorithm}: collectives.algorithms over point-to-point messages, not the backend's own")
     if with_limit:
         p2p = f"{found['p2p_gbps']:.2f} GB/s" if found["p2p_gbps"] else "N/A (one rank)"
         print(f"# limits: memory copy {found['copy_gbps']:.2f} GB/s (read+write, one rank); point-to-point {p2p} "
@@ -323,7 +381,7 @@ def main(argv=None) -> int:
     validate(args, parser)
     args.device = args.device or ("cuda" if args.backend == "nccl" else "cpu")
     config = {k: getattr(args, k) for k in ("collective", "minbytes", "maxbytes", "stepfactor", "iters",
-                                            "warmup_iters", "op", "datatype", "check", "limits", "device")}
+                                            "warmup_iters", "op", "datatype", "check", "limits", "device", "algorithm")}
     backend = args.backend or ("gloo" if args.device == "cpu" else None)
     result = collectives.run_or_join(run_benchmark, args.world_size, backend=backend, args=(config,),
                                      timeout=args.timeout)

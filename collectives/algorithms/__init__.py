@@ -65,7 +65,7 @@ def algorithm_for(collective: str, algorithm: str, nbytes: int, world_size: int,
 
 
 def _buffers(collective: str, flat: torch.Tensor, rank: int, size: int):
-    """What the generator works on for this rank's flat input, and its arguments before op/root.
+    """What the generator works on for this rank's flat input (the simulator's: fresh buffers).
 
     Returns (working buffer, extra buffer or None). all_gather and gather take every rank's
     equal-sized input and lay it at its place in a buffer p times larger; all_to_all receives
@@ -79,6 +79,32 @@ def _buffers(collective: str, flat: torch.Tensor, rank: int, size: int):
     if collective == "all_to_all":
         return flat.clone(), torch.zeros_like(flat)
     return flat.clone(), None
+
+
+def _rank_buffers(collective: str, flat: torch.Tensor, comm, root: Optional[int], in_place: bool,
+                  out: Optional[torch.Tensor]):
+    """The same on a real rank, with as few copies and new allocations as the collective allows:
+    the in-place ones work in the caller's memory, the gathers straight into `out`, and scratch
+    space comes from the process's reused workspace (comm.workspace)."""
+    p, r = comm.size, comm.rank
+    if collective in ("all_reduce", "broadcast", "reduce"):
+        return (flat if in_place else flat.clone()), None
+    if collective in ("all_gather", "gather"):
+        if out is not None:
+            buf = out.reshape(-1)
+        elif collective == "gather" and r != root:
+            buf = comm.workspace(flat, p * flat.numel(), slot="input")  # only its own chunk matters here
+        else:
+            buf = flat.new_empty(p * flat.numel())
+        a, b = bounds(buf.numel(), p)[r]
+        buf[a:b] = flat
+        return buf, None
+    if collective in ("reduce_scatter", "scatter"):  # the whole buffer is scratch; the input stays as it was
+        scratch = comm.workspace(flat, flat.numel(), slot="input")
+        if collective == "reduce_scatter" or r == root:
+            scratch.copy_(flat)
+        return scratch, None
+    return flat, (out.reshape(-1) if out is not None else torch.empty_like(flat))  # all_to_all
 
 
 def _args(collective: str, buf, extra, op: Optional[str], root: Optional[int]) -> tuple:
@@ -130,7 +156,8 @@ def simulate(collective: str, algorithm: str, inputs: Sequence[torch.Tensor], op
 
 
 def run_collective(collective: str, tensor: Optional[torch.Tensor], op: Optional[str] = None, root: Optional[int] = None,
-                   group: Optional[dist.ProcessGroup] = None, algorithm: str = "auto", **kwargs):
+                   group: Optional[dist.ProcessGroup] = None, algorithm: str = "auto",
+                   out: Optional[torch.Tensor] = None, **kwargs):
     """The shared body of the public calls below, on this rank (see all_reduce for the arguments)."""
     name = f"{collective} (algorithm {algorithm!r})"
     info = resolve_group(group, name)
@@ -150,13 +177,24 @@ def run_collective(collective: str, tensor: Optional[torch.Tensor], op: Optional
     comm = DistComm(group)
     nbytes = flat.numel() * flat.element_size() * (info.size if collective in ("all_gather", "gather") else 1)
     _, generator = algorithm_for(collective, algorithm, nbytes, info.size)
-    buf, extra = _buffers(collective, flat, comm.rank, comm.size)
+    # the in-place collectives work in the caller's memory when it is contiguous: no copy in or out
+    in_place = collective in ("all_reduce", "broadcast", "reduce") and tensor.is_contiguous() and op_name != "avg"
+    buf, extra = _rank_buffers(collective, flat, comm, group_root, in_place, out)
     wire_op = "sum" if op_name == "avg" else op_name
     run_on_ranks(generator, comm, *_args(collective, buf, extra, wire_op, group_root), **kwargs)
-    out = _output(collective, buf, extra, comm.rank, comm.size, group_root)
-    if out is not None and op_name == "avg":
-        out = out / info.size
-    return out
+    result = _output(collective, buf, extra, comm.rank, comm.size, group_root)
+    if collective in ("reduce_scatter", "scatter"):  # out of the reused workspace before the next call
+        result = out.reshape(-1).copy_(result) if out is not None else result.clone()
+    if result is not None and op_name == "avg":
+        result = result / info.size
+    return result
+
+
+def _into(tensor: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The result into the caller's tensor, unless the algorithm already worked in its memory."""
+    if out.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
+        tensor.copy_(out.view_as(tensor))
+    return tensor
 
 
 def all_reduce(tensor: torch.Tensor, op="sum", group=None, algorithm: str = "auto", **kwargs) -> torch.Tensor:
@@ -170,30 +208,33 @@ def all_reduce(tensor: torch.Tensor, op="sum", group=None, algorithm: str = "aut
         kwargs: the algorithm's options (pieces=... for ring and double_binary_tree).
     """
     out = run_collective("all_reduce", tensor, op=op, group=group, algorithm=algorithm, **kwargs)
-    return tensor.copy_(out.view_as(tensor))
+    return _into(tensor, out)
 
 
 def reduce(tensor: torch.Tensor, dst: int = 0, op="sum", group=None, algorithm: str = "auto", **kwargs) -> torch.Tensor:
     """Reduce into `dst`'s tensor (in place there); returns the tensor on every rank."""
     out = run_collective("reduce", tensor, op=op, root=dst, group=group, algorithm=algorithm, **kwargs)
-    return tensor if out is None else tensor.copy_(out.view_as(tensor))
+    return tensor if out is None else _into(tensor, out)
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, group=None, algorithm: str = "auto", **kwargs) -> torch.Tensor:
     """Copy `src`'s tensor into every rank's (in place); returns it."""
     out = run_collective("broadcast", tensor, root=src, group=group, algorithm=algorithm, **kwargs)
-    return tensor.copy_(out.view_as(tensor))
+    return _into(tensor, out)
 
 
-def reduce_scatter(tensor: torch.Tensor, op="sum", group=None, algorithm: str = "auto", **kwargs) -> torch.Tensor:
-    """This rank's chunk of dim 0 of the reduction (dim 0 divisible by the group size)."""
-    out = run_collective("reduce_scatter", tensor, op=op, group=group, algorithm=algorithm, **kwargs)
+def reduce_scatter(tensor: torch.Tensor, op="sum", group=None, algorithm: str = "auto", out=None,
+                   **kwargs) -> torch.Tensor:
+    """This rank's chunk of dim 0 of the reduction (dim 0 divisible by the group size); written
+    into `out` when given (contiguous, of the chunk's size)."""
+    out = run_collective("reduce_scatter", tensor, op=op, group=group, algorithm=algorithm, out=out, **kwargs)
     return out.view((tensor.shape[0] // dist.get_world_size(group),) + tuple(tensor.shape[1:]))
 
 
-def all_gather(tensor: torch.Tensor, group=None, algorithm: str = "auto", **kwargs) -> torch.Tensor:
-    """Every rank's tensor (all the same shape) concatenated on dim 0, in group-rank order."""
-    out = run_collective("all_gather", tensor, group=group, algorithm=algorithm, **kwargs)
+def all_gather(tensor: torch.Tensor, group=None, algorithm: str = "auto", out=None, **kwargs) -> torch.Tensor:
+    """Every rank's tensor (all the same shape) concatenated on dim 0, in group-rank order;
+    written into `out` when given (contiguous, group size times the input's elements)."""
+    out = run_collective("all_gather", tensor, group=group, algorithm=algorithm, out=out, **kwargs)
     rows = tensor.reshape(1, *tensor.shape) if tensor.dim() == 0 else tensor
     return out.view((-1,) + tuple(rows.shape[1:]))
 
@@ -211,9 +252,10 @@ def scatter(tensor: torch.Tensor, src: int = 0, group=None, algorithm: str = "au
     return out.view((tensor.shape[0] // dist.get_world_size(group),) + tuple(tensor.shape[1:]))
 
 
-def all_to_all(tensor: torch.Tensor, group=None, algorithm: str = "auto", **kwargs) -> torch.Tensor:
-    """Chunk j of dim 0 goes to group rank j; chunk i of the result came from group rank i."""
-    out = run_collective("all_to_all", tensor, group=group, algorithm=algorithm, **kwargs)
+def all_to_all(tensor: torch.Tensor, group=None, algorithm: str = "auto", out=None, **kwargs) -> torch.Tensor:
+    """Chunk j of dim 0 goes to group rank j; chunk i of the result came from group rank i;
+    written into `out` when given (contiguous, shaped like the input)."""
+    out = run_collective("all_to_all", tensor, group=group, algorithm=algorithm, out=out, **kwargs)
     return out.view_as(tensor)
 
 

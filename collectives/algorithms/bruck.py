@@ -33,7 +33,7 @@ def all_gather_bruck(comm, buf: torch.Tensor):
         starts.append(pos)
         pos += chunks[owner][1] - chunks[owner][0]
     starts.append(pos)
-    tmp = torch.empty_like(buf)  # chunks in rotated order: this rank's first
+    tmp = comm.workspace(buf, buf.numel())  # chunks in rotated order: this rank's first
     a, b = chunks[r]
     tmp[:b - a] = buf[a:b]
     have, k = 1, 1

@@ -13,7 +13,7 @@ van de Geijn: scatter the buffer from the root (binomial tree), then all-gather 
 every rank sends and receives about 2n bytes in all, whatever p is.
 
 Costs (alpha per message, beta per byte, n bytes, p ranks, k pieces):
-    pipelined chain      (p - 2 + k) (alpha + n/k beta)
+    pipelined chain      (p - 2 + k) (alpha + n/k beta), least at k = sqrt((p - 2) n beta / alpha)
     scatter + all-gather (lg p + p - 1) alpha + 2 (p-1)/p n beta
 Both beat the binomial tree's lg p (alpha + n beta) once n beta dominates.
 """
@@ -22,12 +22,18 @@ from __future__ import annotations
 
 import torch
 
+from typing import Optional
+
 from . import ring, tree
+from .cost import pieces_for
 from .layout import bounds
 
 
-def broadcast_chain(comm, buf: torch.Tensor, root: int, pieces: int = 8):
+def broadcast_chain(comm, buf: torch.Tensor, root: int, pieces: Optional[int] = None):
+    """pieces=None: the number that minimises the chain's cost under the fitted model."""
     p = comm.size
+    if pieces is None:
+        pieces = pieces_for("chain", p, buf.numel() * buf.element_size())
     v = (comm.rank - root) % p
     prev, nxt = (comm.rank - 1) % p, (comm.rank + 1) % p
     sends = []

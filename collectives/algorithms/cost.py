@@ -10,7 +10,8 @@
 
 The formulas are Thakur, Rabenseifner and Gropp (2005), "Optimization of Collective
 Communication Operations in MPICH", for n bytes on p ranks; NCCL's double binary tree is
-modelled as two pipelined trees (Sanders, Speck and Traeff 2009). Algorithms that need a power
+modelled as two pipelined trees (Sanders, Speck and Traeff 2009), and the pipelined ones use
+the number of pieces that minimises their formula (best_pieces). Algorithms that need a power
 of two fold the extra ranks in and out: 2 (alpha + n beta) more, plus n gamma when reducing.
 The bandwidth benchmark's race (benchmarks/algorithms.py) prints these next to measured times.
 """
@@ -24,7 +25,7 @@ import os
 from typing import Callable, Dict, Optional
 
 DEFAULT_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "model.json")
-PIECES = {"chain": 8, "double_binary_tree": 4}  # the default number of pipelined pieces
+MAX_PIECES = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,15 +86,40 @@ def _doubling_gather(p, n, a, b, g):
     return math.log2(p2) * a + (p2 - 1) / p2 * n * b + f * (2 * a + n / p * b + n * b)
 
 
+def _double_tree_k(p, n, a, b, g, k):
+    return 2 * (_lg(p) + 2 * k - 1) * (a + n / (2 * k) * b) + n * g
+
+
+def _chain_k(p, n, a, b, g, k):
+    return (p - 2 + k) * (a + n / k * b)
+
+
+PIPELINED = {"chain": _chain_k, "double_binary_tree": _double_tree_k}
+
+
+def best_pieces(algorithm: str, p: int, nbytes: float, a: float, b: float, g: float = 0.0) -> int:
+    """The number of pipelined pieces that minimises the algorithm's cost: more pieces fill the
+    pipeline sooner (less n beta waiting) but each costs another alpha."""
+    return min(range(1, MAX_PIECES + 1), key=lambda k: PIPELINED[algorithm](p, nbytes, a, b, g, k))
+
+
 def _double_tree(p, n, a, b, g):
-    k = PIECES["double_binary_tree"]
-    piece = n / (2 * k)
-    return 2 * (_lg(p) + 2 * k - 1) * (a + piece * b) + n * g
+    return _double_tree_k(p, n, a, b, g, best_pieces("double_binary_tree", p, n, a, b, g))
 
 
 def _chain(p, n, a, b, g):
-    k = PIECES["chain"]
-    return (p - 2 + k) * (a + n / k * b)
+    return _chain_k(p, n, a, b, g, best_pieces("chain", p, n, a, b, g))
+
+
+_loaded = {}
+
+
+def pieces_for(algorithm: str, p: int, nbytes: int) -> int:
+    """best_pieces under the fitted model (what the pipelined algorithms use when not told)."""
+    if "model" not in _loaded:
+        _loaded["model"] = CostModel.load()
+    m = _loaded["model"]
+    return best_pieces(algorithm, p, nbytes, m.alpha, m.beta, m.gamma)
 
 
 COSTS: Dict[str, Dict[str, Callable]] = {

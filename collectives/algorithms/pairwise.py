@@ -27,7 +27,7 @@ def reduce_scatter_pairwise(comm, buf: torch.Tensor, op: str):
     p, r = comm.size, comm.rank
     chunks = bounds(buf.numel(), p)
     a, b = chunks[r]
-    incoming = torch.empty(p - 1, b - a, dtype=buf.dtype)  # one slot per sender: no waiting to reuse one
+    incoming = comm.workspace(buf, (p - 1) * (b - a)).view(p - 1, b - a)  # a slot per sender: none reused
     for s in range(1, p):
         to, frm = (r + s) % p, (r - s) % p
         ta, tb = chunks[to]

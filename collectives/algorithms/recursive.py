@@ -69,7 +69,7 @@ def _span(ranges, first_virtual: int, last_virtual: int):
 
 def all_reduce_doubling(comm, buf: torch.Tensor, op: str):
     """Recursive doubling all-reduce (see the module docstring)."""
-    fold, tmp = Fold(comm.size), torch.empty_like(buf)
+    fold, tmp = Fold(comm.size), comm.workspace(buf, buf.numel())
     yield from _fold_in(comm, buf, op, fold, tmp)
     if not fold.sits_out(comm.rank):
         v, distance = fold.virtual(comm.rank), 1
@@ -113,7 +113,7 @@ def _doubling(comm, buf, fold: Fold, ranges):
 
 def reduce_scatter_halving(comm, buf: torch.Tensor, op: str):
     """Recursive halving reduce-scatter: chunk `comm.rank` of `buf` ends reduced."""
-    fold, chunks, tmp = Fold(comm.size), bounds(buf.numel(), comm.size), torch.empty_like(buf)
+    fold, chunks, tmp = Fold(comm.size), bounds(buf.numel(), comm.size), comm.workspace(buf, buf.numel())
     yield from _fold_in(comm, buf, op, fold, tmp)
     if not fold.sits_out(comm.rank):
         yield from _halving(comm, buf, op, fold, _owned(fold, chunks), tmp)
@@ -140,7 +140,7 @@ def all_reduce_rabenseifner(comm, buf: torch.Tensor, op: str):
 
     Here the buffer is cut into p' equal parts, one per virtual rank, not into one chunk per real
     rank: with a fold, the latter would give the folded pairs twice the data of the others."""
-    fold, tmp = Fold(comm.size), torch.empty_like(buf)
+    fold, tmp = Fold(comm.size), comm.workspace(buf, buf.numel())
     ranges = bounds(buf.numel(), fold.p)
     yield from _fold_in(comm, buf, op, fold, tmp)
     if not fold.sits_out(comm.rank):

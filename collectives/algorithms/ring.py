@@ -43,7 +43,7 @@ def reduce_scatter(comm, buf: torch.Tensor, op: str, pieces: int = 1):
     """Leaves chunk `comm.rank` of `buf` reduced over every rank (buf: 1-d; the rest is scratch)."""
     n, r = comm.size, comm.rank
     chunks = bounds(buf.numel(), n)
-    tmp = buf.new_empty(max(b - a for a, b in chunks))  # one incoming chunk
+    tmp = comm.workspace(buf, max(b - a for a, b in chunks))  # one incoming chunk
     right, left = (r + 1) % n, (r - 1) % n
     for s in range(n - 1):
         out_chunk, in_chunk = (r - s - 1) % n, (r - s - 2) % n

@@ -31,6 +31,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from .cost import pieces_for
 from .layout import bounds
 
 
@@ -64,7 +65,7 @@ def reduce_binomial(comm, buf: torch.Tensor, op: str, root: int):
     p = comm.size
     v = (comm.rank - root) % p
     parent, children = _parent_and_children(v, p)
-    tmp = torch.empty_like(buf)
+    tmp = comm.workspace(buf, buf.numel())
     for c in reversed(children):  # nearest first: its subtree finishes first
         yield (comm.recv(tmp, _real(c, root, p), chunk=f"subtree of {_real(c, root, p)}"),)
         comm.reduce(buf, tmp, op)
@@ -88,7 +89,7 @@ def gather_binomial(comm, buf: torch.Tensor, root: int):
     p = comm.size
     v = (comm.rank - root) % p
     order, virtual = _rotated(buf, root, p)
-    tmp = torch.empty_like(buf)  # chunks in virtual order
+    tmp = comm.workspace(buf, buf.numel())  # chunks in virtual order
     (a, b), (ta, tb) = order[v], virtual[v]
     tmp[ta:tb] = buf[a:b]
     parent, children = _parent_and_children(v, p)
@@ -108,7 +109,7 @@ def scatter_binomial(comm, buf: torch.Tensor, root: int):
     p = comm.size
     v = (comm.rank - root) % p
     order, virtual = _rotated(buf, root, p)
-    tmp = torch.empty_like(buf)
+    tmp = comm.workspace(buf, buf.numel())
     parent, children = _parent_and_children(v, p)
     last = min(p, v + (v & -v)) - 1 if v else p - 1
     if parent is None:
@@ -169,15 +170,18 @@ def double_trees(rank: int, p: int):
     return binary_tree(rank, p), (None if parent is None else back[parent], [back[c] for c in children])
 
 
-def all_reduce_double_tree(comm, buf: torch.Tensor, op: str, pieces: int = 4):
-    """Half the buffer up and down each tree, in `pieces` pipelined messages per half."""
+def all_reduce_double_tree(comm, buf: torch.Tensor, op: str, pieces: Optional[int] = None):
+    """Half the buffer up and down each tree, in `pieces` pipelined messages per half (None: the
+    number that minimises the cost under the fitted model)."""
     p, r = comm.size, comm.rank
     if p == 1:
         return
+    if pieces is None:
+        pieces = pieces_for("double_binary_tree", p, buf.numel() * buf.element_size())
     halves = bounds(buf.numel(), 2)
     trees = double_trees(r, p)
     plan = [(t, a + x, a + y) for t, (a, b) in enumerate(halves) for x, y in bounds(b - a, pieces) if y > x]
-    tmp = torch.empty_like(buf)
+    tmp = comm.workspace(buf, buf.numel())
     up = []
     for t, a, b in plan:  # reduce towards each tree's root, piece by piece
         parent, children = trees[t]
