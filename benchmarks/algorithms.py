@@ -154,11 +154,16 @@ def plot(results, path: str) -> None:
     import matplotlib.pyplot as plt
 
     collectives_ = list(dict.fromkeys(row["collective"] for res in results for row in res["rows"]))
-    fig, axes = plt.subplots(len(results), len(collectives_), figsize=(4.2 * len(collectives_), 3.6 * len(results)),
+    cols = min(3, len(collectives_))
+    per_result = -(-len(collectives_) // cols)  # rows of panels for one run
+    fig, axes = plt.subplots(per_result * len(results), cols, figsize=(5.2 * cols, 3.8 * per_result * len(results)),
                              squeeze=False)
+    for ax in axes.flat:
+        ax.axis("off")
     for i, res in enumerate(results):
         for j, collective in enumerate(collectives_):
-            ax = axes[i][j]
+            ax = axes[i * per_result + j // cols][j % cols]
+            ax.axis("on")
             rows = [row for row in res["rows"] if row["collective"] == collective]
             if not rows:
                 ax.axis("off")
@@ -194,9 +199,20 @@ def main(argv=None) -> int:
     parser.add_argument("--world-size", type=int, default=2, help="ranks to spawn")
     parser.add_argument("--json", metavar="FILE", help="write every measurement as JSON")
     parser.add_argument("--plot", metavar="FILE.png", help="time against size, measured and predicted")
+    parser.add_argument("--replot", metavar="RUN.json", nargs="+",
+                        help="only draw --plot from saved --json runs (no measuring)")
     args = parser.parse_args(argv)
     if args.minbytes < 1 or args.maxbytes < args.minbytes or args.stepfactor < 2 or args.world_size < 1:
         parser.error("need 1 <= -b <= -e, -f >= 2 and --world-size >= 1")
+    if args.replot:
+        if not args.plot:
+            parser.error("--replot needs --plot FILE.png")
+        runs = []
+        for path in args.replot:
+            with open(path) as f:
+                runs.append(json.load(f))
+        plot(runs, args.plot)
+        return 0
     config = {k: getattr(args, k) for k in ("collective", "minbytes", "maxbytes", "stepfactor")}
     result = collectives.run(race, args.world_size, args=(config,), timeout=6 * 3600)[0]
     score = auto_score(result)

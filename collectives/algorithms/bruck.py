@@ -55,16 +55,20 @@ def all_to_all_bruck(comm, send: torch.Tensor, recv: torch.Tensor):
     p, r = comm.size, comm.rank
     block = send.numel() // p
     blocks = send.view(p, block)  # (p, block)
-    work = torch.cat([blocks[r:], blocks[:r]]).clone() if p else blocks.clone()  # row i is for rank r + i
+    work = comm.workspace(send, p * block).view(p, block)  # row i is for rank r + i
+    work[:p - r] = blocks[r:]
+    work[p - r:] = blocks[:r]
     k = 1
     while k < p:
-        rows = [i for i in range(p) if i & k]
-        out = work[rows].reshape(-1).contiguous()
-        got = torch.empty_like(out)
-        yield (comm.send(out, (r + k) % p, chunk=f"bit {k}"), comm.recv(got, (r - k) % p, chunk=f"bit {k}"))
-        work[rows] = got.view(len(rows), block)
+        rows = torch.tensor([i for i in range(p) if i & k])
+        out = comm.workspace(send, len(rows) * block, slot="bruck out").view(len(rows), block)
+        torch.index_select(work, 0, rows, out=out)  # the rows to send, packed
+        got = comm.workspace(send, len(rows) * block, slot="bruck in").view(len(rows), block)
+        yield (comm.send(out.view(-1), (r + k) % p, chunk=f"bit {k}"),
+               comm.recv(got.view(-1), (r - k) % p, chunk=f"bit {k}"))
+        work.index_copy_(0, rows, got)
         k <<= 1
     # row i now holds the block that rank r - i sent to this rank
     view = recv.view(p, block)
-    for i in range(p):
-        view[(r - i) % p] = work[i]
+    order = torch.tensor([(r - i) % p for i in range(p)])
+    view.index_copy_(0, order, work)

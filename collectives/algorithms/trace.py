@@ -123,6 +123,8 @@ def plot_spacetime(messages, computes, world_size: int, path: str, title: str = 
     if predicted:
         ax.axvline(predicted * scale, color="black", linestyle="--", lw=1, label="closed-form prediction")
         ax.legend(loc="upper right", fontsize=8)
+    right = max([m.end for m in messages] + [c.end for c in computes] + [predicted or 0, 1e-9]) * scale
+    ax.set_xlim(0, right * 1.03)
     ax.set_yticks(range(world_size), [f"rank {r}" for r in range(world_size)])
     ax.set_ylim(world_size - 0.5, -0.5)
     ax.set_xlabel(f"time ({unit})   arrows: messages, coloured by step; red bars: local reductions")

@@ -186,3 +186,23 @@ def test_training_stops_with_a_killed_launcher(sig, tmp_path):
     assert_all_gone(below)
     time.sleep(1.0)
     assert not (ckpt / "checkpoint.pt").exists(), "a rank went on training and wrote a checkpoint"
+
+
+def test_ctrl_c_ends_the_progress_line_without_a_traceback(tmp_path):
+    """SIGINT (Ctrl-C) to the launcher: 'interrupted' on its own line, exit code 130, no
+    traceback glued onto the progress line, and every rank gone."""
+    argv = [sys.executable, "-m", "ddp_from_scratch.train", "--nproc", "2", "--model", "small", "--synthetic",
+            "--train-size", "4096", "--test-size", "8", "--batch-size", "2", "--epochs", "50"]
+    log = tmp_path / "launcher-stderr.txt"
+    with open(log, "wb") as err:
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=err)
+    deadline = time.monotonic() + 120
+    while "step 3/" not in log.read_text() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    below = descendants(proc.pid)
+    os.kill(proc.pid, signal.SIGINT)
+    assert proc.wait(60) == 130
+    text = log.read_text()
+    assert "\ninterrupted (Ctrl-C)" in text and "Traceback" not in text, text[-2000:]
+    assert "time left" in text or "s left" in text  # the progress line showed the time left
+    assert_all_gone(below)
