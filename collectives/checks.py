@@ -15,6 +15,8 @@ import torch.distributed as dist
 
 from .errors import CollectiveError
 
+CPU_BACKENDS = ("gloo", "shm")  # the common case the checks let straight through
+
 
 @dataclasses.dataclass
 class GroupInfo:
@@ -76,7 +78,7 @@ def resolve_group(group: Optional[dist.ProcessGroup], collective: str) -> GroupI
 
 def check_tensor(tensor, collective: str, info: GroupInfo, name: str = "tensor") -> None:
     """A dense tensor on a device the group's backend can use, contiguous where it must be."""
-    if info.backend == "gloo" and isinstance(tensor, torch.Tensor) and tensor.layout == torch.strided and tensor.is_cpu:
+    if info.backend in CPU_BACKENDS and isinstance(tensor, torch.Tensor) and tensor.layout == torch.strided and tensor.is_cpu:
         return  # the common case, kept short: time spent here shows up in small-message latency
     where = f"{collective} on rank {info.global_rank}"
     if tensor is None:
@@ -100,6 +102,8 @@ def check_tensor(tensor, collective: str, info: GroupInfo, name: str = "tensor")
     elif info.backend == "gloo":
         if device not in ("cpu", "cuda"):
             raise CollectiveError(f"{where}: the gloo backend takes CPU or CUDA tensors, but {name} is on {tensor.device}")
+    elif info.backend == "shm" and device != "cpu":
+        raise CollectiveError(f"{where}: the shm backend moves CPU tensors only, but {name} is on {tensor.device}")
     # Non-contiguous tensors are fine: the wrappers hand the backend a contiguous copy (see ops.py).
 
 

@@ -38,8 +38,15 @@ UNSUPPORTED = {
 SIGN_BIT = -(2**63)
 
 
+# The shm backend hands these to an inner Gloo group, so Gloo's gaps are its gaps there.
+FALLS_BACK = {"shm": ("gloo", {"gather", "scatter", "all_to_all", "send"})}
+
+
 def moves_as_bytes(backend: str, dtype: torch.dtype, collective: str) -> bool:
     """True when the backend cannot move `dtype` in this collective, so the wrapper moves bytes."""
+    inner, which = FALLS_BACK.get(backend, (None, ()))
+    if collective in which:
+        backend = inner
     table = UNSUPPORTED.get(backend)
     if table is None:
         return False

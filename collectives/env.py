@@ -37,7 +37,7 @@ class DistEnv:
         world_size: number of processes in the default group.
         local_rank: rank among the processes on this machine (picks the GPU).
         device: the device this rank computes on (cuda:local_rank with NCCL, else cpu).
-        backend: "nccl" or "gloo".
+        backend: "nccl", "gloo" or "shm".
     """
 
     rank: int
@@ -60,8 +60,10 @@ def pick_backend(local_world_size: int, backend: Optional[str] = None) -> str:
     """
     if backend is not None:
         backend = backend.lower()
-        if backend not in ("gloo", "nccl"):
-            raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+        if backend not in ("gloo", "nccl", "shm"):
+            raise ValueError(f"backend must be 'gloo', 'nccl' or 'shm', got {backend!r}")
+        if backend == "shm":
+            import collectives.shm  # noqa: F401 - registers the backend with torch.distributed
         if backend == "nccl" and not torch.cuda.is_available():
             raise ValueError("backend 'nccl' needs CUDA, and torch.cuda.is_available() is False")
         if backend == "nccl" and torch.cuda.device_count() < local_world_size:
@@ -151,7 +153,8 @@ def init_from_env(
     so collectives still work and later code never branches on "distributed or not".
 
     Args:
-        backend: "gloo" or "nccl"; None picks NCCL when each local rank can have a GPU.
+        backend: "gloo", "nccl" or "shm" (one machine); None picks NCCL when each local rank can
+            have a GPU.
         timeout: how long a collective may wait for its peers before the backend gives up.
         environ: the variables to read (os.environ by default).
 

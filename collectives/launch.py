@@ -42,7 +42,7 @@ def run(
     Args:
         fn: a module-level function taking the rank's DistEnv and then `args`.
         world_size: how many ranks to spawn on this machine.
-        backend: "gloo" or "nccl"; None picks NCCL only with one GPU per rank, else Gloo.
+        backend: "gloo", "nccl" or "shm"; None picks NCCL only with one GPU per rank, else Gloo.
         args: extra positional arguments (must pickle).
         timeout: seconds the function may run on the ranks; after that every rank's Python stack
             is dumped into the error and all ranks are killed.

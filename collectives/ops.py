@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from . import checked_mode as _checked
 from . import compat, reduce_ops
-from .checks import GroupInfo, check_divisible, check_root, check_tensor, check_writable, resolve_group
+from .checks import CPU_BACKENDS, GroupInfo, check_divisible, check_root, check_tensor, check_writable, resolve_group
 from .errors import CollectiveError, CollectiveMismatchError
 from .dtypes import arithmetic_wire, as_bytes, from_bytes, moves_as_bytes, reduction_wire
 from .exchange import check_same_root, describe_rows, exchange, raise_if_any_failed
@@ -189,7 +189,7 @@ def all_reduce(tensor: torch.Tensor, op="sum", group: Group = None, async_op: bo
         tensor.copy_(_gather_and_fold(info, tensor, name))
         return _finish(None, lambda: tensor, async_op)
     sent, back = _reduction_input(info, tensor, name, host=False)
-    if info.backend == "gloo" and sent is tensor and tensor.is_cpu and not _checked.is_checked():
+    if info.backend in CPU_BACKENDS and sent is tensor and tensor.is_cpu and not _checked.is_checked():
         try:
             _all_reduce_ready[(group, op, tensor.dtype)] = (info, reduce_ops.TORCH_OPS[name])
         except TypeError:

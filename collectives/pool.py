@@ -86,6 +86,8 @@ def _rank_main(rank, world_size, backend, store_port, conn, stack_writer, lifeli
         device = device_for(backend, rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
+        if backend == "shm":
+            import collectives.shm  # noqa: F401 - registers the backend in this process
         store = dist.TCPStore("127.0.0.1", store_port, world_size, False, timeout=DEFAULT_PG_TIMEOUT)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=DEFAULT_PG_TIMEOUT)
         env = DistEnv(rank=rank, world_size=world_size, local_rank=rank, device=device, backend=backend)
@@ -144,7 +146,8 @@ def _describe_exit(code: Optional[int]) -> str:
 
 
 # What a rank's error says when the peer it was talking to died or failed first.
-_PEER_LOST = re.compile(r"Connection (reset|closed) by peer|Socket closed|Broken pipe|peer.*(closed|died)", re.IGNORECASE)
+_PEER_LOST = re.compile(r"Connection (reset|closed) by peer|Socket closed|Broken pipe|peer.*(closed|died)"
+                        r"|PeerFailure: .* rank \d+ (\(pid \d+\) )?(died|failed)", re.IGNORECASE)
 
 
 def _short(text: str, limit: int = 160) -> str:
@@ -175,7 +178,7 @@ class RankPool:
 
     Args:
         world_size: number of ranks to spawn.
-        backend: "gloo" or "nccl"; None picks NCCL only with one GPU per rank, else Gloo.
+        backend: "gloo", "nccl" or "shm"; None picks NCCL only with one GPU per rank, else Gloo.
         threads: torch threads per rank (1 by default: ranks share the machine's cores).
         start_timeout: seconds to wait for every rank to import torch and join the group.
         setup: a module-level function each rank calls first, before importing torch (the

@@ -77,7 +77,12 @@ def install_assert_rewriting() -> None:
 
 
 def get_pool(world_size: int, backend: Optional[str] = None) -> RankPool:
-    """The shared pool for (world_size, backend); started on first use, closed at exit."""
+    """The shared pool for (world_size, backend); started on first use, closed at exit.
+
+    backend None: COLLECTIVES_TEST_BACKEND if set (run a suite on another backend:
+    `COLLECTIVES_TEST_BACKEND=shm pytest tests/collectives`), else the default choice.
+    """
+    backend = backend or os.environ.get("COLLECTIVES_TEST_BACKEND") or None
     key = (world_size, backend)
     if key not in _pools:
         _pools[key] = RankPool(world_size, backend=backend, setup=install_assert_rewriting)
@@ -119,7 +124,7 @@ def distributed(world_size: int = 2, *, backend: Optional[str] = None, timeout: 
 
     Args:
         world_size: ranks to run the body on.
-        backend: "gloo", "nccl" or None (NCCL only with one GPU per rank).
+        backend: "gloo", "nccl", "shm" or None (NCCL only with one GPU per rank, else Gloo).
         timeout: seconds before every rank's stack is dumped and the test fails.
     """
 

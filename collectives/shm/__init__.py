@@ -1,0 +1,32 @@
+"""A shared-memory backend for ranks on one machine, registered with torch.distributed as "shm".
+
+    import collectives.shm
+    collectives.shm.register()                         # once per process (RankPool and init_from_env do it)
+    dist.init_process_group("shm", init_method=..., rank=r, world_size=n)
+    collectives.run(fn, world_size=4, backend="shm")   # or through this project's launcher
+
+On one machine Gloo still goes through TCP. Here the ranks map one segment of shared memory
+(segment.py) and each collective is copies and adds in it (ops.py), waiting for each other
+on futexes (wait.py), behind a Python ProcessGroup that torch's own DDP runs on
+(process_group.py). A rank that dies mid-collective makes the others raise PeerFailure naming
+it; nothing is left in /dev/shm, however the ranks end.
+"""
+
+import torch.distributed as dist
+
+from .process_group import ProcessGroupShm, create
+from .segment import leftovers, sweep
+from .wait import PeerFailure
+
+BACKEND = "shm"
+
+
+def register() -> None:
+    """Make "shm" a torch.distributed backend in this process (idempotent)."""
+    if not hasattr(dist.Backend, BACKEND.upper()):
+        dist.Backend.register_backend(BACKEND, create, devices=["cpu"])
+
+
+register()
+
+__all__ = ["BACKEND", "register", "ProcessGroupShm", "PeerFailure", "leftovers", "sweep"]

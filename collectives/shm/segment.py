@@ -1,0 +1,129 @@
+"""The shared-memory segment the ranks of one machine meet in, and how it never outlives them.
+
+Layout (one file in /dev/shm, mapped by every rank):
+
+    control  SLOTS_CONTROL int32 words: per rank its step counter (the barrier), its pid; the abort word
+    data     world_size slots of slot_bytes each: rank r writes only slot r
+
+Lifetime: rank 0 creates the file under a name carrying its pid, the others open it, every rank
+says so through the store, and rank 0 unlinks the name at once. The mapping lives on in every
+rank, but nothing is left in /dev/shm however the ranks end, SIGKILL included. The only window
+is between creation and unlink (milliseconds at start-up); a rank that finds a leftover from a
+dead pid there removes it (`sweep`).
+
+    segment = Segment.create_or_attach(store, rank, world_size, slot_bytes)
+    segment.slot(r)          # rank r's data slot as a uint8 tensor
+    segment.steps[r]         # rank r's barrier counter (numpy int32, shared)
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import secrets
+from datetime import timedelta
+
+import numpy as np
+import torch
+
+SHM_DIR = "/dev/shm"
+PREFIX = "collectives-shm"
+CONTROL_BYTES = 64 << 10  # words for up to a few thousand ranks, and room to spare
+ALIGN = 64
+ABORT = 0  # control word: nonzero once the group is broken: 1 + the rank that failed or died
+ABORT_SEEN_BY = 1  # 1 + the rank that noticed it
+STEP0, PID0 = 16, 16 + 4096  # per-rank words start here (steps, then pids)
+
+
+def _path(name: str) -> str:
+    return os.path.join(SHM_DIR, name)
+
+
+def sweep() -> int:
+    """Remove segments left by processes that no longer exist (a crash between create and unlink)."""
+    removed = 0
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return 0
+    for name in names:
+        match = re.fullmatch(rf"{PREFIX}-(\d+)-[0-9a-f]+", name)
+        if not match:
+            continue
+        try:
+            os.kill(int(match.group(1)), 0)
+        except ProcessLookupError:
+            try:
+                os.unlink(_path(name))
+                removed += 1
+            except FileNotFoundError:
+                pass
+        except PermissionError:
+            pass
+    return removed
+
+
+def leftovers() -> list:
+    """This package's entries in /dev/shm (the tests count them)."""
+    try:
+        return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(PREFIX))
+    except OSError:
+        return []
+
+
+class Segment:
+    """One mapped segment: the control words (numpy views, shared) and the data slots (tensors)."""
+
+    def __init__(self, mapping: mmap.mmap, world_size: int, slot_bytes: int):
+        self.mapping, self.world_size, self.slot_bytes = mapping, world_size, slot_bytes
+        self.control = np.frombuffer(mapping, dtype=np.int32, count=CONTROL_BYTES // 4)
+        self.steps = self.control[STEP0:STEP0 + world_size]
+        self.pids = self.control[PID0:PID0 + world_size]
+        self.data = torch.frombuffer(mapping, dtype=torch.uint8, offset=CONTROL_BYTES,
+                                     count=world_size * slot_bytes)
+
+    def slot(self, rank: int) -> torch.Tensor:
+        """Rank `rank`'s data slot, slot_bytes of uint8."""
+        return self.data[rank * self.slot_bytes:(rank + 1) * self.slot_bytes]
+
+    def address(self, word: int) -> int:
+        """The memory address of control word `word` (for futex)."""
+        return self.control.ctypes.data + 4 * word
+
+    @classmethod
+    def create_or_attach(cls, store, rank: int, world_size: int, slot_bytes: int, prefix: str = "",
+                         timeout: timedelta = timedelta(minutes=5)) -> "Segment":
+        """Every rank of the group calls this; returns the mapped segment, its name already unlinked."""
+        if world_size > 4096:
+            raise ValueError(f"the shm backend takes at most 4096 ranks, got {world_size}")
+        # every slot and half-slot starts 64-byte aligned: a tensor view of any dtype needs its
+        # element size to divide its offset (torch rounds a misaligned offset down, silently)
+        slot_bytes = max(ALIGN * 2, -(-slot_bytes // (ALIGN * 2)) * ALIGN * 2)
+        size = CONTROL_BYTES + world_size * slot_bytes
+        key = f"{prefix}shm-segment"
+        if rank == 0:
+            sweep()
+            name = f"{PREFIX}-{os.getpid()}-{secrets.token_hex(6)}"
+            fd = os.open(_path(name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            try:
+                os.ftruncate(fd, size)
+                mapping = mmap.mmap(fd, size)
+            finally:
+                os.close(fd)
+            store.set(key, name)
+        else:
+            store.wait([key], timeout)
+            name = store.get(key).decode()
+            fd = os.open(_path(name), os.O_RDWR)
+            try:
+                mapping = mmap.mmap(fd, size)
+            finally:
+                os.close(fd)
+        segment = cls(mapping, world_size, slot_bytes)
+        segment.pids[rank] = os.getpid()
+        store.set(f"{key}/attached/{rank}", "1")
+        if rank == 0:  # everyone has it mapped: the name can go
+            store.wait([f"{key}/attached/{r}" for r in range(world_size)], timeout)
+            os.unlink(_path(name))
+        return segment

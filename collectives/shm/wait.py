@@ -1,0 +1,151 @@
+"""How a rank waits for the others in shared memory, and notices when one of them is gone.
+
+The ranks meet at barriers: rank r announces step k by writing k into its own word (no other
+rank writes it, so no atomic operation is needed), then waits until every rank's word is at
+least k. How it waits is the question when ranks outnumber cores:
+
+    spin   re-read the words in a loop: fastest when every rank has a core, but a waiting rank
+           burns its core, which the rank it waits for may need
+    yield  the same, giving the core away between reads (os.sched_yield)
+    sleep  the same, sleeping 50 us between reads
+    futex  spin up to 1 ms while every rank has a core of its own (not at all when they share
+           cores), then sleep in the kernel on the word of the first rank still missing
+           (FUTEX_WAIT on the shared page) until that rank writes it and wakes it (FUTEX_WAKE);
+           no core is spent waiting once asleep
+
+benchmarks/shm_wait.py measures all four (latency and CPU seconds per call, 2 and 4 ranks);
+`futex` is the default, after those measurements (see the README).
+
+Faults: while it waits, a rank checks every FAULT_CHECK_S that the others' processes are alive
+and that no rank has raised the abort word; then it raises `PeerFailure` naming the rank. A
+rank that fails sets the abort word, so the others stop at once instead of at their timeout.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import time
+from typing import Optional
+
+from ..errors import CollectiveError
+from .segment import ABORT, ABORT_SEEN_BY, STEP0, Segment
+
+FAULT_CHECK_S = 0.05
+# futex: how long to spin before sleeping in the kernel. A futex wake-up costs tens of
+# microseconds, so when every rank has a core of its own a short spin is cheaper; when ranks
+# outnumber cores a spinning rank takes the core from the rank it waits for, so it sleeps at once.
+SPIN_S_OWN_CORE = 1e-3
+SPIN_S_SHARED = 0.0
+STRATEGIES = ("futex", "spin", "yield", "sleep")
+
+_SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine())
+FUTEX_WAIT, FUTEX_WAKE = 0, 1
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+class PeerFailure(CollectiveError):
+    """A rank of the shared-memory group died or gave up while this rank waited for it."""
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    except OSError:
+        return True
+
+
+class Waiter:
+    """Barriers on one segment, waiting with one of STRATEGIES."""
+
+    def __init__(self, segment: Segment, rank: int, strategy: Optional[str] = None, timeout_s: float = 600.0):
+        strategy = strategy or os.environ.get("COLLECTIVES_SHM_WAIT", "futex")
+        if strategy not in STRATEGIES:
+            raise ValueError(f"wait strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+        if strategy == "futex" and _SYS_FUTEX is None:
+            strategy = "yield"  # no futex number known for this machine
+        self.segment, self.rank, self.strategy, self.timeout_s = segment, rank, strategy, timeout_s
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        self.spin_s = SPIN_S_OWN_CORE if segment.world_size <= cores else SPIN_S_SHARED
+        self.step = int(segment.steps[rank])
+        self.what = ""  # the collective under way, for error messages
+
+    # -- the barrier ------------------------------------------------------------------------------
+    def barrier(self) -> None:
+        """Announce the next step and wait until every rank has announced it."""
+        seg = self.segment
+        self.step += 1
+        seg.steps[self.rank] = self.step
+        if self.strategy == "futex":
+            _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(seg.address(STEP0 + self.rank)), FUTEX_WAKE, 1 << 30, None, None, 0)
+        self.wait_for(self.step)
+
+    def wait_for(self, step: int) -> None:
+        """Until every rank's word is at least `step` (or a peer fails, or the timeout)."""
+        steps = self.segment.steps
+        start = time.monotonic()
+        next_check = start + FAULT_CHECK_S
+        spin_until = time.perf_counter() + self.spin_s
+        while True:
+            missing = -1
+            for r in range(len(steps)):
+                if steps[r] < step:
+                    missing = r
+                    break
+            if missing < 0:
+                return
+            now = time.monotonic()
+            if now >= next_check:
+                self._check_peers(missing, now - start)
+                next_check = now + FAULT_CHECK_S
+            if self.strategy == "spin":
+                continue
+            if self.strategy == "yield":
+                os.sched_yield()
+            elif self.strategy == "sleep":
+                time.sleep(50e-6)
+            elif time.perf_counter() >= spin_until:  # futex: sleep on the missing rank's word
+                seen = int(steps[missing])
+                if seen < step:
+                    ts = _Timespec(0, int(FAULT_CHECK_S * 1e9))
+                    _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(self.segment.address(STEP0 + missing)), FUTEX_WAIT,
+                                  ctypes.c_int(seen), ctypes.byref(ts), None, 0)
+
+    # -- faults -----------------------------------------------------------------------------------
+    def _check_peers(self, missing: int, waited: float) -> None:
+        seg = self.segment
+        culprit = int(seg.control[ABORT]) - 1
+        if culprit >= 0:
+            seen_by = int(seg.control[ABORT_SEEN_BY]) - 1
+            how = "failed (its error is on that rank)" if seen_by == culprit else f"died (rank {seen_by} saw it)"
+            raise PeerFailure(f"{self.what} on rank {self.rank}: rank {culprit} {how}, so this collective cannot "
+                              "finish")
+        for r, pid in enumerate(seg.pids):
+            if r != self.rank and pid and not _process_alive(int(pid)):
+                self.abort(culprit=r)
+                raise PeerFailure(f"{self.what} on rank {self.rank}: rank {r} (pid {pid}) died while this rank "
+                                  f"waited for it")
+        if waited > self.timeout_s:
+            self.abort(culprit=missing)
+            raise PeerFailure(f"{self.what} on rank {self.rank}: rank {missing} did not reach step {self.step} within "
+                              f"the {self.timeout_s:g} s timeout (is it in another collective, or stuck?)")
+
+    def abort(self, culprit: Optional[int] = None) -> None:
+        """Tell every other rank to stop waiting: they raise PeerFailure naming `culprit` (the rank
+        that died, or this rank when its own collective failed)."""
+        seg = self.segment
+        if not seg.control[ABORT]:
+            seg.control[ABORT_SEEN_BY] = self.rank + 1
+            seg.control[ABORT] = (self.rank if culprit is None else culprit) + 1
+        if _SYS_FUTEX is not None:
+            for r in range(seg.world_size):
+                _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(seg.address(STEP0 + r)), FUTEX_WAKE, 1 << 30, None, None, 0)

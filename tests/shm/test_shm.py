@@ -1,0 +1,168 @@
+"""The shared-memory backend: registered with torch.distributed, right on every collective (also
+in many rounds through a tiny slot), the fallback said once, a dead peer named within the
+timeout, nothing left in /dev/shm however the ranks end, and torch's own DDP bitwise equal to
+torch's DDP on Gloo on 2 ranks.
+
+The whole collectives suite runs on it too: COLLECTIVES_TEST_BACKEND=shm pytest tests/collectives
+
+    pytest tests/shm -q
+"""
+
+import os
+import signal
+import sys
+import textwrap
+import time
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import collectives as C
+from collectives import shm
+from collectives.testing import distributed
+
+from ..algorithms.reference import expected, inputs_for
+from ..collectives.test_launch import assert_all_gone, start_and_kill
+
+
+@distributed(world_size=3, backend="shm")
+def test_torch_distributed_calls_run_on_it(env):
+    assert dist.get_backend() == "shm" and isinstance(dist.group.WORLD, shm.ProcessGroupShm)
+    r, n = env.rank, env.world_size
+    for op, red in [(dist.ReduceOp.SUM, "sum"), (dist.ReduceOp.MAX, "max"), (dist.ReduceOp.MIN, "min"),
+                    (dist.ReduceOp.PRODUCT, "product"), (dist.ReduceOp.BXOR, "bxor")]:
+        inputs = inputs_for("all_reduce", n, 37, torch.int64, seed=5, op=red)
+        t = inputs[r].clone()
+        dist.all_reduce(t, op=op)
+        assert torch.equal(t, expected("all_reduce", inputs, red)[r]), red
+    avg = torch.full((5,), float(r))
+    dist.all_reduce(avg, op=dist.ReduceOp.AVG)
+    assert avg.tolist() == [1.0] * 5
+    out = torch.empty(3 * 4)
+    dist.all_gather_into_tensor(out, torch.full((4,), float(r)))
+    assert out.tolist() == [q for q in (0.0, 1.0, 2.0) for _ in range(4)]
+    chunk = torch.empty(2)
+    dist.reduce_scatter_tensor(chunk, torch.arange(6.0) * (r + 1))
+    assert chunk.tolist() == [6.0 * (2 * r), 6.0 * (2 * r + 1)]
+    lists = [torch.empty(2) for _ in range(n)]
+    dist.all_gather(lists, torch.full((2,), float(r)))
+    assert [x.tolist() for x in lists] == [[q, q] for q in (0.0, 1.0, 2.0)]
+    w = dist.all_reduce(torch.ones(4), async_op=True)
+    w.wait()
+    dist.barrier()
+
+
+def _many_rounds(env):
+    """COLLECTIVES_SHM_SLOT_MB is tiny: every collective goes through in many rounds."""
+    r, n = env.rank, env.world_size
+    wrong = []
+    for numel in (1, 100, 3001):
+        inputs = inputs_for("all_reduce", n, numel, torch.float64, seed=numel)
+        t = inputs[r].clone()
+        C.all_reduce(t)
+        wrong += [] if torch.equal(t, expected("all_reduce", inputs)[r]) else [f"all_reduce {numel}"]
+        t = inputs[r].clone()
+        C.broadcast(t, src=n - 1)
+        wrong += [] if torch.equal(t, inputs[n - 1]) else [f"broadcast {numel}"]
+        t = inputs[r].clone()
+        C.reduce(t, dst=1)
+        wrong += [] if r != 1 or torch.equal(t, expected("all_reduce", inputs)[r]) else [f"reduce {numel}"]
+        wrong += [] if torch.equal(C.all_gather(inputs[r]), torch.cat(inputs)) else [f"all_gather {numel}"]
+        rs_in = inputs_for("reduce_scatter", n, numel * n, torch.int32, seed=numel)
+        got = C.reduce_scatter(rs_in[r])
+        wrong += [] if torch.equal(got, expected("reduce_scatter", rs_in)[r]) else [f"reduce_scatter {numel}"]
+    return wrong
+
+
+def test_buffers_larger_than_a_slot_go_through_in_rounds(monkeypatch):
+    monkeypatch.setenv("COLLECTIVES_SHM_SLOT_MB", "0.002")  # 2 KB: 1 KB halves, 128 doubles a round
+    for wrong in C.run(_many_rounds, 3, backend="shm", timeout=120):
+        assert not wrong, wrong
+
+
+def _fallback_warns_once(env):
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            got = C.all_to_all(torch.tensor([10.0 * env.rank + j for j in range(env.world_size)]))
+    said = [str(w.message) for w in seen if "shm backend" in str(w.message)]
+    return got.tolist(), said
+
+
+def test_unsupported_calls_go_to_gloo_said_once(dist_run):
+    results = C.run(_fallback_warns_once, 2, backend="shm", timeout=60)
+    for r, (got, said) in enumerate(results):
+        assert got == [float(r), 10.0 + r]
+        assert said == ["the shm backend has no all_to_all of its own: it goes through an inner Gloo group"], said
+
+
+def _one_rank_dies(env):
+    C.all_reduce(torch.ones(4))
+    if env.rank == 1:
+        os._exit(3)
+    C.all_reduce(torch.ones(4))  # ranks 0 and 2 wait here for rank 1, which is gone
+
+
+def test_a_dead_peer_is_named_not_waited_for():
+    before = shm.leftovers()
+    start = time.monotonic()
+    with pytest.raises(C.RankFailure) as info:
+        C.run(_one_rank_dies, 3, backend="shm", timeout=60)
+    assert time.monotonic() - start < 20  # not the 60 s timeout
+    message = str(info.value)
+    assert message.startswith("rank 1 exited with code 3"), message
+    assert (info.value.first, info.value.failed, info.value.stopped) == (1, [1], [0, 2]), message
+    for r in (0, 2):  # each names rank 1: it saw the death itself, or the abort word the other left
+        assert f"PeerFailure: all_reduce on rank {r}: rank 1 " in message, message
+    assert shm.leftovers() == before
+
+
+LAUNCHER = textwrap.dedent("""
+    import os, sys, time, torch, collectives
+
+    def work(env, pid_dir):
+        collectives.all_reduce(torch.ones(8))
+        with open(os.path.join(pid_dir, f"rank{env.rank}.pid"), "w") as f:
+            f.write(str(os.getpid()))
+        while True:
+            collectives.all_reduce(torch.ones(1 << 16))
+
+    if __name__ == "__main__":
+        collectives.run(work, world_size=2, backend="shm", args=(sys.argv[1],))
+""")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_nothing_is_left_in_dev_shm_when_everything_is_killed(sig, tmp_path):
+    before = shm.leftovers()
+    script = tmp_path / "launcher.py"
+    script.write_text(LAUNCHER)
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    ready = lambda: len(list(pid_dir.glob("*.pid"))) == 2 and all(p.read_text() for p in pid_dir.glob("*.pid"))  # noqa: E731
+    below, _ = start_and_kill([sys.executable, str(script), str(pid_dir)], sig, ready, tmp_path)
+    assert_all_gone(below)
+    assert shm.leftovers() == before, shm.leftovers()
+
+
+def _ddp_on_both(env, model, steps, batch_size, image):
+    from ddp_from_scratch.compare import train_side_by_side
+
+    group = dist.new_group(backend="shm")
+    return train_side_by_side(env, "torch", steps, model=model, batch_size=batch_size, image=image,
+                              ours_kwargs={"process_group": group})
+
+
+def test_torchs_ddp_on_shm_is_bitwise_torchs_ddp_on_gloo_on_two_ranks(dist_run):
+    """ResNet-50, 2 steps: the two reduce a + b for every element, and a + b == b + a."""
+    for rank, steps in enumerate(dist_run(_ddp_on_both, 2, args=("resnet50", 2, 2, 32), timeout=300)):
+        for step, check in enumerate(steps):
+            assert check.bitwise, f"rank {rank}, step {step}: {check}"
+
+
+def test_torchs_ddp_on_shm_on_four_ranks_differs_only_in_rounding(dist_run):
+    """On 4 ranks Gloo's ring adds in another order than shm's slices: the last bits differ."""
+    largest = max(c.largest_diff for steps in dist_run(_ddp_on_both, 4, args=("small", 3, 4, 12)) for c in steps)
+    assert largest < 1e-5, largest
