@@ -153,14 +153,25 @@ def start_and_kill(argv, sig, ready, tmp_path, env=None):
     return below, tmp
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
-def test_ranks_die_with_a_killed_launcher(sig, tmp_path):
+def kill_launcher_script(source: str, sig, tmp_path, ranks: int = 2):
+    """Run `source` as `python launcher.py PID_DIR`; once each of its `ranks` ranks has written
+    PID_DIR/rankN.pid, kill the launcher with `sig`. Returns (the processes below it, pid_dir, tmp)."""
     script = tmp_path / "launcher.py"
-    script.write_text(LAUNCHER)
+    script.write_text(source)
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
-    ready = lambda: len(list(pid_dir.glob("*.pid"))) == 2 and all(p.read_text() for p in pid_dir.glob("*.pid"))  # noqa: E731
+
+    def ready():
+        files = list(pid_dir.glob("*.pid"))
+        return len(files) == ranks and all(p.read_text() for p in files)
+
     below, tmp = start_and_kill([sys.executable, str(script), str(pid_dir)], sig, ready, tmp_path)
+    return below, pid_dir, tmp
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_ranks_die_with_a_killed_launcher(sig, tmp_path):
+    below, pid_dir, tmp = kill_launcher_script(LAUNCHER, sig, tmp_path)
     ranks_and_children = _pids_in(pid_dir)
     assert set(ranks_and_children) <= set(below)
     assert len(below) >= 5  # 2 ranks, their 2 children, multiprocessing's resource tracker

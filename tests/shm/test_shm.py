@@ -10,7 +10,6 @@ The whole collectives suite runs on it too: COLLECTIVES_TEST_BACKEND=shm pytest 
 
 import os
 import signal
-import sys
 import textwrap
 import time
 import warnings
@@ -24,7 +23,7 @@ from collectives import shm
 from collectives.testing import distributed
 
 from ..algorithms.reference import expected, inputs_for
-from ..collectives.test_launch import assert_all_gone, start_and_kill
+from ..collectives.test_launch import assert_all_gone, kill_launcher_script
 
 
 @distributed(world_size=3, backend="shm")
@@ -137,12 +136,7 @@ LAUNCHER = textwrap.dedent("""
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
 def test_nothing_is_left_in_dev_shm_when_everything_is_killed(sig, tmp_path):
     before = shm.leftovers()
-    script = tmp_path / "launcher.py"
-    script.write_text(LAUNCHER)
-    pid_dir = tmp_path / "pids"
-    pid_dir.mkdir()
-    ready = lambda: len(list(pid_dir.glob("*.pid"))) == 2 and all(p.read_text() for p in pid_dir.glob("*.pid"))  # noqa: E731
-    below, _ = start_and_kill([sys.executable, str(script), str(pid_dir)], sig, ready, tmp_path)
+    below, _, _ = kill_launcher_script(LAUNCHER, sig, tmp_path)
     assert_all_gone(below)
     assert shm.leftovers() == before, shm.leftovers()
 
