@@ -4,6 +4,9 @@
     results = collectives.run(fn, world_size=4)     # fn(env) on 4 spawned ranks
     env = collectives.init_from_env()               # under torchrun / srun / plain python
     collectives.all_reduce(t, op="sum")             # checked wrapper, same answer on Gloo and NCCL
+
+Importing it registers "shm", a shared-memory backend for ranks on one machine, with
+torch.distributed (collectives/shm/).
 """
 
 from .checked_mode import checked, is_checked
@@ -15,6 +18,7 @@ from .ops import (
     Work, all_gather, all_reduce, all_to_all, barrier, broadcast, gather, reduce, reduce_scatter, scatter,
 )
 from .pool import RankPool
+from . import shm  # noqa: F401 - registers the "shm" backend with torch.distributed
 
 __all__ = [
     "DistEnv", "init_from_env", "shutdown", "run", "run_or_join", "RankPool",

@@ -27,7 +27,7 @@ from .. import reduce_ops
 from ..checks import check_root, check_tensor, resolve_group
 from ..errors import CollectiveError
 from . import bruck, chain, pairwise, recursive, ring, tree
-from .comm import DistComm, run_on_ranks
+from .comm import DistComm, comm_for, run_on_ranks
 from .cost import CostModel, choose
 from .layout import bounds
 from .sim import SimResult, Simulator
@@ -174,7 +174,7 @@ def run_collective(collective: str, tensor: Optional[torch.Tensor], op: Optional
         raise CollectiveError(f"{name} on rank {info.global_rank}: the first dimension of shape {tuple(tensor.shape)} "
                               f"does not divide by the group size {info.size}")
     flat = tensor.detach().reshape(-1).contiguous()
-    comm = DistComm(group)
+    comm = comm_for(group)
     nbytes = flat.numel() * flat.element_size() * (info.size if collective in ("all_gather", "gather") else 1)
     _, generator = algorithm_for(collective, algorithm, nbytes, info.size)
     # the in-place collectives work in the caller's memory when it is contiguous: no copy in or out
@@ -259,5 +259,5 @@ def all_to_all(tensor: torch.Tensor, group=None, algorithm: str = "auto", out=No
     return out.view_as(tensor)
 
 
-__all__ = ["ALGORITHMS", "CostModel", "Simulator", "simulate", "algorithm_for", "all_reduce", "reduce", "broadcast",
+__all__ = ["ALGORITHMS", "CostModel", "DistComm", "Simulator", "simulate", "comm_for", "algorithm_for", "all_reduce", "reduce", "broadcast",
            "reduce_scatter", "all_gather", "gather", "scatter", "all_to_all"]

@@ -16,7 +16,8 @@ message for the traces (which piece of the data it carries); `comm.step` counts 
 every message is recorded with the step it belongs to.
 
 `DistComm` is the real end: torch.distributed isend/irecv on a group (Gloo across processes and
-machines, NCCL on GPU), with group ranks. `run_on_ranks(algorithm, comm, *args)` drives a
+machines, NCCL on GPU), with group ranks; on an "shm" group the algorithms use that backend's
+mailboxes instead (collectives/shm/transport.py). `run_on_ranks(algorithm, comm, *args)` drives a
 generator to the end on the calling rank. The simulator (sim.py) is the other end.
 """
 
@@ -151,10 +152,25 @@ class DistComm(Comm):
 def run_on_ranks(algorithm, comm: Comm, *args, **kwargs):
     """Drive `algorithm(comm, *args, **kwargs)` on this rank until it returns; its return value."""
     steps: Iterator = algorithm(comm, *args, **kwargs)
+    wait_all = getattr(comm, "wait_all", None)  # a transport that moves its requests together
     try:
         while True:
-            for request in next(steps):
-                request.wait()
+            requests = next(steps)
+            if wait_all is not None:
+                wait_all(list(requests))
+            else:
+                for request in requests:
+                    request.wait()
             comm.step += 1
     except StopIteration as done:
         return done.value
+
+
+def comm_for(group=None) -> Comm:
+    """The transport for `group`: shared-memory mailboxes on an shm group, else DistComm."""
+    pg = group or dist.group.WORLD
+    if str(dist.get_backend(pg)).lower() == "shm":
+        from ..shm.transport import ShmComm
+
+        return ShmComm(pg)
+    return DistComm(group)

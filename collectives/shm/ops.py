@@ -3,9 +3,9 @@ everyone's data, and copies out.
 
 all_reduce of one chunk on p ranks (DeepSpeed's CPU shared-memory all-reduce works this way):
 
-    1. rank r copies its chunk into its slot                     (p copies at once)
+    1. rank r copies its chunk into its slot, all but slice r     (p copies at once)
     2. barrier
-    3. rank r adds slice r of every other slot into slice r of its own slot
+    3. rank r adds slice r of every other slot to slice r of its own tensor, into its slot
     4. barrier
     5. rank r copies slice q of slot q, for every q, into its tensor
 
@@ -35,6 +35,17 @@ from .segment import Segment
 from .wait import Waiter
 
 SMALL_BYTES = 16 << 10
+_COMBINE = {"sum": torch.add, "product": torch.mul, "min": torch.minimum, "max": torch.maximum,
+            "band": torch.bitwise_and, "bor": torch.bitwise_or, "bxor": torch.bitwise_xor}
+
+
+def _combine(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, op: str) -> None:
+    """out = a op b in one pass over memory (a copy and an in-place op would be two)."""
+    try:
+        _COMBINE[op](a, b, out=out)
+    except RuntimeError:  # no CPU kernel for this dtype (uint16/32/64): the widening path
+        out.copy_(a)
+        local_reduce(out, b, op)
 
 
 class ShmCollectives:
@@ -74,7 +85,7 @@ class ShmCollectives:
     def _reduce(self, flat: torch.Tensor, op: str, copy_out: bool) -> None:
         """The module docstring's steps, round by round; copy_out: this rank takes the result."""
         p, r, dtype = self.size, self.rank, flat.dtype
-        if flat.numel() * flat.element_size() <= SMALL_BYTES:
+        if flat.numel() * flat.element_size() <= min(SMALL_BYTES, self.half):
             h = self._next_round()
             self._slot(r, dtype, flat.numel(), h).copy_(flat)
             self.waiter.barrier()
@@ -86,16 +97,22 @@ class ShmCollectives:
             return
         for a, b in self._rounds(flat.numel(), flat.element_size()):
             m, h = b - a, self._next_round()
-            self._slot(r, dtype, m, h).copy_(flat[a:b])
-            self.waiter.barrier()
             s, e = bounds(m, p)[r]
-            if e > s:
-                mine = self._slot(r, dtype, m, h)[s:e]
-                for q in range(p):
-                    if q != r:  # own value first, then the others in rank order
-                        local_reduce(mine, self._slot(q, dtype, m, h)[s:e], op)
+            slot = self._slot(r, dtype, m, h)
+            # 1. copy in what the others reduce (this rank's own slice it reads from its tensor)
+            if s > 0:
+                slot[:s].copy_(flat[a:a + s])
+            if e < m:
+                slot[e:].copy_(flat[a + e:b])
             self.waiter.barrier()
-            if copy_out:
+            # 3. this rank's slice: its own value first, then the others' in rank order
+            if e > s:
+                others = [q for q in range(p) if q != r]
+                _combine(slot[s:e], flat[a + s:a + e], self._slot(others[0], dtype, m, h)[s:e], op)
+                for q in others[1:]:
+                    local_reduce(slot[s:e], self._slot(q, dtype, m, h)[s:e], op)
+            self.waiter.barrier()
+            if copy_out:  # 5. every slice from the slot of the rank that reduced it
                 for q, (s, e) in enumerate(bounds(m, p)):
                     if e > s:
                         flat[a + s:a + e].copy_(self._slot(q, dtype, m, h)[s:e])

@@ -98,6 +98,7 @@ class ProcessGroupShm(dist.ProcessGroup):
     def _serve(self) -> None:
         while True:
             job, fut, value = self._queue.get()
+            self._waiter.spin_s = 0.0  # the calling thread is computing (DDP's backward): do not take its core
             try:
                 job()
                 fut.set_result(value)
@@ -115,6 +116,7 @@ class ProcessGroupShm(dist.ProcessGroup):
             if not inline:
                 self._pending += 1
         if inline:  # nothing queued before it: run it here, no thread hand-off (small calls' latency)
+            self._waiter.spin_s = self._waiter.spin_s_idle  # the caller waits anyway: spin a little first
             try:
                 job()
                 fut.set_result(value)

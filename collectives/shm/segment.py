@@ -4,6 +4,8 @@ Layout (one file in /dev/shm, mapped by every rank):
 
     control  SLOTS_CONTROL int32 words: per rank its step counter (the barrier), its pid; the abort word
     data     world_size slots of slot_bytes each: rank r writes only slot r
+    mail     world_size x world_size mailboxes of MAILBOX_BYTES for point-to-point messages
+             (transport.py), up to MAX_MAIL_RANKS ranks
 
 Lifetime: rank 0 creates the file under a name carrying its pid, the others open it, every rank
 says so through the store, and rank 0 unlinks the name at once. The mapping lives on in every
@@ -34,6 +36,10 @@ ALIGN = 64
 ABORT = 0  # control word: nonzero once the group is broken: 1 + the rank that failed or died
 ABORT_SEEN_BY = 1  # 1 + the rank that noticed it
 STEP0, PID0 = 16, 16 + 4096  # per-rank words start here (steps, then pids)
+MAIL_SENT0 = PID0 + 4096  # per (src, dst) pair: messages put in that mailbox so far (by src)
+MAIL_TAKEN0 = MAIL_SENT0 + 4096  # and taken out of it (by dst)
+MAX_MAIL_RANKS = 64  # mailboxes (point-to-point) for up to 64 x 64 pairs
+MAILBOX_BYTES = int(float(os.environ.get("COLLECTIVES_SHM_MAILBOX_KB", "256")) * 1024) // ALIGN * ALIGN
 
 
 def _path(name: str) -> str:
@@ -82,6 +88,16 @@ class Segment:
         self.pids = self.control[PID0:PID0 + world_size]
         self.data = torch.frombuffer(mapping, dtype=torch.uint8, offset=CONTROL_BYTES,
                                      count=world_size * slot_bytes)
+        pairs = world_size * world_size if world_size <= MAX_MAIL_RANKS else 0
+        self.mail_sent = self.control[MAIL_SENT0:MAIL_SENT0 + pairs]
+        self.mail_taken = self.control[MAIL_TAKEN0:MAIL_TAKEN0 + pairs]
+        self.mail = torch.frombuffer(mapping, dtype=torch.uint8, offset=CONTROL_BYTES + world_size * slot_bytes,
+                                     count=pairs * MAILBOX_BYTES) if pairs else None
+
+    def mailbox(self, src: int, dst: int) -> torch.Tensor:
+        """The mailbox for messages from src to dst, MAILBOX_BYTES of uint8."""
+        k = src * self.world_size + dst
+        return self.mail[k * MAILBOX_BYTES:(k + 1) * MAILBOX_BYTES]
 
     def slot(self, rank: int) -> torch.Tensor:
         """Rank `rank`'s data slot, slot_bytes of uint8."""
@@ -100,7 +116,8 @@ class Segment:
         # every slot and half-slot starts 64-byte aligned: a tensor view of any dtype needs its
         # element size to divide its offset (torch rounds a misaligned offset down, silently)
         slot_bytes = max(ALIGN * 2, -(-slot_bytes // (ALIGN * 2)) * ALIGN * 2)
-        size = CONTROL_BYTES + world_size * slot_bytes
+        mail = world_size * world_size * MAILBOX_BYTES if world_size <= MAX_MAIL_RANKS else 0
+        size = CONTROL_BYTES + world_size * slot_bytes + mail
         key = f"{prefix}shm-segment"
         if rank == 0:
             sweep()

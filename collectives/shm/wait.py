@@ -75,7 +75,8 @@ class Waiter:
             strategy = "yield"  # no futex number known for this machine
         self.segment, self.rank, self.strategy, self.timeout_s = segment, rank, strategy, timeout_s
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        self.spin_s = SPIN_S_OWN_CORE if segment.world_size <= cores else SPIN_S_SHARED
+        self.spin_s_idle = SPIN_S_OWN_CORE if segment.world_size <= cores else SPIN_S_SHARED
+        self.spin_s = self.spin_s_idle  # the process group sets 0 while its caller computes
         self.step = int(segment.steps[rank])
         self.what = ""  # the collective under way, for error messages
 

@@ -57,7 +57,7 @@ def _many_rounds(env):
     """COLLECTIVES_SHM_SLOT_MB is tiny: every collective goes through in many rounds."""
     r, n = env.rank, env.world_size
     wrong = []
-    for numel in (1, 100, 3001):
+    for numel in (1, 100, 1500, 3001):  # 1500 doubles: more than half a slot, less than SMALL_BYTES
         inputs = inputs_for("all_reduce", n, numel, torch.float64, seed=numel)
         t = inputs[r].clone()
         C.all_reduce(t)
@@ -160,3 +160,25 @@ def test_torchs_ddp_on_shm_on_four_ranks_differs_only_in_rounding(dist_run):
     """On 4 ranks Gloo's ring adds in another order than shm's slices: the last bits differ."""
     largest = max(c.largest_diff for steps in dist_run(_ddp_on_both, 4, args=("small", 3, 4, 12)) for c in steps)
     assert largest < 1e-5, largest
+
+
+@distributed(world_size=3, backend="shm")
+def test_the_algorithms_move_their_messages_through_the_mailboxes(env):
+    """On an shm group the from-scratch algorithms use its mailboxes, not Gloo: no fallback is
+    said, and messages far larger than a mailbox go through piece by piece (ring and recursive
+    doubling both send and receive large messages at once: neither may wait for the other)."""
+    import collectives.algorithms as A
+    from collectives.algorithms.comm import comm_for
+    from collectives.shm.transport import ShmComm
+
+    assert isinstance(comm_for(), ShmComm)
+    r, n = env.rank, env.world_size
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for algorithm in A.ALGORITHMS["all_reduce"]:
+            inputs = inputs_for("all_reduce", n, 300_001, torch.int64, seed=1)  # 2.4 MB: ~10 mailbox pieces a message
+            got = A.all_reduce(inputs[r].clone(), algorithm=algorithm)
+            assert torch.equal(got, expected("all_reduce", inputs)[r]), algorithm
+        got = A.all_to_all(torch.arange(3.0) + 10 * r, algorithm="bruck")
+        assert got.tolist() == [10.0 * q + r for q in range(n)]
+    assert not [w for w in seen if "shm backend" in str(w.message)]

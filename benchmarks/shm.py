@@ -1,0 +1,244 @@
+"""The shared-memory backend against Gloo, side by side in one run.
+
+    python -m benchmarks.shm --world-size 2 --json shm-2.json --plot shm-2.png
+    python -m benchmarks.shm --world-size 4 --skip-ddp
+    python -m benchmarks.shm --world-size 2 --only-ddp --rounds 21
+
+In one world of spawned ranks the default group is Gloo and a second group over the same ranks
+is "shm" (collectives.shm): every call alternates between the two, each timed as the slowest
+rank's, medians over iterations. Four parts:
+
+1. all_reduce busbw on each, 8 B to 256 MiB, the ratio, and the memory-copy limit of this
+   machine measured in the same run (busbw cannot beat a copy: each byte is copied in and out);
+2. 8-byte all_reduce latency (dist.all_reduce, as a user calls it);
+3. the shm waiting strategies (wait.py): latency and CPU seconds per 8-byte all_reduce;
+4. torch's DDP on ResNet-50 (batch 32 per rank) on Gloo and on shm, alternated step by step,
+   with torch's no_sync (no communication at all) as the floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import random
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from tabulate import tabulate
+from torch import nn
+
+import collectives
+from collectives.cli import command
+from ddp_from_scratch.resnet import resnet50
+
+from .bandwidth import parse_size, size_list
+from .ddp_step_time import summarise
+from .limits import memory_copy_gbps
+from .nccl_format import bandwidths
+
+
+def _timed(groups, make, iters: int):
+    """Median seconds per call of make(group)() on each group, the calls alternated; each call
+    starts after a barrier on its own group (each backend's own way to line the ranks up)."""
+    runs = [make(g) for g in groups]
+    for run in runs:
+        run()
+    times = torch.zeros(len(runs), iters, dtype=torch.float64)
+    for i in range(iters):
+        for k, run in enumerate(runs):
+            dist.barrier(group=groups[k])
+            start = time.perf_counter()
+            run()
+            times[k, i] = time.perf_counter() - start
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    return [statistics.median(row.tolist()) for row in times]
+
+
+def _bandwidth(groups, sizes, n):
+    rows = []
+    for nbytes in sizes:
+        iters = 30 if nbytes <= 1 << 20 else 10 if nbytes <= 32 << 20 else 4
+        numel = max(1, nbytes // 4)
+        buffers = [torch.ones(numel) for _ in groups]
+        makers = iter(range(len(groups)))
+        seconds = _timed(groups, lambda g: (lambda b=buffers[next(makers)]: dist.all_reduce(b, group=g)), iters)
+        # each buffer was all-reduced 1 + iters times from ones: every element is n ** (1 + iters)
+        ok = all(bool((b == float(n) ** (iters + 1)).all()) for b in buffers)
+        rows.append({"size": numel * 4, "gloo_s": seconds[0], "shm_s": seconds[1], "check": ok})
+        del buffers
+        if dist.get_rank() == 0:
+            print(f"[all_reduce] {numel * 4} B done", file=sys.stderr, flush=True)
+    return rows
+
+
+def _latency_and_cpu(group, iters=400):
+    """Median seconds of an 8-byte dist.all_reduce, and CPU seconds per call (this rank)."""
+    x = torch.ones(2)
+    dist.barrier()
+    cpu0, times = time.process_time(), []
+    for _ in range(iters):
+        start = time.perf_counter()
+        dist.all_reduce(x, group=group)
+        times.append(time.perf_counter() - start)
+    cpu = (time.process_time() - cpu0) / iters
+    t = torch.tensor([statistics.median(times), cpu], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def _ddp(env, shm_group, rounds, batch):
+    torch.manual_seed(0)
+    base = resnet50(num_classes=10)
+    models = {"torch DDP on gloo": nn.parallel.DistributedDataParallel(base),
+              "torch DDP on shm": nn.parallel.DistributedDataParallel(resnet50(num_classes=10), process_group=shm_group),
+              "no_sync (no communication)": nn.parallel.DistributedDataParallel(resnet50(num_classes=10))}
+    opts = {k: torch.optim.SGD(m.parameters(), lr=0.001, momentum=0.9) for k, m in models.items()}
+    g = torch.Generator().manual_seed(env.rank)
+    x, y = torch.randn(batch, 3, 32, 32, generator=g), torch.randint(0, 10, (batch,), generator=g)
+    times = {k: [] for k in models}
+    order = random.Random(0)
+    for i in range(rounds + 1):  # round 0 warms up and rebuilds the buckets
+        for label in order.sample(list(models), len(models)):
+            model, opt = models[label], opts[label]
+            sync = model.no_sync() if label.startswith("no_sync") else _null()
+            dist.barrier()
+            start = time.perf_counter()
+            with sync:
+                opt.zero_grad()
+                F.cross_entropy(model(x), y).backward()
+            opt.step()
+            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            if i:
+                times[label].append(elapsed.item())
+    return times
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def run_all(env, config):
+    shm_group = dist.new_group(backend="shm")
+    out = {"world_size": env.world_size}
+    if not config["only_ddp"]:
+        sizes = size_list(config["minbytes"], config["maxbytes"], config["stepfactor"])
+        out["bandwidth"] = _bandwidth([None, shm_group], sizes, env.world_size)
+        copy = torch.tensor([memory_copy_gbps(torch.device("cpu"))])
+        dist.all_reduce(copy, op=dist.ReduceOp.MIN)
+        out["copy_gbps"] = copy.item()
+        out["latency"] = {"gloo": _latency_and_cpu(None), "shm": _latency_and_cpu(shm_group)}
+        strategies = {}
+        waiter = shm_group._waiter
+        for strategy in ("futex", "spin", "yield", "sleep"):
+            waiter.strategy = strategy
+            strategies[strategy] = _latency_and_cpu(shm_group)
+        waiter.strategy = "futex"
+        out["strategies"] = strategies
+    if not config["skip_ddp"]:
+        if env.rank == 0:
+            print("DDP step time ...", file=sys.stderr, flush=True)
+        out["ddp"] = _ddp(env, shm_group, config["rounds"], config["batch_size"])
+    return out
+
+
+def report(result) -> str:
+    n, lines = result["world_size"], []
+    if "bandwidth" in result:
+        table = []
+        for row in result["bandwidth"]:
+            _, bus_gloo = bandwidths(row["size"], row["gloo_s"] * 1e6, "all_reduce", n)
+            _, bus_shm = bandwidths(row["size"], row["shm_s"] * 1e6, "all_reduce", n)
+            table.append([row["size"], f"{row['gloo_s'] * 1e6:.1f}", f"{bus_gloo:.2f}", f"{row['shm_s'] * 1e6:.1f}",
+                          f"{bus_shm:.2f}", f"{row['gloo_s'] / row['shm_s']:.2f}x", "ok" if row["check"] else "WRONG"])
+        lines.append(f"all_reduce on {n} ranks (float32), gloo and shm alternated; memory copy on this machine: "
+                     f"{result['copy_gbps']:.2f} GB/s (read + write)")
+        lines.append(tabulate(table, headers=["bytes", "gloo us", "gloo busbw GB/s", "shm us", "shm busbw GB/s",
+                                              "shm speed-up", "result"], disable_numparse=True))
+        lat = result["latency"]
+        lines.append(f"\n8-byte dist.all_reduce, median of 400: gloo {lat['gloo'][0] * 1e6:.1f} us, "
+                     f"shm {lat['shm'][0] * 1e6:.1f} us")
+        lines.append("\nshm waiting strategies, 8-byte all_reduce: latency, and CPU seconds used per call by the "
+                     "slowest rank (more than the latency: the rank burnt a core while waiting)")
+        lines.append(tabulate([[k, f"{v[0] * 1e6:.1f}", f"{v[1] * 1e6:.1f}"] for k, v in result["strategies"].items()],
+                              headers=["strategy", "latency us", "CPU us per call"], disable_numparse=True))
+    if "ddp" in result:
+        stats = summarise(result["ddp"], "torch DDP on gloo")
+        lines.append(f"\ntorch's DDP, ResNet-50, {n} ranks: seconds per step (median), and the median of the "
+                     "per-round ratios to DDP on gloo with quartiles")
+        lines.append(tabulate([[k, f"{v['median_s']:.3f}", f"{v['ratio']:.3f} ({v['ratio_q1']:.3f}-{v['ratio_q3']:.3f})"]
+                               for k, v in stats.items()], headers=["variant", "s / step", "/ DDP on gloo"],
+                              disable_numparse=True))
+    return "\n".join(lines)
+
+
+def plot(result, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows, n = result["bandwidth"], result["world_size"]
+    sizes = [r["size"] for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key, label in (("gloo_s", "gloo"), ("shm_s", "shm")):
+        ax.plot(sizes, [bandwidths(r["size"], r[key] * 1e6, "all_reduce", n)[1] for r in rows], "-o", ms=3, label=label)
+    ax.axhline(result["copy_gbps"] / 2, color="gray", linestyle="--", lw=1,
+               label=f"memory copy / 2 ({result['copy_gbps'] / 2:.1f} GB/s)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("bytes")
+    ax.set_ylabel("all_reduce busbw (GB/s)")
+    ax.set_title(f"all_reduce, {n} ranks on one machine: shm against gloo")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+@command
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.shm", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world-size", type=int, default=2, help="ranks to spawn")
+    parser.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("8"), help="smallest size, bytes")
+    parser.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("256M"), help="largest size, bytes")
+    parser.add_argument("-f", "--stepfactor", type=int, default=4, help="multiply the size by this each step")
+    parser.add_argument("--rounds", type=int, default=11, help="DDP: timed steps per variant")
+    parser.add_argument("--batch-size", type=int, default=32, help="DDP: images per rank")
+    parser.add_argument("--skip-ddp", action="store_true", help="only the collectives")
+    parser.add_argument("--only-ddp", action="store_true", help="only the DDP step time")
+    parser.add_argument("--json", metavar="FILE", help="write every measurement as JSON")
+    parser.add_argument("--plot", metavar="FILE.png", help="busbw against size, gloo and shm")
+    args = parser.parse_args(argv)
+    if args.world_size < 2 or args.rounds < 1 or args.batch_size < 2:
+        parser.error("need --world-size >= 2, --rounds >= 1 and --batch-size >= 2")
+    if args.skip_ddp and args.only_ddp:
+        parser.error("--skip-ddp and --only-ddp leave nothing to do")
+    config = {k: getattr(args, k) for k in ("minbytes", "maxbytes", "stepfactor", "rounds", "batch_size", "skip_ddp",
+                                            "only_ddp")}
+    result = collectives.run(run_all, args.world_size, args=(config,), timeout=6 * 3600)[0]
+    print(f"# python -m benchmarks.shm {' '.join(argv)}")
+    print(f"# {datetime.date.today().isoformat()}, torch {torch.__version__}, {os.cpu_count()} cpus, one thread per rank")
+    print(report(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({**result, "command": "python -m benchmarks.shm " + " ".join(argv)}, f, indent=1)
+    if args.plot and "bandwidth" in result:
+        plot(result, args.plot)
+    bad = [r["size"] for r in result.get("bandwidth", []) if not r["check"]]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""Point-to-point messages in shared memory: the transport the from-scratch algorithms run on
+when their group is an shm group (collectives.algorithms picks it by itself).
+
+Every ordered pair (src, dst) has a mailbox in the segment with two halves and two counters:
+`sent` (pieces put in, written only by src) and `taken` (pieces taken out, written only by dst).
+A message goes through in pieces of half a mailbox: src may put piece i in half i % 2 while
+sent - taken < 2; dst may take it while sent > taken. One writer per word: no atomics. Messages
+between a pair go in the order they were posted, as with any transport.
+
+Waiting for a set of requests (`wait_all`) moves every posted message along, not only the ones
+waited for, so two ranks that exchange large messages at once both make progress; when nothing
+moves it sleeps on the counter that would let the first waited request move (futex), after a
+short spin while every rank has a core, and checks the peers' liveness as the barriers do.
+
+    comm = ShmComm(process_group)       # its segment and waiter; group ranks
+    A.all_reduce(t, group=shm_group, algorithm="ring")   # uses it
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from collections import deque
+from typing import Deque, Dict, List
+
+import torch
+
+from ..algorithms.comm import Comm, Message, _process_workspace
+from ..dtypes import as_bytes
+from .segment import MAIL_SENT0, MAIL_TAKEN0, MAILBOX_BYTES
+from .wait import _SYS_FUTEX, FAULT_CHECK_S, FUTEX_WAIT, FUTEX_WAKE, _libc, _Timespec
+
+HALF = MAILBOX_BYTES // 2
+
+
+class _Transfer:
+    """One message, moved piece by piece through its pair's mailbox."""
+
+    __slots__ = ("kind", "pair", "bytes", "done", "message", "comm")
+
+    def __init__(self, comm: "ShmComm", kind: str, tensor: torch.Tensor, peer: int, chunk):
+        src, dst = (comm.rank, peer) if kind == "send" else (peer, comm.rank)
+        self.kind, self.pair, self.comm = kind, src * comm.size + dst, comm
+        self.bytes = as_bytes(tensor)
+        self.done = 0
+        self.message = Message(comm.step, src, dst, self.bytes.numel(), chunk, time.perf_counter(), 0.0)
+
+    @property
+    def finished(self) -> bool:
+        return self.done >= self.bytes.numel()
+
+    def progress(self) -> bool:
+        """Move as many pieces as the mailbox allows now; True if any moved."""
+        seg, k, moved = self.comm.segment, self.pair, False
+        box = seg.mailbox(k // seg.world_size, k % seg.world_size)
+        while not self.finished:
+            sent, taken = int(seg.mail_sent[k]), int(seg.mail_taken[k])
+            n = min(HALF, self.bytes.numel() - self.done)
+            if self.kind == "send":
+                if sent - taken >= 2:
+                    break
+                half = sent % 2
+                box[half * HALF:half * HALF + n].copy_(self.bytes[self.done:self.done + n])
+                seg.mail_sent[k] = sent + 1
+                word = MAIL_SENT0 + k
+            else:
+                if sent <= taken:
+                    break
+                half = taken % 2
+                self.bytes[self.done:self.done + n].copy_(box[half * HALF:half * HALF + n])
+                seg.mail_taken[k] = taken + 1
+                word = MAIL_TAKEN0 + k
+            if _SYS_FUTEX is not None:
+                _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(seg.address(word)), FUTEX_WAKE, 1 << 30, None, None, 0)
+            self.done += n
+            moved = True
+        if self.finished and not self.message.end:
+            self.message.end = time.perf_counter()
+            self.comm.messages.append(self.message)
+        return moved
+
+    def blocking_word(self):
+        """(control word, the value it has now) that must change for this transfer to move."""
+        seg, k = self.comm.segment, self.pair
+        word = MAIL_TAKEN0 + k if self.kind == "send" else MAIL_SENT0 + k
+        return word, int(seg.control[word])
+
+
+class ShmComm(Comm):
+    """The algorithms' transport over an shm group's mailboxes (group ranks)."""
+
+    def __init__(self, process_group):
+        if process_group._segment.mail is None:
+            raise ValueError("shm mailboxes exist for groups of at most 64 ranks")
+        process_group._drain()  # the group's own collectives issued before come first
+        self.segment, self.waiter = process_group._segment, process_group._waiter
+        self.rank, self.size = process_group.rank(), process_group.size()
+        self.messages: List[Message] = []
+        self._queues: Dict[int, Deque[_Transfer]] = {}  # pair -> transfers in posting order
+
+    def _post(self, kind, tensor, peer, chunk) -> _Transfer:
+        transfer = _Transfer(self, kind, tensor, peer, chunk)
+        if transfer.finished:  # an empty message: nothing to send, on either side
+            return transfer
+        self._queues.setdefault(transfer.pair, deque()).append(transfer)
+        self._advance()
+        return transfer
+
+    def send(self, tensor, peer, chunk=None):
+        return self._post("send", tensor, peer, chunk)
+
+    def recv(self, tensor, peer, chunk=None):
+        return self._post("recv", tensor, peer, chunk)
+
+    def workspace(self, like, numel, slot="algorithm"):
+        return _process_workspace(like, numel, slot)
+
+    def _advance(self) -> bool:
+        """Move the first message of every pair as far as it goes; True if anything moved."""
+        moved = False
+        for queue in self._queues.values():
+            while queue:
+                moved |= queue[0].progress()
+                if not queue[0].finished:
+                    break
+                queue.popleft()
+        return moved
+
+    def wait_all(self, requests) -> None:
+        pending = [r for r in requests if not r.finished]
+        start = time.monotonic()
+        next_check = start + FAULT_CHECK_S
+        spin_until = time.perf_counter() + self.waiter.spin_s_idle
+        while pending:
+            if self._advance():
+                spin_until = time.perf_counter() + self.waiter.spin_s_idle
+            pending = [r for r in pending if not r.finished]
+            if not pending:
+                return
+            now = time.monotonic()
+            if now >= next_check:
+                self.waiter.what = "a point-to-point message"
+                first = pending[0].message
+                self.waiter._check_peers(first.src if first.dst == self.rank else first.dst, now - start)
+                next_check = now + FAULT_CHECK_S
+            if time.perf_counter() >= spin_until and _SYS_FUTEX is not None:
+                queue = self._queues.get(pending[0].pair)
+                word, value = (queue[0] if queue else pending[0]).blocking_word()
+                ts = _Timespec(0, 1_000_000)  # 1 ms: then move the others along again
+                _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(self.segment.address(word)), FUTEX_WAIT,
+                              ctypes.c_int(value), ctypes.byref(ts), None, 0)
