@@ -31,13 +31,14 @@ import torch
 
 SHM_DIR = "/dev/shm"
 PREFIX = "collectives-shm"
-CONTROL_BYTES = 64 << 10  # words for up to a few thousand ranks, and room to spare
+CONTROL_BYTES = 128 << 10  # int32 words: the per-rank and per-pair counters below, with room to spare
 ALIGN = 64
 ABORT = 0  # control word: nonzero once the group is broken: 1 + the rank that failed or died
 ABORT_SEEN_BY = 1  # 1 + the rank that noticed it
 STEP0, PID0 = 16, 16 + 4096  # per-rank words start here (steps, then pids)
 MAIL_SENT0 = PID0 + 4096  # per (src, dst) pair: messages put in that mailbox so far (by src)
 MAIL_TAKEN0 = MAIL_SENT0 + 4096  # and taken out of it (by dst)
+SLEEP0 = MAIL_TAKEN0 + 4096  # per rank: 1 while it sleeps on a futex (so others wake it only then)
 MAX_MAIL_RANKS = 64  # mailboxes (point-to-point) for up to 64 x 64 pairs
 MAILBOX_BYTES = int(float(os.environ.get("COLLECTIVES_SHM_MAILBOX_KB", "256")) * 1024) // ALIGN * ALIGN
 
@@ -86,6 +87,7 @@ class Segment:
         self.control = np.frombuffer(mapping, dtype=np.int32, count=CONTROL_BYTES // 4)
         self.steps = self.control[STEP0:STEP0 + world_size]
         self.pids = self.control[PID0:PID0 + world_size]
+        self.sleeping = self.control[SLEEP0:SLEEP0 + world_size]
         self.data = torch.frombuffer(mapping, dtype=torch.uint8, offset=CONTROL_BYTES,
                                      count=world_size * slot_bytes)
         pairs = world_size * world_size if world_size <= MAX_MAIL_RANKS else 0

@@ -9,9 +9,9 @@ least k. How it waits is the question when ranks outnumber cores:
     yield  the same, giving the core away between reads (os.sched_yield)
     sleep  the same, sleeping 50 us between reads
     futex  spin up to 1 ms while every rank has a core of its own (not at all when they share
-           cores), then sleep in the kernel on the word of the first rank still missing
-           (FUTEX_WAIT on the shared page) until that rank writes it and wakes it (FUTEX_WAKE);
-           no core is spent waiting once asleep
+           cores), yield for 2 ms, then sleep in the kernel on the word of the first rank still
+           missing (FUTEX_WAIT on the shared page) until that rank writes it and wakes it
+           (FUTEX_WAKE); no core is spent on a long wait
 
 benchmarks/shm_wait.py measures all four (latency and CPU seconds per call, 2 and 4 ranks);
 `futex` is the default, after those measurements (see the README).
@@ -38,6 +38,10 @@ FAULT_CHECK_S = 0.05
 # outnumber cores a spinning rank takes the core from the rank it waits for, so it sleeps at once.
 SPIN_S_OWN_CORE = 1e-3
 SPIN_S_SHARED = 0.0
+# then give the core away (sched_yield) between reads for this long before sleeping: measured,
+# yielding answers sooner than a futex wake-up when ranks share cores (4 ranks on 2 cores: an
+# 8-byte all_reduce took 149 us yielding, 220 us on a futex, 4.6 ms spinning)
+YIELD_S = 2e-3
 STRATEGIES = ("futex", "spin", "yield", "sleep")
 
 _SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine())
@@ -86,7 +90,7 @@ class Waiter:
         seg = self.segment
         self.step += 1
         seg.steps[self.rank] = self.step
-        if self.strategy == "futex":
+        if self.strategy == "futex" and any(seg.sleeping):  # the syscall only when someone sleeps
             _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(seg.address(STEP0 + self.rank)), FUTEX_WAKE, 1 << 30, None, None, 0)
         self.wait_for(self.step)
 
@@ -114,12 +118,20 @@ class Waiter:
                 os.sched_yield()
             elif self.strategy == "sleep":
                 time.sleep(50e-6)
-            elif time.perf_counter() >= spin_until:  # futex: sleep on the missing rank's word
+            elif (now_p := time.perf_counter()) < spin_until:
+                continue
+            elif now_p < spin_until + YIELD_S:
+                os.sched_yield()
+            else:  # futex: sleep on the missing rank's word
                 seen = int(steps[missing])
                 if seen < step:
+                    # Say so first: the rank that writes the word wakes sleepers only. If it wrote
+                    # in between, the kernel finds the word changed and does not sleep at all.
+                    self.segment.sleeping[self.rank] = 1
                     ts = _Timespec(0, int(FAULT_CHECK_S * 1e9))
                     _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(self.segment.address(STEP0 + missing)), FUTEX_WAIT,
                                   ctypes.c_int(seen), ctypes.byref(ts), None, 0)
+                    self.segment.sleeping[self.rank] = 0
 
     # -- faults -----------------------------------------------------------------------------------
     def _check_peers(self, missing: int, waited: float) -> None:

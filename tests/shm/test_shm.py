@@ -10,6 +10,7 @@ The whole collectives suite runs on it too: COLLECTIVES_TEST_BACKEND=shm pytest 
 
 import os
 import signal
+import sys
 import textwrap
 import time
 import warnings
@@ -182,3 +183,30 @@ def test_the_algorithms_move_their_messages_through_the_mailboxes(env):
         got = A.all_to_all(torch.arange(3.0) + 10 * r, algorithm="bruck")
         assert got.tolist() == [10.0 * q + r for q in range(n)]
     assert not [w for w in seen if "shm backend" in str(w.message)]
+
+
+def test_the_collectives_suite_passes_on_shm(tmp_path):
+    """The wrappers' correctness suite, run again with shm as the backend of every pool."""
+    import subprocess
+
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    files = [os.path.join(here, "collectives", f) for f in (
+        "test_ops.py", "test_properties.py", "test_views.py", "test_gap_filling.py", "test_groups.py", "test_errors.py",
+        "test_harness.py")]
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *files],
+                         capture_output=True, text=True, timeout=900, cwd=os.path.dirname(here),
+                         env={**os.environ, "COLLECTIVES_TEST_BACKEND": "shm"})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    assert " passed" in out.stdout and "failed" not in out.stdout
+
+
+def test_the_control_words_fit_the_control_area():
+    """Every per-rank and per-pair counter region lies inside the control area (an overflow once
+    left the sleeping flags an empty array)."""
+    from collectives.shm import segment as s
+
+    regions = [(s.STEP0, 4096), (s.PID0, 4096), (s.MAIL_SENT0, s.MAX_MAIL_RANKS ** 2),
+               (s.MAIL_TAKEN0, s.MAX_MAIL_RANKS ** 2), (s.SLEEP0, 4096)]
+    ends = sorted((start, start + size) for start, size in regions)
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(ends, ends[1:]))
+    assert ends[-1][1] <= s.CONTROL_BYTES // 4 and ends[0][0] > max(s.ABORT, s.ABORT_SEEN_BY)
