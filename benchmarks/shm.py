@@ -65,13 +65,16 @@ def _bandwidth(groups, sizes, n):
     for nbytes in sizes:
         iters = 30 if nbytes <= 1 << 20 else 10 if nbytes <= 32 << 20 else 4
         numel = max(1, nbytes // 4)
-        buffers = [torch.ones(numel) for _ in groups]
-        makers = iter(range(len(groups)))
-        seconds = _timed(groups, lambda g: (lambda b=buffers[next(makers)]: dist.all_reduce(b, group=g)), iters)
+        buffers = {id(g): torch.ones(numel) for g in groups}
+
+        def call(group):
+            buf = buffers[id(group)]
+            return lambda: dist.all_reduce(buf, group=group)
+
+        seconds = _timed(groups, call, iters)
         # each buffer was all-reduced 1 + iters times from ones: every element is n ** (1 + iters)
-        ok = all(bool((b == float(n) ** (iters + 1)).all()) for b in buffers)
+        ok = all(bool((b == float(n) ** (iters + 1)).all()) for b in buffers.values())
         rows.append({"size": numel * 4, "gloo_s": seconds[0], "shm_s": seconds[1], "check": ok})
-        del buffers
         if dist.get_rank() == 0:
             print(f"[all_reduce] {numel * 4} B done", file=sys.stderr, flush=True)
     return rows
