@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from tabulate import tabulate
+from torch import nn
 
 import collectives
 from collectives.cli import command
@@ -52,14 +53,20 @@ def _make(kind: str, cap: Optional[float], timeline: bool = True):
 
 def _steps(env, variants, rounds: int, batch: int, amp: bool):
     """{variant label: [slowest-rank seconds per step, one per round]}, variants alternated step by step."""
-    models = {label: _make(*spec) for label, spec in variants.items()}
+    return alternate_steps(env, {label: _make(*spec) for label, spec in variants.items()}, rounds, batch, amp)
+
+
+def alternate_steps(env, models: Dict[str, nn.Module], rounds: int, batch: int, amp: bool = False):
+    """Train each model one step per round, in a random order the same on every rank; a label
+    ending in "no_sync" trains under model.no_sync(). Returns {label: [slowest rank's seconds
+    per step]}. The first round only warms up (and lets DDP rebuild its buckets)."""
     opts = {label: torch.optim.SGD(m.parameters(), lr=0.001, momentum=0.9) for label, m in models.items()}
     g = torch.Generator().manual_seed(env.rank)
     x, y = torch.randn(batch, 3, 32, 32, generator=g), torch.randint(0, 10, (batch,), generator=g)
-    labels = list(variants)
+    labels = list(models)
     times = {label: [] for label in labels}
     order = random.Random(0)  # the same order on every rank
-    for i in range(rounds + 1):  # the first round warms up (and rebuilds the buckets)
+    for i in range(rounds + 1):
         for label in order.sample(labels, len(labels)):
             model, opt = models[label], opts[label]
             no_sync = model.no_sync() if label.endswith("no_sync") else contextlib.nullcontext()

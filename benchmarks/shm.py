@@ -22,14 +22,12 @@ import argparse
 import datetime
 import json
 import os
-import random
 import statistics
 import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from tabulate import tabulate
 from torch import nn
 
@@ -38,7 +36,7 @@ from collectives.cli import command
 from ddp_from_scratch.resnet import resnet50
 
 from .bandwidth import parse_size, size_list
-from .ddp_step_time import summarise
+from .ddp_step_time import alternate_steps, summarise
 from .limits import memory_copy_gbps
 from .nccl_format import bandwidths
 
@@ -97,38 +95,10 @@ def _latency_and_cpu(group, iters=400):
 
 def _ddp(env, shm_group, rounds, batch):
     torch.manual_seed(0)
-    base = resnet50(num_classes=10)
-    models = {"torch DDP on gloo": nn.parallel.DistributedDataParallel(base),
+    models = {"torch DDP on gloo": nn.parallel.DistributedDataParallel(resnet50(num_classes=10)),
               "torch DDP on shm": nn.parallel.DistributedDataParallel(resnet50(num_classes=10), process_group=shm_group),
-              "no_sync (no communication)": nn.parallel.DistributedDataParallel(resnet50(num_classes=10))}
-    opts = {k: torch.optim.SGD(m.parameters(), lr=0.001, momentum=0.9) for k, m in models.items()}
-    g = torch.Generator().manual_seed(env.rank)
-    x, y = torch.randn(batch, 3, 32, 32, generator=g), torch.randint(0, 10, (batch,), generator=g)
-    times = {k: [] for k in models}
-    order = random.Random(0)
-    for i in range(rounds + 1):  # round 0 warms up and rebuilds the buckets
-        for label in order.sample(list(models), len(models)):
-            model, opt = models[label], opts[label]
-            sync = model.no_sync() if label.startswith("no_sync") else _null()
-            dist.barrier()
-            start = time.perf_counter()
-            with sync:
-                opt.zero_grad()
-                F.cross_entropy(model(x), y).backward()
-            opt.step()
-            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            if i:
-                times[label].append(elapsed.item())
-    return times
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
+              "torch DDP, no_sync": nn.parallel.DistributedDataParallel(resnet50(num_classes=10))}
+    return alternate_steps(env, models, rounds, batch)
 
 
 def run_all(env, config):
@@ -209,9 +179,7 @@ def plot(result, path: str) -> None:
     plt.close(fig)
 
 
-@command
-def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.shm", description=__doc__.split("\n\n")[0])
     parser.add_argument("--world-size", type=int, default=2, help="ranks to spawn")
     parser.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("8"), help="smallest size, bytes")
@@ -223,6 +191,13 @@ def main(argv=None) -> int:
     parser.add_argument("--only-ddp", action="store_true", help="only the DDP step time")
     parser.add_argument("--json", metavar="FILE", help="write every measurement as JSON")
     parser.add_argument("--plot", metavar="FILE.png", help="busbw against size, gloo and shm")
+    return parser
+
+
+@command
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.world_size < 2 or args.rounds < 1 or args.batch_size < 2:
         parser.error("need --world-size >= 2, --rounds >= 1 and --batch-size >= 2")
