@@ -33,7 +33,10 @@ from .ops import ShmCollectives
 from .segment import Segment
 from .wait import Waiter
 
-SLOT_MB = float(os.environ.get("COLLECTIVES_SHM_SLOT_MB", "16"))  # data slot per rank
+# Data slot per rank. 64 MiB holds a 25 MiB DDP bucket in one round of each half; measured,
+# ResNet-50's DDP step on 2 ranks took 0.904 and 0.874 of Gloo's time with 64 MiB slots,
+# 0.930 and 0.910 with 16 MiB. Pages are only allocated when touched.
+SLOT_MB = float(os.environ.get("COLLECTIVES_SHM_SLOT_MB", "64"))
 # Calls this small run in the calling thread when nothing is queued: a hand-off to the worker
 # thread costs tens of microseconds, more than the whole collective.
 INLINE_BYTES = int(os.environ.get("COLLECTIVES_SHM_INLINE_BYTES", str(64 << 10)))

@@ -123,6 +123,12 @@ class Segment:
         key = f"{prefix}shm-segment"
         if rank == 0:
             sweep()
+            free = os.statvfs(SHM_DIR)
+            if free.f_bavail * free.f_frsize < size:  # else a rank dies of SIGBUS when it touches a page
+                raise MemoryError(
+                    f"the shm backend needs {size >> 20} MiB in {SHM_DIR} for {world_size} ranks, and only "
+                    f"{free.f_bavail * free.f_frsize >> 20} MiB is free there: set COLLECTIVES_SHM_SLOT_MB lower (now "
+                    f"{slot_bytes / 2**20:g} MiB a rank) or give {SHM_DIR} more room (docker run --shm-size)")
             name = f"{PREFIX}-{os.getpid()}-{secrets.token_hex(6)}"
             fd = os.open(_path(name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
             try:

@@ -210,3 +210,18 @@ def test_the_control_words_fit_the_control_area():
     ends = sorted((start, start + size) for start, size in regions)
     assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(ends, ends[1:]))
     assert ends[-1][1] <= s.CONTROL_BYTES // 4 and ends[0][0] > max(s.ABORT, s.ABORT_SEEN_BY)
+
+
+def test_a_full_dev_shm_is_a_clear_error_not_a_sigbus(monkeypatch):
+    """tmpfs hands out pages only when touched: without this check a rank would die of SIGBUS
+    in the middle of a collective on a small /dev/shm (Docker's default is 64 MB)."""
+    from collectives.shm import segment as s
+
+    class Tiny:
+        f_bavail, f_frsize = 1000, 4096  # 4 MB free
+
+    monkeypatch.setattr(s.os, "statvfs", lambda path: Tiny())
+    with pytest.raises(MemoryError, match=r"needs \d+ MiB in /dev/shm for 2 ranks, and only 3 MiB is free there: "
+                                          r"set COLLECTIVES_SHM_SLOT_MB lower"):
+        s.Segment.create_or_attach(dist.HashStore(), 0, 2, 64 << 20)
+    assert shm.leftovers() == [] or all(not n.startswith(f"{s.PREFIX}-{os.getpid()}-") for n in shm.leftovers())
