@@ -51,7 +51,7 @@ def test_plain_process_is_rank_0_of_1():
 
 def test_backend_choice():
     assert pick_backend(2, "GLOO") == "gloo"
-    with pytest.raises(ValueError, match="'gloo' or 'nccl'"):
+    with pytest.raises(ValueError, match="'gloo', 'nccl' or 'shm'"):
         pick_backend(1, "mpi")
     import torch
 

@@ -205,8 +205,9 @@ def test_ctrl_c_ends_the_progress_line_without_a_traceback(tmp_path):
     argv = [sys.executable, "-m", "ddp_from_scratch.train", "--nproc", "2", "--model", "small", "--synthetic",
             "--train-size", "4096", "--test-size", "8", "--batch-size", "2", "--epochs", "50"]
     log = tmp_path / "launcher-stderr.txt"
-    with open(log, "wb") as err:
-        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=err)
+    with open(log, "wb") as err:  # SIGINT as a terminal delivers it, even if this test runs in the background
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=err,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 120
     while "step 3/" not in log.read_text() and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.2)
