@@ -30,7 +30,7 @@ from tabulate import tabulate
 import collectives
 import collectives.algorithms as A
 from collectives.algorithms.cost import CostModel, choose
-from collectives.cli import command, eta
+from collectives.cli import command, eta_by_size
 
 from .bandwidth import DTYPES, buffer_count, count_wrong, make_algorithm_case, make_case, parse_size, size_list
 
@@ -65,11 +65,11 @@ def race(env, config: dict) -> dict:
     if sizes[-1] != config["maxbytes"]:
         sizes.append(config["maxbytes"])
     model = CostModel.load()
-    rows, start = [], time.perf_counter()
-    total = len(config["collective"]) * sum(sizes)
+    rows, timed = [], []  # timed: (bytes, seconds) per size done, for the time left
     for c_index, collective in enumerate(config["collective"]):
         names = list(A.ALGORITHMS[collective])
         for k, nbytes in enumerate(sizes):
+            started = time.perf_counter()
             count = buffer_count(collective, nbytes, n, dtype.itemsize)
             backend = make_case(collective, BACKEND_SIDE[collective], count, n, r, "sum", dtype, torch.device("cpu"))
             ours = {a: make_algorithm_case(collective, a, count, n, r, "sum", dtype, torch.device("cpu"))[1:] for a in names}
@@ -84,10 +84,10 @@ def race(env, config: dict) -> dict:
                 "auto": choose(collective, size, n, model),
             })
             del backend, ours
+            timed.append((nbytes, time.perf_counter() - started))
             if r == 0:
-                done = c_index * sum(sizes) + sum(sizes[:k + 1])
-                print(f"[{collective}] {size} B done ({k + 1}/{len(sizes)}) {eta(done, total, time.perf_counter() - start)}",
-                      file=sys.stderr, flush=True)
+                left = eta_by_size(timed, sizes[k + 1:] + sizes * (len(config["collective"]) - c_index - 1))
+                print(f"[{collective}] {size} B done ({k + 1}/{len(sizes)}) {left}", file=sys.stderr, flush=True)
     return {"rows": rows, "world_size": n, "backend": env.backend, "model": model.__dict__}
 
 

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 import collectives
 from collectives import compat
-from collectives.cli import command, eta
+from collectives.cli import command, eta_by_size
 
 from . import limits as machine_limits
 from .nccl_format import TYPE_NAMES, bandwidths, footer, format_row, header
@@ -288,11 +288,10 @@ def run_benchmark(env, config: dict) -> dict:
     limit = found and (found["p2p_gbps"] or found["copy_gbps"])
     sizes = size_list(config["minbytes"], config["maxbytes"], config["stepfactor"])
     rows = []
-    start = time.perf_counter()
-    # progress: the time a size takes grows with its bytes, so the work left is counted in bytes
-    total_work = len(config["collective"]) * sum(sizes)
+    timed = []  # (bytes, seconds) per size done, for the time left (latency + bytes / bandwidth)
     for c_index, collective in enumerate(config["collective"]):
         for k, nbytes in enumerate(sizes):
+            started = time.perf_counter()
             count = buffer_count(collective, nbytes, n, dtype.itemsize)
             row = {"collective": collective, "size": count * dtype.itemsize, "count": count,
                    "type": TYPE_NAMES[config["datatype"]], "redop": config["op"] if collective in REDUCING else "none",
@@ -316,9 +315,9 @@ def run_benchmark(env, config: dict) -> dict:
                              "wrong": count_wrong(case, reduce_device) if config["check"] else None}
                 del case
             rows.append(row)
+            timed.append((nbytes, time.perf_counter() - started))
             if r == 0:
-                done = c_index * sum(sizes) + sum(sizes[:k + 1])
-                left = eta(done, total_work, time.perf_counter() - start)
+                left = eta_by_size(timed, sizes[k + 1:] + sizes * (len(config["collective"]) - c_index - 1))
                 print(f"[{collective}] {row['size']} B done ({k + 1}/{len(sizes)}) {left}".rstrip(), file=sys.stderr,
                       flush=True)
     return {"rows": rows, "limits": found, "backend": env.backend, "world_size": n, "device": str(device),

@@ -38,8 +38,13 @@ def memory_copy_gbps(device: torch.device, nbytes: int = 64 << 20, iters: int = 
 
 
 def point_to_point_gbps(device: torch.device, nbytes: int = 64 << 20, iters: int = 5) -> float:
-    """Bytes per second / 1e9 from rank 0 to rank 1 (send/recv); other ranks only wait."""
+    """Bytes per second / 1e9 from rank 0 to rank 1 (send/recv); other ranks only wait.
+
+    Gloo sends CPU tensors only: with a CUDA device on Gloo, the time includes the copies to and
+    from host memory, as Gloo's collectives on CUDA tensors make them."""
     buf = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    staged = device.type == "cuda" and dist.get_backend() != "nccl"
+    host = torch.empty(nbytes, dtype=torch.uint8) if staged else buf
     rank = dist.get_rank()
     times = []
     for i in range(iters + 1):  # the first is a warm-up
@@ -47,9 +52,13 @@ def point_to_point_gbps(device: torch.device, nbytes: int = 64 << 20, iters: int
         _sync(device)
         start = time.perf_counter()
         if rank == 0:
-            dist.send(buf, dst=1)
+            if staged:
+                host.copy_(buf)
+            dist.send(host, dst=1)
         elif rank == 1:
-            dist.recv(buf, src=0)
+            dist.recv(host, src=0)
+            if staged:
+                buf.copy_(host)
         _sync(device)
         elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
         if rank not in (0, 1):

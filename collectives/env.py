@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import inspect
 import os
 import re
 from typing import Mapping, Optional
@@ -56,12 +57,17 @@ def pick_backend(local_world_size: int, backend: Optional[str] = None) -> str:
     """NCCL only when every local rank can have a GPU of its own, else Gloo.
 
     One GPU cannot host two NCCL ranks ("Duplicate GPU detected"), so two ranks on one GPU
-    use Gloo (with CUDA tensors where the caller asks for them).
+    use Gloo (with CUDA tensors where the caller asks for them). backend None: the variable
+    COLLECTIVES_BACKEND if set (this project's test suite sets it to gloo, since its tensors are
+    CPU ones, so that a world of one on a GPU machine does not become NCCL), else that choice.
     """
+    origin = "backend"
+    if backend is None and os.environ.get("COLLECTIVES_BACKEND"):
+        backend, origin = os.environ["COLLECTIVES_BACKEND"], "COLLECTIVES_BACKEND"
     if backend is not None:
         backend = backend.lower()
         if backend not in ("gloo", "nccl", "shm"):
-            raise ValueError(f"backend must be 'gloo', 'nccl' or 'shm', got {backend!r}")
+            raise ValueError(f"{origin} must be 'gloo', 'nccl' or 'shm', got {backend!r}")
         if backend == "shm":
             import collectives.shm  # noqa: F401 - registers the backend with torch.distributed
         if backend == "nccl" and not torch.cuda.is_available():
@@ -75,6 +81,14 @@ def pick_backend(local_world_size: int, backend: Optional[str] = None) -> str:
     if torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size:
         return "nccl"
     return "gloo"
+
+
+def device_id_for(backend: str, device: torch.device) -> dict:
+    """init_process_group's device_id for NCCL (binds the rank to its GPU up front; without it
+    torch warns at the first barrier that it guesses the device), where this torch takes it."""
+    if backend != "nccl" or "device_id" not in inspect.signature(dist.init_process_group).parameters:
+        return {}
+    return {"device_id": device}
 
 
 def device_for(backend: str, local_rank: int) -> torch.device:
@@ -168,11 +182,12 @@ def init_from_env(
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         if info["master_addr"] is None:  # a world of one: an in-memory store, nothing left on disk
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout,
+                                    **device_id_for(backend, device))
         else:
             dist.init_process_group(
                 backend, init_method=f"tcp://{info['master_addr']}:{info['master_port']}", rank=info["rank"],
-                world_size=info["world_size"], timeout=timeout,
+                world_size=info["world_size"], timeout=timeout, **device_id_for(backend, device),
             )
     return DistEnv(info["rank"], info["world_size"], info["local_rank"], device, backend)
 

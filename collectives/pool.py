@@ -79,7 +79,7 @@ def _rank_main(rank, world_size, backend, store_port, conn, stack_writer, lifeli
         import torch
         import torch.distributed as dist
 
-        from .env import DEFAULT_PG_TIMEOUT, DistEnv, device_for
+        from .env import DEFAULT_PG_TIMEOUT, DistEnv, device_for, device_id_for
 
         if threads:
             torch.set_num_threads(threads)
@@ -89,7 +89,8 @@ def _rank_main(rank, world_size, backend, store_port, conn, stack_writer, lifeli
         if backend == "shm":
             import collectives.shm  # noqa: F401 - registers the backend in this process
         store = dist.TCPStore("127.0.0.1", store_port, world_size, False, timeout=DEFAULT_PG_TIMEOUT)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=DEFAULT_PG_TIMEOUT)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=DEFAULT_PG_TIMEOUT,
+                                **device_id_for(backend, device))
         env = DistEnv(rank=rank, world_size=world_size, local_rank=rank, device=device, backend=backend)
     except BaseException as exc:
         conn.send(("error", (_one_line(exc), traceback.format_exc())))

@@ -43,6 +43,10 @@ class DataParallelBase(nn.Module):
         self.world_size = dist.get_world_size(group)
         self.src = dist.get_process_group_ranks(group or dist.group.WORLD)[0]
         self.named_params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        # where small bookkeeping tensors (checksums, orders, flags) go: NCCL takes CUDA tensors only
+        first = next(module.parameters(), None)
+        self.meta_device = first.device if first is not None and first.is_cuda and \
+            str(dist.get_backend(group)).lower() == "nccl" else torch.device("cpu")
         self._check_same_parameters()
         self._broadcast_coalesced([t.data for t in list(module.parameters()) + list(module.buffers())])
         self._buffers_to_sync = list(module.buffers())
@@ -56,7 +60,7 @@ class DataParallelBase(nn.Module):
 
     def _check_same_parameters(self) -> None:
         signature = repr([(n, tuple(p.shape), str(p.dtype)) for n, p in self.named_params])
-        mine = torch.tensor([zlib.crc32(signature.encode())], dtype=torch.int64)
+        mine = torch.tensor([zlib.crc32(signature.encode())], dtype=torch.int64, device=self.meta_device)
         everyone = collectives.all_gather(mine, group=self.group).tolist()
         if len(set(everyone)) > 1:
             ranks = dist.get_process_group_ranks(self.group or dist.group.WORLD)

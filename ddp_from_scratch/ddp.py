@@ -129,7 +129,7 @@ class DistributedDataParallel(DataParallelBase):
     def forward(self, *args, **kwargs):
         will_sync = self._syncing and torch.is_grad_enabled()
         if self._ready_order and will_sync:  # the first synced backward has happened: rebuild once
-            order = torch.tensor(self._ready_order, dtype=torch.int64)
+            order = torch.tensor(self._ready_order, dtype=torch.int64, device=self.meta_device)
             collectives.broadcast(order, src=self.src, group=self.group)
             self._set_layout(bucketing.rebuilt_layout(self.params, order.tolist(), self.bucket_cap_bytes,
                                                       self.first_bucket_bytes))
@@ -185,7 +185,7 @@ class DistributedDataParallel(DataParallelBase):
     def _finish(self) -> None:
         used = None
         if self.find_unused_parameters:  # which parameters some rank used (every rank must take part)
-            used = torch.ones(len(self.params), dtype=torch.int32)
+            used = torch.ones(len(self.params), dtype=torch.int32, device=self.meta_device)
             used[self._unused] = 0
             used = collectives.all_reduce(used, group=self.group).tolist()
         for b in self.buckets:

@@ -172,14 +172,16 @@ def _datasets(config):
 
 def _evaluate(model, test, env, batch_size) -> float:
     sampler = DistributedSampler(test, num_replicas=env.world_size, rank=env.rank, shuffle=False)
-    correct_total = torch.zeros(2, dtype=torch.float64)
+    # counted where the backend reduces (NCCL: the GPU)
+    correct_total = torch.zeros(2, dtype=torch.float64, device=env.device if env.backend == "nccl" else "cpu")
     model.eval()
     with torch.no_grad():
         for x, y in DataLoader(test, batch_size=batch_size, sampler=sampler):
             out = model.module(x.to(env.device))  # no gradient sync needed to evaluate
-            correct_total += torch.tensor([(out.argmax(1).cpu() == y).sum().item(), len(y)], dtype=torch.float64)
+            correct_total += torch.tensor([(out.argmax(1).cpu() == y).sum().item(), len(y)], dtype=torch.float64,
+                                          device=correct_total.device)
     model.train()
-    collectives.all_reduce(correct_total.to(env.device) if env.backend == "nccl" else correct_total)
+    collectives.all_reduce(correct_total)
     return (correct_total[0] / correct_total[1]).item()
 
 

@@ -16,7 +16,8 @@ message for the traces (which piece of the data it carries); `comm.step` counts 
 every message is recorded with the step it belongs to.
 
 `DistComm` is the real end: torch.distributed isend/irecv on a group (Gloo across processes and
-machines, NCCL on GPU), with group ranks; on an "shm" group the algorithms use that backend's
+machines, NCCL on GPU), with group ranks (CUDA tensors on Gloo go through host memory, as Gloo's
+own collectives do); on an "shm" group the algorithms use that backend's
 mailboxes instead (collectives/shm/transport.py). `run_on_ranks(algorithm, comm, *args)` drives a
 generator to the end on the calling rank. The simulator (sim.py) is the other end.
 """
@@ -107,13 +108,15 @@ def local_reduce(dst: torch.Tensor, src: torch.Tensor, op: str) -> None:
 
 
 class _DistRequest:
-    def __init__(self, work, message: Message, messages: List[Message]):
-        self.work, self.message, self.messages = work, message, messages
+    def __init__(self, work, message: Message, messages: List[Message], landed=None):
+        self.work, self.message, self.messages, self.landed = work, message, messages, landed
 
     def wait(self) -> None:
         if self.work is not None:
             self.work.wait()
             self.work = None
+            if self.landed is not None:  # a receive staged through host memory: copy it in
+                self.landed()
             self.message.end = time.perf_counter()
             self.messages.append(self.message)
 
@@ -135,9 +138,17 @@ class DistComm(Comm):
 
     def _post(self, fn, tensor: torch.Tensor, peer: int, src: int, dst: int, chunk) -> _DistRequest:
         payload = as_bytes(tensor) if moves_as_bytes(self.backend, tensor.dtype, "send") else tensor
+        landed = None
+        if payload.is_cuda and self.backend != "nccl":
+            # Gloo's send/recv take CPU tensors only (a CUDA one fails with "writev: Bad address"),
+            # while its collectives stage CUDA tensors through host memory themselves: do the same.
+            device_side, payload = payload, payload.cpu() if fn is dist.isend else torch.empty_like(payload, device="cpu")
+            if fn is dist.irecv:
+                def landed():
+                    device_side.copy_(payload)
         message = Message(self.step, src, dst, tensor.numel() * tensor.element_size(), chunk, time.perf_counter(), 0.0)
         work = fn(payload, self.ranks[peer], group=self.group)
-        return _DistRequest(work, message, self.messages if self.record else [])
+        return _DistRequest(work, message, self.messages if self.record else [], landed)
 
     def send(self, tensor, peer, chunk=None):
         return self._post(dist.isend, tensor, peer, self.rank, peer, chunk)

@@ -238,6 +238,16 @@ class ProcessGroupShm(dist.ProcessGroup):
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts):
         return self._fallback("all_to_all").alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)
 
+    # torch before 2.13 calls the single-tensor forms by their older names
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts):
+        return self.all_to_all_single(output, input, output_split_sizes, input_split_sizes, opts)
+
+    def _allgather_base(self, output, input, opts=None):
+        return self.all_gather_single(output, input, opts)
+
+    def _reduce_scatter_base(self, output, input, opts=None):
+        return self.reduce_scatter_single(output, input, opts)
+
     def alltoall(self, output_tensors, input_tensors, opts):
         return self._fallback("all_to_all").alltoall(output_tensors, input_tensors, opts)
 

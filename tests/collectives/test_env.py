@@ -49,7 +49,8 @@ def test_plain_process_is_rank_0_of_1():
                                 master_addr=None, master_port=None)
 
 
-def test_backend_choice():
+def test_backend_choice(monkeypatch):
+    monkeypatch.delenv("COLLECTIVES_BACKEND", raising=False)
     assert pick_backend(2, "GLOO") == "gloo"
     with pytest.raises(ValueError, match="'gloo', 'nccl' or 'shm'"):
         pick_backend(1, "mpi")
@@ -59,6 +60,14 @@ def test_backend_choice():
         assert pick_backend(1) == "gloo"
         with pytest.raises(ValueError, match="needs CUDA"):
             pick_backend(1, "nccl")
+
+
+def test_backend_from_the_environment_variable(monkeypatch):
+    monkeypatch.setenv("COLLECTIVES_BACKEND", "shm")
+    assert pick_backend(2) == "shm" and pick_backend(2, "gloo") == "gloo"  # an explicit one wins
+    monkeypatch.setenv("COLLECTIVES_BACKEND", "mpi")
+    with pytest.raises(ValueError, match="COLLECTIVES_BACKEND must be 'gloo', 'nccl' or 'shm', got 'mpi'"):
+        pick_backend(1)
 
 
 PROGRAM = textwrap.dedent("""

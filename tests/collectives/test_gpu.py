@@ -56,3 +56,33 @@ def test_gloo_with_cuda_tensors_two_ranks_one_gpu():
         assert out["all_gather"] == ("cuda", [0.0, 1.0, 1.0])
         assert out["reduce_scatter"] == [2 * (2 * r), 2 * (2 * r + 1)]
         assert out["all_to_all"] == [float(r), 10.0 + r]
+
+
+def _algorithms_on_cuda_body(env):
+    import collectives.algorithms as A
+    from benchmarks import limits
+
+    dev = torch.device("cuda", 0)
+    r, n = env.rank, env.world_size
+    out = {}
+    for name in A.ALGORITHMS["all_reduce"]:
+        t = torch.arange(7.0, device=dev) + 100 * r
+        out[name] = A.all_reduce(t, op="sum", algorithm=name).cpu().tolist()
+    g = A.all_gather(torch.full((3,), float(r), device=dev), algorithm="ring")
+    out["all_gather"] = (g.device.type, g.cpu().tolist())
+    found = limits.measure(dev, n, nbytes=1 << 20)
+    out["p2p_gbps"] = found["p2p_gbps"]
+    return out
+
+
+@needs_gpu
+def test_from_scratch_algorithms_with_cuda_tensors_on_gloo_stage_through_host():
+    # Gloo's send/recv refuse CUDA tensors ("writev: Bad address"): DistComm and the
+    # point-to-point limit stage them through host memory, as Gloo's collectives do.
+    outs = C.run(_algorithms_on_cuda_body, world_size=2, backend="gloo")
+    want = (torch.arange(7.0) * 2 + 100).tolist()
+    for out in outs:
+        for name in ("ring", "recursive_doubling", "rabenseifner", "binomial", "double_binary_tree"):
+            assert out[name] == want, (name, out[name])
+        assert out["all_gather"] == ("cuda", [0.0] * 3 + [1.0] * 3)
+        assert out["p2p_gbps"] > 0

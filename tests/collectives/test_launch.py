@@ -218,3 +218,21 @@ def test_ctrl_c_ends_the_progress_line_without_a_traceback(tmp_path):
     assert "\ninterrupted (Ctrl-C)" in text and "Traceback" not in text, text[-2000:]
     assert "time left" in text or "s left" in text  # the progress line showed the time left
     assert_all_gone(below)
+
+
+def test_eta_by_size_is_latency_plus_bandwidth_not_bytes_alone():
+    from collectives.cli import eta_by_size
+
+    # 40 us per call up to 1 MiB, then bandwidth-bound at 1 GB/s: 1 GiB takes ~1.07 s
+    def cost(n):
+        return 40e-6 + n / 1e9
+
+    sizes = [8 << k for k in range(28)]
+    first = eta_by_size([(sizes[0], cost(sizes[0]))], sizes[1:])
+    # counted in bytes, the 8-byte size would predict 40 us * 2^28 ~ 3 h; latency alone is ~1 ms
+    assert first == "~0 s left", first
+    done = [(n, cost(n)) for n in sizes[:20]]  # up to 4 MiB
+    left = sizes[20:]
+    predicted = float(eta_by_size(done, left).split()[0].lstrip("~"))
+    assert abs(predicted - sum(cost(n) for n in left)) <= 1, predicted
+    assert eta_by_size(done, []) == "" and eta_by_size([], left) == "estimating time left"
