@@ -2,6 +2,7 @@
 
     python -m ddp_from_scratch.compare                                   # small CNN, 2 and 4 ranks
     python -m ddp_from_scratch.compare --model resnet50 --world-sizes 2 4 --steps 2 --batch-size 2 --show-layout
+    python -m ddp_from_scratch.compare --impl zero1 zero2 fsdp --world-sizes 2 3 4 --no-options --show-layout
 
 On each rank, the same model is built from a different seed (so a missing initial broadcast
 shows), one copy is wrapped in torch.nn.parallel.DistributedDataParallel and one in ours, and
@@ -14,6 +15,11 @@ table says whether all were equal and the largest relative parameter difference.
 against torch's DDP with the same option. Data here is synthetic (random CIFAR-shaped tensors),
 and the output says so. Exit code 1 when a comparison that should be bitwise is not (anything
 but naive and flat on more than 2 ranks, whose table note says why they cannot be).
+
+The sharded steps (--impl zero1 zero2 fsdp) get a table of their own: each against torch's
+fully_shard (FSDP2, cut into the same units) and against torch's DDP, every rank starting from the
+same weights; whole parameters, buffers and the loss compared after every step. Which pairs must
+be bitwise at every world size and which only at 2 ranks is in the table, and why under it.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from typing import Dict, List, NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 from tabulate import tabulate
+from torch import nn
 
 import collectives
 from collectives.cli import command, eta
@@ -130,6 +137,82 @@ def train_side_by_side(env, wrapper, steps: int, model="small", batch_size: int 
     return report
 
 
+SHARDED = ("zero1", "zero2", "fsdp")
+
+
+def _sharded_wrapper(impl: str):
+    from .fsdp import FullyShardedDataParallel
+    from .zero1 import ZeroOneDataParallel
+    from .zero2 import ZeroTwoDataParallel
+
+    return {"zero1": ZeroOneDataParallel, "zero2": ZeroTwoDataParallel, "fsdp": FullyShardedDataParallel}[impl]
+
+
+def torch_fully_shard(module: nn.Module, units: str = "children") -> nn.Module:
+    """torch's FSDP2 on the same units as ours (fsdp.units_of): each child with parameters, then the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    if units == "children":
+        for child in module.children():
+            if any(p.requires_grad for p in child.parameters()):
+                fully_shard(child)
+    return fully_shard(module)
+
+
+def _full_params(model: nn.Module) -> Dict[str, torch.Tensor]:
+    """Every parameter whole: DTensors gathered (fully_shard), our FSDP's units gathered."""
+    if hasattr(model, "full_state"):
+        return model.full_state()
+    inner = getattr(model, "module", model)
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for n, p in inner.named_parameters()}
+
+
+def train_sharded_side_by_side(env, impl: str, steps: int, against: str = "torch-fsdp", model="small",
+                               batch_size: int = 4, image: int = 12, units: str = "children",
+                               lr: float = 0.05) -> List[StepCheck]:
+    """A sharded step of ours (zero1, zero2, fsdp) against torch's fully_shard or torch's DDP.
+
+    Every rank starts from the same weights (fully_shard keeps each rank's own rows and does not
+    broadcast them). Against fully_shard, buffers are not synchronised (FSDP2 leaves BatchNorm
+    statistics per rank); against DDP they are broadcast from rank 0 before each forward, as
+    DDP does. Compared after every step: every parameter (whole), buffer and the loss; the
+    gradients are shards on both sharded sides and are not compared one by one.
+    """
+    torch.manual_seed(100)
+    base = (MODELS[model] if isinstance(model, str) else model)()
+    copied = copy.deepcopy(base)
+    # the units torch's side is cut into: ours for fsdp; ZeRO-1/2 reduce the whole model at once
+    theirs = torch_fully_shard(copied, units if impl == "fsdp" else "model") if against == "torch-fsdp" \
+        else wrap(copied, "torch")
+    kwargs = {"units": units} if impl == "fsdp" else {}
+    ours = _sharded_wrapper(impl)(base, broadcast_buffers=against == "torch", **kwargs) if isinstance(impl, str) \
+        else impl(base)
+    opt_ours = ours.optimizer(torch.optim.SGD, lr=lr, momentum=0.9)
+    opt_theirs = torch.optim.SGD(theirs.parameters(), lr=lr, momentum=0.9)
+    report = []
+    for step in range(steps):
+        x, y = batch(step, env.rank, batch_size, image)
+        losses = []
+        for m, opt in ((ours, opt_ours), (theirs, opt_theirs)):
+            opt.zero_grad()
+            loss = F.cross_entropy(m(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        p_ours, p_theirs = _full_params(ours), _full_params(theirs)
+        b_ours = dict(ours.module.named_buffers())
+        b_theirs = dict(getattr(theirs, "module", theirs).named_buffers())
+        report.append(StepCheck(
+            params=all(same_bits(p_ours[k], p_theirs[k]) for k in p_theirs),
+            buffers=all(same_bits(b_ours[k], b_theirs[k]) for k in b_theirs),
+            loss=same_bits(losses[0], losses[1]),
+            largest_diff=max(_relative_diff(p_ours[k], p_theirs[k]) for k in p_theirs),
+            nonfinite_ours=_nonfinite(p_ours.values()),
+            nonfinite_theirs=_nonfinite(p_theirs.values()),
+        ))
+    return report
+
+
 def summarise(per_rank: List[List[StepCheck]]) -> Dict:
     """Over every rank and step: bitwise or not, the largest difference, the first step that
     differs, and when values stopped being finite (first step, tensors on each side)."""
@@ -203,6 +286,20 @@ def options(model: str = "small", batch_size: int = 4):
     }
 
 
+def shard_layout_text(model: str, world_size: int) -> str:
+    """Which rows of which parameter each rank owns, unit by unit (no ranks needed: it is arithmetic)."""
+    from .fsdp import units_of
+    from .shard import ShardLayout
+
+    net = MODELS[model]()
+    params = dict(net.named_parameters())
+    parts = []
+    for u, names in enumerate(units_of(net)):
+        layout = ShardLayout([params[n] for n in names], world_size)
+        parts.append(f"unit {u}: " + layout.describe(names))
+    return "\n".join(parts)
+
+
 def layouts(env, model: str = "small", batch_size: int = 2, image: int = 12, verbose: bool = False) -> Dict:
     """Our bucket layout before and after the rebuild (two steps of our DDP, default settings)."""
     ddp = DistributedDataParallel(MODELS[model]())
@@ -216,6 +313,23 @@ def _row(label, n, steps, res):
     return [label, n, steps, "yes" if res["bitwise"] else "no", f"{res['largest_diff']:.3g}",
             "-" if res["first_step_differing"] is None else res["first_step_differing"],
             describe_nonfinite(res) or "finite"]
+
+
+SHARDED_HEADERS = ["stage", "against", "ranks", "steps", "bitwise equal", "must be", "largest relative param diff",
+                   "first step differing", "values"]
+SHARDED_NOTE = """Why some pairs are bitwise only on 2 ranks: Gloo's all_reduce and its reduce_scatter add the
+ranks' values in different orders once there are more than 2 (a sum of two values has one order).
+ZeRO-1 averages its gradients as DDP does (the same buckets, one all_reduce each), so it matches
+torch's DDP at every world size and fully_shard only at 2. ZeRO-2 and FSDP reduce-scatter in
+FSDP2's layout (each parameter's dim-0 shards, padded, concatenated as chunk_cat does; average
+after the sum), so they match fully_shard cut into the same units (ZeRO-2: the whole model as
+one unit; FSDP: each child with parameters, then the root) at every world size, and DDP only at 2."""
+
+
+def must_be_bitwise(impl: str, against: str, world_size: int) -> bool:
+    """Which sharded comparisons are bitwise by construction (SHARDED_NOTE says why)."""
+    same_collective = (impl == "zero1") == (against == "torch")
+    return same_collective or world_size <= 2
 
 
 HEADERS = ["wrapper", "ranks", "steps", "bitwise equal to torch DDP", "largest relative param diff",
@@ -249,7 +363,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="Compare our data-parallel wrappers with torch's DDP, step by step.")
     parser.add_argument("--model", choices=list(MODELS), default="small",
                         help="small CNN, ResNet-50 (10 classes), or the small CNN with unused heads")
-    parser.add_argument("--impl", nargs="+", choices=list(WRAPPERS), default=list(WRAPPERS), help="wrappers to compare")
+    parser.add_argument("--impl", nargs="+", choices=list(WRAPPERS) + list(SHARDED), default=list(WRAPPERS),
+                        help="wrappers to compare; zero1, zero2 and fsdp (the sharded steps) go into a table of "
+                             "their own, each against torch's fully_shard and torch's DDP")
     parser.add_argument("--world-sizes", nargs="+", type=int, default=[2, 4], help="ranks to spawn, one run each")
     parser.add_argument("--steps", type=int, default=4, help="training steps compared (at least 1)")
     parser.add_argument("--batch-size", type=int, default=4, help="images per rank per step (at least 1)")
@@ -263,9 +379,11 @@ def main(argv=None) -> int:
     image = args.image or (32 if args.model == "resnet50" else 12)
     _validate(args, parser, image)
     data = f"synthetic CIFAR-shaped data ({args.batch_size} x 3 x {image} x {image} per rank)"
-    rows, option_rows = [], []
+    rows, option_rows, sharded_rows = [], [], []
     chosen = {} if args.no_options else options(args.model, args.batch_size)
-    runs = len(args.world_sizes) * (len(args.impl) + len(chosen))
+    plain = [impl for impl in args.impl if impl not in SHARDED]
+    sharded = [impl for impl in args.impl if impl in SHARDED]
+    runs = len(args.world_sizes) * (len(plain) + 2 * len(sharded) + len(chosen))
     done, start = 0, time.perf_counter()
 
     def progress(what: str) -> None:
@@ -274,7 +392,7 @@ def main(argv=None) -> int:
 
     for n in args.world_sizes:
         with collectives.RankPool(n) as pool:  # one spawn per world size, shared by every comparison
-            for impl in args.impl:
+            for impl in plain:
                 progress(f"{impl} on {n} ranks")
                 res = summarise(pool.submit(train_side_by_side, args=(impl, args.steps, args.model, args.batch_size, image),
                                             timeout=3600))
@@ -287,9 +405,21 @@ def main(argv=None) -> int:
                                             timeout=3600))
                 option_rows.append(_row(label, n, args.steps, res))
                 done += 1
+            for impl in sharded:
+                for against in ("torch-fsdp", "torch"):
+                    progress(f"{impl} against {against} on {n} ranks")
+                    res = summarise(pool.submit(
+                        partial(train_sharded_side_by_side, against=against, model=args.model,
+                                batch_size=args.batch_size, image=image), args=(impl, args.steps), timeout=3600))
+                    must = must_be_bitwise(impl, against, n)
+                    sharded_rows.append([impl, "torch fully_shard" if against == "torch-fsdp" else "torch DDP"]
+                                        + _row(impl, n, args.steps, res)[1:4] + ["yes" if must else "-"]
+                                        + _row(impl, n, args.steps, res)[4:])
+                    done += 1
     print(f"model {args.model}, {data}, SGD momentum 0.9, Gloo; parameters, their .grad, buffers and the loss "
           "compared bit for bit after every step on every rank")
-    print(tabulate(rows, headers=HEADERS))
+    if rows:
+        print(tabulate(rows, headers=HEADERS))
     if any(row[3] == "no" and row[0] in ("naive", "flat") and row[1] > 2 for row in rows):
         print("\n" + NOT_BITWISE)
     if option_rows:
@@ -298,12 +428,22 @@ def main(argv=None) -> int:
         for label, (_, note) in chosen.items():
             if note:
                 print(f"  {label}: {note}")
-    if args.show_layout:
+    if sharded_rows:
+        print("\nthe sharded steps (ZeRO-1, ZeRO-2, FSDP), each against torch's fully_shard and torch's DDP "
+              "(every rank starts from the same weights; whole parameters compared, gradients are shards)")
+        print(tabulate(sharded_rows, headers=SHARDED_HEADERS))
+        print("\n" + SHARDED_NOTE)
+    if args.show_layout and sharded:
+        print(f"\nshard layout on {max(args.world_sizes)} ranks, model {args.model} (fsdp's units; "
+              f"ZeRO-1/2 cut each parameter the same way):\n{shard_layout_text(args.model, max(args.world_sizes))}")
+    if args.show_layout and plain:
         shown = collectives.run(layouts, 1, args=(args.model, args.batch_size, image, args.show_layout == "full"))[0]
         for when in ("initial", "rebuilt"):
             print(f"\nbucket layout, {when} ({'first iteration' if when == 'initial' else 'from the first backward'}'s "
                   f"order), model {args.model}:\n{shown[when]}")
-    return 0 if all(row[3] == "yes" for row in rows + option_rows if row[0] not in ("naive", "flat") or row[1] <= 2) else 1
+    sharded_ok = all(row[4] == "yes" for row in sharded_rows if row[5] == "yes")
+    return 0 if sharded_ok and all(row[3] == "yes" for row in rows + option_rows
+                                   if row[0] not in ("naive", "flat") or row[1] <= 2) else 1
 
 
 if __name__ == "__main__":

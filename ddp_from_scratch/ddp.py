@@ -95,6 +95,9 @@ class DistributedDataParallel(DataParallelBase):
         """The last backward's events (trace.py), or None with timeline=False."""
         return self._recorder.events
 
+    def _new_timeline(self) -> Timeline:
+        return Timeline(self._bucket_names, [b.nbytes for b in self.buckets])
+
     def _set_layout(self, layout) -> None:
         old = getattr(self, "buckets", [])
         self.buckets = bucketing.build(self.params, layout)
@@ -141,7 +144,7 @@ class DistributedDataParallel(DataParallelBase):
         self._seen = bytearray(len(self.params))  # 1 where a gradient arrived in this backward
         self._unused: list = []  # indices this forward's output does not reach
         if self.record_timeline:
-            self._recorder = Timeline(self._bucket_names, [b.nbytes for b in self.buckets])
+            self._recorder = self._new_timeline()
         output = super().forward(*args, **kwargs)
         if self.find_unused_parameters and will_sync:
             reached = reachable_parameters(output)

@@ -35,7 +35,7 @@ class Timeline:
 
     def __init__(self, bucket_names: List[List[str]], bucket_bytes: List[int]):
         self.events: Dict = {"start": time.perf_counter(), "ready": [], "launch": {}, "done": {}, "end": None,
-                             "buckets": bucket_names, "bytes": bucket_bytes}
+                             "buckets": bucket_names, "bytes": bucket_bytes, "spans": []}
 
     def ready(self, name: str, bucket: int) -> None:
         self.events["ready"].append((name, bucket, time.perf_counter()))
@@ -49,6 +49,10 @@ class Timeline:
 
     def finished(self) -> None:
         self.events["end"] = time.perf_counter()
+
+    def span(self, name: str, lane: str, start: float, end: float) -> None:
+        """A collective that ran from start to end (the sharded steps record theirs this way)."""
+        self.events["spans"].append((name, lane, start, end))
 
 
 class NoTimeline(Timeline):
@@ -64,6 +68,9 @@ class NoTimeline(Timeline):
         pass
 
     def finished(self) -> None:
+        pass
+
+    def span(self, name: str, lane: str, start: float, end: float) -> None:
         pass
 
 
@@ -82,6 +89,9 @@ def chrome_trace_events(timeline: Dict, rank: int = 0) -> list:
                        "ts": _us(timeline, launched), "dur": max(0.0, _us(timeline, done) - _us(timeline, launched)),
                        "pid": rank, "tid": f"bucket {bucket} all_reduce",
                        "args": {"params": timeline["buckets"][bucket]}})
+    for name, lane, start, end in timeline.get("spans", []):
+        events.append({"name": name, "ph": "X", "ts": _us(timeline, start), "dur": max(0.0, (end - start) * 1e6),
+                       "pid": rank, "tid": lane})
     if timeline["end"] is not None:
         events.append({"name": "end of backward", "ph": "i", "s": "p", "ts": _us(timeline, timeline["end"]), "pid": rank,
                        "tid": "backward"})

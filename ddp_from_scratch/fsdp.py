@@ -1,0 +1,139 @@
+"""Step 6 of the teaching path: ZeRO-3, also called fully sharded data parallelism (FSDP).
+
+ZeRO-2 still keeps every parameter whole on every rank. Here a rank keeps only its shard of each
+parameter, and the model is cut into units (by default: each child module that has parameters,
+and the rest as the root unit). A unit's parameters are all-gathered just before its forward
+and freed just after; gathered again just before its backward, and freed again once its
+gradients have been reduce-scattered (ZeRO-2's step, now per unit, as each unit's backward
+ends). At any moment a rank holds its shards plus about one unit whole:
+
+    forward:  gather u0, run u0, free u0 | gather u1, run u1, free u1 | ...
+    backward: ... | gather u1, grads u1, reduce-scatter u1, free u1 | gather u0, grads u0, ...
+
+    model = FullyShardedDataParallel(net)                  # units="children" or "model"
+    opt = model.optimizer(torch.optim.SGD, lr=0.05, momentum=0.9)
+    print(model.layout_text())                             # which rows of which parameter each rank owns
+
+Freeing is `param.data = <an empty tensor>`: autograd keeps the parameter object for backward,
+and reads its .data only when the backward runs, by which time it has been gathered again (a
+hook on the unit's output fires when the gradient reaches it, just before the unit's backward).
+Bitwise equal to torch's fully_shard applied to the same units (tests/ddp/test_zero.py): the
+same shards, the same reduce-scatter layout and op.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import collectives
+
+from .shard import ShardLayout
+from .unused import _tensors_in
+from .zero2 import ZeroTwoDataParallel
+
+
+def units_of(module: nn.Module, units: str = "children") -> List[List[str]]:
+    """Parameter names per unit: each direct child with parameters, then the root's own ("model":
+    one unit). torch's fully_shard applied to the same children and then the root cuts it alike."""
+    names = [n for n, p in module.named_parameters() if p.requires_grad]
+    if units == "model":
+        return [names]
+    groups, taken = [], set()
+    for child_name, child in module.named_children():
+        mine = [f"{child_name}.{n}" for n, p in child.named_parameters() if p.requires_grad]
+        if mine:
+            groups.append(mine)
+            taken.update(mine)
+    rest = [n for n in names if n not in taken]
+    return groups + ([rest] if rest else [])
+
+
+class FullyShardedDataParallel(ZeroTwoDataParallel):
+    def __init__(self, module: nn.Module, group: Optional[dist.ProcessGroup] = None, units: str = "children",
+                 broadcast_buffers: bool = False, timeline: bool = True):
+        super().__init__(module, group=group, broadcast_buffers=broadcast_buffers, timeline=timeline)
+        index = {n: i for i, n in enumerate(self.names)}
+        self.units = [[index[n] for n in unit] for unit in units_of(module, units)]
+        self.unit_layouts = [ShardLayout([self.params[i] for i in unit], self.world_size) for unit in self.units]
+        self._setup_units()
+        self.own_shards()  # self.shards: this rank's rows, the only copy of the parameters it keeps
+        self._empty = [p.data.new_empty(0) for p in self.params]
+        self._gathered = [False] * len(self.units)
+        for u in range(len(self.units)):
+            self._free(u)
+        for u, mod in self._unit_modules(module).items():
+            mod.register_forward_pre_hook(lambda m, args, u=u: self._gather(u, "forward"))
+            mod.register_forward_hook(lambda m, args, out, u=u: self._after_forward(u, m, out))
+
+    def _after_forward(self, u: int, mod: nn.Module, output) -> None:
+        """Free the unit, and have its parameters gathered again when the gradient of its output
+        arrives, i.e. just before its backward. (A hook on the output tensor, not a module
+        backward hook: those break on ResNet's in-place ReLU after a BatchNorm.)"""
+        for t in _tensors_in(output):
+            if t.requires_grad:
+                t.register_hook(lambda grad, u=u: (self._gather(u, "backward"), grad)[1])
+        if mod is not self.module:  # the root stays gathered: its backward comes right after its forward
+            self._free(u)
+
+    def _unit_modules(self, module: nn.Module) -> Dict[int, nn.Module]:
+        """The module whose forward and backward bracket each unit: its child, or the root."""
+        out = {}
+        children = dict(module.named_children())
+        for u, unit in enumerate(self.units):
+            first = self.names[unit[0]].split(".")[0]
+            owner = children.get(first)
+            whole_child = owner is not None and all(self.names[i].split(".")[0] == first for i in unit) and \
+                len(unit) == sum(1 for p in owner.parameters() if p.requires_grad)
+            out[u] = owner if whole_child else module
+        return out
+
+    # -- parameters: gathered for a unit's forward and backward, freed between ---------------
+    def _gather(self, u: int, why: str = "") -> None:
+        if self._gathered[u]:
+            return
+        unit, layout = self.units[u], self.unit_layouts[u]
+        start = time.perf_counter()
+        mine = layout.pack_row([self.shards[i].detach() for i in unit], self.rank)
+        everyone = collectives.all_gather(mine.view(1, -1), group=self.group)  # (world_size, per_rank)
+        for k, i in enumerate(unit):
+            full = torch.empty(layout.shapes[k], dtype=mine.dtype, device=mine.device)
+            for r in range(self.world_size):
+                layout.shard(full, k, r).copy_(layout.unpack(everyone[r], r)[k])
+            self.params[i].data = full
+        self._gathered[u] = True
+        self._recorder.span(f"all_gather unit {u} ({why})", f"unit {u}", start, time.perf_counter())
+
+    def _free(self, u: int) -> None:
+        for i in self.units[u]:
+            self.params[i].data = self._empty[i]
+        self._gathered[u] = False
+
+    # -- gradients: reduce-scattered per unit (zero2.py), then the unit is freed ---------------
+    def _reduce_scatter(self, u: int) -> None:
+        super()._reduce_scatter(u)
+        self._free(u)
+
+    # -- the optimizer updates the shards; the next forward gathers them ---------------------
+    def own_shards(self) -> List[nn.Parameter]:
+        """Copies, not views: the full parameters are freed, and a view would keep them alive."""
+        if not hasattr(self, "shards"):
+            self.shards = [nn.Parameter(self.layout.shard(p.detach(), i, self.rank).clone())
+                           for i, p in enumerate(self.params)]
+        return self.shards
+
+    def after_step(self, shards) -> None:
+        pass  # nothing to rebuild: every unit is gathered afresh before its next forward
+
+    def full_state(self) -> Dict[str, torch.Tensor]:
+        """Every parameter whole (an all_gather of every unit): for checkpoints and comparisons."""
+        for u in range(len(self.units)):
+            self._gather(u)
+        state = {n: p.detach().clone() for n, p in zip(self.names, self.params)}
+        for u in range(len(self.units)):
+            self._free(u)
+        return state

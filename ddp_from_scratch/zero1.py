@@ -1,0 +1,100 @@
+"""Step 4 of the teaching path: ZeRO-1, the optimizer's state sharded.
+
+Plain data parallelism keeps on every rank a full copy of the parameters, their gradients and
+the optimizer's state (SGD's momentum: one more tensor per parameter; Adam's: two). Every rank
+then runs the same update on the same numbers. ZeRO-1 (Rajbhandari et al. 2020) splits the
+update instead: after the gradients are averaged as in step 2 (one flat all_reduce), rank r
+updates only its shard of each parameter (shard.py: rows r of every parameter) with optimizer
+state for that shard alone, and an all_gather puts the updated shards back together on every
+rank. The optimizer state per rank shrinks p times; the bytes sent grow by one all_gather.
+
+    model = ZeroOneDataParallel(net)
+    opt = model.optimizer(torch.optim.SGD, lr=0.05, momentum=0.9)   # state for this rank's shard
+    loss.backward(); opt.step(); opt.zero_grad()
+
+The update is elementwise, so updating each shard and gathering gives exactly the full update:
+bitwise equal to torch's DDP at 2, 3 and 4 ranks (the same buckets, so the same sums;
+tests/ddp/test_zero.py). Against torch's fully_shard it is bitwise at 2 ranks only: with more,
+Gloo's all_reduce and its reduce_scatter add the ranks' values in different orders.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import collectives
+
+from .ddp import DistributedDataParallel
+from .shard import ShardLayout
+
+
+class ShardedOptimizer:
+    """An optimizer over one rank's shards; step() updates them and brings the parameters up to date.
+
+    The wrapper says where the shards' gradients come from (`grad_shards`) and how the full
+    parameters are rebuilt afterwards (`after_step`).
+    """
+
+    def __init__(self, model: "ZeroOneDataParallel", optimizer_cls=torch.optim.SGD, **kwargs):
+        self.model = model
+        self.shards: List[nn.Parameter] = model.own_shards()
+        self.inner = optimizer_cls(self.shards, **kwargs)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.model.zero_grad(set_to_none=set_to_none)
+        for s in self.shards:
+            s.grad = None
+
+    def step(self) -> None:
+        for s, g in zip(self.shards, self.model.grad_shards()):
+            s.grad = g
+        self.inner.step()
+        self.model.after_step(self.shards)
+
+    def state_dict(self) -> dict:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.inner.load_state_dict(state)
+
+
+class ZeroOneDataParallel(DistributedDataParallel):
+    def __init__(self, module: nn.Module, group: Optional[dist.ProcessGroup] = None, broadcast_buffers: bool = True,
+                 **ddp_options):
+        super().__init__(module, group=group, broadcast_buffers=broadcast_buffers, **ddp_options)
+        self.rank = dist.get_rank(group)
+        self.layout = ShardLayout(self.params, self.world_size)
+        self.names = [n for n, _ in self.named_params]
+
+    def optimizer(self, optimizer_cls=torch.optim.SGD, **kwargs) -> ShardedOptimizer:
+        return ShardedOptimizer(self, optimizer_cls, **kwargs)
+
+    def own_shards(self) -> List[nn.Parameter]:
+        """This rank's rows of every parameter, as leaf tensors the optimizer updates in place:
+        views of the full parameters (no copy), so the step writes straight into them."""
+        return [nn.Parameter(self.layout.shard(p.detach(), i, self.rank)) for i, p in enumerate(self.params)]
+
+    def grad_shards(self) -> List[Optional[torch.Tensor]]:
+        """After DDP's all_reduce every rank has the whole averaged gradient: take its rows."""
+        return [None if p.grad is None else self.layout.shard(p.grad, i, self.rank) for i, p in enumerate(self.params)]
+
+    def after_step(self, shards: List[nn.Parameter]) -> None:
+        """All-gather the updated shards into every rank's full parameters (one collective)."""
+        start = time.perf_counter()
+        mine = self.layout.pack_row([s.detach() for s in shards], self.rank)  # (per_rank,)
+        everyone = collectives.all_gather(mine.view(1, -1), group=self.group)  # (world_size, per_rank)
+        self._recorder.span("all_gather (after the step)", "parameters", start, time.perf_counter())
+        with torch.no_grad():
+            for r in range(self.world_size):
+                if r == self.rank:
+                    continue  # this rank's rows were updated in place
+                for i, (p, piece) in enumerate(zip(self.params, self.layout.unpack(everyone[r], r))):
+                    self.layout.shard(p.data, i, r).copy_(piece)
+
+    def layout_text(self, rank: Optional[int] = None) -> str:
+        return self.layout.describe(self.names, rank)
