@@ -129,6 +129,18 @@ class FullyShardedDataParallel(ZeroTwoDataParallel):
     def after_step(self, shards) -> None:
         pass  # nothing to rebuild: every unit is gathered afresh before its next forward
 
+    def full_model_state(self) -> Dict[str, torch.Tensor]:
+        """The module's state_dict with every parameter gathered whole (buffers are not sharded)."""
+        return {**self.module.state_dict(), **self.full_state()}
+
+    def load_full_model_state(self, state: Dict[str, torch.Tensor]) -> None:
+        """Each rank keeps its rows of each saved parameter; buffers are loaded as they are."""
+        with torch.no_grad():
+            for i, (name, shard) in enumerate(zip(self.names, self.shards)):
+                shard.copy_(self.layout.shard(state[name].to(shard.device), i, self.rank))
+        buffers = {n for n, _ in self.module.named_buffers()}
+        self.module.load_state_dict({k: v for k, v in state.items() if k in buffers}, strict=False)
+
     def full_state(self) -> Dict[str, torch.Tensor]:
         """Every parameter whole (an all_gather of every unit): for checkpoints and comparisons."""
         for u in range(len(self.units)):

@@ -1,6 +1,7 @@
 """Train ResNet-50 on CIFAR-10 with torch's DDP or one of ours, as the seeds do.
 
     python -m ddp_from_scratch.train --impl bucketed --nproc 2 --synthetic --epochs 1 --batch-size 32
+    python -m ddp_from_scratch.train --impl fsdp --nproc 2 --synthetic --epochs 1    # or zero1, zero2, torch-fsdp
     python -m ddp_from_scratch.train --impl torch --nproc 2 --data ./data --epochs 1 --batch-size 128
     torchrun --nproc_per_node=4 -m ddp_from_scratch.train --impl bucketed --data ./data --amp
     srun -N2 --ntasks-per-node=4 python -m ddp_from_scratch.train --impl bucketed --data ./data
@@ -14,6 +15,12 @@ parameters as an uninterrupted run; the checkpoint records the settings that dec
 them. Every argument, the dataset files and the checkpoint are checked before any rank starts.
 The last line on stdout is a JSON summary; with --synthetic every output says that the data was
 synthetic.
+
+The sharded steps (--impl zero1, zero2, fsdp: ours; torch-fsdp: torch's fully_shard on the same
+units) start every rank from the same seeded weights. Their checkpoint is gathered on save: whole
+parameters and whole optimizer state (each rank's momentum rows all-gathered), written by rank 0
+as for DDP, and cut into rows again on resume; so the file does not depend on how the ranks
+sharded it.
 """
 
 from __future__ import annotations
@@ -39,11 +46,14 @@ from . import cifar10
 from .models import MODELS
 from .wrap import IMPLS, wrap
 
+SHARDED_IMPLS = ["zero1", "zero2", "fsdp", "torch-fsdp"]
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m ddp_from_scratch.train", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--impl", choices=IMPLS, default="bucketed", help="which DDP")
+    p.add_argument("--impl", choices=IMPLS + SHARDED_IMPLS, default="bucketed",
+                   help="which DDP, or a sharded step (ZeRO-1, ZeRO-2, FSDP: ours; torch-fsdp: torch's fully_shard)")
     p.add_argument("--nproc", type=int, default=2, help="ranks to spawn when not under torchrun/srun")
     p.add_argument("--model", choices=list(MODELS), default="resnet50", help="ResNet-50 (10 classes) or a small CNN")
     p.add_argument("--data", default="./data", help="folder with cifar-10-batches-py/ or cifar-10-python.tar.gz")
@@ -120,6 +130,9 @@ def validate(args, parser, world_size: int) -> None:
         parser.error(f"--bucket-cap-mb must be a positive number of MiB, got {args.bucket_cap_mb}")
     if args.bucket_cap_mb is not None and args.impl not in ("torch", "bucketed"):
         parser.error(f"--bucket-cap-mb applies to --impl torch or bucketed, not {args.impl}")
+    if args.amp and args.impl in SHARDED_IMPLS:
+        parser.error(f"--amp applies to the DDP impls ({', '.join(IMPLS)}), not {args.impl}: the sharded steps' "
+                     "optimizers are not torch optimizers that GradScaler can step")
     if not args.synthetic:
         try:  # every file, so a damaged one is named now, not by a rank an epoch later
             train_images = len(cifar10.load_arrays(args.data, train=True)[1])
@@ -177,7 +190,7 @@ def _evaluate(model, test, env, batch_size) -> float:
     model.eval()
     with torch.no_grad():
         for x, y in DataLoader(test, batch_size=batch_size, sampler=sampler):
-            out = model.module(x.to(env.device))  # no gradient sync needed to evaluate
+            out = getattr(model, "module", model)(x.to(env.device))  # no gradient sync needed to evaluate
             correct_total += torch.tensor([(out.argmax(1).cpu() == y).sum().item(), len(y)], dtype=torch.float64,
                                           device=correct_total.device)
     model.train()
@@ -185,13 +198,55 @@ def _evaluate(model, test, env, batch_size) -> float:
     return (correct_total[0] / correct_total[1]).item()
 
 
+def _sharded(net, config):
+    """(model, optimizer) for a sharded step; every rank has the same seeded weights already."""
+    if config["impl"] == "torch-fsdp":
+        from .compare import torch_fully_shard
+
+        model = torch_fully_shard(net)
+        return model, torch.optim.SGD(model.parameters(), lr=config["lr"], momentum=0.9)
+    from .compare import _sharded_wrapper
+
+    model = _sharded_wrapper(config["impl"])(net)
+    return model, model.optimizer(torch.optim.SGD, lr=config["lr"], momentum=0.9)
+
+
+def _state(model, opt, impl: str) -> dict:
+    """{"model", "optimizer"} to save: whole tensors for the sharded steps (gathered: call on every rank)."""
+    if impl == "torch-fsdp":
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        model_state, opt_state = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+        return {"model": model_state, "optimizer": opt_state}
+    if impl in SHARDED_IMPLS:
+        return {"model": model.full_model_state(), "optimizer": opt.full_state_dict()}
+    return {"model": model.module.state_dict(), "optimizer": opt.state_dict()}
+
+
+def _load(model, opt, state: dict, impl: str) -> None:
+    if impl == "torch-fsdp":
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                       options=StateDictOptions(full_state_dict=True))
+    elif impl in SHARDED_IMPLS:
+        model.load_full_model_state(state["model"])
+        opt.load_full_state_dict(state["optimizer"])
+    else:
+        model.module.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+
+
 def train(env, config) -> dict:
     torch.manual_seed(config["seed"])
     train_set, test_set = _datasets(config)
-    device_ids = [env.device.index] if config["impl"] == "torch" and env.device.type == "cuda" else None
-    model = wrap(MODELS[config["model"]]().to(env.device), config["impl"], bucket_cap_mb=config["bucket_cap_mb"],
-                 device_ids=device_ids)
-    opt = torch.optim.SGD(model.parameters(), lr=config["lr"], momentum=0.9)
+    if config["impl"] in SHARDED_IMPLS:
+        model, opt = _sharded(MODELS[config["model"]]().to(env.device), config)
+    else:
+        device_ids = [env.device.index] if config["impl"] == "torch" and env.device.type == "cuda" else None
+        model = wrap(MODELS[config["model"]]().to(env.device), config["impl"], bucket_cap_mb=config["bucket_cap_mb"],
+                     device_ids=device_ids)
+        opt = torch.optim.SGD(model.parameters(), lr=config["lr"], momentum=0.9)
     scaler = torch.amp.GradScaler("cuda") if config["amp"] and env.device.type == "cuda" else None
     amp_dtype = torch.float16 if env.device.type == "cuda" else torch.bfloat16
     path = os.path.join(config["checkpoint"], "checkpoint.pt") if config["checkpoint"] else None
@@ -200,8 +255,7 @@ def train(env, config) -> dict:
     if config["resume"]:
         state = load_checkpoint(path, map_location=env.device)
         check_resume(state, settings, path, config["epochs"])  # under torchrun, the first place it can be checked
-        model.module.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
+        _load(model, opt, state, config["impl"])
         start_epoch = state["epoch"]
     sampler = DistributedSampler(train_set, num_replicas=env.world_size, rank=env.rank, shuffle=True,
                                  seed=config["seed"], drop_last=True)
@@ -238,12 +292,13 @@ def train(env, config) -> dict:
         images += len(loader) * config["batch_size"] * env.world_size
         seconds += epoch_seconds
         accuracy = _evaluate(model, test_set, env, config["batch_size"])
+        saved = _state(model, opt, config["impl"]) if path else None  # sharded: every rank takes part in gathering
         if env.rank == 0:
             print(f"\nepoch {epoch + 1}: {epoch_seconds:.1f} s, test accuracy {accuracy:.4f}{tag}", file=sys.stderr, flush=True)
             if path:
                 os.makedirs(config["checkpoint"], exist_ok=True)
-                torch.save({"model": model.module.state_dict(), "optimizer": opt.state_dict(), "epoch": epoch + 1,
-                            "synthetic": config["synthetic"], "settings": settings}, path + ".tmp")
+                torch.save({**saved, "epoch": epoch + 1, "synthetic": config["synthetic"], "settings": settings},
+                           path + ".tmp")
                 os.replace(path + ".tmp", path)  # atomic: a crash leaves the previous checkpoint whole
         collectives.barrier()
     return {"impl": config["impl"], "model": config["model"], "world_size": env.world_size, "device": str(env.device),

@@ -57,10 +57,42 @@ class ShardedOptimizer:
         self.model.after_step(self.shards)
 
     def state_dict(self) -> dict:
+        """This rank's shard of the state (a sharded checkpoint would save one per rank)."""
         return self.inner.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
         self.inner.load_state_dict(state)
+
+    def full_state_dict(self) -> dict:
+        """The state gathered from every rank into whole tensors, by parameter name: what train.py
+        saves (a checkpoint that does not depend on how the ranks cut the parameters). Every rank
+        must call it (one all_gather per state entry)."""
+        model, layout = self.model, self.model.layout
+        state = self.inner.state_dict()
+        per_shard = [state["state"].get(i, {}) for i in range(len(self.shards))]
+        keys = sorted({k for st in per_shard for k, v in st.items() if torch.is_tensor(v) and v.dim() > 0})
+        whole = {}
+        for key in keys:
+            mine = layout.pack_row([st[key] if key in st else torch.zeros_like(s) for st, s in zip(per_shard, self.shards)],
+                                   model.rank)
+            everyone = collectives.all_gather(mine.view(1, -1), group=model.group)
+            full = [p.new_empty(shape) for p, shape in zip(self.shards, layout.shapes)]
+            for r in range(model.world_size):
+                for i, piece in enumerate(layout.unpack(everyone[r], r)):
+                    layout.shard(full[i], i, r).copy_(piece)
+            whole[key] = dict(zip(model.names, full))
+        scalars = {k: v for k, v in per_shard[0].items() if k not in keys} if per_shard else {}
+        return {"whole": whole, "scalars": scalars, "param_groups": state["param_groups"]}
+
+    def load_full_state_dict(self, saved: dict) -> None:
+        """The inverse of full_state_dict: each rank takes its rows of every whole tensor."""
+        model, layout = self.model, self.model.layout
+        state = {}
+        for i, name in enumerate(model.names):
+            entry = {key: layout.shard(tensors[name], i, model.rank).clone() for key, tensors in saved["whole"].items()}
+            if entry:
+                state[i] = {**saved["scalars"], **entry}
+        self.inner.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
 
 
 class ZeroOneDataParallel(DistributedDataParallel):
@@ -95,6 +127,13 @@ class ZeroOneDataParallel(DistributedDataParallel):
                     continue  # this rank's rows were updated in place
                 for i, (p, piece) in enumerate(zip(self.params, self.layout.unpack(everyone[r], r))):
                     self.layout.shard(p.data, i, r).copy_(piece)
+
+    def full_model_state(self) -> dict:
+        """The module's state_dict with every parameter whole (here they are; FSDP gathers them)."""
+        return self.module.state_dict()
+
+    def load_full_model_state(self, state: dict) -> None:
+        self.module.load_state_dict(state)
 
     def layout_text(self, rank: Optional[int] = None) -> str:
         return self.layout.describe(self.names, rank)

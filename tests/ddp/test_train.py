@@ -1,6 +1,8 @@
 """The training program end to end (small model, synthetic data, 2 spawned ranks): a run resumed
 from its checkpoint ends with exactly the parameters of an uninterrupted one; a missing dataset
-is a clear message; torch's DDP with bf16 autocast runs; the summary says the data was synthetic.
+is a clear message; torch's DDP with bf16 autocast runs; the summary says the data was synthetic;
+each sharded step (zero1, zero2, fsdp, torch-fsdp) trains and saves whole tensors, and an fsdp run
+resumed from its gathered checkpoint ends where an uninterrupted one ends.
 
     pytest tests/ddp/test_train.py -q
 """
@@ -151,3 +153,35 @@ def test_each_epoch_reshuffles_and_the_shards_stay_disjoint(dist_run):
         a, b = set(orders[0][epoch]), set(orders[1][epoch])
         assert not a & b, f"epoch {epoch}: ranks 0 and 1 both trained on {sorted(a & b)}"
         assert a | b == set(range(64))
+
+
+# -- the sharded steps --------------------------------------------------------------------------
+def test_fsdp_resume_ends_where_an_uninterrupted_run_ends(tmp_path, capsys):
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    fsdp = COMMON + ["--impl", "fsdp"]
+    assert train.main(fsdp + ["--epochs", "2", "--checkpoint", str(whole)]) == 0
+    assert train.main(fsdp + ["--epochs", "1", "--checkpoint", str(split)]) == 0
+    assert train.main(fsdp + ["--epochs", "2", "--checkpoint", str(split), "--resume"]) == 0
+    a, b = _final(whole), _final(split)
+    for key in a["model"]:  # gathered on save: whole tensors under the module's own names
+        assert torch.equal(a["model"][key], b["model"][key]), key
+    assert a["model"]["conv1.weight"].shape == (8, 3, 3, 3)
+    assert a["optimizer"]["whole"]["momentum_buffer"]["conv1.weight"].shape == (8, 3, 3, 3)
+    for key, tensor in a["optimizer"]["whole"]["momentum_buffer"].items():
+        assert torch.equal(tensor, b["optimizer"]["whole"]["momentum_buffer"][key]), key
+
+
+@pytest.mark.parametrize("impl", ["zero1", "zero2", "torch-fsdp"])
+def test_each_sharded_step_trains_and_saves_whole_tensors(impl, tmp_path, capsys):
+    assert train.main(COMMON + ["--impl", impl, "--epochs", "1", "--checkpoint", str(tmp_path)]) == 0
+    summary = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert summary["impl"] == impl and summary["synthetic_data"] and 0 <= summary["test_accuracy"] <= 1
+    saved = _final(tmp_path)
+    assert saved["model"]["conv1.weight"].shape == (8, 3, 3, 3)  # whole, not one rank's rows
+    assert not any(type(v).__name__ == "DTensor" for v in saved["model"].values())
+
+
+def test_amp_with_a_sharded_step_is_refused(capsys):
+    with pytest.raises(SystemExit) as info:
+        train.main(COMMON + ["--impl", "zero2", "--amp"])
+    assert info.value.code == 2 and "--amp applies to the DDP impls" in capsys.readouterr().err
