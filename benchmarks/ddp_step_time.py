@@ -56,11 +56,14 @@ def _steps(env, variants, rounds: int, batch: int, amp: bool):
     return alternate_steps(env, {label: _make(*spec) for label, spec in variants.items()}, rounds, batch, amp)
 
 
-def alternate_steps(env, models: Dict[str, nn.Module], rounds: int, batch: int, amp: bool = False):
+def alternate_steps(env, models: Dict[str, nn.Module], rounds: int, batch: int, amp: bool = False,
+                    opts: Optional[Dict] = None):
     """Train each model one step per round, in a random order the same on every rank; a label
     ending in "no_sync" trains under model.no_sync(). Returns {label: [slowest rank's seconds
-    per step]}. The first round only warms up (and lets DDP rebuild its buckets)."""
-    opts = {label: torch.optim.SGD(m.parameters(), lr=0.001, momentum=0.9) for label, m in models.items()}
+    per step]}. The first round only warms up (and lets DDP rebuild its buckets). `opts`: an
+    optimizer per label where it is not SGD over model.parameters() (the sharded steps' own)."""
+    opts = {label: (opts or {}).get(label) or torch.optim.SGD(m.parameters(), lr=0.001, momentum=0.9)
+            for label, m in models.items()}
     g = torch.Generator().manual_seed(env.rank)
     x, y = torch.randn(batch, 3, 32, 32, generator=g), torch.randint(0, 10, (batch,), generator=g)
     labels = list(models)

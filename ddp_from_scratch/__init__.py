@@ -13,6 +13,11 @@ The files:
   bucket.py   step 3's buckets: torch's layouts (first iteration, rebuilt), flat buffers, the printout
   ddp.py      step 3: buckets all-reduced while backward runs, rebuilt from the ready order,
               no_sync, find_unused_parameters, gradient_as_bucket_view, fp16/bf16 compression
+  shard.py    the sharded steps' layout: FSDP2's dim-0 shards, chunk_cat's reduce-scatter layout
+  zero1.py    step 4, ZeRO-1: DDP's buckets, the optimizer on this rank's rows, all_gather after the step
+  zero2.py    step 5, ZeRO-2: one reduce_scatter instead of the all_reduce, gradients sharded too
+  fsdp.py     step 6, ZeRO-3/FSDP: units gathered before forward and backward, freed after
+  memory.py   what a rank holds during a step (parameters, gradients, optimizer state), sampled
   trace.py    the bucket timeline as a Chrome trace and a PNG (python -m ddp_from_scratch.trace)
   compare.py  side-by-side parity with torch's DDP (python -m ddp_from_scratch.compare)
   train.py    the training program (python -m ddp_from_scratch.train), checkpoint and --resume
@@ -20,6 +25,11 @@ The files:
 
 from .ddp import DistributedDataParallel
 from .flat import FlatDataParallel
+from .fsdp import FullyShardedDataParallel
 from .naive import NaiveDataParallel
+from .shard import ShardLayout
+from .zero1 import ZeroOneDataParallel
+from .zero2 import ZeroTwoDataParallel
 
-__all__ = ["DistributedDataParallel", "FlatDataParallel", "NaiveDataParallel"]
+__all__ = ["DistributedDataParallel", "FlatDataParallel", "FullyShardedDataParallel", "NaiveDataParallel",
+           "ShardLayout", "ZeroOneDataParallel", "ZeroTwoDataParallel"]

@@ -4,8 +4,9 @@ ZeRO-2 still keeps every parameter whole on every rank. Here a rank keeps only i
 parameter, and the model is cut into units (by default: each child module that has parameters,
 and the rest as the root unit). A unit's parameters are all-gathered just before its forward
 and freed just after; gathered again just before its backward, and freed again once its
-gradients have been reduce-scattered (ZeRO-2's step, now per unit, as each unit's backward
-ends). At any moment a rank holds its shards plus about one unit whole:
+gradients are reduce-scattered (ZeRO-2's step, now per unit, as each unit's backward
+ends; the unit is freed as soon as its last gradient has arrived, before its reduce-scatter).
+At any moment a rank holds its shards plus about one unit whole:
 
     forward:  gather u0, run u0, free u0 | gather u1, run u1, free u1 | ...
     backward: ... | gather u1, grads u1, reduce-scatter u1, free u1 | gather u0, grads u0, ...
@@ -100,10 +101,11 @@ class FullyShardedDataParallel(ZeroTwoDataParallel):
         start = time.perf_counter()
         mine = layout.pack_row([self.shards[i].detach() for i in unit], self.rank)
         everyone = collectives.all_gather(mine.view(1, -1), group=self.group)  # (world_size, per_rank)
+        pieces = [layout.unpack(everyone[r], r) for r in range(self.world_size)]  # [rank][k]: views
         for k, i in enumerate(unit):
             full = torch.empty(layout.shapes[k], dtype=mine.dtype, device=mine.device)
             for r in range(self.world_size):
-                layout.shard(full, k, r).copy_(layout.unpack(everyone[r], r)[k])
+                layout.shard(full, k, r).copy_(pieces[r][k])
             self.params[i].data = full
         self._gathered[u] = True
         self._recorder.span(f"all_gather unit {u} ({why})", f"unit {u}", start, time.perf_counter())
@@ -115,8 +117,10 @@ class FullyShardedDataParallel(ZeroTwoDataParallel):
 
     # -- gradients: reduce-scattered per unit (zero2.py), then the unit is freed ---------------
     def _reduce_scatter(self, u: int) -> None:
-        super()._reduce_scatter(u)
+        # Every gradient of the unit has arrived, so its whole parameters are no longer needed:
+        # free them before the reduce-scatter, as FSDP2 does (after, measured 1.3x FSDP2's peak).
         self._free(u)
+        super()._reduce_scatter(u)
 
     # -- the optimizer updates the shards; the next forward gathers them ---------------------
     def own_shards(self) -> List[nn.Parameter]:

@@ -59,6 +59,16 @@ class ShardLayout:
                 out[r, self.offsets[i]:self.offsets[i] + part.numel()] = part
         return out
 
+    def pack_one(self, tensor: torch.Tensor, i: int, out: torch.Tensor) -> None:
+        """Put parameter i's tensor in its place in a (world_size, per_rank) buffer (pack, one at a
+        time), padding zeroed: `out` may come from new_empty (zeroing all of it costs page faults)."""
+        rows = tensor.reshape(self.rows[i], -1)
+        start, end = self.offsets[i], self.offsets[i] + self.chunk_numel[i]
+        for r in range(self.world_size):
+            part = rows[self.rows_of(i, r)].reshape(-1)
+            out[r, start:start + part.numel()] = part
+            out[r, start + part.numel():end] = 0
+
     def pack_row(self, shards: Sequence[torch.Tensor], rank: int) -> torch.Tensor:
         """One rank's row (per_rank,) from its own shards: what it contributes to an all_gather."""
         row = shards[0].new_zeros(self.per_rank)

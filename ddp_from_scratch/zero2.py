@@ -43,12 +43,17 @@ class ZeroTwoDataParallel(ZeroOneDataParallel):
 
     def _setup_units(self) -> None:
         self.unit_of = {i: u for u, unit in enumerate(self.units) for i in unit}
+        self._place = {i: k for unit in self.units for k, i in enumerate(unit)}  # position within its unit
+        self._arrived = bytearray(len(self.params))
         self._unit_ready = [0] * len(self.units)
         self._grad_shards: List[Optional[torch.Tensor]] = [None] * len(self.params)
+        self._flat: List[Optional[torch.Tensor]] = [None] * len(self.units)  # reduce-scatter inputs being filled
+        self._in_flight: list = []  # (unit, work, packed input, start) of reduce-scatters not yet waited for
         self._backward_open = False
 
     def forward(self, *args, **kwargs):
         self._unit_ready = [0] * len(self.units)
+        self._arrived = bytearray(len(self.params))
         return super().forward(*args, **kwargs)
 
     # -- a unit's gradients are reduce-scattered as soon as they are all there ----------------
@@ -61,26 +66,44 @@ class ZeroTwoDataParallel(ZeroOneDataParallel):
         i = self._index[id(param)]
         u = self.unit_of[i]
         self._recorder.ready(self.names[i], u)
+        # The gradient goes straight into its place in the unit's reduce-scatter buffer and the
+        # parameter's own .grad is dropped: a rank never holds a gradient twice (packing them
+        # all at the end would, briefly: measured at DDP's peak memory in benchmarks/sharded.py).
+        self._arrived[i] = 1
+        layout, k = self.unit_layouts[u], self._place[i]
+        if self._flat[u] is None:  # empty, not zeros: pack_one writes every element, padding included
+            self._flat[u] = param.grad.new_empty(self.world_size, layout.per_rank)
+        layout.pack_one(param.grad, k, self._flat[u])
+        param.grad = None
         self._unit_ready[u] += 1
         if self._unit_ready[u] == len(self.units[u]):
             self._reduce_scatter(u)
 
     def _reduce_scatter(self, u: int) -> None:
-        """Sum and average unit u's gradients over the ranks; keep this rank's rows, free the rest."""
-        unit, layout = self.units[u], self.unit_layouts[u]
-        start = time.perf_counter()
-        flat = layout.pack([self.params[i].grad for i in unit])  # (world_size, per_rank), chunk_cat order
-        mine = collectives.reduce_scatter(flat, op="avg", group=self.group)  # (1, per_rank): sum, then / p
-        self._recorder.span(f"reduce_scatter unit {u}", f"unit {u}", start, time.perf_counter())
-        for i, piece in zip(unit, layout.unpack(mine[0], self.rank)):
-            self._grad_shards[i] = piece
-        for i in unit:
-            self.params[i].grad = None  # the point of ZeRO-2: the full gradients are gone
+        """Start summing and averaging unit u's gradients over the ranks, without waiting: the
+        backward of the next unit runs meanwhile. At most one is in flight (the previous one is
+        finished first), as FSDP2 does, so a rank holds at most two units' packed gradients."""
+        self._finish_reduce_scatters()
+        flat = self._flat[u]  # (world_size, per_rank), chunk_cat order
+        work = collectives.reduce_scatter(flat, op="avg", group=self.group, async_op=True)  # sum, then / p
+        self._in_flight.append((u, work, flat, time.perf_counter()))
+        self._flat[u] = flat = None
+
+    def _finish_reduce_scatters(self) -> None:
+        """Wait for the reduce-scatters in flight; keep this rank's rows of each unit's gradients."""
+        while self._in_flight:
+            u, work, _, start = self._in_flight.pop(0)
+            mine = work.wait()  # (1, per_rank); the packed input is dropped with the entry
+            self._recorder.span(f"reduce_scatter unit {u}", f"unit {u}", start, time.perf_counter())
+            for i, piece in zip(self.units[u], self.unit_layouts[u].unpack(mine[0], self.rank)):
+                self._grad_shards[i] = piece
 
     def _check_every_unit_sent(self) -> None:
         self._backward_open = False
+        self._finish_reduce_scatters()
         missing = [self.names[i] for u, unit in enumerate(self.units) if self._unit_ready[u] < len(unit)
-                   for i in unit if self.params[i].grad is None]
+                   for i in unit if not self._arrived[i]]
+        self._flat = [None] * len(self.units)
         if any(ready < len(unit) for ready, unit in zip(self._unit_ready, self.units)):
             raise collectives.CollectiveError(
                 f"{type(self).__name__}: this backward gave no gradient to some parameters, so their unit's "
@@ -94,6 +117,7 @@ class ZeroTwoDataParallel(ZeroOneDataParallel):
                          for layout in self.unit_layouts])
 
     def grad_shards(self) -> List[Optional[torch.Tensor]]:
+        self._finish_reduce_scatters()
         return self._grad_shards
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -1,0 +1,210 @@
+"""The sharded steps on ResNet-50: memory held per rank by each stage, and step time against torch's fully_shard.
+
+    python -m benchmarks.sharded --world-size 2 --json sharded.json --plot sharded.png
+    python -m benchmarks.sharded --world-size 4 --skip-time
+
+Two parts, in one world of spawned Gloo ranks:
+
+1. Memory: each stage (our DDP, with and without gradient_as_bucket_view, ZeRO-1, ZeRO-2, FSDP,
+   and torch's fully_shard) trains ResNet-50 for two steps while ddp_from_scratch.memory.HeldBytes
+   samples what the rank holds (parameters, gradients, optimizer state; activations excluded);
+   the peak of the second step (momentum exists by then) is reported per rank, largest rank, and
+   as a ratio to DDP. Beside it, what each wrapper's own accounting predicts (FORMULAS; psi =
+   parameter bytes, p = ranks, u = the largest unit's bytes), for SGD with momentum.
+2. Step time: ResNet-50, batch 32 per rank, our FSDP and the other stages against torch's
+   fully_shard on the same units, alternated step by step (the order shuffled each round, the
+   same on every rank), the slowest rank's time, medians and per-round ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+
+import torch
+import torch.nn.functional as F
+from tabulate import tabulate
+
+import collectives
+from collectives.cli import command
+from ddp_from_scratch.compare import _sharded_wrapper, torch_fully_shard
+from ddp_from_scratch.ddp import DistributedDataParallel
+from ddp_from_scratch.memory import HeldBytes
+from ddp_from_scratch.models import MODELS
+
+from .ddp_step_time import alternate_steps, summarise
+
+STAGES = ["ddp", "ddp, gradient_as_bucket_view", "zero1", "zero2", "fsdp", "torch fully_shard"]
+MiB = 1 << 20
+
+
+def build(stage: str, net, lr: float = 0.001):
+    """(model, optimizer) for a stage; every rank passes the same seeded `net`."""
+    if stage.startswith("ddp"):
+        model = DistributedDataParallel(net, gradient_as_bucket_view=stage.endswith("view"), timeline=False)
+        return model, torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    if stage == "torch fully_shard":
+        model = torch_fully_shard(net)
+        return model, torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    model = _sharded_wrapper(stage)(net)
+    return model, model.optimizer(torch.optim.SGD, lr=lr, momentum=0.9)
+
+
+def _step(model, opt, x, y) -> None:
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+
+
+def memory(env, stages, batch: int, image: int, model: str = "resnet50") -> dict:
+    """Per stage: the peak of the second step's held bytes on this rank, by kind."""
+    out = {}
+    g = torch.Generator().manual_seed(env.rank)
+    x, y = torch.randn(batch, 3, image, image, generator=g), torch.randint(0, 10, (batch,), generator=g)
+    for stage in stages:
+        torch.manual_seed(0)
+        wrapped, opt = build(stage, MODELS[model]())
+        held = HeldBytes(wrapped, opt)
+        with held.watching_collectives():
+            _step(wrapped, opt, x, y)
+            held.peak = dict.fromkeys(held.peak, 0)  # the second step: momentum exists
+            _step(wrapped, opt, x, y)
+        held.sample()
+        held.remove()
+        out[stage] = dict(held.peak, samples=held.samples)
+        del wrapped, opt, held
+    out["param_bytes"] = sum(p.numel() * p.element_size() for p in MODELS[model]().parameters())
+    out["largest_unit_bytes"] = max(sum(p.numel() * p.element_size() for p in child.parameters())
+                                    for child in MODELS[model]().children())
+    return out
+
+
+def step_times(env, stages, rounds: int, batch: int) -> dict:
+    models, opts = {}, {}
+    for stage in stages:
+        torch.manual_seed(0)
+        models[stage], opts[stage] = build(stage, MODELS["resnet50"]())
+    return alternate_steps(env, models, rounds, batch, opts=opts)
+
+
+FORMULAS = {  # what each wrapper keeps at its peak (psi: parameter bytes, p: ranks, u: the largest unit)
+    "ddp": "4 psi: params, .grad, buckets, momentum",
+    "ddp, gradient_as_bucket_view": "3 psi: the .grad are the buckets",
+    "zero1": "3 psi + psi/p + one gather group",
+    "zero2": "2 psi + 2 psi/p: params, the packed grads, grad and momentum shards",
+    "fsdp": "2 psi/p + 2u: shards, momentum, a unit and its grads",
+    "torch fully_shard": "as fsdp (FSDP2's own hooks)",
+}
+
+
+def predicted(stage: str, psi: float, p: int, unit: float) -> float:
+    """The formula above, in bytes (zero1's gather group: up to 25 MiB and its row not included)."""
+    return {"ddp": 4 * psi, "ddp, gradient_as_bucket_view": 3 * psi, "zero1": 3 * psi + psi / p,
+            "zero2": 2 * psi + 2 * psi / p, "fsdp": 2 * psi / p + 2 * unit,
+            "torch fully_shard": 2 * psi / p + 2 * unit}[stage]
+
+
+def memory_table(per_rank: list, p: int):
+    worst = {stage: max(r[stage]["total"] for r in per_rank) for stage in STAGES if stage in per_rank[0]}
+    psi, unit = per_rank[0]["param_bytes"], per_rank[0]["largest_unit_bytes"]
+    rows = []
+    for stage, total in worst.items():
+        r = max(per_rank, key=lambda rr: rr[stage]["total"])[stage]
+        rows.append([stage, f"{r['params'] / MiB:.1f}", f"{r['grads'] / MiB:.1f}", f"{r['optimizer'] / MiB:.1f}",
+                     f"{r['comm'] / MiB:.1f}",
+                     f"{total / MiB:.1f}", f"{total / worst['ddp']:.3f}", f"{predicted(stage, psi, p, unit) / MiB:.1f}",
+                     FORMULAS[stage]])
+    return rows, ["stage", "params MiB", "grads MiB", "optimizer MiB", "comm MiB", "peak total MiB", "vs DDP",
+                  "predicted MiB", "which is"]
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    per_rank = result["memory"]
+    stages = [s for s in STAGES if s in per_rank[0]]
+    worst = {s: max(per_rank, key=lambda r: r[s]["total"])[s] for s in stages}
+    fig, ax = plt.subplots(figsize=(8, 4))
+    bottom = [0.0] * len(stages)
+    for kind in ("params", "grads", "optimizer", "comm"):
+        values = [worst[s][kind] / MiB for s in stages]
+        ax.bar(stages, values, bottom=bottom, label=kind)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set_ylabel("MiB held by one rank (peak of a step)")
+    ax.set_title(f"ResNet-50, {result['world_size']} ranks: parameters, gradients, optimizer state")
+    ax.legend()
+    plt.setp(ax.get_xticklabels(), rotation=20, ha="right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+@command
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.sharded", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--world-size", type=int, default=2, help="ranks to spawn")
+    p.add_argument("--rounds", type=int, default=7, help="timed rounds (each trains every stage one step)")
+    p.add_argument("--batch", type=int, default=32, help="images per rank per step for the step times")
+    p.add_argument("--memory-batch", type=int, default=2, help="images per rank for the memory part (activations "
+                   "are not counted, so a small batch gives the same figures faster)")
+    p.add_argument("--skip-time", action="store_true", help="only the memory part")
+    p.add_argument("--skip-memory", action="store_true", help="only the step times")
+    p.add_argument("--time-stages", nargs="+", choices=STAGES, default=["ddp", "zero1", "zero2", "fsdp", "torch fully_shard"],
+                   help="stages in the step-time part")
+    p.add_argument("--json", metavar="FILE", help="write every figure as JSON")
+    p.add_argument("--plot", metavar="FILE.png", help="draw the memory part as stacked bars")
+    args = p.parse_args(argv)
+    for name in ("world_size", "rounds", "batch", "memory_batch"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.world_size < 2:
+        p.error("--world-size must be at least 2: sharding over one rank shards nothing")
+    if args.skip_time and args.skip_memory:
+        p.error("--skip-time and --skip-memory together leave nothing to run")
+    n = args.world_size
+    result = {"world_size": n, "date": datetime.date.today().isoformat(), "torch": torch.__version__,
+              "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "command": " ".join(sys.argv)}
+    with collectives.RankPool(n, backend="gloo") as pool:
+        if not args.skip_memory:
+            print(f"[memory] {len(STAGES)} stages, 2 steps each ...", file=sys.stderr, flush=True)
+            result["memory"] = pool.submit(memory, args=(STAGES, args.memory_batch, 32), timeout=3600)
+        if not args.skip_time:
+            print(f"[step time] {len(args.time_stages)} stages x {args.rounds + 1} rounds of ResNet-50 batch "
+                  f"{args.batch} ...", file=sys.stderr, flush=True)
+            times = pool.submit(step_times, args=(args.time_stages, args.rounds, args.batch), timeout=24 * 3600)[0]
+            result["step_time"] = summarise(times, "torch fully_shard" if "torch fully_shard" in times
+                                            else args.time_stages[0])
+    print(f"# sharded steps on ResNet-50 ({sum(q.numel() for q in MODELS['resnet50']().parameters()):,} parameters, "
+          f"fp32), {n} Gloo ranks, torch {torch.__version__}, {result['machine']}, {result['date']}")
+    if "memory" in result:
+        rows, headers = memory_table(result["memory"], n)
+        print("\n## memory held by one rank (the largest rank), peak of a training step, SGD momentum 0.9\n")
+        print(tabulate(rows, headers=headers))
+        psi, unit = result["memory"][0]["param_bytes"], result["memory"][0]["largest_unit_bytes"]
+        print(f"\n(psi = {psi / MiB:.1f} MiB of parameters, u = {unit / MiB:.1f} MiB in the largest unit (layer4); gradients "
+              "include DDP's buckets, the packed\nreduce-scatter inputs and the shards; comm: a collective's own "
+              "buffers; activations are not counted)")
+    if "step_time" in result:
+        reference = "torch fully_shard" if "torch fully_shard" in result["step_time"] else args.time_stages[0]
+        print(f"\n## step time, ResNet-50 batch {args.batch} per rank, {args.rounds} rounds, alternated; "
+              f"ratio to {reference} per round\n")
+        print(tabulate([[label, f"{v['median_s']:.3f}", f"{v['ratio']:.3f}", f"{v['ratio_q1']:.3f}-{v['ratio_q3']:.3f}"]
+                        for label, v in result["step_time"].items()],
+                       headers=["stage", "median s", "ratio", "ratio q1-q3"]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    if args.plot and "memory" in result:
+        plot(result, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
