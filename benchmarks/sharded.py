@@ -38,7 +38,7 @@ from ddp_from_scratch.models import MODELS
 
 from .ddp_step_time import alternate_steps, summarise
 
-STAGES = ["ddp", "ddp, gradient_as_bucket_view", "zero1", "zero2", "fsdp", "torch fully_shard"]
+STAGES = ["ddp", "ddp, gradient_as_bucket_view", "zero1", "zero2", "fsdp", "fsdp, no prefetch", "torch fully_shard"]
 MiB = 1 << 20
 
 
@@ -50,7 +50,10 @@ def build(stage: str, net, lr: float = 0.001):
     if stage == "torch fully_shard":
         model = torch_fully_shard(net)
         return model, torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    model = _sharded_wrapper(stage)(net)
+    if stage == "fsdp, no prefetch":
+        model = _sharded_wrapper("fsdp")(net, prefetch=False)
+    else:
+        model = _sharded_wrapper(stage)(net)
     return model, model.optimizer(torch.optim.SGD, lr=lr, momentum=0.9)
 
 
@@ -78,8 +81,8 @@ def memory(env, stages, batch: int, image: int, model: str = "resnet50") -> dict
         out[stage] = dict(held.peak, samples=held.samples)
         del wrapped, opt, held
     out["param_bytes"] = sum(p.numel() * p.element_size() for p in MODELS[model]().parameters())
-    out["largest_unit_bytes"] = max(sum(p.numel() * p.element_size() for p in child.parameters())
-                                    for child in MODELS[model]().children())
+    units = sorted(sum(p.numel() * p.element_size() for p in child.parameters()) for child in MODELS[model]().children())
+    out["largest_unit_bytes"], out["second_unit_bytes"] = units[-1], units[-2]
     return out
 
 
@@ -96,27 +99,31 @@ FORMULAS = {  # what each wrapper keeps at its peak (psi: parameter bytes, p: ra
     "ddp, gradient_as_bucket_view": "3 psi: the .grad are the buckets",
     "zero1": "3 psi + psi/p + one gather group",
     "zero2": "2 psi + 2 psi/p: params, the packed grads, grad and momentum shards",
-    "fsdp": "2 psi/p + 2u: shards, momentum, a unit and its grads",
-    "torch fully_shard": "as fsdp (FSDP2's own hooks)",
+    "fsdp": "2 psi/p + 2u + (1+1/p) u2: shards, momentum, a unit, its grads, the next one prefetched",
+    "fsdp, no prefetch": "2 psi/p + (1+1/p) u + 2 u2: u's reduce-scatter in flight while u2 computes",
+    "torch fully_shard": "as fsdp; FSDP2's buffers in flight are not seen",
 }
 
 
-def predicted(stage: str, psi: float, p: int, unit: float) -> float:
-    """The formula above, in bytes (zero1's gather group: up to 25 MiB and its row not included)."""
+def predicted(stage: str, psi: float, p: int, unit: float, unit2: float) -> float:
+    """The formula above, in bytes (zero1's gather group: up to 25 MiB and its row not included;
+    u2: the second largest unit, which in ResNet-50 is the next one in backward)."""
+    fsdp = 2 * psi / p + 2 * unit + (1 + 1 / p) * unit2
     return {"ddp": 4 * psi, "ddp, gradient_as_bucket_view": 3 * psi, "zero1": 3 * psi + psi / p,
-            "zero2": 2 * psi + 2 * psi / p, "fsdp": 2 * psi / p + 2 * unit,
-            "torch fully_shard": 2 * psi / p + 2 * unit}[stage]
+            "zero2": 2 * psi + 2 * psi / p, "fsdp": fsdp,
+            "fsdp, no prefetch": max(2 * psi / p + 2 * unit, 2 * psi / p + (1 + 1 / p) * unit + 2 * unit2),
+            "torch fully_shard": fsdp}[stage]
 
 
 def memory_table(per_rank: list, p: int):
     worst = {stage: max(r[stage]["total"] for r in per_rank) for stage in STAGES if stage in per_rank[0]}
-    psi, unit = per_rank[0]["param_bytes"], per_rank[0]["largest_unit_bytes"]
+    psi, unit, unit2 = per_rank[0]["param_bytes"], per_rank[0]["largest_unit_bytes"], per_rank[0]["second_unit_bytes"]
     rows = []
     for stage, total in worst.items():
         r = max(per_rank, key=lambda rr: rr[stage]["total"])[stage]
         rows.append([stage, f"{r['params'] / MiB:.1f}", f"{r['grads'] / MiB:.1f}", f"{r['optimizer'] / MiB:.1f}",
                      f"{r['comm'] / MiB:.1f}",
-                     f"{total / MiB:.1f}", f"{total / worst['ddp']:.3f}", f"{predicted(stage, psi, p, unit) / MiB:.1f}",
+                     f"{total / MiB:.1f}", f"{total / worst['ddp']:.3f}", f"{predicted(stage, psi, p, unit, unit2) / MiB:.1f}",
                      FORMULAS[stage]])
     return rows, ["stage", "params MiB", "grads MiB", "optimizer MiB", "comm MiB", "peak total MiB", "vs DDP",
                   "predicted MiB", "which is"]
@@ -156,7 +163,8 @@ def main(argv=None) -> int:
                    "are not counted, so a small batch gives the same figures faster)")
     p.add_argument("--skip-time", action="store_true", help="only the memory part")
     p.add_argument("--skip-memory", action="store_true", help="only the step times")
-    p.add_argument("--time-stages", nargs="+", choices=STAGES, default=["ddp", "zero1", "zero2", "fsdp", "torch fully_shard"],
+    p.add_argument("--time-stages", nargs="+", choices=STAGES,
+                   default=["ddp", "zero1", "zero2", "fsdp", "fsdp, no prefetch", "torch fully_shard"],
                    help="stages in the step-time part")
     p.add_argument("--json", metavar="FILE", help="write every figure as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="draw the memory part as stacked bars")
@@ -188,7 +196,9 @@ def main(argv=None) -> int:
         print("\n## memory held by one rank (the largest rank), peak of a training step, SGD momentum 0.9\n")
         print(tabulate(rows, headers=headers))
         psi, unit = result["memory"][0]["param_bytes"], result["memory"][0]["largest_unit_bytes"]
-        print(f"\n(psi = {psi / MiB:.1f} MiB of parameters, u = {unit / MiB:.1f} MiB in the largest unit (layer4); gradients "
+        unit2 = result["memory"][0]["second_unit_bytes"]
+        print(f"\n(psi = {psi / MiB:.1f} MiB of parameters, u = {unit / MiB:.1f} MiB in the largest unit (layer4), u2 = "
+              f"{unit2 / MiB:.1f} MiB in the next (layer3); gradients "
               "include DDP's buckets, the packed\nreduce-scatter inputs and the shards; comm: a collective's own "
               "buffers; activations are not counted)")
     if "step_time" in result:

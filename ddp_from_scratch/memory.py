@@ -18,7 +18,9 @@ moment (FSDP2 registers its unsharded parameters during forward and backward, an
 DTensors between: their local shard is counted), its .grad, the wrapper's own gradient buffers
 (DDP's buckets, ZeRO-2/FSDP's gradient shards and the reduce-scatter inputs being filled), the sharded steps' parameter shards, and every
 tensor in the optimizer's state; "comm" is the collective's own input and output where they are
-not one of those (a packed reduce-scatter input, a gathered unit's landing buffer). Activations and communication scratch inside the backends are
+not one of those (a packed reduce-scatter input, a gathered unit's landing buffer), and the
+buffers of collectives still in flight (the wrappers' bytes_in_flight(): an async reduce-scatter,
+a prefetched all_gather). Activations and communication scratch inside the backends are
 not counted: they are the same for every stage at a given batch, or invisible from Python
 (torch's DDP keeps its buckets in C++, so DDP is measured on ours, which has torch's layout).
 """
@@ -88,7 +90,7 @@ class HeldBytes:
         grad_bytes = _storages(grads, seen)
         state = [v for st in self.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
         opt_bytes = _storages(state, seen)
-        comm_bytes = _storages(comm, seen)
+        comm_bytes = _storages(comm, seen) + int(getattr(self.model, "bytes_in_flight", lambda: 0)())
         self.samples += 1
         total = params + grad_bytes + opt_bytes + comm_bytes
         if total > self.peak["total"]:

@@ -103,31 +103,58 @@ def write_chrome_trace(timeline: Dict, path: str, rank: int = 0) -> None:
         json.dump({"traceEvents": chrome_trace_events(timeline, rank), "displayTimeUnit": "ms"}, f)
 
 
+SPAN_COLORS = {"all_gather": "tab:green", "all_gather, backward": "tab:purple", "reduce_scatter": "tab:orange"}
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.2f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.1f} KiB"
+
+
+def _lane_row(lane: str, n: int) -> int:
+    """The row of a span's lane: "unit 3" -> 3; anything else (ZeRO-1's "parameters") below them."""
+    return int(lane.split()[-1]) if lane.startswith("unit ") else n
+
+
 def plot_timeline(timeline: Dict, path: str) -> None:
+    """Draw a timeline: DDP's buckets (| gradient ready, bar: all_reduce in flight), or the
+    sharded steps' units (| gradient ready, green: all_gather for forward, purple: for backward,
+    orange: reduce_scatter until it was waited for)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     n = len(timeline["buckets"])
-    fig, ax = plt.subplots(figsize=(9, 1.0 + 0.5 * n))
+    spans = timeline.get("spans", [])
+    rows = n + (1 if any(not lane.startswith("unit ") for _, lane, _, _ in spans) else 0)
+    fig, ax = plt.subplots(figsize=(9, 1.0 + 0.5 * rows))
     for _, bucket, t in timeline["ready"]:
         ax.plot(_us(timeline, t) / 1e3, bucket, "|", color="tab:blue", markersize=12)
     for bucket, launched in timeline["launch"].items():
         done = timeline["done"].get(bucket, timeline["end"])
         ax.broken_barh([(_us(timeline, launched) / 1e3, (done - launched) * 1e3)], (bucket - 0.3, 0.6), color="tab:orange")
+    for name, lane, start, end in spans:
+        kind = name.split()[0] + (", backward" if "(backward)" in name else "")
+        ax.broken_barh([(_us(timeline, start) / 1e3, max(end - start, 1e-5) * 1e3)], (_lane_row(lane, n) - 0.3, 0.6),
+                       color=SPAN_COLORS.get(kind, "tab:gray"))
     if timeline["end"] is not None:
         ax.axvline(_us(timeline, timeline["end"]) / 1e3, color="black", linestyle="--", label="end of backward")
-    ax.set_yticks(range(n), [f"bucket {i} ({b / 2**20:.2f} MiB)" for i, b in enumerate(timeline["bytes"])])
-    ax.set_xlabel("ms since the forward started   (| gradient ready, bar: all_reduce in flight)")
-    ax.legend(loc="lower right", fontsize=8)
+    sharded = bool(spans)
+    labels = [f"{'unit' if sharded else 'bucket'} {i} ({_size(b)})" for i, b in enumerate(timeline["bytes"])]
+    ax.set_yticks(range(rows), labels + (["parameters"] if rows > n else []))
+    ax.set_xlabel("ms since the forward started   (| gradient ready, " + (
+        "all_gather: green for forward,\npurple for backward; orange: reduce_scatter until waited for)" if sharded
+        else "bar: all_reduce in flight)"))
+    if timeline["end"] is not None:
+        ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def _traced_steps(env, model_name: str, batch_size: int, steps: int):
-    """Train `steps` steps of our DDP (default settings); the last backward's timeline and the layouts."""
+def _traced_steps(env, model_name: str, batch_size: int, steps: int, impl: str = "bucketed"):
+    """Train `steps` steps of our DDP (default settings) or a sharded step; the last step's
+    timeline and the layouts (buckets, or the shard layout)."""
     import torch
     import torch.nn.functional as F
 
@@ -135,15 +162,25 @@ def _traced_steps(env, model_name: str, batch_size: int, steps: int):
     from .models import MODELS, batch
 
     torch.manual_seed(0)
-    model = DistributedDataParallel(MODELS[model_name]())
-    opt = torch.optim.SGD(model.parameters(), lr=0.001, momentum=0.9)
+    if impl == "bucketed":
+        model = DistributedDataParallel(MODELS[model_name]())
+        opt = torch.optim.SGD(model.parameters(), lr=0.001, momentum=0.9)
+    else:
+        from .compare import _sharded_wrapper
+
+        model = _sharded_wrapper(impl)(MODELS[model_name]())
+        opt = model.optimizer(torch.optim.SGD, lr=0.001, momentum=0.9)
     image = 32 if model_name == "resnet50" else 12
     for step in range(steps):
         x, y = batch(step, env.rank, batch_size, image)
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
         opt.step()
-    return model.timeline, model.layouts
+    if impl == "bucketed":
+        return model.timeline, model.layouts
+    units = "\n".join(f"unit {u}: " + layout.describe([model.names[i] for i in unit], env.rank)
+                      for u, (unit, layout) in enumerate(zip(model.units, model.unit_layouts)))
+    return model.timeline, {f"shards, rank {env.rank}": units}
 
 
 @command
@@ -152,7 +189,10 @@ def main(argv=None) -> int:
 
     from .models import MODELS
 
-    parser = argparse.ArgumentParser(description="Record our DDP's bucket timeline: Chrome trace, PNG, layouts.")
+    parser = argparse.ArgumentParser(description="Record our DDP's bucket timeline (or a sharded step's all-gathers "
+                                                 "and reduce-scatters): Chrome trace, PNG, layouts.")
+    parser.add_argument("--impl", choices=["bucketed", "zero1", "zero2", "fsdp"], default="bucketed",
+                        help="our DDP, or a sharded step (ZeRO-1, ZeRO-2, FSDP)")
     parser.add_argument("--model", choices=list(MODELS), default="resnet50")
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=8, help="images per rank")
@@ -160,14 +200,16 @@ def main(argv=None) -> int:
                         "are rebuilt at step 1)")
     parser.add_argument("--out", default="ddp-timeline", help="writes OUT.json (Chrome trace) and OUT.png")
     args = parser.parse_args(argv)
-    results = collectives.run(_traced_steps, args.world_size, args=(args.model, args.batch_size, args.steps))
+    results = collectives.run(_traced_steps, args.world_size, args=(args.model, args.batch_size, args.steps, args.impl))
     events = [e for rank, (timeline, _) in enumerate(results) for e in chrome_trace_events(timeline, rank)]
     with open(args.out + ".json", "w") as f:
         json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
     plot_timeline(results[0][0], args.out + ".png")
     timeline, layouts = results[0]
     for when, text in layouts.items():
-        print(f"bucket layout, {when}:\n{text}\n")
+        print(f"{'bucket layout, ' if args.impl == 'bucketed' else ''}{when}:\n{text}\n")
+    for name, lane, start, end in timeline.get("spans", []):
+        print(f"rank 0, {name:<34s} {_us(timeline, start) / 1e3:8.1f} -> {_us(timeline, end) / 1e3:8.1f} ms")
     for bucket, launched in sorted(timeline["launch"].items()):
         done = timeline["done"].get(bucket, timeline["end"])
         last_ready = max(t for _, b, t in timeline["ready"] if b == bucket)

@@ -89,6 +89,11 @@ class ZeroTwoDataParallel(ZeroOneDataParallel):
         self._in_flight.append((u, work, flat, time.perf_counter()))
         self._flat[u] = flat = None
 
+    def bytes_in_flight(self) -> int:
+        """Bytes held by collectives started and not yet waited for (memory.py counts them as comm):
+        each reduce-scatter's packed input and its output row."""
+        return sum(flat.numel() * flat.element_size() * (1 + 1 / self.world_size) for _, _, flat, _ in self._in_flight)
+
     def _finish_reduce_scatters(self) -> None:
         """Wait for the reduce-scatters in flight; keep this rank's rows of each unit's gradients."""
         while self._in_flight:
@@ -101,6 +106,7 @@ class ZeroTwoDataParallel(ZeroOneDataParallel):
     def _check_every_unit_sent(self) -> None:
         self._backward_open = False
         self._finish_reduce_scatters()
+        self._recorder.finished()
         missing = [self.names[i] for u, unit in enumerate(self.units) if self._unit_ready[u] < len(unit)
                    for i in unit if not self._arrived[i]]
         self._flat = [None] * len(self.units)

@@ -57,3 +57,21 @@ def test_trace_program_writes_every_rank_and_prints_the_layouts(tmp_path, capsys
     text = capsys.readouterr().out
     assert "bucket layout, initial:\nbucket 0:   8 params" in text and "bucket layout, rebuilt:" in text
     assert "rank 0, bucket 0: last gradient ready at" in text and "end of backward at" in text
+
+
+def test_sharded_spans_are_drawn_and_traced(tmp_path):
+    from ddp_from_scratch.trace import Timeline, chrome_trace_events, plot_timeline
+
+    t = Timeline([["a.weight"], ["b.weight", "b.bias"]], [1024, 4 << 20])
+    t0 = t.events["start"]
+    t.span("all_gather unit 0 (forward)", "unit 0", t0 + 0.001, t0 + 0.002)
+    t.span("all_gather unit 1 (backward)", "unit 1", t0 + 0.003, t0 + 0.005)
+    t.span("reduce_scatter unit 1", "unit 1", t0 + 0.006, t0 + 0.008)
+    t.span("all_gather (after the step)", "parameters", t0 + 0.009, t0 + 0.010)
+    t.ready("b.weight", 1)
+    t.finished()
+    events = chrome_trace_events(t.events)
+    spans = [(e["name"], e["tid"], round(e["dur"])) for e in events if e.get("ph") == "X"]
+    assert ("reduce_scatter unit 1", "unit 1", 2000) in spans and ("all_gather unit 0 (forward)", "unit 0", 1000) in spans
+    plot_timeline(t.events, str(tmp_path / "t.png"))
+    assert (tmp_path / "t.png").stat().st_size > 1000
