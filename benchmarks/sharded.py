@@ -38,7 +38,8 @@ from ddp_from_scratch.models import MODELS
 
 from .ddp_step_time import alternate_steps, summarise
 
-STAGES = ["ddp", "ddp, gradient_as_bucket_view", "zero1", "zero2", "fsdp", "fsdp, no prefetch", "torch fully_shard"]
+STAGES = ["ddp", "ddp, gradient_as_bucket_view", "zero1", "zero2", "fsdp", "fsdp, no prefetch", "torch fully_shard",
+          "fsdp, per block", "torch fully_shard, per block"]
 MiB = 1 << 20
 
 
@@ -47,11 +48,13 @@ def build(stage: str, net, lr: float = 0.001):
     if stage.startswith("ddp"):
         model = DistributedDataParallel(net, gradient_as_bucket_view=stage.endswith("view"), timeline=False)
         return model, torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    if stage == "torch fully_shard":
-        model = torch_fully_shard(net)
+    if stage.startswith("torch fully_shard"):
+        model = torch_fully_shard(net, "blocks" if stage.endswith("per block") else "children")
         return model, torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     if stage == "fsdp, no prefetch":
         model = _sharded_wrapper("fsdp")(net, prefetch=False)
+    elif stage == "fsdp, per block":
+        model = _sharded_wrapper("fsdp")(net, units="blocks")
     else:
         model = _sharded_wrapper(stage)(net)
     return model, model.optimizer(torch.optim.SGD, lr=lr, momentum=0.9)
@@ -81,8 +84,14 @@ def memory(env, stages, batch: int, image: int, model: str = "resnet50") -> dict
         out[stage] = dict(held.peak, samples=held.samples)
         del wrapped, opt, held
     out["param_bytes"] = sum(p.numel() * p.element_size() for p in MODELS[model]().parameters())
-    units = sorted(sum(p.numel() * p.element_size() for p in child.parameters()) for child in MODELS[model]().children())
+    from ddp_from_scratch.fsdp import unit_plan
+
+    net = MODELS[model]()
+    units = sorted(sum(p.numel() * p.element_size() for p in child.parameters()) for child in net.children())
     out["largest_unit_bytes"], out["second_unit_bytes"] = units[-1], units[-2]
+    params = dict(net.named_parameters())
+    out["largest_block_bytes"] = max(sum(params[n].numel() * params[n].element_size() for n in names)
+                                     for _, names in unit_plan(net, "blocks"))
     return out
 
 
@@ -102,28 +111,32 @@ FORMULAS = {  # what each wrapper keeps at its peak (psi: parameter bytes, p: ra
     "fsdp": "2 psi/p + 2u + (1+1/p) u2: shards, momentum, a unit, its grads, the next one prefetched",
     "fsdp, no prefetch": "2 psi/p + (1+1/p) u + 2 u2: u's reduce-scatter in flight while u2 computes",
     "torch fully_shard": "as fsdp; FSDP2's buffers in flight are not seen",
+    "fsdp, per block": "at most 2 psi/p + (3+1/p) b: a block, its grads, the next prefetched (b: the largest block, 23 MiB)",
+    "torch fully_shard, per block": "as fsdp, per block; FSDP2's buffers in flight are not seen",
 }
 
 
-def predicted(stage: str, psi: float, p: int, unit: float, unit2: float) -> float:
+def predicted(stage: str, psi: float, p: int, unit: float, unit2: float, block: float) -> float:
     """The formula above, in bytes (zero1's gather group: up to 25 MiB and its row not included;
     u2: the second largest unit, which in ResNet-50 is the next one in backward)."""
     fsdp = 2 * psi / p + 2 * unit + (1 + 1 / p) * unit2
     return {"ddp": 4 * psi, "ddp, gradient_as_bucket_view": 3 * psi, "zero1": 3 * psi + psi / p,
             "zero2": 2 * psi + 2 * psi / p, "fsdp": fsdp,
             "fsdp, no prefetch": max(2 * psi / p + 2 * unit, 2 * psi / p + (1 + 1 / p) * unit + 2 * unit2),
-            "torch fully_shard": fsdp}[stage]
+            "torch fully_shard": fsdp, "fsdp, per block": 2 * psi / p + (3 + 1 / p) * block,
+            "torch fully_shard, per block": 2 * psi / p + (3 + 1 / p) * block}[stage]
 
 
 def memory_table(per_rank: list, p: int):
     worst = {stage: max(r[stage]["total"] for r in per_rank) for stage in STAGES if stage in per_rank[0]}
     psi, unit, unit2 = per_rank[0]["param_bytes"], per_rank[0]["largest_unit_bytes"], per_rank[0]["second_unit_bytes"]
+    block = per_rank[0]["largest_block_bytes"]
     rows = []
     for stage, total in worst.items():
         r = max(per_rank, key=lambda rr: rr[stage]["total"])[stage]
         rows.append([stage, f"{r['params'] / MiB:.1f}", f"{r['grads'] / MiB:.1f}", f"{r['optimizer'] / MiB:.1f}",
                      f"{r['comm'] / MiB:.1f}",
-                     f"{total / MiB:.1f}", f"{total / worst['ddp']:.3f}", f"{predicted(stage, psi, p, unit, unit2) / MiB:.1f}",
+                     f"{total / MiB:.1f}", f"{total / worst['ddp']:.3f}", f"{predicted(stage, psi, p, unit, unit2, block) / MiB:.1f}",
                      FORMULAS[stage]])
     return rows, ["stage", "params MiB", "grads MiB", "optimizer MiB", "comm MiB", "peak total MiB", "vs DDP",
                   "predicted MiB", "which is"]
@@ -164,7 +177,8 @@ def main(argv=None) -> int:
     p.add_argument("--skip-time", action="store_true", help="only the memory part")
     p.add_argument("--skip-memory", action="store_true", help="only the step times")
     p.add_argument("--time-stages", nargs="+", choices=STAGES,
-                   default=["ddp", "zero1", "zero2", "fsdp", "fsdp, no prefetch", "torch fully_shard"],
+                   default=["ddp", "zero1", "zero2", "fsdp", "fsdp, no prefetch", "torch fully_shard", "fsdp, per block",
+                            "torch fully_shard, per block"],
                    help="stages in the step-time part")
     p.add_argument("--json", metavar="FILE", help="write every figure as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="draw the memory part as stacked bars")

@@ -148,14 +148,16 @@ def _sharded_wrapper(impl: str):
     return {"zero1": ZeroOneDataParallel, "zero2": ZeroTwoDataParallel, "fsdp": FullyShardedDataParallel}[impl]
 
 
-def torch_fully_shard(module: nn.Module, units: str = "children") -> nn.Module:
-    """torch's FSDP2 on the same units as ours (fsdp.units_of): each child with parameters, then the root."""
+def torch_fully_shard(module: nn.Module, units="children") -> nn.Module:
+    """torch's FSDP2 on the same units as ours (fsdp.unit_plan): fully_shard on each unit's module,
+    innermost first, then on the root."""
     from torch.distributed.fsdp import fully_shard
 
-    if units == "children":
-        for child in module.children():
-            if any(p.requires_grad for p in child.parameters()):
-                fully_shard(child)
+    from .fsdp import unit_plan
+
+    for name, _ in reversed(unit_plan(module, units)):
+        if name:
+            fully_shard(module.get_submodule(name))
     return fully_shard(module)
 
 

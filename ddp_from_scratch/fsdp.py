@@ -11,7 +11,7 @@ At any moment a rank holds its shards plus about one unit whole:
     forward:  gather u0, run u0, free u0 | gather u1, run u1, free u1 | ...
     backward: ... | gather u1, grads u1, reduce-scatter u1, free u1 | gather u0, grads u0, ...
 
-    model = FullyShardedDataParallel(net)                  # units="children" or "model"
+    model = FullyShardedDataParallel(net)        # units="children", "blocks", "model" or module names
     opt = model.optimizer(torch.optim.SGD, lr=0.05, momentum=0.9)
     print(model.layout_text())                             # which rows of which parameter each rank owns
 
@@ -25,7 +25,7 @@ same shards, the same reduce-scatter layout and op.
 from __future__ import annotations
 
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -38,20 +38,50 @@ from .unused import _tensors_in
 from .zero2 import ZeroTwoDataParallel
 
 
-def units_of(module: nn.Module, units: str = "children") -> List[List[str]]:
-    """Parameter names per unit: each direct child with parameters, then the root's own ("model":
-    one unit). torch's fully_shard applied to the same children and then the root cuts it alike."""
-    names = [n for n, p in module.named_parameters() if p.requires_grad]
+def unit_module_names(module: nn.Module, units="children") -> List[str]:
+    """The modules that are units, by name: "children" (each direct child with parameters),
+    "blocks" (one level deeper inside children that only hold other modules, as ResNet's
+    layer1..layer4 hold their blocks), "model" (none: the root is the one unit), or a list of
+    names. Parameters no listed module holds form the root's unit."""
+    if isinstance(units, (list, tuple)):
+        return list(units)
     if units == "model":
-        return [names]
-    groups, taken = [], set()
-    for child_name, child in module.named_children():
-        mine = [f"{child_name}.{n}" for n, p in child.named_parameters() if p.requires_grad]
-        if mine:
-            groups.append(mine)
-            taken.update(mine)
-    rest = [n for n in names if n not in taken]
-    return groups + ([rest] if rest else [])
+        return []
+    if units not in ("children", "blocks"):
+        raise ValueError(f"units must be 'children', 'blocks', 'model' or a list of module names, got {units!r}")
+    out = []
+    for name, child in module.named_children():
+        if not any(p.requires_grad for p in child.parameters()):
+            continue
+        inner = [(n, m) for n, m in child.named_children() if any(p.requires_grad for p in m.parameters())]
+        if units == "blocks" and inner and not any(True for _ in child.parameters(recurse=False)):
+            out += [f"{name}.{n}" for n, _ in inner]
+        else:
+            out.append(name)
+    return out
+
+
+def unit_plan(module: nn.Module, units="children") -> List[Tuple[str, List[str]]]:
+    """(module name, its parameter names) per unit, in the modules' order, the root's ("") last.
+    A parameter belongs to the innermost listed module holding it, as with nested fully_shard."""
+    listed = unit_module_names(module, units)
+    known = dict(module.named_modules())
+    missing = [m for m in listed if m not in known]
+    if missing:
+        raise ValueError(f"no module named {missing} in {type(module).__name__}")
+    owner = {}
+    for n, p in module.named_parameters():
+        if p.requires_grad:
+            holders = [m for m in listed if n.startswith(m + ".")]
+            owner[n] = max(holders, key=len) if holders else ""
+    order = [m for m in known if m in listed] + [""]
+    plan = [(m, [n for n, o in owner.items() if o == m]) for m in order]
+    return [(m, names) for m, names in plan if names]
+
+
+def units_of(module: nn.Module, units="children") -> List[List[str]]:
+    """Parameter names per unit (unit_plan without the module names)."""
+    return [names for _, names in unit_plan(module, units)]
 
 
 class FullyShardedDataParallel(ZeroTwoDataParallel):
@@ -64,7 +94,9 @@ class FullyShardedDataParallel(ZeroTwoDataParallel):
         (benchmarks/sharded.py measures both, with and without)."""
         super().__init__(module, group=group, broadcast_buffers=broadcast_buffers, timeline=timeline)
         index = {n: i for i, n in enumerate(self.names)}
-        self.units = [[index[n] for n in unit] for unit in units_of(module, units)]
+        plan = unit_plan(module, units)
+        self.unit_names = [name for name, _ in plan]  # "" is the root's own parameters
+        self.units = [[index[n] for n in names] for _, names in plan]
         self.unit_layouts = [ShardLayout([self.params[i] for i in unit], self.world_size) for unit in self.units]
         self._setup_units()
         self.own_shards()  # self.shards: this rank's rows, the only copy of the parameters it keeps
@@ -90,16 +122,8 @@ class FullyShardedDataParallel(ZeroTwoDataParallel):
             self._free(u)
 
     def _unit_modules(self, module: nn.Module) -> Dict[int, nn.Module]:
-        """The module whose forward and backward bracket each unit: its child, or the root."""
-        out = {}
-        children = dict(module.named_children())
-        for u, unit in enumerate(self.units):
-            first = self.names[unit[0]].split(".")[0]
-            owner = children.get(first)
-            whole_child = owner is not None and all(self.names[i].split(".")[0] == first for i in unit) and \
-                len(unit) == sum(1 for p in owner.parameters() if p.requires_grad)
-            out[u] = owner if whole_child else module
-        return out
+        """The module whose forward and backward bracket each unit: its own, or the root."""
+        return {u: module.get_submodule(name) if name else module for u, name in enumerate(self.unit_names)}
 
     # -- parameters: gathered for a unit's forward and backward, freed between ---------------
     def _gather(self, u: int, why: str = "") -> None:

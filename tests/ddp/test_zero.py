@@ -18,8 +18,9 @@ from hypothesis import strategies as st
 import collectives
 from ddp_from_scratch import shard as shard_module
 from ddp_from_scratch.compare import SHARDED, must_be_bitwise, summarise, train_sharded_side_by_side
-from ddp_from_scratch.fsdp import FullyShardedDataParallel, units_of
+from ddp_from_scratch.fsdp import FullyShardedDataParallel, unit_plan, units_of
 from ddp_from_scratch.models import Branchy, SmallNet, batch
+from ddp_from_scratch.resnet import resnet50
 from ddp_from_scratch.shard import ShardLayout
 from ddp_from_scratch.zero1 import ZeroOneDataParallel
 from ddp_from_scratch.zero2 import ZeroTwoDataParallel
@@ -59,6 +60,32 @@ def test_units_are_the_children_with_parameters_then_the_root():
     assert units_of(net) == [["conv1.weight"], ["bn1.weight", "bn1.bias"], ["conv2.weight"],
                              ["bn2.weight", "bn2.bias"], ["fc.weight", "fc.bias"]]
     assert units_of(net, "model") == [[n for n, _ in net.named_parameters()]]
+    plan = unit_plan(Nested(), ["1", "1.2"])  # a parameter belongs to the innermost listed module
+    assert plan == [("1", ["1.0.weight", "1.0.bias"]), ("1.2", ["1.2.weight", "1.2.bias"]),
+                    ("", ["0.weight", "0.bias", "4.weight", "4.bias"])]
+    blocks = [name for name, _ in unit_plan(resnet50(num_classes=10), "blocks")]
+    assert blocks[:4] == ["conv1", "bn1", "layer1.0", "layer1.1"] and blocks[-2:] == ["layer4.2", "fc"]
+    with pytest.raises(ValueError, match="no module named"):
+        unit_plan(Nested(), ["9"])
+
+
+class Nested(torch.nn.Sequential):
+    """Units inside units: fully_shard on "1.2", then on "1", then on the root."""
+
+    def __init__(self):
+        super().__init__(torch.nn.Conv2d(3, 8, 3), torch.nn.Sequential(torch.nn.Conv2d(8, 8, 3), torch.nn.ReLU(),
+                                                                       torch.nn.Conv2d(8, 6, 3)),
+                         torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(6, 10))
+
+
+def _nested_units(env):
+    return summarise([train_sharded_side_by_side(env, "fsdp", STEPS, against="torch-fsdp", model=Nested,
+                                                 units=["1", "1.2"])])
+
+
+def test_nested_units_are_bitwise_fully_shard_nested_alike(dist_run):
+    for rank, res in enumerate(dist_run(_nested_units, 3, timeout=300)):
+        assert res["bitwise"], f"rank {rank}: {res}"
 
 
 # -- parity on ranks: one call per world size, every pair ---------------------------------------
