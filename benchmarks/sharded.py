@@ -111,7 +111,7 @@ FORMULAS = {  # what each wrapper keeps at its peak (psi: parameter bytes, p: ra
     "fsdp": "2 psi/p + 2u + (1+1/p) u2: shards, momentum, a unit, its grads, the next one prefetched",
     "fsdp, no prefetch": "2 psi/p + (1+1/p) u + 2 u2: u's reduce-scatter in flight while u2 computes",
     "torch fully_shard": "as fsdp; FSDP2's buffers in flight are not seen",
-    "fsdp, per block": "at most 2 psi/p + (3+1/p) b: a block, its grads, the next prefetched (b: the largest block, 23 MiB)",
+    "fsdp, per block": "2 psi/p + a block, its grads, a reduce-scatter in flight, the next prefetched (not one formula)",
     "torch fully_shard, per block": "as fsdp, per block; FSDP2's buffers in flight are not seen",
 }
 
@@ -123,8 +123,11 @@ def predicted(stage: str, psi: float, p: int, unit: float, unit2: float, block: 
     return {"ddp": 4 * psi, "ddp, gradient_as_bucket_view": 3 * psi, "zero1": 3 * psi + psi / p,
             "zero2": 2 * psi + 2 * psi / p, "fsdp": fsdp,
             "fsdp, no prefetch": max(2 * psi / p + 2 * unit, 2 * psi / p + (1 + 1 / p) * unit + 2 * unit2),
-            "torch fully_shard": fsdp, "fsdp, per block": 2 * psi / p + (3 + 1 / p) * block,
-            "torch fully_shard, per block": 2 * psi / p + (3 + 1 / p) * block}[stage]
+            "torch fully_shard": fsdp}.get(stage)  # per block: which blocks overlap at the peak varies
+
+
+def _mib(nbytes) -> str:
+    return "-" if nbytes is None else f"{nbytes / MiB:.1f}"
 
 
 def memory_table(per_rank: list, p: int):
@@ -136,7 +139,7 @@ def memory_table(per_rank: list, p: int):
         r = max(per_rank, key=lambda rr: rr[stage]["total"])[stage]
         rows.append([stage, f"{r['params'] / MiB:.1f}", f"{r['grads'] / MiB:.1f}", f"{r['optimizer'] / MiB:.1f}",
                      f"{r['comm'] / MiB:.1f}",
-                     f"{total / MiB:.1f}", f"{total / worst['ddp']:.3f}", f"{predicted(stage, psi, p, unit, unit2, block) / MiB:.1f}",
+                     f"{total / MiB:.1f}", f"{total / worst['ddp']:.3f}", _mib(predicted(stage, psi, p, unit, unit2, block)),
                      FORMULAS[stage]])
     return rows, ["stage", "params MiB", "grads MiB", "optimizer MiB", "comm MiB", "peak total MiB", "vs DDP",
                   "predicted MiB", "which is"]
@@ -181,6 +184,8 @@ def main(argv=None) -> int:
                             "torch fully_shard, per block"],
                    help="stages in the step-time part")
     p.add_argument("--json", metavar="FILE", help="write every figure as JSON")
+    p.add_argument("--from-json", metavar="FILE", help="print the tables (and --plot) of an earlier run's JSON, "
+                   "running nothing")
     p.add_argument("--plot", metavar="FILE.png", help="draw the memory part as stacked bars")
     args = p.parse_args(argv)
     for name in ("world_size", "rounds", "batch", "memory_batch"):
@@ -190,8 +195,21 @@ def main(argv=None) -> int:
         p.error("--world-size must be at least 2: sharding over one rank shards nothing")
     if args.skip_time and args.skip_memory:
         p.error("--skip-time and --skip-memory together leave nothing to run")
+    if args.from_json:
+        with open(args.from_json) as f:
+            result = json.load(f)
+        n = result["world_size"]
+        args.time_stages = list(result.get("step_time", {})) or args.time_stages
+    else:
+        result = run(args)
+        n = result["world_size"]
+    report(result, args, n)
+    return 0
+
+
+def run(args) -> dict:
     n = args.world_size
-    result = {"world_size": n, "date": datetime.date.today().isoformat(), "torch": torch.__version__,
+    result = {"world_size": n, "batch": args.batch, "date": datetime.date.today().isoformat(), "torch": torch.__version__,
               "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "command": " ".join(sys.argv)}
     with collectives.RankPool(n, backend="gloo") as pool:
         if not args.skip_memory:
@@ -203,6 +221,10 @@ def main(argv=None) -> int:
             times = pool.submit(step_times, args=(args.time_stages, args.rounds, args.batch), timeout=24 * 3600)[0]
             result["step_time"] = summarise(times, "torch fully_shard" if "torch fully_shard" in times
                                             else args.time_stages[0])
+    return result
+
+
+def report(result: dict, args, n: int) -> None:
     print(f"# sharded steps on ResNet-50 ({sum(q.numel() for q in MODELS['resnet50']().parameters()):,} parameters, "
           f"fp32), {n} Gloo ranks, torch {torch.__version__}, {result['machine']}, {result['date']}")
     if "memory" in result:
@@ -217,17 +239,17 @@ def main(argv=None) -> int:
               "buffers; activations are not counted)")
     if "step_time" in result:
         reference = "torch fully_shard" if "torch fully_shard" in result["step_time"] else args.time_stages[0]
-        print(f"\n## step time, ResNet-50 batch {args.batch} per rank, {args.rounds} rounds, alternated; "
+        rounds = len(next(iter(result["step_time"].values()))["steps"])
+        print(f"\n## step time, ResNet-50 batch {result.get('batch', args.batch)} per rank, {rounds} rounds, alternated; "
               f"ratio to {reference} per round\n")
         print(tabulate([[label, f"{v['median_s']:.3f}", f"{v['ratio']:.3f}", f"{v['ratio_q1']:.3f}-{v['ratio_q3']:.3f}"]
                         for label, v in result["step_time"].items()],
                        headers=["stage", "median s", "ratio", "ratio q1-q3"]))
-    if args.json:
+    if args.json and not args.from_json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
     if args.plot and "memory" in result:
         plot(result, args.plot)
-    return 0
 
 
 if __name__ == "__main__":

@@ -288,17 +288,17 @@ def options(model: str = "small", batch_size: int = 4):
     }
 
 
-def shard_layout_text(model: str, world_size: int) -> str:
+def shard_layout_text(model: str, world_size: int, units: str = "children") -> str:
     """Which rows of which parameter each rank owns, unit by unit (no ranks needed: it is arithmetic)."""
-    from .fsdp import units_of
+    from .fsdp import unit_plan
     from .shard import ShardLayout
 
     net = MODELS[model]()
     params = dict(net.named_parameters())
     parts = []
-    for u, names in enumerate(units_of(net)):
+    for u, (module_name, names) in enumerate(unit_plan(net, units)):
         layout = ShardLayout([params[n] for n in names], world_size)
-        parts.append(f"unit {u}: " + layout.describe(names))
+        parts.append(f"unit {u} ({module_name or 'the root'}): " + layout.describe(names))
     return "\n".join(parts)
 
 
@@ -369,6 +369,9 @@ def main(argv=None) -> int:
                         help="wrappers to compare; zero1, zero2 and fsdp (the sharded steps) go into a table of "
                              "their own, each against torch's fully_shard and torch's DDP")
     parser.add_argument("--world-sizes", nargs="+", type=int, default=[2, 4], help="ranks to spawn, one run each")
+    parser.add_argument("--units", choices=["children", "blocks"], default="children",
+                        help="how fsdp (and fully_shard beside it) cut the model into units: each child with "
+                             "parameters, or one level deeper inside containers (ResNet-50's bottleneck blocks)")
     parser.add_argument("--steps", type=int, default=4, help="training steps compared (at least 1)")
     parser.add_argument("--batch-size", type=int, default=4, help="images per rank per step (at least 1)")
     parser.add_argument("--image", type=int, default=None, help="image side in pixels (default 12 small, 32 resnet50)")
@@ -412,7 +415,8 @@ def main(argv=None) -> int:
                     progress(f"{impl} against {against} on {n} ranks")
                     res = summarise(pool.submit(
                         partial(train_sharded_side_by_side, against=against, model=args.model,
-                                batch_size=args.batch_size, image=image), args=(impl, args.steps), timeout=3600))
+                                batch_size=args.batch_size, image=image, units=args.units),
+                        args=(impl, args.steps), timeout=3600))
                     must = must_be_bitwise(impl, against, n)
                     sharded_rows.append([impl, "torch fully_shard" if against == "torch-fsdp" else "torch DDP"]
                                         + _row(impl, n, args.steps, res)[1:4] + ["yes" if must else "-"]
@@ -437,7 +441,8 @@ def main(argv=None) -> int:
         print("\n" + SHARDED_NOTE)
     if args.show_layout and sharded:
         print(f"\nshard layout on {max(args.world_sizes)} ranks, model {args.model} (fsdp's units; "
-              f"ZeRO-1/2 cut each parameter the same way):\n{shard_layout_text(args.model, max(args.world_sizes))}")
+              f"ZeRO-1/2 cut each parameter the same way):\n"
+              f"{shard_layout_text(args.model, max(args.world_sizes), args.units)}")
     if args.show_layout and plain:
         shown = collectives.run(layouts, 1, args=(args.model, args.batch_size, image, args.show_layout == "full"))[0]
         for when in ("initial", "rebuilt"):

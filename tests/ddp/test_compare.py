@@ -72,3 +72,15 @@ def test_fp16_overflow_on_resnet50_is_identical_on_both_sides(dist_run):
     assert compare.describe_nonfinite(res).startswith("both sides overflow (inf/NaN) from step 0")
     assert "run with 4 images per rank" in compare.options("resnet50", 2)["compress fp16"][1]
     assert compare.options("resnet50", 2)["compress fp16"][0]["batch_size"] == 4
+
+
+def test_compare_program_prints_the_sharded_table_and_the_shard_layout(capsys):
+    from ddp_from_scratch import compare
+
+    code = compare.main(["--impl", "zero2", "fsdp", "--world-sizes", "2", "--steps", "2", "--no-options",
+                         "--show-layout"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    table = [line for line in out.splitlines() if line.startswith(("zero2 ", "fsdp "))]
+    assert len(table) == 4 and all(" yes " in line for line in table), table  # 2 ranks: every pair bitwise
+    assert "unit 0 (conv1): 2 ranks" in out and "rows r0: 0-3, r1: 4-7" in out  # conv1.weight (8, 3, 3, 3)
