@@ -31,8 +31,9 @@ from tabulate import tabulate
 
 import collectives
 from collectives.cli import command
-from ddp_from_scratch.compare import _sharded_wrapper, torch_fully_shard
+from ddp_from_scratch.wrap import SHARDED_WRAPPERS, torch_fully_shard
 from ddp_from_scratch.ddp import DistributedDataParallel
+from ddp_from_scratch.fsdp import unit_plan
 from ddp_from_scratch.memory import HeldBytes
 from ddp_from_scratch.models import MODELS
 
@@ -52,11 +53,11 @@ def build(stage: str, net, lr: float = 0.001):
         model = torch_fully_shard(net, "blocks" if stage.endswith("per block") else "children")
         return model, torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     if stage == "fsdp, no prefetch":
-        model = _sharded_wrapper("fsdp")(net, prefetch=False)
+        model = SHARDED_WRAPPERS["fsdp"](net, prefetch=False)
     elif stage == "fsdp, per block":
-        model = _sharded_wrapper("fsdp")(net, units="blocks")
+        model = SHARDED_WRAPPERS["fsdp"](net, units="blocks")
     else:
-        model = _sharded_wrapper(stage)(net)
+        model = SHARDED_WRAPPERS[stage](net)
     return model, model.optimizer(torch.optim.SGD, lr=lr, momentum=0.9)
 
 
@@ -83,15 +84,15 @@ def memory(env, stages, batch: int, image: int, model: str = "resnet50") -> dict
         held.remove()
         out[stage] = dict(held.peak, samples=held.samples)
         del wrapped, opt, held
-    out["param_bytes"] = sum(p.numel() * p.element_size() for p in MODELS[model]().parameters())
-    from ddp_from_scratch.fsdp import unit_plan
-
     net = MODELS[model]()
-    units = sorted(sum(p.numel() * p.element_size() for p in child.parameters()) for child in net.children())
-    out["largest_unit_bytes"], out["second_unit_bytes"] = units[-1], units[-2]
     params = dict(net.named_parameters())
-    out["largest_block_bytes"] = max(sum(params[n].numel() * params[n].element_size() for n in names)
-                                     for _, names in unit_plan(net, "blocks"))
+
+    def unit_bytes(units):
+        return sorted(sum(params[n].numel() * params[n].element_size() for n in names) for _, names in unit_plan(net, units))
+
+    out["param_bytes"] = sum(p.numel() * p.element_size() for p in params.values())
+    out["largest_unit_bytes"], out["second_unit_bytes"] = unit_bytes("children")[-2:][::-1]
+    out["largest_block_bytes"] = unit_bytes("blocks")[-1]
     return out
 
 

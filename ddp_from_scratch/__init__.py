@@ -20,6 +20,7 @@ The files:
   memory.py   what a rank holds during a step (parameters, gradients, optimizer state), sampled
   trace.py    the bucket timeline as a Chrome trace and a PNG (python -m ddp_from_scratch.trace)
   compare.py  side-by-side parity with torch's DDP (python -m ddp_from_scratch.compare)
+  sharded_parity.py  the sharded steps side by side with torch's fully_shard and DDP (compare --impl zero1 ...)
   train.py    the training program (python -m ddp_from_scratch.train), checkpoint and --resume
 """
 

@@ -34,7 +34,6 @@ from typing import Dict, List, NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 from tabulate import tabulate
-from torch import nn
 
 import collectives
 from collectives.cli import command, eta
@@ -42,7 +41,7 @@ from collectives.cli import command, eta
 from .bucket import describe as bucket_describe
 from .ddp import DistributedDataParallel
 from .models import MODELS, batch
-from .wrap import WRAPPERS, wrap
+from .wrap import SHARDED_WRAPPERS, WRAPPERS, wrap
 
 # An integer dtype of each width: "the same bits" is torch.equal on these views
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -137,84 +136,6 @@ def train_side_by_side(env, wrapper, steps: int, model="small", batch_size: int 
     return report
 
 
-SHARDED = ("zero1", "zero2", "fsdp")
-
-
-def _sharded_wrapper(impl: str):
-    from .fsdp import FullyShardedDataParallel
-    from .zero1 import ZeroOneDataParallel
-    from .zero2 import ZeroTwoDataParallel
-
-    return {"zero1": ZeroOneDataParallel, "zero2": ZeroTwoDataParallel, "fsdp": FullyShardedDataParallel}[impl]
-
-
-def torch_fully_shard(module: nn.Module, units="children") -> nn.Module:
-    """torch's FSDP2 on the same units as ours (fsdp.unit_plan): fully_shard on each unit's module,
-    innermost first, then on the root."""
-    from torch.distributed.fsdp import fully_shard
-
-    from .fsdp import unit_plan
-
-    for name, _ in reversed(unit_plan(module, units)):
-        if name:
-            fully_shard(module.get_submodule(name))
-    return fully_shard(module)
-
-
-def _full_params(model: nn.Module) -> Dict[str, torch.Tensor]:
-    """Every parameter whole: DTensors gathered (fully_shard), our FSDP's units gathered."""
-    if hasattr(model, "full_state"):
-        return model.full_state()
-    inner = getattr(model, "module", model)
-    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for n, p in inner.named_parameters()}
-
-
-def train_sharded_side_by_side(env, impl: str, steps: int, against: str = "torch-fsdp", model="small",
-                               batch_size: int = 4, image: int = 12, units: str = "children",
-                               lr: float = 0.05) -> List[StepCheck]:
-    """A sharded step of ours (zero1, zero2, fsdp) against torch's fully_shard or torch's DDP.
-
-    Every rank starts from the same weights (fully_shard keeps each rank's own rows and does not
-    broadcast them). Against fully_shard, buffers are not synchronised (FSDP2 leaves BatchNorm
-    statistics per rank); against DDP they are broadcast from rank 0 before each forward, as
-    DDP does. Compared after every step: every parameter (whole), buffer and the loss; the
-    gradients are shards on both sharded sides and are not compared one by one.
-    """
-    torch.manual_seed(100)
-    base = (MODELS[model] if isinstance(model, str) else model)()
-    copied = copy.deepcopy(base)
-    # the units torch's side is cut into: ours for fsdp; ZeRO-1/2 reduce the whole model at once
-    theirs = torch_fully_shard(copied, units if impl == "fsdp" else "model") if against == "torch-fsdp" \
-        else wrap(copied, "torch")
-    kwargs = {"units": units} if impl == "fsdp" else {}
-    ours = _sharded_wrapper(impl)(base, broadcast_buffers=against == "torch", **kwargs) if isinstance(impl, str) \
-        else impl(base)
-    opt_ours = ours.optimizer(torch.optim.SGD, lr=lr, momentum=0.9)
-    opt_theirs = torch.optim.SGD(theirs.parameters(), lr=lr, momentum=0.9)
-    report = []
-    for step in range(steps):
-        x, y = batch(step, env.rank, batch_size, image)
-        losses = []
-        for m, opt in ((ours, opt_ours), (theirs, opt_theirs)):
-            opt.zero_grad()
-            loss = F.cross_entropy(m(x), y)
-            loss.backward()
-            opt.step()
-            losses.append(loss.detach())
-        p_ours, p_theirs = _full_params(ours), _full_params(theirs)
-        b_ours = dict(ours.module.named_buffers())
-        b_theirs = dict(getattr(theirs, "module", theirs).named_buffers())
-        report.append(StepCheck(
-            params=all(same_bits(p_ours[k], p_theirs[k]) for k in p_theirs),
-            buffers=all(same_bits(b_ours[k], b_theirs[k]) for k in b_theirs),
-            loss=same_bits(losses[0], losses[1]),
-            largest_diff=max(_relative_diff(p_ours[k], p_theirs[k]) for k in p_theirs),
-            nonfinite_ours=_nonfinite(p_ours.values()),
-            nonfinite_theirs=_nonfinite(p_theirs.values()),
-        ))
-    return report
-
-
 def summarise(per_rank: List[List[StepCheck]]) -> Dict:
     """Over every rank and step: bitwise or not, the largest difference, the first step that
     differs, and when values stopped being finite (first step, tensors on each side)."""
@@ -288,20 +209,6 @@ def options(model: str = "small", batch_size: int = 4):
     }
 
 
-def shard_layout_text(model: str, world_size: int, units: str = "children") -> str:
-    """Which rows of which parameter each rank owns, unit by unit (no ranks needed: it is arithmetic)."""
-    from .fsdp import unit_plan
-    from .shard import ShardLayout
-
-    net = MODELS[model]()
-    params = dict(net.named_parameters())
-    parts = []
-    for u, (module_name, names) in enumerate(unit_plan(net, units)):
-        layout = ShardLayout([params[n] for n in names], world_size)
-        parts.append(f"unit {u} ({module_name or 'the root'}): " + layout.describe(names))
-    return "\n".join(parts)
-
-
 def layouts(env, model: str = "small", batch_size: int = 2, image: int = 12, verbose: bool = False) -> Dict:
     """Our bucket layout before and after the rebuild (two steps of our DDP, default settings)."""
     ddp = DistributedDataParallel(MODELS[model]())
@@ -315,23 +222,6 @@ def _row(label, n, steps, res):
     return [label, n, steps, "yes" if res["bitwise"] else "no", f"{res['largest_diff']:.3g}",
             "-" if res["first_step_differing"] is None else res["first_step_differing"],
             describe_nonfinite(res) or "finite"]
-
-
-SHARDED_HEADERS = ["stage", "against", "ranks", "steps", "bitwise equal", "must be", "largest relative param diff",
-                   "first step differing", "values"]
-SHARDED_NOTE = """Why some pairs are bitwise only on 2 ranks: Gloo's all_reduce and its reduce_scatter add the
-ranks' values in different orders once there are more than 2 (a sum of two values has one order).
-ZeRO-1 averages its gradients as DDP does (the same buckets, one all_reduce each), so it matches
-torch's DDP at every world size and fully_shard only at 2. ZeRO-2 and FSDP reduce-scatter in
-FSDP2's layout (each parameter's dim-0 shards, padded, concatenated as chunk_cat does; average
-after the sum), so they match fully_shard cut into the same units (ZeRO-2: the whole model as
-one unit; FSDP: each child with parameters, then the root) at every world size, and DDP only at 2."""
-
-
-def must_be_bitwise(impl: str, against: str, world_size: int) -> bool:
-    """Which sharded comparisons are bitwise by construction (SHARDED_NOTE says why)."""
-    same_collective = (impl == "zero1") == (against == "torch")
-    return same_collective or world_size <= 2
 
 
 HEADERS = ["wrapper", "ranks", "steps", "bitwise equal to torch DDP", "largest relative param diff",
@@ -362,10 +252,13 @@ def _validate(args, parser, image: int) -> None:
 
 @command
 def main(argv=None) -> int:
+    from .sharded_parity import SHARDED_HEADERS, SHARDED_NOTE, must_be_bitwise, shard_layout_text, \
+        train_sharded_side_by_side
+
     parser = argparse.ArgumentParser(description="Compare our data-parallel wrappers with torch's DDP, step by step.")
     parser.add_argument("--model", choices=list(MODELS), default="small",
                         help="small CNN, ResNet-50 (10 classes), or the small CNN with unused heads")
-    parser.add_argument("--impl", nargs="+", choices=list(WRAPPERS) + list(SHARDED), default=list(WRAPPERS),
+    parser.add_argument("--impl", nargs="+", choices=list(WRAPPERS) + list(SHARDED_WRAPPERS), default=list(WRAPPERS),
                         help="wrappers to compare; zero1, zero2 and fsdp (the sharded steps) go into a table of "
                              "their own, each against torch's fully_shard and torch's DDP")
     parser.add_argument("--world-sizes", nargs="+", type=int, default=[2, 4], help="ranks to spawn, one run each")
@@ -386,8 +279,8 @@ def main(argv=None) -> int:
     data = f"synthetic CIFAR-shaped data ({args.batch_size} x 3 x {image} x {image} per rank)"
     rows, option_rows, sharded_rows = [], [], []
     chosen = {} if args.no_options else options(args.model, args.batch_size)
-    plain = [impl for impl in args.impl if impl not in SHARDED]
-    sharded = [impl for impl in args.impl if impl in SHARDED]
+    plain = [impl for impl in args.impl if impl not in SHARDED_WRAPPERS]
+    sharded = [impl for impl in args.impl if impl in SHARDED_WRAPPERS]
     runs = len(args.world_sizes) * (len(plain) + 2 * len(sharded) + len(chosen))
     done, start = 0, time.perf_counter()
 
@@ -418,9 +311,9 @@ def main(argv=None) -> int:
                                 batch_size=args.batch_size, image=image, units=args.units),
                         args=(impl, args.steps), timeout=3600))
                     must = must_be_bitwise(impl, against, n)
+                    row = _row(impl, n, args.steps, res)
                     sharded_rows.append([impl, "torch fully_shard" if against == "torch-fsdp" else "torch DDP"]
-                                        + _row(impl, n, args.steps, res)[1:4] + ["yes" if must else "-"]
-                                        + _row(impl, n, args.steps, res)[4:])
+                                        + row[1:4] + ["yes" if must else "-"] + row[4:])
                     done += 1
     print(f"model {args.model}, {data}, SGD momentum 0.9, Gloo; parameters, their .grad, buffers and the loss "
           "compared bit for bit after every step on every rank")

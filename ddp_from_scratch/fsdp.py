@@ -156,12 +156,7 @@ class FullyShardedDataParallel(ZeroTwoDataParallel):
         return work, time.perf_counter()
 
     def _land(self, u: int, everyone: torch.Tensor, start: float, why: str) -> None:
-        unit, layout = self.units[u], self.unit_layouts[u]
-        pieces = [layout.unpack(everyone[r], r) for r in range(self.world_size)]  # [rank][k]: views
-        for k, i in enumerate(unit):
-            full = everyone.new_empty(layout.shapes[k])
-            for r in range(self.world_size):
-                layout.shard(full, k, r).copy_(pieces[r][k])
+        for i, full in zip(self.units[u], self.unit_layouts[u].gather_whole(everyone)):
             self.params[i].data = full
         self._gathered[u] = True
         self._recorder.span(f"all_gather unit {u} ({why})", f"unit {u}", start, time.perf_counter())

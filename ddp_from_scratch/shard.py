@@ -51,12 +51,9 @@ class ShardLayout:
 
     def pack(self, tensors: Sequence[torch.Tensor], out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """(world_size, per_rank) in chunk_cat order: row r = chunk r of every tensor, padded."""
-        out = tensors[0].new_zeros(self.world_size, self.per_rank) if out is None else out.zero_()
+        out = tensors[0].new_empty(self.world_size, self.per_rank) if out is None else out
         for i, t in enumerate(tensors):
-            rows = t.reshape(self.rows[i], -1)  # (rows, row_numel)
-            for r in range(self.world_size):
-                part = rows[self.rows_of(i, r)].reshape(-1)
-                out[r, self.offsets[i]:self.offsets[i] + part.numel()] = part
+            self.pack_one(t, i, out)
         return out
 
     def pack_one(self, tensor: torch.Tensor, i: int, out: torch.Tensor) -> None:
@@ -83,6 +80,20 @@ class ShardLayout:
             n = (self.rows_of(i, rank).stop - self.rows_of(i, rank).start) * self.row_numel[i]
             out.append(row[self.offsets[i]:self.offsets[i] + n].view(-1, self.row_numel[i]))
         return out
+
+    def unpack_into(self, everyone: torch.Tensor, fulls: Sequence[torch.Tensor], skip_rank: Optional[int] = None) -> None:
+        """Every rank's rows, from an all_gather's (world_size, per_rank) output, into the whole
+        tensors `fulls` (one per parameter); skip_rank's rows are left as they are."""
+        for r in range(self.world_size):
+            if r != skip_rank:
+                for i, piece in enumerate(self.unpack(everyone[r], r)):
+                    self.shard(fulls[i], i, r).copy_(piece)
+
+    def gather_whole(self, everyone: torch.Tensor) -> List[torch.Tensor]:
+        """New whole tensors, one per parameter, from an all_gather's (world_size, per_rank) output."""
+        fulls = [everyone.new_empty(shape) for shape in self.shapes]
+        self.unpack_into(everyone, fulls)
+        return fulls
 
     def describe(self, names: Sequence[str], rank: Optional[int] = None) -> str:
         """One line per parameter: its shape and the rows each rank owns (or only `rank`'s)."""

@@ -166,9 +166,9 @@ def _traced_steps(env, model_name: str, batch_size: int, steps: int, impl: str =
         model = DistributedDataParallel(MODELS[model_name]())
         opt = torch.optim.SGD(model.parameters(), lr=0.001, momentum=0.9)
     else:
-        from .compare import _sharded_wrapper
+        from .wrap import SHARDED_WRAPPERS
 
-        model = _sharded_wrapper(impl)(MODELS[model_name]())
+        model = SHARDED_WRAPPERS[impl](MODELS[model_name]())
         opt = model.optimizer(torch.optim.SGD, lr=0.001, momentum=0.9)
     image = 32 if model_name == "resnet50" else 12
     for step in range(steps):

@@ -44,7 +44,7 @@ from collectives.env import read_env
 
 from . import cifar10
 from .models import MODELS
-from .wrap import IMPLS, wrap
+from .wrap import IMPLS, SHARDED_WRAPPERS, torch_fully_shard, wrap
 
 SHARDED_IMPLS = ["zero1", "zero2", "fsdp", "torch-fsdp"]
 
@@ -201,13 +201,9 @@ def _evaluate(model, test, env, batch_size) -> float:
 def _sharded(net, config):
     """(model, optimizer) for a sharded step; every rank has the same seeded weights already."""
     if config["impl"] == "torch-fsdp":
-        from .compare import torch_fully_shard
-
         model = torch_fully_shard(net)
         return model, torch.optim.SGD(model.parameters(), lr=config["lr"], momentum=0.9)
-    from .compare import _sharded_wrapper
-
-    model = _sharded_wrapper(config["impl"])(net)
+    model = SHARDED_WRAPPERS[config["impl"]](net)
     return model, model.optimizer(torch.optim.SGD, lr=config["lr"], momentum=0.9)
 
 

@@ -3,7 +3,9 @@
     model = wrap(net, "bucketed", bucket_cap_mb=25)    # or "torch", "naive", "flat"
 
 "torch" is torch.nn.parallel.DistributedDataParallel; the others are the teaching path's three
-steps. Options that only some wrappers have (bucket_cap_mb, find_unused_parameters, ...) are
+steps. The sharded steps (SHARDED_WRAPPERS: zero1, zero2, fsdp) take an optimizer of their own
+(`model.optimizer(...)`) and are built directly; torch_fully_shard is torch's FSDP2 cut into the
+same units as our fsdp. Options that only some wrappers have (bucket_cap_mb, find_unused_parameters, ...) are
 refused by name for the others, so a comparison never silently drops one.
 """
 
@@ -15,10 +17,25 @@ from torch import nn
 
 from .ddp import DistributedDataParallel
 from .flat import FlatDataParallel
+from .fsdp import FullyShardedDataParallel, unit_plan
 from .naive import NaiveDataParallel
+from .zero1 import ZeroOneDataParallel
+from .zero2 import ZeroTwoDataParallel
 
 WRAPPERS = {"naive": NaiveDataParallel, "flat": FlatDataParallel, "bucketed": DistributedDataParallel}
 IMPLS = ["torch"] + list(WRAPPERS)
+SHARDED_WRAPPERS = {"zero1": ZeroOneDataParallel, "zero2": ZeroTwoDataParallel, "fsdp": FullyShardedDataParallel}
+
+
+def torch_fully_shard(module: nn.Module, units="children") -> nn.Module:
+    """torch's FSDP2 on the same units as ours (fsdp.unit_plan): fully_shard on each unit's module,
+    innermost first, then on the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    for name, _ in reversed(unit_plan(module, units)):
+        if name:
+            fully_shard(module.get_submodule(name))
+    return fully_shard(module)
 
 
 def wrap(model: nn.Module, impl: Union[str, type], **kwargs) -> nn.Module:

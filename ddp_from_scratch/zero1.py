@@ -29,6 +29,7 @@ from torch import nn
 
 import collectives
 
+from . import bucket as bucketing
 from .ddp import DistributedDataParallel
 from .shard import ShardLayout
 
@@ -76,11 +77,7 @@ class ShardedOptimizer:
             mine = layout.pack_row([st[key] if key in st else torch.zeros_like(s) for st, s in zip(per_shard, self.shards)],
                                    model.rank)
             everyone = collectives.all_gather(mine.view(1, -1), group=model.group)
-            full = [p.new_empty(shape) for p, shape in zip(self.shards, layout.shapes)]
-            for r in range(model.world_size):
-                for i, piece in enumerate(layout.unpack(everyone[r], r)):
-                    layout.shard(full[i], i, r).copy_(piece)
-            whole[key] = dict(zip(model.names, full))
+            whole[key] = dict(zip(model.names, layout.gather_whole(everyone)))
         scalars = {k: v for k, v in per_shard[0].items() if k not in keys} if per_shard else {}
         return {"whole": whole, "scalars": scalars, "param_groups": state["param_groups"]}
 
@@ -98,24 +95,16 @@ class ShardedOptimizer:
 class ZeroOneDataParallel(DistributedDataParallel):
     def __init__(self, module: nn.Module, group: Optional[dist.ProcessGroup] = None, broadcast_buffers: bool = True,
                  gather_cap_mb: float = 25, **ddp_options):
-        """gather_cap_mb: the after-step all_gather goes in groups of parameters of at most this
-        many MiB (one group if a parameter is larger), so its landing buffer stays that small
+        """gather_cap_mb: the after-step all_gather goes in groups of consecutive parameters of
+        about this many MiB (bucket.assign_buckets, as DDP's buckets), so its landing buffer stays that small
         instead of a whole model's worth (benchmarks/sharded.py measured 1.25x DDP's memory with
         one all_gather of everything). Other options are DDP's (ddp.py)."""
         super().__init__(module, group=group, broadcast_buffers=broadcast_buffers, **ddp_options)
         self.rank = dist.get_rank(group)
         self.layout = ShardLayout(self.params, self.world_size)
-        self.names = [n for n, _ in self.named_params]
-        self.gather_groups, group_now, size = [], [], 0
-        for i, p in enumerate(self.params):
-            nbytes = p.numel() * p.element_size()
-            if group_now and size + nbytes > gather_cap_mb * (1 << 20):
-                self.gather_groups.append(group_now)
-                group_now, size = [], 0
-            group_now.append(i)
-            size += nbytes
-        if group_now:
-            self.gather_groups.append(group_now)
+        # consecutive parameters, one dtype per group, each group closed once it reaches the cap
+        self.gather_groups = bucketing.assign_buckets(self.params, range(len(self.params)),
+                                                      [int(gather_cap_mb * (1 << 20))])
         self.gather_layouts = [ShardLayout([self.params[i] for i in g], self.world_size) for g in self.gather_groups]
 
     def optimizer(self, optimizer_cls=torch.optim.SGD, **kwargs) -> ShardedOptimizer:
@@ -136,12 +125,8 @@ class ZeroOneDataParallel(DistributedDataParallel):
         for members, layout in zip(self.gather_groups, self.gather_layouts):
             mine = layout.pack_row([shards[i].detach() for i in members], self.rank)  # (per_rank,)
             everyone = collectives.all_gather(mine.view(1, -1), group=self.group)  # (world_size, per_rank)
-            with torch.no_grad():
-                for r in range(self.world_size):
-                    if r == self.rank:
-                        continue  # this rank's rows were updated in place
-                    for k, (i, piece) in enumerate(zip(members, layout.unpack(everyone[r], r))):
-                        layout.shard(self.params[i].data, k, r).copy_(piece)
+            # this rank's rows were updated in place (the shards are views of the parameters)
+            layout.unpack_into(everyone, [self.params[i].data for i in members], skip_rank=self.rank)
             del mine, everyone
         self._recorder.span("all_gather (after the step)", "parameters", start, time.perf_counter())
 
