@@ -32,7 +32,8 @@ import collectives.algorithms as A
 from collectives.algorithms.cost import CostModel, choose
 from collectives.cli import command, eta_by_size
 
-from .bandwidth import DTYPES, buffer_count, count_wrong, make_algorithm_case, make_case, parse_size, size_list
+from .bandwidth import DTYPES, parse_size, size_list
+from .cases import buffer_count, count_wrong, make_algorithm_case, make_case
 
 COLLECTIVES = list(A.ALGORITHMS)
 BACKEND_SIDE = {"all_reduce": "ip", "broadcast": "ip", "reduce": "ip", "all_gather": "oop", "reduce_scatter": "oop",

@@ -32,17 +32,15 @@ import torch
 import torch.distributed as dist
 
 import collectives
-from collectives import compat
 from collectives.cli import command, eta_by_size
 
 from . import limits as machine_limits
+from .cases import OPS, buffer_count, count_wrong, make_algorithm_case, make_case, sync_device
 from .nccl_format import TYPE_NAMES, bandwidths, footer, format_row, header
 
 COLLECTIVES = ["all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all"]
 REDUCING = ("all_reduce", "reduce", "reduce_scatter")
 ROOTED = ("broadcast", "reduce")
-OPS = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT, "max": dist.ReduceOp.MAX,
-       "min": dist.ReduceOp.MIN, "avg": dist.ReduceOp.AVG}
 DTYPES = {name: getattr(torch, name) for name in TYPE_NAMES}
 
 
@@ -120,123 +118,18 @@ def validate(args, parser) -> None:
         args.collective = having
 
 
-def buffer_count(collective: str, nbytes: int, n: int, itemsize: int) -> int:
-    """Elements of nccl-tests' buffer for a requested size: the full buffer per rank (all_gather:
-    the gathered output; reduce_scatter: the input; all_to_all: the send buffer), rounded down
-    to one equal chunk per rank where the collective splits it. The size column is this times
-    the element size: the bytes the collective actually moved through that buffer."""
-    count = max(1, nbytes // itemsize)
-    if collective in ("all_gather", "reduce_scatter", "all_to_all"):
-        count = max(n, count - count % n)  # one equal chunk per rank
-    return count
 
 
 # -- data whose reduction is exact in any order ----------------------------------------------------
-def _modulus(op: str) -> int:
-    return 2 if op == "prod" else 3  # values 1..m: products of up to ~20 ranks stay exact
 
 
-def pattern(rank: int, count: int, offset: int, op: str, dtype, device) -> torch.Tensor:
-    """Rank r's element i (global index offset + i): ((offset + i + r) mod m) + 1."""
-    idx = torch.arange(offset, offset + count, dtype=torch.int64, device=device)
-    return ((idx + rank) % _modulus(op) + 1).to(dtype)
 
 
-def reduced(world: int, count: int, offset: int, op: str, dtype, device) -> torch.Tensor:
-    """The op over ranks 0..world-1 of `pattern`: depends only on (offset + i) mod m."""
-    m = _modulus(op)
-    table = []
-    for residue in range(m):
-        values = [((residue + r) % m) + 1 for r in range(world)]
-        combined = {"sum": sum(values), "prod": float(torch.tensor(values, dtype=torch.float64).prod()),
-                    "max": max(values), "min": min(values), "avg": sum(values) / world}[op]
-        table.append(combined)
-    idx = torch.arange(offset, offset + count, dtype=torch.int64, device=device) % m
-    return torch.tensor(table, dtype=torch.float64, device=device)[idx].to(dtype)
 
 
 # -- one collective, one side (out-of-place or in-place) --------------------------------------------
-def make_case(collective: str, side: str, count: int, n: int, r: int, op: str, dtype, device):
-    """(run, refill, expected) for this rank, or None where torch.distributed has no such variant.
-
-    run() is what gets timed; refill() puts the check data back; expected() is the closed form of
-    what the output should then hold (None on ranks whose output is undefined).
-    """
-    torch_op, c, root = OPS[op], count // n, 0
-    fill = lambda k, off=0, rank=r: pattern(rank, k, off, op, dtype, device)  # noqa: E731
-    if collective in ("all_reduce", "broadcast", "reduce"):
-        if side == "oop":
-            return None
-        buf = fill(count)
-        run = {"all_reduce": lambda: dist.all_reduce(buf, op=torch_op),
-               "broadcast": lambda: dist.broadcast(buf, src=root),
-               "reduce": lambda: dist.reduce(buf, dst=root, op=torch_op)}[collective]
-        if collective == "broadcast":
-            want = lambda: fill(count, rank=root)  # noqa: E731
-        else:
-            want = lambda: reduced(n, count, 0, op, dtype, device) if collective == "all_reduce" or r == root else None  # noqa: E731
-        return run, lambda: buf.copy_(fill(count)), lambda: (buf, want())
-    if collective == "all_gather":
-        out = torch.empty(count, dtype=dtype, device=device)
-        inp = fill(c) if side == "oop" else out[r * c:(r + 1) * c]  # in place: my chunk of the output
-        run = lambda: compat.all_gather_single(out, inp)  # noqa: E731
-        want = lambda: torch.cat([fill(c, rank=j) for j in range(n)])  # noqa: E731
-        return run, lambda: inp.copy_(fill(c)), lambda: (out, want())
-    if collective == "reduce_scatter":
-        inp = fill(count)
-        out = torch.empty(c, dtype=dtype, device=device) if side == "oop" else inp[r * c:(r + 1) * c]
-        run = lambda: compat.reduce_scatter_single(out, inp, op=torch_op)  # noqa: E731
-        return run, lambda: inp.copy_(fill(count)), lambda: (out, reduced(n, c, r * c, op, dtype, device))
-    if collective == "all_to_all":
-        if side == "ip":
-            return None
-        inp, out = fill(count), torch.empty(count, dtype=dtype, device=device)
-        run = lambda: dist.all_to_all_single(out, inp)  # noqa: E731
-        want = lambda: torch.cat([fill(c, r * c, rank=j) for j in range(n)])  # noqa: E731
-        return run, lambda: inp.copy_(fill(count)), lambda: (out, want())
-    raise ValueError(collective)
 
 
-def make_algorithm_case(collective: str, algorithm: str, count: int, n: int, r: int, op: str, dtype, device):
-    """(run, refill, expected) for a from-scratch algorithm (collectives.algorithms) doing
-    `collective`: in place for all_reduce, broadcast and reduce, out of place for the rest (the
-    side it returns first). None where the collective has no such algorithm."""
-    import collectives.algorithms as A
-
-    if algorithm not in A.ALGORITHMS.get(collective, {}):
-        return None
-    c, root = count // n, 0
-    fill = lambda k, off=0, rank=r: pattern(rank, k, off, op, dtype, device)  # noqa: E731
-    if collective in ("all_reduce", "broadcast", "reduce"):
-        buf = fill(count)
-        run = {"all_reduce": lambda: A.all_reduce(buf, op=op, algorithm=algorithm),
-               "broadcast": lambda: A.broadcast(buf, src=root, algorithm=algorithm),
-               "reduce": lambda: A.reduce(buf, dst=root, op=op, algorithm=algorithm)}[collective]
-        if collective == "broadcast":
-            want = lambda: fill(count, rank=root)  # noqa: E731
-        else:
-            want = lambda: reduced(n, count, 0, op, dtype, device) if collective == "all_reduce" or r == root else None  # noqa: E731
-        return ("ip", run, lambda: buf.copy_(fill(count)), lambda: (buf, want()))
-    # the output is allocated once, as for the backend's own calls above
-    if collective == "all_gather":
-        inp, out = fill(c), torch.empty(count, dtype=dtype, device=device)
-        run = lambda: A.all_gather(inp, algorithm=algorithm, out=out)  # noqa: E731
-        want = lambda: torch.cat([fill(c, rank=j) for j in range(n)])  # noqa: E731
-    elif collective == "reduce_scatter":
-        inp, out = fill(count), torch.empty(c, dtype=dtype, device=device)
-        run = lambda: A.reduce_scatter(inp, op=op, algorithm=algorithm, out=out)  # noqa: E731
-        want = lambda: reduced(n, c, r * c, op, dtype, device)  # noqa: E731
-    else:  # all_to_all
-        inp, out = fill(count), torch.empty(count, dtype=dtype, device=device)
-        run = lambda: A.all_to_all(inp, algorithm=algorithm, out=out)  # noqa: E731
-        want = lambda: torch.cat([fill(c, r * c, rank=j) for j in range(n)])  # noqa: E731
-    return ("oop", run, lambda: inp.copy_(fill(inp.numel()) if collective != "all_gather" else fill(c)),
-            lambda: (out, want()))
-
-
-def _sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def time_us(run, warmup: int, iters: int, device, reduce_device) -> float:
@@ -246,7 +139,7 @@ def time_us(run, warmup: int, iters: int, device, reduce_device) -> float:
     times = torch.zeros(iters, dtype=torch.float64)
     for i in range(iters):
         dist.barrier()
-        _sync(device)
+        sync_device(device)
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -263,17 +156,6 @@ def time_us(run, warmup: int, iters: int, device, reduce_device) -> float:
     return statistics.median(times.cpu().tolist()) * 1e6
 
 
-def count_wrong(case, reduce_device) -> int:
-    run, refill, expected = case
-    refill()
-    run()
-    _sync(torch.device(reduce_device))
-    got, want = expected()
-    wrong = torch.zeros(1, dtype=torch.int64, device=reduce_device)
-    if want is not None:
-        wrong += (got != want).sum().to(reduce_device)
-    dist.all_reduce(wrong)  # over every rank
-    return int(wrong.item())
 
 
 def run_benchmark(env, config: dict) -> dict:

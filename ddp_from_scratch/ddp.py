@@ -58,6 +58,7 @@ COMPRESS = {None: None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 class DistributedDataParallel(DataParallelBase):
+    uses_buckets = True  # ZeRO-2 and FSDP (zero2.py) reduce-scatter instead, and build none
     def __init__(self, module: nn.Module, group: Optional[dist.ProcessGroup] = None,
                  bucket_cap_mb: Optional[float] = None, first_bucket_mb: Optional[float] = None,
                  broadcast_buffers: bool = True, find_unused_parameters: bool = False,
@@ -83,7 +84,7 @@ class DistributedDataParallel(DataParallelBase):
         self.names = [n for n, _ in self.named_params]
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self._set_layout(bucketing.initial_layout(self.params, self.bucket_cap_bytes, self.first_bucket_bytes,
-                                                  find_unused_parameters))
+                                                  find_unused_parameters) if self.uses_buckets else [])
         self.layout_history = {"initial": [b.param_indices for b in self.buckets]}  # and "rebuilt" later
         # torch rebuilds only when it does not search for unused parameters (then the order can change)
         self._ready_order: Optional[list] = None if find_unused_parameters else []

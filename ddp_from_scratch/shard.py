@@ -28,6 +28,10 @@ class ShardLayout:
     """Where each parameter's shard of each rank sits, and the flat reduce-scatter layout."""
 
     def __init__(self, params: Sequence[torch.Tensor], world_size: int):
+        dtypes = sorted({str(p.dtype) for p in params})
+        if len(dtypes) > 1:  # one flat buffer per layout: a second dtype would be cast silently
+            raise ValueError(f"ShardLayout: the parameters mix dtypes {dtypes}; one flat buffer holds one dtype "
+                             "(cast the model to one dtype first)")
         self.world_size = world_size
         self.shapes = [tuple(p.shape) for p in params]
         self.rows = [s[0] if s else 1 for s in self.shapes]

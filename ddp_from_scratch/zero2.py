@@ -33,10 +33,10 @@ from .zero1 import ZeroOneDataParallel
 
 
 class ZeroTwoDataParallel(ZeroOneDataParallel):
+    uses_buckets = False  # DDP's buckets would hold a whole gradient's worth of memory, unused here
+
     def __init__(self, module: nn.Module, *args, **kwargs):
         super().__init__(module, *args, **kwargs)
-        # DDP's buckets are not used: their buffers would hold a whole gradient's worth of memory
-        self.buckets, self._bucket_names = [], []
         self.units = [list(range(len(self.params)))]  # one unit: the whole model
         self.unit_layouts = [self.layout]
         self._setup_units()

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from benchmarks import bandwidth as bench
+from benchmarks import cases
 from benchmarks.nccl_format import bandwidths, bus_factor, format_row, header, parse_table
 from benchmarks.plot import plot_results
 
@@ -123,10 +124,10 @@ def _check_all(env, op, dtype_name):
     for collective in bench.COLLECTIVES:
         for side in ("oop", "ip"):
             count = 6 * env.world_size
-            case = bench.make_case(collective, side, count, env.world_size, env.rank, op, dtype, torch.device("cpu"))
+            case = cases.make_case(collective, side, count, env.world_size, env.rank, op, dtype, torch.device("cpu"))
             if case is None:
                 continue
-            clean = bench.count_wrong(case, "cpu")
+            clean = cases.count_wrong(case, "cpu")
             run, refill, expected = case
 
             def corrupted():  # the collective, then every rank's output gets one wrong element
@@ -135,7 +136,7 @@ def _check_all(env, op, dtype_name):
                 if want is not None:
                     got.view(-1)[1] += 1
 
-            planted = bench.count_wrong((corrupted, refill, expected), "cpu")
+            planted = cases.count_wrong((corrupted, refill, expected), "cpu")
             out.append((collective, side, clean, planted))
     return out
 
@@ -159,9 +160,9 @@ def _buffers(env, nbytes, dtype_name):
     """Per collective and side: (the size column's bytes, the bytes of the buffer nccl-tests sizes)."""
     dtype, n, out = bench.DTYPES[dtype_name], env.world_size, []
     for collective in bench.COLLECTIVES:
-        count = bench.buffer_count(collective, nbytes, n, dtype.itemsize)
+        count = cases.buffer_count(collective, nbytes, n, dtype.itemsize)
         for side in ("oop", "ip"):
-            case = bench.make_case(collective, side, count, n, env.rank, "sum", dtype, torch.device("cpu"))
+            case = cases.make_case(collective, side, count, n, env.rank, "sum", dtype, torch.device("cpu"))
             if case is None:
                 continue
             case[0]()

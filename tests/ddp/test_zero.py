@@ -57,6 +57,11 @@ def test_the_layout_printout_names_each_ranks_rows():
     assert "7 elements per rank" in text and "(5 of them padding)" in text
 
 
+def test_a_layout_of_two_dtypes_is_refused_not_cast():
+    with pytest.raises(ValueError, match=r"mix dtypes \['torch.float16', 'torch.float32'\]"):
+        ShardLayout([torch.zeros(4), torch.zeros(4, dtype=torch.float16)], 2)
+
+
 def test_units_are_the_children_with_parameters_then_the_root():
     net = SmallNet()
     assert units_of(net) == [["conv1.weight"], ["bn1.weight", "bn1.bias"], ["conv2.weight"],
