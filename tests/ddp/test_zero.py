@@ -1,9 +1,9 @@
 """Proof that the sharded steps (ZeRO-1, ZeRO-2, FSDP) compute what torch's FSDP2 and DDP compute.
 
 Each comparison trains ours and torch's side by side from the same weights on the same per-rank
-batches (compare.train_sharded_side_by_side) and compares every whole parameter, buffer and the
+batches (sharded_parity.train_sharded_side_by_side) and compares every whole parameter, buffer and the
 loss bit for bit after every step. Which pairs must be bitwise at which world sizes is
-compare.must_be_bitwise (the compare program's note says why). Planted faults (a shard off by one,
+sharded_parity.must_be_bitwise (the compare program's note says why). Planted faults (a shard off by one,
 a missing all-gather, division twice, no gather before backward) must turn the check red.
 
     pytest tests/ddp/test_zero.py -q
