@@ -13,7 +13,8 @@ rank's, medians over iterations. Four parts:
 2. 8-byte all_reduce latency (dist.all_reduce, as a user calls it);
 3. the shm waiting strategies (wait.py): latency and CPU seconds per 8-byte all_reduce;
 4. torch's DDP on ResNet-50 (batch 32 per rank) on Gloo and on shm, alternated step by step,
-   with torch's no_sync (no communication at all) as the floor.
+   with two floors: DDP on a group whose all_reduce moves nothing (what DDP and a Python
+   ProcessGroup cost without communication) and torch's no_sync (not even DDP's bucket copies).
 """
 
 from __future__ import annotations
@@ -93,10 +94,25 @@ def _latency_and_cpu(group, iters=400):
     return t.tolist()
 
 
+FREE = "torch DDP, all_reduce moving nothing"
+
+
+def free_all_reduce_group():
+    """A new shm group (every rank calls it) whose all_reduce returns at once and moves nothing;
+    its other collectives work. torch's DDP on it costs what DDP's own work (every gradient
+    copied into its buckets and back) and this Python ProcessGroup's calls cost without the
+    communication: the floor for any backend under torch's DDP (no_sync skips DDP's copies too)."""
+    group = dist.new_group(backend="shm")
+    group._shm.all_reduce = lambda flat, op: None
+    return group
+
+
 def _ddp(env, shm_group, rounds, batch):
+    free = free_all_reduce_group()
     torch.manual_seed(0)
     models = {"torch DDP on gloo": nn.parallel.DistributedDataParallel(resnet50(num_classes=10)),
               "torch DDP on shm": nn.parallel.DistributedDataParallel(resnet50(num_classes=10), process_group=shm_group),
+              FREE: nn.parallel.DistributedDataParallel(resnet50(num_classes=10), process_group=free),
               "torch DDP, no_sync": nn.parallel.DistributedDataParallel(resnet50(num_classes=10))}
     return alternate_steps(env, models, rounds, batch)
 

