@@ -233,6 +233,17 @@ def _load(model, opt, state: dict, impl: str) -> None:
         opt.load_state_dict(state["optimizer"])
 
 
+def scaled_step(scaler, loss, opt) -> bool:
+    """Backward and an optimizer step through a GradScaler (fp16 on CUDA). False when the scaler
+    skipped the step: a gradient held inf or NaN, so it left the weights as they were and halved
+    its scale (the only time the scale goes down)."""
+    before = scaler.get_scale()
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    return scaler.get_scale() >= before
+
+
 def train(env, config) -> dict:
     torch.manual_seed(config["seed"])
     train_set, test_set = _datasets(config)
@@ -258,7 +269,7 @@ def train(env, config) -> dict:
     loader = DataLoader(train_set, batch_size=config["batch_size"], sampler=sampler, drop_last=True)
     tag = " [synthetic data]" if config["synthetic"] else ""
     clear = "\033[K" if sys.stderr.isatty() else ""  # the rest of a longer earlier progress line
-    images, seconds, accuracy = 0, 0.0, None
+    images, seconds, accuracy, skipped = 0, 0.0, None, 0
     steps_to_do, steps_done, run_start = (config["epochs"] - start_epoch) * len(loader), 0, time.perf_counter()
     for epoch in range(start_epoch, config["epochs"]):
         sampler.set_epoch(epoch)  # a new shuffle each epoch (every rank the same permutation, disjoint shards)
@@ -270,9 +281,7 @@ def train(env, config) -> dict:
             with torch.autocast(env.device.type, dtype=amp_dtype, enabled=config["amp"]):
                 loss = F.cross_entropy(model(x), y)
             if scaler:
-                scaler.scale(loss).backward()
-                scaler.step(opt)
-                scaler.update()
+                skipped += not scaled_step(scaler, loss, opt)
             else:
                 loss.backward()
                 opt.step()
@@ -282,8 +291,9 @@ def train(env, config) -> dict:
                 now = time.perf_counter()
                 rate = done / (now - start)
                 left = eta(steps_done, steps_to_do, now - run_start)
+                skips = f", {skipped} steps skipped by GradScaler (inf/NaN gradients)" if skipped else ""
                 print(f"\repoch {epoch + 1}/{config['epochs']} step {step + 1}/{len(loader)} loss {loss.item():.4f} "
-                      f"{rate:.1f} images/s, {left}{tag}{clear}", end="", file=sys.stderr, flush=True)
+                      f"{rate:.1f} images/s, {left}{skips}{tag}{clear}", end="", file=sys.stderr, flush=True)
         epoch_seconds = time.perf_counter() - start
         images += len(loader) * config["batch_size"] * env.world_size
         seconds += epoch_seconds
@@ -299,7 +309,8 @@ def train(env, config) -> dict:
         collectives.barrier()
     return {"impl": config["impl"], "model": config["model"], "world_size": env.world_size, "device": str(env.device),
             "backend": env.backend, "epochs": config["epochs"], "resumed_from_epoch": start_epoch,
-            "batch_size_per_rank": config["batch_size"], "amp": config["amp"], "train_seconds": seconds,
+            "batch_size_per_rank": config["batch_size"], "amp": config["amp"], "skipped_steps": skipped,
+            "train_seconds": seconds,
             "images_per_second": images / seconds if seconds else None, "test_accuracy": accuracy,
             "synthetic_data": config["synthetic"]}
 

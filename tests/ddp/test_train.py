@@ -50,6 +50,23 @@ def test_torch_ddp_with_amp(tmp_path, capsys):
     summary = json.loads(out.read_text())
     assert summary["impl"] == "torch" and summary["amp"] and summary["world_size"] == 2
     assert 0.0 <= summary["test_accuracy"] <= 1.0 and summary["images_per_second"] > 0
+    assert summary["skipped_steps"] == 0  # bf16 on CPU: no GradScaler, nothing skipped
+
+
+@pytest.mark.parametrize("factor, stepped", [(1.0, True), (float("inf"), False), (float("nan"), False)])
+def test_a_step_gradscaler_skips_is_reported_and_leaves_the_weights(factor, stepped):
+    """train's progress and summary count the steps GradScaler skipped (fp16 on CUDA: identical
+    losses step after step were the only sign before); the CPU scaler behaves the same."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    loss = model(torch.ones(2, 3)).sum() * factor
+    assert train.scaled_step(scaler, loss, opt) is stepped
+    changed = [not torch.equal(a, p) for a, p in zip(before, model.parameters())]
+    assert changed == [stepped, stepped], changed
+    assert scaler.get_scale() == (1024.0 if stepped else 512.0)
 
 
 @pytest.mark.parametrize("argv, fragment", [
