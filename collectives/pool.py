@@ -352,6 +352,11 @@ class RankPool:
                         first_failure_at = time.monotonic()
         if not failures and not pending:
             return [results[r] for r in range(self.world_size)]
+        # A rank that only lost its peer can report before the parent sees the peer's death (both
+        # arrive in one wait, in no set order): lead with the first failure of its own.
+        own = [r for r in order if not _PEER_LOST.search(failures[r])]
+        if own and own[0] != order[0]:
+            order = [own[0]] + [r for r in order if r != own[0]]
         stopped: List[int] = []
         if pending:  # hung (timeout), or still busy after another rank failed
             stacks = self._dump_stacks(sorted(pending))

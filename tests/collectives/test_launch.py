@@ -100,6 +100,22 @@ def test_a_failing_rank_is_named_first_and_nothing_is_left_behind(how, headline,
     assert_all_gone(_pids_in(tmp_path))
 
 
+def _peer_lost_reported_before_the_death(env):
+    if env.rank == 0:  # what Gloo raises on the rank whose peer died, here reported first
+        raise RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:12345")
+    time.sleep(0.5)
+    os.abort()
+
+
+def test_the_rank_that_died_leads_even_when_its_peers_lost_connection_reports_first():
+    """Gloo's abort kills one rank; its peer's "Connection closed by peer" can reach the launcher
+    first (once seen under load): the dead rank is still named first, the other as stopped by it."""
+    with pytest.raises(C.RankFailure) as info:
+        C.run(_peer_lost_reported_before_the_death, world_size=2, timeout=60)
+    assert str(info.value).startswith("rank 1 died from SIGABRT"), str(info.value)
+    assert (info.value.first, info.value.failed, info.value.stopped) == (1, [1], [0])
+
+
 LAUNCHER = textwrap.dedent("""
     import os, subprocess, sys, time
     import collectives
