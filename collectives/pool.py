@@ -17,12 +17,13 @@ Nothing outlives the pool, whatever ends it:
   process group: itself and anything it started. (PR_SET_PDEATHSIG would kill only the rank,
   not its children, and fires when the *thread* that started the rank exits.)
 - A hung rank's Python stack comes back through a pipe too (faulthandler writes into it).
+
+What each rank runs is rank_main.py; this file is the parent's side.
 """
 
 from __future__ import annotations
 
 import datetime
-import faulthandler
 import math
 import multiprocessing as mp
 import multiprocessing.connection
@@ -32,105 +33,16 @@ import re
 import select
 import signal
 import sys
-import threading
 import time
-import traceback
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from .errors import RankFailure
+from .rank_main import HIDDEN_FILES, PACKAGE_DIR, _rank_main
 
 # After the first rank fails, how long the others get to report their own error (in checked
 # mode every rank raises the same mismatch; all of their messages are worth showing).
 FAILURE_GRACE_S = 3.0
 STACK_DUMP_WAIT_S = 1.0
-PARENT_POLL_S = 1.0  # the lifeline wakes the watcher at once; this is only the fallback
-PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
-# Frames of the harness itself, left out of the tracebacks and stacks shown to the user.
-HIDDEN_FILES = {os.path.join(PACKAGE_DIR, "pool.py"), os.path.join(PACKAGE_DIR, "testing.py")}
-
-
-def _kill_own_group(*_):
-    os.killpg(os.getpgrp(), signal.SIGKILL)  # this rank and every process it started
-
-
-def _watch_parent(lifeline, parent_pid: int) -> None:
-    """Runs in a daemon thread of each rank: when the parent is gone, take the rank down."""
-    fd = lifeline.fileno()
-    while True:
-        try:
-            ready, _, _ = select.select([fd], [], [], PARENT_POLL_S)
-        except (OSError, ValueError):
-            ready = [fd]
-        if ready or os.getppid() != parent_pid:  # the only writer closed: the parent has ended
-            _kill_own_group()
-
-
-def _rank_main(rank, world_size, backend, store_port, conn, stack_writer, lifeline, parent_pid, threads, setup):
-    """Body of one spawned rank: join the group, then run what the parent sends until None."""
-    os.setpgid(0, 0)  # own process group, so the rank and its children can be killed together
-    signal.signal(signal.SIGTERM, _kill_own_group)
-    threading.Thread(target=_watch_parent, args=(lifeline, parent_pid), daemon=True, name="parent-watch").start()
-    if os.getppid() != parent_pid:  # the parent died while this rank was starting
-        _kill_own_group()
-    faulthandler.register(signal.SIGUSR1, file=stack_writer.fileno(), all_threads=True)
-    try:
-        if setup is not None:
-            setup()
-        import torch
-        import torch.distributed as dist
-
-        from .env import DEFAULT_PG_TIMEOUT, DistEnv, device_for, device_id_for
-
-        if threads:
-            torch.set_num_threads(threads)
-        device = device_for(backend, rank)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        if backend == "shm":
-            import collectives.shm  # noqa: F401 - registers the backend in this process
-        store = dist.TCPStore("127.0.0.1", store_port, world_size, False, timeout=DEFAULT_PG_TIMEOUT)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=DEFAULT_PG_TIMEOUT,
-                                **device_id_for(backend, device))
-        env = DistEnv(rank=rank, world_size=world_size, local_rank=rank, device=device, backend=backend)
-    except BaseException as exc:
-        conn.send(("error", (_one_line(exc), traceback.format_exc())))
-        return
-    conn.send(("ready", None))
-    while True:
-        try:
-            message = conn.recv()
-        except EOFError:  # the parent went away
-            break
-        if message is None:
-            break
-        payload, sys_path = message
-        for entry in reversed(sys_path):  # so test modules the parent imported resolve here too
-            if entry not in sys.path:
-                sys.path.insert(0, entry)
-        try:
-            fn, args = pickle.loads(payload)
-            result = fn(env, *args)
-            reply = ("ok", pickle.dumps(result))
-        except BaseException as exc:
-            reply = ("error", (_one_line(exc), _format_exception(exc)))
-        conn.send(reply)
-    try:
-        dist.destroy_process_group()
-    except Exception:
-        pass
-
-
-def _format_exception(exc: BaseException) -> str:
-    """The traceback without this module's frames: the user's code is what the reader wants."""
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename not in HIDDEN_FILES]
-    lines = ["Traceback (most recent call last):\n"] + traceback.format_list(frames)
-    return "".join(lines + traceback.format_exception_only(type(exc), exc))
-
-
-def _one_line(exc: BaseException) -> str:
-    """ "ValueError: the first line of its message" """
-    lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
 
 
 def _describe_exit(code: Optional[int]) -> str:
