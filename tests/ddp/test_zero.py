@@ -9,6 +9,8 @@ a missing all-gather, division twice, no gather before backward) must turn the c
     pytest tests/ddp/test_zero.py -q
 """
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -111,6 +113,46 @@ def test_sharded_steps_are_bitwise_where_they_must_be(world_size, dist_run):
         for (impl, against), res in results.items():
             assert res["bitwise"], f"{impl} against {against} on {world_size} ranks, rank {rank}: {res}"
     assert len(pairs) == (6 if world_size == 2 else 3)
+
+
+def _accumulated(env, impl, steps=2):
+    """`steps` optimizer steps, each over two micro-batches: the first backward under no_sync(),
+    the second synced. Returns the whole parameters after every step."""
+    torch.manual_seed(0)
+    net = SmallNet()
+    if impl == "torch":
+        model = torch.nn.parallel.DistributedDataParallel(net, broadcast_buffers=False)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    else:
+        model = SHARDED_WRAPPERS[impl](net)
+        opt = model.optimizer(torch.optim.SGD, lr=0.05, momentum=0.9)
+    after = []
+    for step in range(steps):
+        opt.zero_grad()
+        for micro in range(2):
+            x, y = batch(2 * step + micro, env.rank, 4, image=16)
+            with model.no_sync() if micro == 0 else contextlib.nullcontext():
+                (F.cross_entropy(model(x), y) / 2).backward()
+        opt.step()
+        whole = model.full_state() if hasattr(model, "full_state") else dict(model.module.named_parameters())
+        after.append({name: t.detach().clone() for name, t in whole.items()})
+    return after
+
+
+def _accumulation_against_torch(env):
+    reference = _accumulated(env, "torch")
+    return {impl: [[name for name, t in step.items() if not torch.equal(t, ref[name])]
+                   for step, ref in zip(_accumulated(env, impl), reference)]
+            for impl in SHARDED_WRAPPERS}
+
+
+def test_no_sync_accumulation_is_bitwise_torchs_ddp_on_two_ranks(dist_run):
+    """Gradient accumulation: under no_sync() the sharded steps keep the local gradient (no
+    reduce-scatter, FSDP's units stay gathered) and the next backward sends the sum; a step that
+    communicated inside no_sync, or dropped the first micro-batch, would differ."""
+    for rank, per_impl in enumerate(dist_run(_accumulation_against_torch, 2, timeout=300)):
+        for impl, steps in per_impl.items():
+            assert steps == [[], []], f"{impl}, rank {rank}: parameters that differ from torch's DDP per step: {steps}"
 
 
 def _not_bitwise_pairs_differ(env):
