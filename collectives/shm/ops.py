@@ -25,15 +25,26 @@ half a slot go through in rounds of that size. The other collectives are the sam
 less to do: broadcast (src copies in, everyone copies out), reduce (only dst copies out),
 all_gather (everyone copies in, everyone copies every slot out), reduce_scatter (each rank
 reduces only its own chunk, straight into its output), barrier.
+
+The ranks must agree on what they call: at a call's first barrier every rank has written which
+collective, op, root, dtype and element count it is in, and each compares everyone's. Where raw
+torch.distributed calls disagree (rank 0 all-reduces 3 floats, rank 1 4; one says sum, one max;
+one broadcasts, one all-reduces), every rank raises CollectiveMismatchError naming each rank's
+call, and the group stays usable; Gloo aborts the process or hangs there, and without the check
+shared memory would give a silent wrong answer.
 """
 
 from __future__ import annotations
+
+import struct
+from typing import Optional
 
 import torch
 
 from ..algorithms.comm import local_reduce
 from ..algorithms.layout import bounds
-from .segment import Segment
+from ..errors import CollectiveMismatchError
+from .segment import CALL_WORDS, Segment
 from .wait import Waiter
 
 SMALL_BYTES = 16 << 10
@@ -50,6 +61,38 @@ def _combine(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, op: str) -> No
         local_reduce(out, b, op)
 
 
+KINDS = ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter", "barrier")
+OPS = ("", "sum", "product", "min", "max", "band", "bor", "bxor")
+DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
+DTYPE_CODES = {d: i for i, d in enumerate(DTYPES)}
+_WORDS = struct.Struct(f"{CALL_WORDS}i")  # one rank's call: kind | op | root, dtype, numel (two words)
+
+
+def _describe(words) -> str:
+    """One rank's call from its words: "all_reduce of 3 float32 (sum)", "broadcast of 4 int64 from rank 0"."""
+    head, dtype, low, high = words
+    kind, op, root = KINDS[(head & 15) - 1], OPS[(head >> 4) & 15], (head >> 8) - 1
+    if kind == "barrier":
+        return kind
+    text = f"{kind} of {high << 31 | low} {str(DTYPES[dtype]).replace('torch.', '')}"
+    if op:
+        text += f" ({op})"
+    if root >= 0:
+        text += f" {'to' if kind == 'reduce' else 'from'} rank {root}"
+    return text
+
+
+def _disagreement(what: str, rank: int, bank) -> str:
+    """The error's text: each distinct call with the ranks that made it (the first 8 of them)."""
+    calls: dict = {}
+    for q, words in enumerate(bank):
+        calls.setdefault(_describe(words), []).append(q)
+    said = "; ".join(f"rank{'s' if len(qs) > 1 else ''} {', '.join(map(str, qs))}: {call}"
+                     for call, qs in list(calls.items())[:8]) + ("; ..." if len(calls) > 8 else "")
+    return (f"{what} on rank {rank} of the shm group: the ranks called different collectives or disagree on "
+            f"the arguments ({said}); none of them ran it, and the group is still usable")
+
+
 class ShmCollectives:
     """The collectives of one group on its segment (one rank's view). Tensors are contiguous, CPU."""
 
@@ -58,7 +101,39 @@ class ShmCollectives:
         self.size = segment.world_size
         self.half = segment.slot_bytes // 2
         self.round = 0
+        self.calls = 0  # collectives this rank has entered (every rank the same, when they agree)
+        self._pending: Optional[bytes] = None
+        self._banks = [memoryview(segment.calls[b]).cast("B") for b in range(2)]
+        self._round_at_call = 0
         self._typed: dict = {}  # (dtype, half) -> every rank's half-slot viewed as that dtype (slicing costs)
+
+    # -- every rank must be in the same collective, on the same arguments ----------------------
+    def _call(self, kind: str, tensor: Optional[torch.Tensor] = None, op: str = "", root: int = -1) -> None:
+        """Note which collective this rank is in; the call's first barrier checks that every rank
+        noted the same (_barrier)."""
+        self.waiter.what = kind
+        self._round_at_call = self.round
+        numel = tensor.numel() if tensor is not None else 0
+        self._pending = _WORDS.pack(KINDS.index(kind) + 1 | OPS.index(op) << 4 | (root + 1) << 8,
+                                    DTYPE_CODES[tensor.dtype] if tensor is not None else -1, numel & 0x7FFFFFFF,
+                                    numel >> 31)
+
+    def _barrier(self) -> None:
+        """The barrier; at a call's first one each rank has put what it is calling in its words
+        (two banks, by the call's parity: a rank can be at most one call ahead of another there),
+        and every rank compares them all. A disagreement raises CollectiveMismatchError on every
+        rank, after the same barrier, so the group stays usable."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            self.waiter.barrier()
+            return
+        bank = self._banks[self.calls & 1]  # bytes of (world_size, CALL_WORDS) int32
+        self.calls += 1
+        bank[self.rank * _WORDS.size:(self.rank + 1) * _WORDS.size] = pending
+        self.waiter.barrier()
+        if bank.tobytes() != pending * self.size:  # bytes, not numpy: this is on every call's path
+            self.round = self._round_at_call + 1  # as if every rank had entered one round (a barrier enters none)
+            raise CollectiveMismatchError(_disagreement(self.waiter.what, self.rank, list(_WORDS.iter_unpack(bank))))
 
     def _next_round(self) -> int:
         self.round += 1
@@ -77,11 +152,11 @@ class ShmCollectives:
         return [(a, min(a + per, numel)) for a in range(0, numel, per)] or [(0, 0)]
 
     def all_reduce(self, flat: torch.Tensor, op: str) -> None:
-        self.waiter.what = "all_reduce"
+        self._call("all_reduce", flat, op)
         self._reduce(flat, op, copy_out=True)
 
     def reduce(self, flat: torch.Tensor, op: str, dst: int) -> None:
-        self.waiter.what = "reduce"
+        self._call("reduce", flat, op, root=dst)
         self._reduce(flat, op, copy_out=self.rank == dst)
 
     def _reduce(self, flat: torch.Tensor, op: str, copy_out: bool) -> None:
@@ -90,7 +165,7 @@ class ShmCollectives:
         if flat.numel() * flat.element_size() <= min(SMALL_BYTES, self.half):
             h = self._next_round()
             self._slot(r, dtype, flat.numel(), h).copy_(flat)
-            self.waiter.barrier()
+            self._barrier()
             if copy_out:  # every rank adds every slot, in rank order: the same bits everywhere
                 n = flat.numel()
                 flat.copy_(self._slot(0, dtype, n, h))
@@ -106,7 +181,7 @@ class ShmCollectives:
                 slot[:s].copy_(flat[a:a + s])
             if e < m:
                 slot[e:].copy_(flat[a + e:b])
-            self.waiter.barrier()
+            self._barrier()
             # 3. this rank's slice: its own value first, then the others' in rank order
             if e > s:
                 others = [q for q in range(p) if q != r]
@@ -119,30 +194,30 @@ class ShmCollectives:
                     local_reduce(into, self._slot(q, dtype, m, h)[s:e], op)
                 if copy_out:
                     slot[s:e].copy_(into)
-            self.waiter.barrier()
+            self._barrier()
             if copy_out:  # 5. every other slice from the slot of the rank that reduced it
                 for q, (s, e) in enumerate(bounds(m, p)):
                     if e > s and q != r:
                         flat[a + s:a + e].copy_(self._slot(q, dtype, m, h)[s:e])
 
     def broadcast(self, flat: torch.Tensor, src: int) -> None:
-        self.waiter.what = "broadcast"
+        self._call("broadcast", flat, root=src)
         for a, b in self._rounds(flat.numel(), flat.element_size()):
             h = self._next_round()
             if self.rank == src:
                 self._slot(src, flat.dtype, b - a, h).copy_(flat[a:b])
-            self.waiter.barrier()
+            self._barrier()
             if self.rank != src:
                 flat[a:b].copy_(self._slot(src, flat.dtype, b - a, h))
 
     def all_gather(self, out: torch.Tensor, flat: torch.Tensor) -> None:
         """out (p * numel, flat) gets every rank's flat in rank order."""
         p, r, n = self.size, self.rank, flat.numel()
-        self.waiter.what = "all_gather"
+        self._call("all_gather", flat)
         for a, b in self._rounds(n, flat.element_size()):
             h = self._next_round()
             self._slot(r, flat.dtype, b - a, h).copy_(flat[a:b])
-            self.waiter.barrier()
+            self._barrier()
             for q in range(p):
                 out[q * n + a:q * n + b].copy_(self._slot(q, flat.dtype, b - a, h))
 
@@ -150,17 +225,17 @@ class ShmCollectives:
         """out (numel / p) gets chunk `rank` of the reduction of every rank's flat."""
         p, r = self.size, self.rank
         c = flat.numel() // p
-        self.waiter.what = "reduce_scatter"
+        self._call("reduce_scatter", flat, op)
         # each round: the same piece of every chunk, side by side in the half-slot
         for a, b in self._rounds(c, flat.element_size(), parts=p):
             k, h = b - a, self._next_round()
             self._slot(r, flat.dtype, p * k, h).view(p, k).copy_(flat.view(p, c)[:, a:b])
-            self.waiter.barrier()
+            self._barrier()
             out[a:b].copy_(self._slot(r, flat.dtype, p * k, h).view(p, k)[r])
             for q in range(p):
                 if q != r:
                     local_reduce(out[a:b], self._slot(q, flat.dtype, p * k, h).view(p, k)[r], op)
 
     def barrier(self) -> None:
-        self.waiter.what = "barrier"
-        self.waiter.barrier()
+        self._call("barrier")
+        self._barrier()

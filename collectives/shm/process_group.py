@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from .. import reduce_ops
-from ..errors import CollectiveError
+from ..errors import CollectiveError, CollectiveMismatchError
 from .ops import ShmCollectives
 from .segment import Segment
 from .wait import Waiter
@@ -105,6 +105,8 @@ class ProcessGroupShm(dist.ProcessGroup):
             try:
                 job()
                 fut.set_result(value)
+            except CollectiveMismatchError as exc:  # every rank raised it at the same barrier: still usable
+                fut.set_exception(exc)
             except BaseException as exc:  # noqa: BLE001 - every error goes to whoever waits on the Work
                 self._waiter.abort()
                 fut.set_exception(exc)
@@ -123,6 +125,8 @@ class ProcessGroupShm(dist.ProcessGroup):
             try:
                 job()
                 fut.set_result(value)
+            except CollectiveMismatchError as exc:
+                fut.set_exception(exc)
             except BaseException as exc:  # noqa: BLE001
                 self._waiter.abort()
                 fut.set_exception(exc)

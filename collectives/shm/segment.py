@@ -2,7 +2,8 @@
 
 Layout (one file in /dev/shm, mapped by every rank):
 
-    control  SLOTS_CONTROL int32 words: per rank its step counter (the barrier), its pid; the abort word
+    control  int32 words: per rank its step counter (the barrier), its pid, what collective it
+             is in (two banks, by call parity); the abort word
     data     world_size slots of slot_bytes each: rank r writes only slot r
     mail     world_size x world_size mailboxes of MAILBOX_BYTES for point-to-point messages
              (transport.py), up to MAX_MAIL_RANKS ranks
@@ -31,7 +32,7 @@ import torch
 
 SHM_DIR = "/dev/shm"
 PREFIX = "collectives-shm"
-CONTROL_BYTES = 128 << 10  # int32 words: the per-rank and per-pair counters below, with room to spare
+CONTROL_BYTES = 256 << 10  # int32 words: the per-rank and per-pair counters below, with room to spare
 ALIGN = 64
 ABORT = 0  # control word: nonzero once the group is broken: 1 + the rank that failed or died
 ABORT_SEEN_BY = 1  # 1 + the rank that noticed it
@@ -39,6 +40,8 @@ STEP0, PID0 = 16, 16 + 4096  # per-rank words start here (steps, then pids)
 MAIL_SENT0 = PID0 + 4096  # per (src, dst) pair: messages put in that mailbox so far (by src)
 MAIL_TAKEN0 = MAIL_SENT0 + 4096  # and taken out of it (by dst)
 SLEEP0 = MAIL_TAKEN0 + 4096  # per rank: 1 while it sleeps on a futex (so others wake it only then)
+CALL0 = SLEEP0 + 4096  # per rank, two banks of CALL_WORDS: which collective it is in, on what (ops.py)
+CALL_WORDS = 4
 MAX_MAIL_RANKS = 64  # mailboxes (point-to-point) for up to 64 x 64 pairs
 MAILBOX_BYTES = int(float(os.environ.get("COLLECTIVES_SHM_MAILBOX_KB", "256")) * 1024) // ALIGN * ALIGN
 
@@ -88,6 +91,7 @@ class Segment:
         self.steps = self.control[STEP0:STEP0 + world_size]
         self.pids = self.control[PID0:PID0 + world_size]
         self.sleeping = self.control[SLEEP0:SLEEP0 + world_size]
+        self.calls = self.control[CALL0:CALL0 + 2 * world_size * CALL_WORDS].reshape(2, world_size, CALL_WORDS)
         self.data = torch.frombuffer(mapping, dtype=torch.uint8, offset=CONTROL_BYTES,
                                      count=world_size * slot_bytes)
         pairs = world_size * world_size if world_size <= MAX_MAIL_RANKS else 0

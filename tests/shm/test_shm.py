@@ -185,6 +185,53 @@ def test_the_algorithms_move_their_messages_through_the_mailboxes(env):
     assert not [w for w in seen if "shm backend" in str(w.message)]
 
 
+def _disagreeing_call(case, rank):
+    """Rank `rank`'s side of a call that the ranks disagree on (raw torch.distributed: no wrapper checks)."""
+    if case == "count":
+        return lambda: dist.all_reduce(torch.ones(3 + (rank == 2)))
+    if case == "count, many rounds":  # larger than the test's 64 KiB slot: the ranks would loop differently
+        return lambda: dist.all_reduce(torch.ones(40_000 + rank))
+    if case == "dtype":
+        return lambda: dist.all_reduce(torch.ones(3, dtype=torch.float64 if rank == 1 else torch.float32))
+    if case == "op":
+        return lambda: dist.all_reduce(torch.ones(3), op=dist.ReduceOp.MAX if rank == 0 else dist.ReduceOp.SUM)
+    if case == "root":
+        return lambda: dist.broadcast(torch.ones(3), src=rank % 2)
+    return [lambda: dist.broadcast(torch.ones(3), src=0), lambda: dist.all_reduce(torch.ones(3)), dist.barrier][rank]
+
+
+CALLS = {"count": ["ranks 0, 1: all_reduce of 3 float32 (sum)", "rank 2: all_reduce of 4 float32 (sum)"],
+         "count, many rounds": ["rank 0: all_reduce of 40000 float32 (sum)", "rank 2: all_reduce of 40002 float32"],
+         "dtype": ["ranks 0, 2: all_reduce of 3 float32 (sum)", "rank 1: all_reduce of 3 float64 (sum)"],
+         "op": ["rank 0: all_reduce of 3 float32 (max)", "ranks 1, 2: all_reduce of 3 float32 (sum)"],
+         "root": ["ranks 0, 2: broadcast of 3 float32 from rank 0", "rank 1: broadcast of 3 float32 from rank 1"],
+         "collective": ["rank 0: broadcast of 3 float32 from rank 0", "rank 1: all_reduce of 3 float32 (sum)",
+                        "rank 2: barrier"]}
+
+
+def _every_disagreement_is_named(env):
+    said = {}
+    for case in CALLS:
+        with pytest.raises(C.CollectiveMismatchError) as info:
+            _disagreeing_call(case, env.rank)()
+        said[case] = str(info.value)
+        t = torch.full((5,), float(env.rank))  # and the group still works, every time
+        dist.all_reduce(t)
+        assert t.tolist() == [3.0] * 5, (case, t)
+    return said
+
+
+def test_ranks_that_disagree_all_get_a_named_error_and_the_group_stays_usable(monkeypatch):
+    """Gloo aborts (size, dtype) or hangs (op) here; shared memory would read past the shorter
+    tensor or add a float64's bytes as float32s: a silent wrong answer. Each case on 3 ranks."""
+    monkeypatch.setenv("COLLECTIVES_SHM_SLOT_MB", str(64 / 1024))  # 64 KiB: many rounds for 160 KB
+    for rank, said in enumerate(C.run(_every_disagreement_is_named, 3, backend="shm", timeout=120)):
+        for case, message in said.items():
+            assert f"on rank {rank} of the shm group" in message, message
+            for call in CALLS[case]:
+                assert call in message, (case, call, message)
+
+
 def test_the_collectives_suite_passes_on_shm(tmp_path):
     """The wrappers' correctness suite, run again with shm as the backend of every pool."""
     import subprocess
@@ -206,7 +253,8 @@ def test_the_control_words_fit_the_control_area():
     from collectives.shm import segment as s
 
     regions = [(s.STEP0, 4096), (s.PID0, 4096), (s.MAIL_SENT0, s.MAX_MAIL_RANKS ** 2),
-               (s.MAIL_TAKEN0, s.MAX_MAIL_RANKS ** 2), (s.SLEEP0, 4096)]
+               (s.MAIL_TAKEN0, s.MAX_MAIL_RANKS ** 2), (s.SLEEP0, 4096),
+               (s.CALL0, 2 * 4096 * s.CALL_WORDS)]
     ends = sorted((start, start + size) for start, size in regions)
     assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(ends, ends[1:]))
     assert ends[-1][1] <= s.CONTROL_BYTES // 4 and ends[0][0] > max(s.ABORT, s.ABORT_SEEN_BY)
