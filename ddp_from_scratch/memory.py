@@ -15,7 +15,8 @@ to be reduce-scattered falls between module boundaries), and keeps the largest t
 
 What counts, each storage once (views share it): every parameter registered on a module at that
 moment (FSDP2 registers its unsharded parameters during forward and backward, and its sharded
-DTensors between: their local shard is counted), its .grad, the wrapper's own gradient buffers
+DTensors between: their local shard is counted) and every parameter the optimizer steps (the
+sharded DTensors stay alive while their unit is unsharded), its .grad, the wrapper's own gradient buffers
 (DDP's buckets, ZeRO-2/FSDP's gradient shards and the reduce-scatter inputs being filled), the sharded steps' parameter shards, and every
 tensor in the optimizer's state; "comm" is the collective's own input and output where they are
 not one of those (a packed reduce-scatter input, a gathered unit's landing buffer), and the
@@ -84,7 +85,11 @@ class HeldBytes:
         """Add up what is held now (and `comm`, a collective's tensors); keep the largest total."""
         seen: set = set()
         params_now = self._params_now()
-        params = _storages(params_now, seen) + _storages(getattr(self.model, "shards", []), seen)
+        # the optimizer's parameters too: FSDP2 registers a unit's unsharded parameters in place of
+        # its sharded ones while the unit is gathered, but keeps the shards (counted them missing
+        # before: its peak looked 1/p of a unit smaller than it is)
+        stepped = [p for group in self.optimizer.param_groups for p in group["params"]]
+        params = _storages(params_now, seen) + _storages(list(getattr(self.model, "shards", [])) + stepped, seen)
         grads = [p.grad for p in params_now] + [getattr(b, "buffer", None) for b in getattr(self.model, "buckets", [])]
         grads += list(getattr(self.model, "_grad_shards", [])) + list(getattr(self.model, "_flat", []))
         grad_bytes = _storages(grads, seen)
