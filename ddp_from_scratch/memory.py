@@ -16,8 +16,9 @@ to be reduce-scattered falls between module boundaries), and keeps the largest t
 What counts, each storage once (views share it): every parameter registered on a module at that
 moment (FSDP2 registers its unsharded parameters during forward and backward, and its sharded
 DTensors between: their local shard is counted) and every parameter the optimizer steps (the
-sharded DTensors stay alive while their unit is unsharded), its .grad, the wrapper's own gradient buffers
-(DDP's buckets, ZeRO-2/FSDP's gradient shards and the reduce-scatter inputs being filled), the sharded steps' parameter shards, and every
+sharded steps' shards; FSDP2's sharded DTensors, alive while their unit is unsharded), its
+.grad, the wrapper's own gradient buffers (DDP's buckets, ZeRO-2/FSDP's gradient shards and the
+reduce-scatter inputs being filled), and every
 tensor in the optimizer's state; "comm" is the collective's own input and output where they are
 not one of those (a packed reduce-scatter input, a gathered unit's landing buffer), and the
 buffers of collectives still in flight (the wrappers' bytes_in_flight(): an async reduce-scatter,
@@ -60,6 +61,10 @@ class HeldBytes:
         self.model = model
         self.root = getattr(model, "module", model)
         self.optimizer = getattr(optimizer, "inner", optimizer)  # ours: the optimizer over this rank's shards
+        # what it steps is held even when no module has it registered: our shards, and FSDP2's
+        # sharded parameters, which it swaps out of the module while their unit is gathered (the
+        # sampler missed them once: fully_shard's peak looked 1/p of a unit smaller than it is)
+        self._stepped = [p for group in self.optimizer.param_groups for p in group["params"]]
         self.peak: Dict[str, int] = {"params": 0, "grads": 0, "optimizer": 0, "comm": 0, "total": 0}
         self.samples = 0
         self._handles, self._hooked = [], {}
@@ -85,11 +90,7 @@ class HeldBytes:
         """Add up what is held now (and `comm`, a collective's tensors); keep the largest total."""
         seen: set = set()
         params_now = self._params_now()
-        # the optimizer's parameters too: FSDP2 registers a unit's unsharded parameters in place of
-        # its sharded ones while the unit is gathered, but keeps the shards (counted them missing
-        # before: its peak looked 1/p of a unit smaller than it is)
-        stepped = [p for group in self.optimizer.param_groups for p in group["params"]]
-        params = _storages(params_now, seen) + _storages(list(getattr(self.model, "shards", [])) + stepped, seen)
+        params = _storages(params_now, seen) + _storages(self._stepped, seen)
         grads = [p.grad for p in params_now] + [getattr(b, "buffer", None) for b in getattr(self.model, "buckets", [])]
         grads += list(getattr(self.model, "_grad_shards", [])) + list(getattr(self.model, "_flat", []))
         grad_bytes = _storages(grads, seen)

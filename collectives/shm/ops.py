@@ -104,7 +104,6 @@ class ShmCollectives:
         self.calls = 0  # collectives this rank has entered (every rank the same, when they agree)
         self._pending: Optional[bytes] = None
         self._banks = [memoryview(segment.calls[b]).cast("B") for b in range(2)]
-        self._round_at_call = 0
         self._typed: dict = {}  # (dtype, half) -> every rank's half-slot viewed as that dtype (slicing costs)
 
     # -- every rank must be in the same collective, on the same arguments ----------------------
@@ -112,7 +111,6 @@ class ShmCollectives:
         """Note which collective this rank is in; the call's first barrier checks that every rank
         noted the same (_barrier)."""
         self.waiter.what = kind
-        self._round_at_call = self.round
         numel = tensor.numel() if tensor is not None else 0
         self._pending = _WORDS.pack(KINDS.index(kind) + 1 | OPS.index(op) << 4 | (root + 1) << 8,
                                     DTYPE_CODES[tensor.dtype] if tensor is not None else -1, numel & 0x7FFFFFFF,
@@ -132,7 +130,6 @@ class ShmCollectives:
         bank[self.rank * _WORDS.size:(self.rank + 1) * _WORDS.size] = pending
         self.waiter.barrier()
         if bank.tobytes() != pending * self.size:  # bytes, not numpy: this is on every call's path
-            self.round = self._round_at_call + 1  # as if every rank had entered one round (a barrier enters none)
             raise CollectiveMismatchError(_disagreement(self.waiter.what, self.rank, list(_WORDS.iter_unpack(bank))))
 
     def _next_round(self) -> int:
@@ -238,4 +235,7 @@ class ShmCollectives:
 
     def barrier(self) -> None:
         self._call("barrier")
+        # a round like every other call's, though it moves no data: after a disagreement at the
+        # first barrier every rank has then entered exactly one round and all stay on one half-slot
+        self._next_round()
         self._barrier()

@@ -102,17 +102,23 @@ class ProcessGroupShm(dist.ProcessGroup):
         while True:
             job, fut, value = self._queue.get()
             self._waiter.spin_s = 0.0  # the calling thread is computing (DDP's backward): do not take its core
-            try:
-                job()
-                fut.set_result(value)
-            except CollectiveMismatchError as exc:  # every rank raised it at the same barrier: still usable
-                fut.set_exception(exc)
-            except BaseException as exc:  # noqa: BLE001 - every error goes to whoever waits on the Work
-                self._waiter.abort()
-                fut.set_exception(exc)
+            self._run(job, fut, value)
             with self._idle:
                 self._pending -= 1
                 self._idle.notify_all()
+
+    def _run(self, job: Callable[[], None], fut: torch.futures.Future, value) -> None:
+        """Run one collective; its error goes to whoever waits on the Work. Any error but a
+        disagreement between the ranks' calls (which every rank raised at the same barrier, so
+        the group is still usable) breaks the group on every rank (the abort word)."""
+        try:
+            job()
+            fut.set_result(value)
+        except CollectiveMismatchError as exc:
+            fut.set_exception(exc)
+        except BaseException as exc:  # noqa: BLE001
+            self._waiter.abort()
+            fut.set_exception(exc)
 
     def _submit(self, job: Callable[[], None], value, nbytes: int = 0) -> dist.Work:
         fut = torch.futures.Future()
@@ -122,14 +128,7 @@ class ProcessGroupShm(dist.ProcessGroup):
                 self._pending += 1
         if inline:  # nothing queued before it: run it here, no thread hand-off (small calls' latency)
             self._waiter.spin_s = self._waiter.spin_s_idle  # the caller waits anyway: spin a little first
-            try:
-                job()
-                fut.set_result(value)
-            except CollectiveMismatchError as exc:
-                fut.set_exception(exc)
-            except BaseException as exc:  # noqa: BLE001
-                self._waiter.abort()
-                fut.set_exception(exc)
+            self._run(job, fut, value)
         else:
             self._queue.put((job, fut, value))
         return ShmWork(fut)
