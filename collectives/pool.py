@@ -248,7 +248,12 @@ class RankPool:
                 if status == "died":
                     self._procs[rank].join(1.0)
                     summaries[rank] = _describe_exit(self._procs[rank].exitcode)
-                    failures[rank] = f"rank {rank} {summaries[rank]}"
+                    stack = _clean_stack(self._read_crash_stack(rank))  # written by faulthandler as it died
+                    where = _where(stack).replace("waiting in ", "in ", 1)
+                    if where:
+                        summaries[rank] = summaries[rank].replace(" (", f" {where} (", 1) if " (" in summaries[rank] \
+                            else f"{summaries[rank]} {where}"
+                    failures[rank] = f"rank {rank} {summaries[rank]}" + (f"; its Python stack:\n{stack}" if stack else "")
                 elif status == "error":
                     summaries[rank] = f"raised {value[0]}"
                     failures[rank] = f"rank {rank} raised:\n{value[1]}"
@@ -306,6 +311,21 @@ class RankPool:
             )
         raise RankFailure("\n".join(lines) + "\n" + body, failures, first=first, failed=failed, stopped=stopped)
 
+    def _read_crash_stack(self, rank: int) -> str:
+        """What a dead rank's faulthandler wrote into its stack pipe as a fatal signal hit it (empty
+        for a rank that exited or was killed by SIGKILL)."""
+        reader, raw = self._stacks[rank], b""
+        deadline = time.monotonic() + STACK_DUMP_WAIT_S
+        while time.monotonic() < deadline and reader.poll(0):
+            try:
+                chunk = os.read(reader.fileno(), 1 << 16)
+            except OSError:
+                break
+            if not chunk:  # end of file: the rank is gone and everything it wrote is read
+                break
+            raw += chunk
+        return raw.decode(errors="replace")
+
     # -- hang diagnosis ---------------------------------------------------------------------------
     def _dump_stacks(self, ranks: List[int]) -> Dict[int, str]:
         for rank in ranks:
@@ -329,16 +349,18 @@ class RankPool:
 
 
 def _clean_stack(text: str) -> str:
-    """faulthandler's all-thread dump, minus the parent-watch thread and the spawn bootstrap frames."""
+    """faulthandler's all-thread dump, minus the parent-watch thread, the spawn bootstrap frames and
+    the trailer a fatal signal adds (the signal is in the summary already)."""
     blocks = re.split(r"\n\s*\n|\n(?=(?:Current thread|Thread) 0x)", text.strip())
-    blocks = [b for b in blocks if b.strip() and "in _watch_parent" not in b]
+    blocks = [b for b in blocks if b.strip() and "in _watch_parent" not in b and "<no Python frame>" not in b]
     blocks.sort(key=lambda b: "in _rank_main" not in b)  # the main thread (the one running fn) first
     kept = []
     for block in blocks:
         lines = [ln for ln in block.splitlines()
-                 if "multiprocessing/" not in ln and '"<string>"' not in ln and not any(h in ln for h in HIDDEN_FILES)]
+                 if "multiprocessing/" not in ln and '"<string>"' not in ln and not any(h in ln for h in HIDDEN_FILES)
+                 and not ln.startswith(("Fatal Python error:", "Extension modules:"))]  # a crash's trailer
         kept.append("\n".join(lines))
-    return "\n\n".join(kept)
+    return "\n\n".join(k for k in kept if k.strip())
 
 
 def check_call(fn, args, timeout) -> None:

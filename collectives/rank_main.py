@@ -7,7 +7,8 @@
 A rank puts itself in a process group of its own (so it and everything it starts can be killed
 together), watches the parent's lifeline pipe in a daemon thread (end-of-file: the parent is
 gone, so the rank kills its own group), lets faulthandler write its stack into a pipe on
-SIGUSR1 (the parent's hang diagnosis), joins the process group through the parent's TCP store,
+SIGUSR1 (the parent's hang diagnosis) and on a fatal signal (SIGSEGV, SIGABRT, ...: where a crashed
+rank was, which the parent reads once it has died), joins the process group through the parent's TCP store,
 then runs each function the parent sends and sends back ("ok", result) or ("error", (one line,
 traceback without this harness's frames)) until the parent sends None.
 """
@@ -53,6 +54,7 @@ def _rank_main(rank, world_size, backend, store_port, conn, stack_writer, lifeli
     if os.getppid() != parent_pid:  # the parent died while this rank was starting
         _kill_own_group()
     faulthandler.register(signal.SIGUSR1, file=stack_writer.fileno(), all_threads=True)
+    faulthandler.enable(file=stack_writer.fileno(), all_threads=True)  # then the signal kills the rank as before
     try:
         if setup is not None:
             setup()

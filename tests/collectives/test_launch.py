@@ -1,12 +1,13 @@
 """collectives.run: results in rank order; a rank that raises, dies, aborts or hangs gives one
 RankFailure that leads with that rank (not with the ranks stopped because of it), with its
-traceback, exit code, signal or Python stack; no rank process, and nothing a rank started, is
+traceback, exit code, signal (and where it was when a fatal signal hit it) or Python stack; no rank process, and nothing a rank started, is
 left behind, even when the launcher itself is killed. Each case spawns ranks (~3 s), so the
 grid is small.
 
     pytest tests/collectives/test_launch.py -q
 """
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -40,6 +41,8 @@ def _fail(env, how, pid_dir):
             raise ValueError("planted failure on rank 1")
         if how == "exit":
             os._exit(7)
+        if how == "segfault":  # what a crash inside a C++ extension looks like
+            ctypes.string_at(0)
         if how == "abort":  # what Gloo does on a size mismatch
             t = torch.ones(3)
             dist.all_reduce(t)
@@ -79,7 +82,9 @@ def _pids_in(pid_dir):
         ("raise", "rank 1 raised ValueError: planted failure on rank 1\n",
          ["stopped because of it: rank(s) [0]", "rank 0 was still running", "waiting in all_reduce", "in _fail"]),
         ("exit", "rank 1 exited with code 7", ["stopped because of it: rank(s) [0]"]),
-        ("abort", "died from SIGABRT", []),
+        ("abort", "died from SIGABRT in all_reduce (called from test_launch.py:", ["its Python stack"]),
+        ("segfault", "rank 1 died from SIGSEGV in string_at (", [
+            "its Python stack", "in _fail", "stopped because of it: rank(s) [0]"]),
         ("hang", "rank 1 did not finish within the 2 s timeout: in _fail (test_launch.py:", [
             "stopped because of it: rank(s) [0]", "rank 0 did not finish within the 2 s timeout: waiting in all_reduce",
             "its Python stack", "in _fail"]),
