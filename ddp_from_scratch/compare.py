@@ -93,7 +93,8 @@ class StepCheck(NamedTuple):
 
 def train_side_by_side(env, wrapper, steps: int, model="small", batch_size: int = 4, image: int = 12,
                        torch_comm_hook=None, ddp_kwargs: Optional[dict] = None, set_to_none: bool = True,
-                       ours_kwargs: Optional[dict] = None, lr: float = 0.05) -> List[StepCheck]:
+                       ours_kwargs: Optional[dict] = None, lr: float = 0.05,
+                       device: Optional[torch.device] = None) -> List[StepCheck]:
     """Train ours and torch's DDP side by side on this rank; one StepCheck per step.
 
     The difference is per parameter tensor, max |ours - torch's| / max |torch's|, then the largest
@@ -103,11 +104,14 @@ def train_side_by_side(env, wrapper, steps: int, model="small", batch_size: int 
     `model` a name in MODELS or a callable building one; `ddp_kwargs` go to both torch's DDP and
     ours (find_unused_parameters=..., gradient_as_bucket_view=...), `ours_kwargs` to ours only
     (compress="fp16"); `torch_comm_hook` is registered on torch's DDP (e.g.
-    default_hooks.fp16_compress_hook); `set_to_none` is passed to zero_grad; `lr` to SGD.
+    default_hooks.fp16_compress_hook); `set_to_none` is passed to zero_grad; `lr` to SGD;
+    `device` is where the model and batches live (default: env.device, cuda with NCCL; a CUDA
+    device on Gloo runs 2 ranks on one GPU).
     """
     ddp_kwargs = ddp_kwargs or {}
+    device = env.device if device is None else torch.device(device)
     torch.manual_seed(100 + env.rank)  # every rank starts from different weights
-    base = (MODELS[model] if isinstance(model, str) else model)()
+    base = (MODELS[model] if isinstance(model, str) else model)().to(device)
     theirs = wrap(copy.deepcopy(base), "torch", **ddp_kwargs)
     if torch_comm_hook is not None:
         theirs.register_comm_hook(None, torch_comm_hook)
@@ -115,7 +119,7 @@ def train_side_by_side(env, wrapper, steps: int, model="small", batch_size: int 
     opts = [torch.optim.SGD(m.parameters(), lr=lr, momentum=0.9) for m in (ours, theirs)]
     report = []
     for step in range(steps):
-        x, y = batch(step, env.rank, batch_size, image)
+        x, y = (t.to(device) for t in batch(step, env.rank, batch_size, image))
         losses = []
         for m, opt in zip((ours, theirs), opts):
             opt.zero_grad(set_to_none=set_to_none)

@@ -9,9 +9,10 @@ bitwise by construction (must_be_bitwise, SHARDED_NOTE says why) and the shard l
 from __future__ import annotations
 
 import copy
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -22,27 +23,44 @@ from .shard import ShardLayout
 from .wrap import SHARDED_WRAPPERS, torch_fully_shard, wrap
 
 
+def _gather_dim0(p) -> torch.Tensor:
+    """A fully_shard parameter (a DTensor sharded on dim 0, as torch.chunk cuts it) whole, gathered
+    with one all_gather_into_tensor of padded rows. Not DTensor.full_tensor(): its functional
+    all_gather dies from SIGSEGV on Gloo with CUDA tensors (torch 2.11, seen on an H100)."""
+    local = p.to_local().detach()
+    group = p.device_mesh.get_group()
+    n = dist.get_world_size(group)
+    rows = -(-p.shape[0] // n)  # the first ranks' chunk; later ones may be shorter or empty
+    padded = local.new_zeros((rows, *p.shape[1:]))
+    padded[: local.shape[0]] = local
+    whole = local.new_empty((rows * n, *p.shape[1:]))
+    dist.all_gather_into_tensor(whole, padded, group=group)
+    return whole[: p.shape[0]]
+
+
 def _full_params(model: nn.Module) -> Dict[str, torch.Tensor]:
     """Every parameter whole: DTensors gathered (fully_shard), our FSDP's units gathered."""
     if hasattr(model, "full_state"):
         return model.full_state()
     inner = getattr(model, "module", model)
-    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for n, p in inner.named_parameters()}
+    return {n: (_gather_dim0(p) if hasattr(p, "to_local") else p.detach()) for n, p in inner.named_parameters()}
 
 
 def train_sharded_side_by_side(env, impl: str, steps: int, against: str = "torch-fsdp", model="small",
                                batch_size: int = 4, image: int = 12, units: str = "children",
-                               lr: float = 0.05) -> List[StepCheck]:
+                               lr: float = 0.05, device: Optional[torch.device] = None) -> List[StepCheck]:
     """A sharded step of ours (zero1, zero2, fsdp) against torch's fully_shard or torch's DDP.
 
     Every rank starts from the same weights (fully_shard keeps each rank's own rows and does not
     broadcast them). Against fully_shard, buffers are not synchronised (FSDP2 leaves BatchNorm
     statistics per rank); against DDP they are broadcast from rank 0 before each forward, as
     DDP does. Compared after every step: every parameter (whole), buffer and the loss; the
-    gradients are shards on both sharded sides and are not compared one by one.
+    gradients are shards on both sharded sides and are not compared one by one. `device` is where
+    the model and batches live (default: env.device).
     """
+    device = env.device if device is None else torch.device(device)
     torch.manual_seed(100)
-    base = (MODELS[model] if isinstance(model, str) else model)()
+    base = (MODELS[model] if isinstance(model, str) else model)().to(device)
     copied = copy.deepcopy(base)
     # the units torch's side is cut into: ours for fsdp; ZeRO-1/2 reduce the whole model at once
     theirs = torch_fully_shard(copied, units if impl == "fsdp" else "model") if against == "torch-fsdp" \
@@ -54,7 +72,7 @@ def train_sharded_side_by_side(env, impl: str, steps: int, against: str = "torch
     opt_theirs = torch.optim.SGD(theirs.parameters(), lr=lr, momentum=0.9)
     report = []
     for step in range(steps):
-        x, y = batch(step, env.rank, batch_size, image)
+        x, y = (t.to(device) for t in batch(step, env.rank, batch_size, image))
         losses = []
         for m, opt in ((ours, opt_ours), (theirs, opt_theirs)):
             opt.zero_grad()

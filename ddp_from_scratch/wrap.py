@@ -30,12 +30,18 @@ SHARDED_WRAPPERS = {"zero1": ZeroOneDataParallel, "zero2": ZeroTwoDataParallel, 
 def torch_fully_shard(module: nn.Module, units="children") -> nn.Module:
     """torch's FSDP2 on the same units as ours (fsdp.unit_plan): fully_shard on each unit's module,
     innermost first, then on the root."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
+    # The mesh on the module's own device: left to itself, fully_shard builds a CUDA mesh whenever a
+    # GPU is visible and moves a CPU module there (seen on an H100 machine, Gloo ranks on the CPU).
+    device = next(module.parameters()).device
+    mesh = DeviceMesh.from_group(dist.group.WORLD, device_type=device.type)
     for name, _ in reversed(unit_plan(module, units)):
         if name:
-            fully_shard(module.get_submodule(name))
-    return fully_shard(module)
+            fully_shard(module.get_submodule(name), mesh=mesh)
+    return fully_shard(module, mesh=mesh)
 
 
 def wrap(model: nn.Module, impl: Union[str, type], **kwargs) -> nn.Module:

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 import collectives
 from ddp_from_scratch import shard as shard_module
 from ddp_from_scratch.compare import summarise
-from ddp_from_scratch.sharded_parity import must_be_bitwise, train_sharded_side_by_side
+from ddp_from_scratch.sharded_parity import _gather_dim0, must_be_bitwise, train_sharded_side_by_side
 from ddp_from_scratch.wrap import SHARDED_WRAPPERS
 from ddp_from_scratch.fsdp import FullyShardedDataParallel, unit_plan, units_of
 from ddp_from_scratch.models import Branchy, SmallNet, batch
@@ -95,6 +95,23 @@ def _nested_units(env):
 def test_nested_units_are_bitwise_fully_shard_nested_alike(dist_run):
     for rank, res in enumerate(dist_run(_nested_units, 3, timeout=300)):
         assert res["bitwise"], f"rank {rank}: {res}"
+
+
+def _gathered_both_ways(env):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)  # rows 5, 1, 2, 7 on 3 ranks: short and empty last chunks
+    params = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(*s)) for s in ((5, 2), (1,), (2, 3), (7,))])
+    model = fully_shard(params, mesh=DeviceMesh.from_group(dist.group.WORLD, device_type="cpu"))
+    return [(tuple(p.shape), torch.equal(_gather_dim0(p), p.full_tensor())) for p in model.parameters()]
+
+
+def test_the_parity_check_gathers_fully_shard_parameters_as_full_tensor_does(dist_run):
+    """sharded_parity gathers fully_shard's DTensors itself (full_tensor dies on Gloo with CUDA tensors)."""
+    for rank, res in enumerate(dist_run(_gathered_both_ways, 3)):
+        assert res == [((5, 2), True), ((1,), True), ((2, 3), True), ((7,), True)], f"rank {rank}: {res}"
 
 
 # -- parity on ranks: one call per world size, every pair ---------------------------------------
