@@ -6,7 +6,8 @@
 #     bash benchmarks/gpu_checks.sh tests      # the GPU tests and the CUDA-aware parts of the suite
 #     bash benchmarks/gpu_checks.sh bandwidth  # NCCL world size 1 and Gloo+CUDA 2 ranks, nccl-tests tables
 #                                              (one of them: nccl or gloo-cuda)
-#     bash benchmarks/gpu_checks.sh train      # ddp_from_scratch.train on NCCL, world size 1, each --impl, with --amp
+#     bash benchmarks/gpu_checks.sh train      # ddp_from_scratch.train on NCCL, world size 1, each --impl, with --amp;
+#                                              then --impl torch twice, with and without --deterministic
 #     bash benchmarks/gpu_checks.sh suite      # the whole suite on the GPU machine (CUDA visible)
 #
 # The machine has its own torch (no network there); the project is installed over it without
@@ -29,7 +30,7 @@ gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr -cs 'A-Za
 
 case $what in
 tests)
-    python3 -m pytest -q -rfEs tests/collectives/test_gpu.py 2>&1 | tee "$OUT/gpu-tests.txt"
+    python3 -m pytest -q -rfEs tests/collectives/test_gpu.py tests/ddp/test_gpu_ddp.py 2>&1 | tee "$OUT/gpu-tests.txt"
     python3 -m pytest -q -rfEs -k "cuda or gpu or nccl" tests 2>&1 | tee -a "$OUT/gpu-tests.txt"
     ;;
 bandwidth|nccl|gloo-cuda)
@@ -46,6 +47,15 @@ train)
             echo "== --impl $impl $amp" | tee -a "$OUT/train.txt"
             python3 -m ddp_from_scratch.train --nproc 1 --impl $impl --synthetic --train-size 512 --test-size 256 \
                 --batch-size 64 $amp --json "/tmp/train-$impl${amp:+-amp}.json" 2>&1 | grep -v "^step" | tee -a "$OUT/train.txt"
+        done
+    done
+    python3 -m benchmarks.cuda_determinism 2>&1 | tee -a "$OUT/train.txt"  # one step repeated in one process
+    # run to run: the same command twice, its 8 losses; fp32 on CUDA differs without --deterministic
+    for det in "" --deterministic; do
+        for run in 1 2; do
+            echo "== --impl torch $det, run $run, losses:" $(python3 -m ddp_from_scratch.train --nproc 1 --impl torch --synthetic \
+                --train-size 512 --test-size 256 --batch-size 64 $det 2>&1 | tr '\r' '\n' | grep -E "^epoch .* step" | awk '{print $6}') \
+                | tee -a "$OUT/train.txt"
         done
     done
     ;;

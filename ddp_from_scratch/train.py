@@ -26,6 +26,7 @@ sharded it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -67,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bucket size for --impl bucketed / torch, MiB (default: torch's, 25 with a 1 MiB first bucket)")
     p.add_argument("--amp", action="store_true", help="mixed precision: bf16 autocast on CPU, fp16 + GradScaler on CUDA")
     p.add_argument("--seed", type=int, default=0, help="initialisation, shuffling and augmentation")
+    p.add_argument("--deterministic", action="store_true",
+                   help="deterministic kernels (cuDNN's deterministic mode, torch.use_deterministic_algorithms with "
+                        "warnings): on CUDA, runs otherwise differ in the losses' 3rd decimal from the 2nd step")
     p.add_argument("--checkpoint", default=None, help="folder for checkpoint.pt, written each epoch")
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint/checkpoint.pt")
     p.add_argument("--json", default=None, help="also write the summary to this file")
@@ -244,7 +248,32 @@ def scaled_step(scaler, loss, opt) -> bool:
     return scaler.get_scale() >= before
 
 
+@contextlib.contextmanager
+def deterministic_kernels(enabled: bool):
+    """cuDNN's deterministic mode and torch.use_deterministic_algorithms (warnings only, for ops
+    with no deterministic kernel) while training; the previous settings are restored after, since a
+    rank of a shared pool runs other work next."""
+    if not enabled:
+        yield
+        return
+    before = (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark,
+              torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS first starts, later
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[:2]
+        torch.use_deterministic_algorithms(before[2], warn_only=before[3])
+
+
 def train(env, config) -> dict:
+    with deterministic_kernels(config["deterministic"]):
+        return _train(env, config)
+
+
+def _train(env, config) -> dict:
     torch.manual_seed(config["seed"])
     train_set, test_set = _datasets(config)
     if config["impl"] in SHARDED_IMPLS:
@@ -310,6 +339,7 @@ def train(env, config) -> dict:
     return {"impl": config["impl"], "model": config["model"], "world_size": env.world_size, "device": str(env.device),
             "backend": env.backend, "epochs": config["epochs"], "resumed_from_epoch": start_epoch,
             "batch_size_per_rank": config["batch_size"], "amp": config["amp"], "skipped_steps": skipped,
+            "deterministic": config["deterministic"],
             "train_seconds": seconds,
             "images_per_second": images / seconds if seconds else None, "test_accuracy": accuracy,
             "synthetic_data": config["synthetic"]}

@@ -53,6 +53,28 @@ def test_torch_ddp_with_amp(tmp_path, capsys):
     assert summary["skipped_steps"] == 0  # bf16 on CPU: no GradScaler, nothing skipped
 
 
+def _deterministic_flags(env, argv):
+    seen = []
+    real_train = train._train
+    train._train = lambda *a: seen.append((torch.are_deterministic_algorithms_enabled(),
+                                           torch.backends.cudnn.deterministic)) or real_train(*a)
+    try:
+        summary = train.train(env, vars(train.build_parser().parse_args(argv)))
+    finally:
+        train._train = real_train
+    return summary["deterministic"], seen[0], (torch.are_deterministic_algorithms_enabled(),
+                                               torch.backends.cudnn.deterministic)
+
+
+def test_deterministic_sets_the_kernel_flags_while_training_and_restores_them(dist_run):
+    """What --deterministic does shows only on CUDA (gpu_checks.sh train runs it twice and compares
+    the losses); here: the flags are set while the rank trains, and restored after (the rank of a
+    shared pool runs other work next), and left alone without the flag."""
+    argv = COMMON[2:] + ["--impl", "torch", "--train-size", "16", "--test-size", "8"]
+    assert dist_run(_deterministic_flags, 1, args=(argv + ["--deterministic"],)) == [(True, (True, True), (False, False))]
+    assert dist_run(_deterministic_flags, 1, args=(argv,)) == [(False, (False, False), (False, False))]
+
+
 @pytest.mark.parametrize("factor, stepped", [(1.0, True), (float("inf"), False), (float("nan"), False)])
 def test_a_step_gradscaler_skips_is_reported_and_leaves_the_weights(factor, stepped):
     """train's progress and summary count the steps GradScaler skipped (fp16 on CUDA: identical
