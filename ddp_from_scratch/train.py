@@ -65,7 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=32, help="images per rank per step (the seeds use 256 and 128)")
     p.add_argument("--lr", type=float, default=0.001, help="SGD learning rate (momentum 0.9), as in the seeds")
     p.add_argument("--bucket-cap-mb", type=float, default=None,
-                   help="bucket size for --impl bucketed / torch, MiB (default: torch's, 25 with a 1 MiB first bucket)")
+                   help="bucket size for --impl bucketed / torch, MiB (default: torch's, 25 with a 1 MiB first bucket); "
+                        "for --impl zero2, reduce-scatter in buckets of this size during backward (default: one "
+                        "reduce-scatter of the whole model after it)")
     p.add_argument("--amp", action="store_true", help="mixed precision: bf16 autocast on CPU, fp16 + GradScaler on CUDA")
     p.add_argument("--seed", type=int, default=0, help="initialisation, shuffling and augmentation")
     p.add_argument("--deterministic", action="store_true",
@@ -132,8 +134,8 @@ def validate(args, parser, world_size: int) -> None:
         parser.error(f"--lr must be a positive number, got {args.lr}")
     if args.bucket_cap_mb is not None and not (math.isfinite(args.bucket_cap_mb) and args.bucket_cap_mb > 0):
         parser.error(f"--bucket-cap-mb must be a positive number of MiB, got {args.bucket_cap_mb}")
-    if args.bucket_cap_mb is not None and args.impl not in ("torch", "bucketed"):
-        parser.error(f"--bucket-cap-mb applies to --impl torch or bucketed, not {args.impl}")
+    if args.bucket_cap_mb is not None and args.impl not in ("torch", "bucketed", "zero2"):
+        parser.error(f"--bucket-cap-mb applies to --impl torch, bucketed or zero2, not {args.impl}")
     if args.amp and args.impl in SHARDED_IMPLS:
         parser.error(f"--amp applies to the DDP impls ({', '.join(IMPLS)}), not {args.impl}: the sharded steps' "
                      "optimizers are not torch optimizers that GradScaler can step")
@@ -207,7 +209,8 @@ def _sharded(net, config):
     if config["impl"] == "torch-fsdp":
         model = torch_fully_shard(net)
         return model, torch.optim.SGD(model.parameters(), lr=config["lr"], momentum=0.9)
-    model = SHARDED_WRAPPERS[config["impl"]](net)
+    options = {"bucket_cap_mb": config["bucket_cap_mb"]} if config["impl"] == "zero2" else {}
+    model = SHARDED_WRAPPERS[config["impl"]](net, **options)
     return model, model.optimizer(torch.optim.SGD, lr=config["lr"], momentum=0.9)
 
 

@@ -10,16 +10,28 @@ keeps 1/p of the gradients as well as of the optimizer state.
     model = ZeroTwoDataParallel(net)
     opt = model.optimizer(torch.optim.SGD, lr=0.05, momentum=0.9)
 
-The whole model is one unit here; FSDP (fsdp.py) cuts it into several and reduce-scatters each
-as soon as its own gradients are there. On 2 ranks bitwise equal to torch's DDP and to torch's
-fully_shard; on 3 and 4 bitwise equal to fully_shard with the model as one unit (the same
-layout, the same op: Gloo averages after the sum), not to DDP, whose all_reduce adds in another
-order (tests/ddp/test_zero.py). A parameter that gets no gradient is an error at the end of that
+The whole model is one unit here, so until the last gradient arrives a rank holds every
+gradient once (packed). With `bucket_cap_mb`, ZeRO-2 as DeepSpeed runs it: the parameters in
+the order backward produces their gradients (reverse registration, as DDP's buckets) are cut into
+buckets of at most that many MiB, and each bucket is reduce-scattered as soon as its gradients
+are there, while backward goes on; a rank then holds its gradient shards and about two buckets
+instead of a whole gradient (benchmarks/sharded.py: "zero2, bucketed").
+
+    model = ZeroTwoDataParallel(net, bucket_cap_mb=25)
+
+FSDP (fsdp.py) cuts the model into units too, by module, and shards the parameters as well.
+
+On 2 ranks bitwise equal to torch's DDP and to torch's fully_shard, bucketed or not; on 3 and 4
+the one-unit form is bitwise equal to fully_shard with the model as one unit (the same layout,
+the same op: Gloo averages after the sum), not to DDP, whose all_reduce adds in another order
+(tests/ddp/test_zero.py); the bucketed form has no fully_shard twin there (its buckets are not
+modules). A parameter that gets no gradient is an error at the end of that
 backward, naming it: its unit's reduce_scatter would never be issued.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from typing import List, Optional
 
@@ -28,17 +40,44 @@ from torch import nn
 
 import collectives
 
+from .shard import ShardLayout
 from .trace import Timeline
 from .zero1 import ZeroOneDataParallel
+
+
+def reduce_buckets(nbytes: List[int], cap_mb: float) -> List[List[int]]:
+    """Parameter indices in the order a plain backward produces their gradients (the last
+    registered first), cut into runs of at most cap_mb MiB; a run closes before a parameter that
+    would pass the cap, so only a parameter larger than the cap makes a run larger."""
+    buckets, now, size = [], [], 0
+    for i in reversed(range(len(nbytes))):
+        if now and size + nbytes[i] > cap_mb * (1 << 20):
+            buckets.append(now)
+            now, size = [], 0
+        now.append(i)
+        size += nbytes[i]
+    return buckets + ([now] if now else [])
 
 
 class ZeroTwoDataParallel(ZeroOneDataParallel):
     uses_buckets = False  # DDP's buckets would hold a whole gradient's worth of memory, unused here
 
-    def __init__(self, module: nn.Module, *args, **kwargs):
+    def __init__(self, module: nn.Module, *args, bucket_cap_mb: Optional[float] = None, **kwargs):
+        """bucket_cap_mb: None, one reduce-scatter of the whole model after backward; else buckets
+        of at most this many MiB (one bucket if a parameter is larger), each reduce-scattered as
+        soon as its gradients are there. Other options are ZeRO-1's (zero1.py)."""
+        if bucket_cap_mb is not None and (isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float))
+                                          or not math.isfinite(bucket_cap_mb) or bucket_cap_mb <= 0):
+            raise ValueError(f"{type(self).__name__}: bucket_cap_mb must be a positive number of MiB or None, "
+                             f"got {bucket_cap_mb!r}")
         super().__init__(module, *args, **kwargs)
-        self.units = [list(range(len(self.params)))]  # one unit: the whole model
-        self.unit_layouts = [self.layout]
+        self.bucket_cap_mb = bucket_cap_mb
+        if bucket_cap_mb is None:
+            self.units = [list(range(len(self.params)))]  # one unit: the whole model
+            self.unit_layouts = [self.layout]
+        else:
+            self.units = reduce_buckets([p.numel() * p.element_size() for p in self.params], bucket_cap_mb)
+            self.unit_layouts = [ShardLayout([self.params[i] for i in unit], self.world_size) for unit in self.units]
         self._setup_units()
 
     def _setup_units(self) -> None:

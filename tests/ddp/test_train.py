@@ -100,6 +100,7 @@ def test_a_step_gradscaler_skips_is_reported_and_leaves_the_weights(factor, step
     (["--resume"], "--resume needs --checkpoint FOLDER"),  # once "no checkpoint at None"
     (["--lr", "-1"], "--lr must be a positive number"),
     (["--bucket-cap-mb", "0"], "--bucket-cap-mb must be a positive number of MiB"),
+    (["--impl", "fsdp", "--bucket-cap-mb", "5"], "--bucket-cap-mb applies to --impl torch, bucketed or zero2, not fsdp"),
 ])
 def test_bad_arguments_are_refused_before_any_rank_starts(argv, fragment, capsys):
     start = time.monotonic()
@@ -210,9 +211,10 @@ def test_fsdp_resume_ends_where_an_uninterrupted_run_ends(tmp_path, capsys):
         assert torch.equal(tensor, b["optimizer"]["whole"]["momentum_buffer"][key]), key
 
 
-@pytest.mark.parametrize("impl", ["zero1", "zero2", "torch-fsdp"])
-def test_each_sharded_step_trains_and_saves_whole_tensors(impl, tmp_path, capsys):
-    assert train.main(COMMON + ["--impl", impl, "--epochs", "1", "--checkpoint", str(tmp_path)]) == 0
+@pytest.mark.parametrize("impl, extra", [("zero1", []), ("zero2", []), ("zero2", ["--bucket-cap-mb", "0.001"]),
+                                         ("torch-fsdp", [])])
+def test_each_sharded_step_trains_and_saves_whole_tensors(impl, extra, tmp_path, capsys):
+    assert train.main(COMMON + ["--impl", impl, "--epochs", "1", "--checkpoint", str(tmp_path)] + extra) == 0
     summary = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert summary["impl"] == impl and summary["synthetic_data"] and 0 <= summary["test_accuracy"] <= 1
     saved = _final(tmp_path)

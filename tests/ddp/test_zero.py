@@ -27,7 +27,8 @@ from ddp_from_scratch.models import Branchy, SmallNet, batch
 from ddp_from_scratch.resnet import resnet50
 from ddp_from_scratch.shard import ShardLayout
 from ddp_from_scratch.zero1 import ZeroOneDataParallel
-from ddp_from_scratch.zero2 import ZeroTwoDataParallel
+from ddp_from_scratch.memory import HeldBytes
+from ddp_from_scratch.zero2 import ZeroTwoDataParallel, reduce_buckets
 
 STEPS = 3
 
@@ -274,6 +275,82 @@ def test_each_stage_keeps_what_it_says(dist_run):
             assert rest.index(f"all_gather unit {u} (backward)") < rest.index(f"reduce_scatter unit {u}"), rest
         assert sorted(s for s in rest if s.startswith("reduce_scatter")) == [f"reduce_scatter unit {u}"
                                                                              for u in range(units)]
+
+
+# -- ZeRO-2 with buckets ---------------------------------------------------------------------------
+@settings(max_examples=80, deadline=None)
+@given(nbytes=st.lists(st.integers(1, 4000), min_size=1, max_size=12), cap_bytes=st.integers(1, 6000))
+def test_reduce_buckets_cut_the_backward_order_into_runs_under_the_cap(nbytes, cap_bytes):
+    cap = cap_bytes / (1 << 20)
+    buckets = reduce_buckets(nbytes, cap)
+    assert [i for b in buckets for i in b] == list(reversed(range(len(nbytes))))  # every parameter once, in order
+    for b, after in zip(buckets, buckets[1:] + [None]):
+        size = sum(nbytes[i] for i in b)
+        assert len(b) == 1 or size <= cap_bytes, (b, size)  # only a parameter larger than the cap passes it
+        if after is not None:
+            assert size + nbytes[after[0]] > cap_bytes  # a bucket closes only when the next one would not fit
+
+
+@pytest.mark.parametrize("cap", [0, -1, float("nan"), float("inf"), "25", True])
+def test_a_bad_bucket_cap_is_refused_by_name(cap):
+    with pytest.raises(ValueError, match="bucket_cap_mb must be a positive number of MiB"):
+        ZeroTwoDataParallel.__init__(object.__new__(ZeroTwoDataParallel), torch.nn.Linear(2, 2), bucket_cap_mb=cap)
+
+
+class Deep(torch.nn.Sequential):
+    """Eight equal layers: buckets of about one layer each."""
+
+    def __init__(self):
+        super().__init__(torch.nn.Flatten(), torch.nn.Linear(3 * 4 * 4, 32),
+                         *[torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Linear(32, 32)) for _ in range(8)],
+                         torch.nn.Linear(32, 10))
+
+
+LAYER_MB = (32 * 32 + 32) * 4 / (1 << 20)
+
+
+def _bucketed_zero2(env):
+    from functools import partial
+
+    out = {}
+    for cap in (None, 1e-9, 1.5 * LAYER_MB):
+        # gather_cap_mb: the after-step all_gather in groups as small as the buckets, so that its landing
+        # buffer is not the peak being measured
+        ctor = partial(ZeroTwoDataParallel, bucket_cap_mb=cap, broadcast_buffers=True, gather_cap_mb=1.5 * LAYER_MB)
+        report = train_sharded_side_by_side(env, ctor, STEPS, against="torch", model=Deep, image=4)
+        torch.manual_seed(0)
+        model = ctor(Deep())
+        opt = model.optimizer(torch.optim.SGD, lr=0.05, momentum=0.9)
+        held = HeldBytes(model, opt)
+        x, y = batch(0, env.rank, 4, 4)
+        with held.watching_collectives():
+            for _ in range(2):
+                opt.zero_grad()
+                F.cross_entropy(model(x), y).backward()
+                opt.step()
+        held.remove()
+        out[cap] = {"bitwise": [c.bitwise for c in report], "units": len(model.units),
+                    "grads_and_comm": held.peak["grads"] + held.peak["comm"],
+                    "psi": sum(p.numel() * p.element_size() for p in model.params)}
+    return out
+
+
+def test_bucketed_zero2_is_bitwise_ddp_and_holds_about_two_buckets_not_a_whole_gradient(dist_run):
+    """Each bucket reduce-scattered as soon as its gradients are there: bitwise torch's DDP on 2
+    ranks, and at its peak a rank holds its gradient shards and a bucket or two, where the one-unit
+    ZeRO-2 holds every gradient packed. A bucketed ZeRO-2 that waited for the end of backward
+    would hold all its buckets at once and fail the memory bound."""
+    for rank, out in enumerate(dist_run(_bucketed_zero2, 2)):
+        n_params = 2 * 10
+        assert [out[c]["units"] for c in (None, 1e-9)] == [1, n_params], out
+        assert 1 < out[1.5 * LAYER_MB]["units"] < n_params, out
+        for cap, res in out.items():
+            assert res["bitwise"] == [True] * STEPS, (rank, cap, res)
+        psi = out[None]["psi"]
+        whole, bucketed = out[None]["grads_and_comm"], out[1.5 * LAYER_MB]["grads_and_comm"]
+        assert whole >= psi, out  # the one-unit form packs every gradient
+        # shards (psi/2) + the bucket filling + one in flight (with its output row): under 0.5 psi + 4 layers
+        assert bucketed < psi / 2 + 4 * LAYER_MB * (1 << 20) < whole, out
 
 
 def _unused_parameter(env):
