@@ -5,8 +5,9 @@
 
 Two parts, in one world of spawned Gloo ranks:
 
-1. Memory: each stage (our DDP, with and without gradient_as_bucket_view, ZeRO-1, ZeRO-2, FSDP,
-   and torch's fully_shard) trains ResNet-50 for two steps while ddp_from_scratch.memory.HeldBytes
+1. Memory: each stage (our DDP, with and without gradient_as_bucket_view, ZeRO-1, ZeRO-2 in one
+   unit and in 25 MiB buckets, FSDP, and torch's fully_shard) trains ResNet-50 for two steps
+   while ddp_from_scratch.memory.HeldBytes
    samples what the rank holds (parameters, gradients, optimizer state; activations excluded);
    the peak of the second step (momentum exists by then) is reported per rank, largest rank, and
    as a ratio to DDP. Beside it, what each wrapper's own accounting predicts (FORMULAS; psi =
@@ -39,9 +40,10 @@ from ddp_from_scratch.models import MODELS
 
 from .ddp_step_time import alternate_steps, summarise
 
-STAGES = ["ddp", "ddp, gradient_as_bucket_view", "zero1", "zero2", "fsdp", "fsdp, no prefetch", "torch fully_shard",
+STAGES = ["ddp", "ddp, gradient_as_bucket_view", "zero1", "zero2", "zero2, bucketed", "fsdp", "fsdp, no prefetch", "torch fully_shard",
           "fsdp, per block", "torch fully_shard, per block"]
 MiB = 1 << 20
+BUCKET_MB = 25  # "zero2, bucketed": DDP's bucket size
 
 
 def build(stage: str, net, lr: float = 0.001):
@@ -54,6 +56,8 @@ def build(stage: str, net, lr: float = 0.001):
         return model, torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     if stage == "fsdp, no prefetch":
         model = SHARDED_WRAPPERS["fsdp"](net, prefetch=False)
+    elif stage == "zero2, bucketed":
+        model = SHARDED_WRAPPERS["zero2"](net, bucket_cap_mb=BUCKET_MB)
     elif stage == "fsdp, per block":
         model = SHARDED_WRAPPERS["fsdp"](net, units="blocks")
     else:
@@ -109,6 +113,7 @@ FORMULAS = {  # what each wrapper keeps at its peak (psi: parameter bytes, p: ra
     "ddp, gradient_as_bucket_view": "3 psi: the .grad are the buckets",
     "zero1": "3 psi + psi/p + one gather group",
     "zero2": "2 psi + 2 psi/p: params, the packed grads, grad and momentum shards",
+    "zero2, bucketed": "psi + 2 psi/p + buckets in flight in backward or one gather group after the step (not one formula)",
     "fsdp": "2 psi/p + 2u + (1+1/p) u2: shards, momentum, a unit, its grads, the next one prefetched",
     "fsdp, no prefetch": "2 psi/p + (1+1/p) u + 2 u2: u's reduce-scatter in flight while u2 computes",
     "torch fully_shard": "as fsdp; FSDP2's buffers in flight are not seen",
@@ -124,7 +129,7 @@ def predicted(stage: str, psi: float, p: int, unit: float, unit2: float, block: 
     return {"ddp": 4 * psi, "ddp, gradient_as_bucket_view": 3 * psi, "zero1": 3 * psi + psi / p,
             "zero2": 2 * psi + 2 * psi / p, "fsdp": fsdp,
             "fsdp, no prefetch": max(2 * psi / p + 2 * unit, 2 * psi / p + (1 + 1 / p) * unit + 2 * unit2),
-            "torch fully_shard": fsdp}.get(stage)  # per block: which blocks overlap at the peak varies
+            "torch fully_shard": fsdp}.get(stage)  # per block, bucketed: what overlaps at the peak varies
 
 
 def _mib(nbytes) -> str:
@@ -155,7 +160,7 @@ def plot(result: dict, path: str) -> None:
     per_rank = result["memory"]
     stages = [s for s in STAGES if s in per_rank[0]]
     worst = {s: max(per_rank, key=lambda r: r[s]["total"])[s] for s in stages}
-    fig, ax = plt.subplots(figsize=(8, 4))
+    fig, ax = plt.subplots(figsize=(10, 4.4))
     bottom = [0.0] * len(stages)
     for kind in ("params", "grads", "optimizer", "comm"):
         values = [worst[s][kind] / MiB for s in stages]
@@ -181,7 +186,7 @@ def main(argv=None) -> int:
     p.add_argument("--skip-time", action="store_true", help="only the memory part")
     p.add_argument("--skip-memory", action="store_true", help="only the step times")
     p.add_argument("--time-stages", nargs="+", choices=STAGES,
-                   default=["ddp", "zero1", "zero2", "fsdp", "fsdp, no prefetch", "torch fully_shard", "fsdp, per block",
+                   default=["ddp", "zero1", "zero2", "zero2, bucketed", "fsdp", "fsdp, no prefetch", "torch fully_shard", "fsdp, per block",
                             "torch fully_shard, per block"],
                    help="stages in the step-time part")
     p.add_argument("--json", metavar="FILE", help="write every figure as JSON")
