@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from typing import Dict, List, Optional
@@ -152,9 +153,9 @@ def plot_timeline(timeline: Dict, path: str) -> None:
     plt.close(fig)
 
 
-def _traced_steps(env, model_name: str, batch_size: int, steps: int, impl: str = "bucketed"):
-    """Train `steps` steps of our DDP (default settings) or a sharded step; the last step's
-    timeline and the layouts (buckets, or the shard layout)."""
+def _traced_steps(env, model_name: str, batch_size: int, steps: int, impl: str = "bucketed", options=None):
+    """Train `steps` steps of our DDP (default settings) or a sharded step (with `options`, e.g.
+    ZeRO-2's bucket_cap_mb); the last step's timeline and the layouts (buckets, or the shard layout)."""
     import torch
     import torch.nn.functional as F
 
@@ -168,7 +169,7 @@ def _traced_steps(env, model_name: str, batch_size: int, steps: int, impl: str =
     else:
         from .wrap import SHARDED_WRAPPERS
 
-        model = SHARDED_WRAPPERS[impl](MODELS[model_name]())
+        model = SHARDED_WRAPPERS[impl](MODELS[model_name](), **(options or {}))
         opt = model.optimizer(torch.optim.SGD, lr=0.001, momentum=0.9)
     image = 32 if model_name == "resnet50" else 12
     for step in range(steps):
@@ -198,9 +199,17 @@ def main(argv=None) -> int:
     parser.add_argument("--batch-size", type=int, default=8, help="images per rank")
     parser.add_argument("--steps", type=int, default=3, help="steps trained; the last one is traced (the buckets "
                         "are rebuilt at step 1)")
+    parser.add_argument("--bucket-cap-mb", type=float, default=None,
+                        help="--impl zero2: reduce-scatter in buckets of this many MiB during backward")
     parser.add_argument("--out", default="ddp-timeline", help="writes OUT.json (Chrome trace) and OUT.png")
     args = parser.parse_args(argv)
-    results = collectives.run(_traced_steps, args.world_size, args=(args.model, args.batch_size, args.steps, args.impl))
+    if args.bucket_cap_mb is not None and args.impl != "zero2":
+        parser.error(f"--bucket-cap-mb applies to --impl zero2 here, not {args.impl}")
+    if args.bucket_cap_mb is not None and not (math.isfinite(args.bucket_cap_mb) and args.bucket_cap_mb > 0):
+        parser.error(f"--bucket-cap-mb must be a positive number of MiB, got {args.bucket_cap_mb}")
+    options = {"bucket_cap_mb": args.bucket_cap_mb} if args.bucket_cap_mb is not None else {}
+    results = collectives.run(_traced_steps, args.world_size,
+                              args=(args.model, args.batch_size, args.steps, args.impl, options))
     events = [e for rank, (timeline, _) in enumerate(results) for e in chrome_trace_events(timeline, rank)]
     with open(args.out + ".json", "w") as f:
         json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
