@@ -6,6 +6,8 @@ end of backward, exported as a Chrome trace and a PNG; and the layout before and
 
 import json
 
+import pytest
+
 import torch.nn.functional as F
 
 from ddp_from_scratch.models import SmallNet, batch
@@ -75,3 +77,23 @@ def test_sharded_spans_are_drawn_and_traced(tmp_path):
     assert ("reduce_scatter unit 1", "unit 1", 2000) in spans and ("all_gather unit 0 (forward)", "unit 0", 1000) in spans
     plot_timeline(t.events, str(tmp_path / "t.png"))
     assert (tmp_path / "t.png").stat().st_size > 1000
+
+
+def test_trace_program_traces_the_bucketed_zero2_one_reduce_scatter_per_bucket(tmp_path, capsys):
+    from ddp_from_scratch import trace
+
+    out = tmp_path / "z2"
+    assert trace.main(["--impl", "zero2", "--bucket-cap-mb", "0.001", "--model", "small", "--world-size", "2",
+                       "--batch-size", "4", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    units = [line for line in text.splitlines() if line.startswith("rank 0, reduce_scatter unit ")]
+    assert len(units) > 1, text  # the cap was passed on: a bucket each, not the model in one
+    assert text.count("\nunit ") == len(units), text
+
+
+def test_trace_program_refuses_a_bucket_cap_for_other_impls(capsys):
+    from ddp_from_scratch import trace
+
+    with pytest.raises(SystemExit):
+        trace.main(["--impl", "fsdp", "--bucket-cap-mb", "5"])
+    assert "--bucket-cap-mb applies to --impl zero2 here, not fsdp" in capsys.readouterr().err
