@@ -5,6 +5,8 @@ reason without a GPU; `bash benchmarks/gpu_checks.sh tests` runs it on the devic
     pytest tests/ddp/test_gpu_ddp.py -q -rs
 """
 
+from functools import partial
+
 import pytest
 import torch
 
@@ -12,6 +14,7 @@ import collectives as C
 from ddp_from_scratch.compare import train_side_by_side
 from ddp_from_scratch.sharded_parity import train_sharded_side_by_side
 from ddp_from_scratch.wrap import SHARDED_WRAPPERS, WRAPPERS
+from ddp_from_scratch.zero2 import ZeroTwoDataParallel
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
 
@@ -19,13 +22,16 @@ STEPS = 2
 
 
 CASES = [(impl, "torch") for impl in WRAPPERS] + [
-    (impl, against) for impl in SHARDED_WRAPPERS for against in ("torch", "torch-fsdp")]
+    (impl, against) for impl in SHARDED_WRAPPERS for against in ("torch", "torch-fsdp")] + [("zero2-bucketed", "torch")]
 
 
 def _body(env, impl, against):
     torch.cuda.reset_peak_memory_stats()
     if impl in WRAPPERS:
         report = train_side_by_side(env, impl, STEPS, device="cuda:0")
+    elif impl == "zero2-bucketed":  # a bucket per parameter of the small CNN
+        ctor = partial(ZeroTwoDataParallel, bucket_cap_mb=1e-9, broadcast_buffers=True)
+        report = train_sharded_side_by_side(env, ctor, STEPS, against=against, device="cuda:0")
     else:
         report = train_sharded_side_by_side(env, impl, STEPS, against=against, device="cuda:0")
     # the models really were on the GPU: a device argument ignored would train on the CPU
