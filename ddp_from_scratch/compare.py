@@ -41,7 +41,7 @@ from collectives.cli import command, eta
 from .bucket import describe as bucket_describe
 from .ddp import DistributedDataParallel
 from .models import MODELS, batch
-from .wrap import SHARDED_WRAPPERS, WRAPPERS, wrap
+from .wrap import WRAPPERS, wrap
 
 # An integer dtype of each width: "the same bits" is torch.equal on these views
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -256,15 +256,16 @@ def _validate(args, parser, image: int) -> None:
 
 @command
 def main(argv=None) -> int:
-    from .sharded_parity import SHARDED_HEADERS, SHARDED_NOTE, must_be_bitwise, shard_layout_text, \
+    from .sharded_parity import PARITY_IMPLS, SHARDED_HEADERS, SHARDED_NOTE, must_be_bitwise, shard_layout_text, \
         train_sharded_side_by_side
 
     parser = argparse.ArgumentParser(description="Compare our data-parallel wrappers with torch's DDP, step by step.")
     parser.add_argument("--model", choices=list(MODELS), default="small",
                         help="small CNN, ResNet-50 (10 classes), or the small CNN with unused heads")
-    parser.add_argument("--impl", nargs="+", choices=list(WRAPPERS) + list(SHARDED_WRAPPERS), default=list(WRAPPERS),
-                        help="wrappers to compare; zero1, zero2 and fsdp (the sharded steps) go into a table of "
-                             "their own, each against torch's fully_shard and torch's DDP")
+    parser.add_argument("--impl", nargs="+", choices=list(WRAPPERS) + PARITY_IMPLS, default=list(WRAPPERS),
+                        help="wrappers to compare; zero1, zero2, zero2-bucketed (in buckets of a quarter of the "
+                             "model) and fsdp (the sharded steps) go into a table of their own, each against "
+                             "torch's fully_shard and torch's DDP")
     parser.add_argument("--world-sizes", nargs="+", type=int, default=[2, 4], help="ranks to spawn, one run each")
     parser.add_argument("--units", choices=["children", "blocks"], default="children",
                         help="how fsdp (and fully_shard beside it) cut the model into units: each child with "
@@ -283,8 +284,8 @@ def main(argv=None) -> int:
     data = f"synthetic CIFAR-shaped data ({args.batch_size} x 3 x {image} x {image} per rank)"
     rows, option_rows, sharded_rows = [], [], []
     chosen = {} if args.no_options else options(args.model, args.batch_size)
-    plain = [impl for impl in args.impl if impl not in SHARDED_WRAPPERS]
-    sharded = [impl for impl in args.impl if impl in SHARDED_WRAPPERS]
+    plain = [impl for impl in args.impl if impl not in PARITY_IMPLS]
+    sharded = [impl for impl in args.impl if impl in PARITY_IMPLS]
     runs = len(args.world_sizes) * (len(plain) + 2 * len(sharded) + len(chosen))
     done, start = 0, time.perf_counter()
 

@@ -46,10 +46,26 @@ def _full_params(model: nn.Module) -> Dict[str, torch.Tensor]:
     return {n: (_gather_dim0(p) if hasattr(p, "to_local") else p.detach()) for n, p in inner.named_parameters()}
 
 
+# The sharded steps the parity check knows by name: the wrappers, and ZeRO-2 in buckets of a
+# quarter of the model's parameter bytes (so at least 4, whatever the model).
+PARITY_IMPLS = [*SHARDED_WRAPPERS, "zero2-bucketed"]
+
+
+def _build_ours(impl, base: nn.Module, against: str, units: str) -> nn.Module:
+    if not isinstance(impl, str):
+        return impl(base)
+    if impl == "zero2-bucketed":
+        quarter_mb = sum(p.numel() * p.element_size() for p in base.parameters()) / 4 / (1 << 20)
+        return SHARDED_WRAPPERS["zero2"](base, broadcast_buffers=against == "torch", bucket_cap_mb=quarter_mb)
+    kwargs = {"units": units} if impl == "fsdp" else {}
+    return SHARDED_WRAPPERS[impl](base, broadcast_buffers=against == "torch", **kwargs)
+
+
 def train_sharded_side_by_side(env, impl: str, steps: int, against: str = "torch-fsdp", model="small",
                                batch_size: int = 4, image: int = 12, units: str = "children",
                                lr: float = 0.05, device: Optional[torch.device] = None) -> List[StepCheck]:
-    """A sharded step of ours (zero1, zero2, fsdp) against torch's fully_shard or torch's DDP.
+    """A sharded step of ours (a name in PARITY_IMPLS, or a wrapper class) against torch's
+    fully_shard or torch's DDP.
 
     Every rank starts from the same weights (fully_shard keeps each rank's own rows and does not
     broadcast them). Against fully_shard, buffers are not synchronised (FSDP2 leaves BatchNorm
@@ -65,9 +81,7 @@ def train_sharded_side_by_side(env, impl: str, steps: int, against: str = "torch
     # the units torch's side is cut into: ours for fsdp; ZeRO-1/2 reduce the whole model at once
     theirs = torch_fully_shard(copied, units if impl == "fsdp" else "model") if against == "torch-fsdp" \
         else wrap(copied, "torch")
-    kwargs = {"units": units} if impl == "fsdp" else {}
-    ours = SHARDED_WRAPPERS[impl](base, broadcast_buffers=against == "torch", **kwargs) if isinstance(impl, str) \
-        else impl(base)
+    ours = _build_ours(impl, base, against, units)
     opt_ours = ours.optimizer(torch.optim.SGD, lr=lr, momentum=0.9)
     opt_theirs = torch.optim.SGD(theirs.parameters(), lr=lr, momentum=0.9)
     report = []
@@ -102,11 +116,15 @@ ZeRO-1 averages its gradients as DDP does (the same buckets, one all_reduce each
 torch's DDP at every world size and fully_shard only at 2. ZeRO-2 and FSDP reduce-scatter in
 FSDP2's layout (each parameter's dim-0 shards, padded, concatenated as chunk_cat does; average
 after the sum), so they match fully_shard cut into the same units (ZeRO-2: the whole model as
-one unit; FSDP: each child with parameters, then the root) at every world size, and DDP only at 2."""
+one unit; FSDP: each child with parameters, then the root) at every world size, and DDP only at 2.
+ZeRO-2 in buckets (zero2-bucketed: a quarter of the model each) reduce-scatters bucket by bucket:
+bitwise both at 2 ranks; beyond, it has no fully_shard twin (its buckets are not modules)."""
 
 
 def must_be_bitwise(impl: str, against: str, world_size: int) -> bool:
     """Which sharded comparisons are bitwise by construction (SHARDED_NOTE says why)."""
+    if impl == "zero2-bucketed":
+        return world_size <= 2
     same_collective = (impl == "zero1") == (against == "torch")
     return same_collective or world_size <= 2
 

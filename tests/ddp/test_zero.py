@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 import collectives
 from ddp_from_scratch import shard as shard_module
 from ddp_from_scratch.compare import summarise
-from ddp_from_scratch.sharded_parity import _gather_dim0, must_be_bitwise, train_sharded_side_by_side
+from ddp_from_scratch.sharded_parity import PARITY_IMPLS, _gather_dim0, must_be_bitwise, train_sharded_side_by_side
 from ddp_from_scratch.wrap import SHARDED_WRAPPERS
 from ddp_from_scratch.fsdp import FullyShardedDataParallel, unit_plan, units_of
 from ddp_from_scratch.models import Branchy, SmallNet, batch
@@ -123,14 +123,14 @@ def _every_pair(env, pairs, steps):
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_sharded_steps_are_bitwise_where_they_must_be(world_size, dist_run):
-    pairs = [(impl, against) for impl in SHARDED_WRAPPERS for against in ("torch-fsdp", "torch")]
+    pairs = [(impl, against) for impl in PARITY_IMPLS for against in ("torch-fsdp", "torch")]
     if world_size > 2:  # the rest differ in rounding by construction; 2 ranks check every pair
         pairs = [p for p in pairs if must_be_bitwise(*p, world_size)]
     per_rank = dist_run(_every_pair, world_size, args=(pairs, STEPS), timeout=300)
     for rank, results in enumerate(per_rank):
         for (impl, against), res in results.items():
             assert res["bitwise"], f"{impl} against {against} on {world_size} ranks, rank {rank}: {res}"
-    assert len(pairs) == (6 if world_size == 2 else 3)
+    assert len(pairs) == (8 if world_size == 2 else 3)
 
 
 def _accumulated(env, impl, steps=2):
