@@ -353,7 +353,9 @@ def _clean_stack(text: str) -> str:
     the trailer a fatal signal adds (the signal is in the summary already)."""
     blocks = re.split(r"\n\s*\n|\n(?=(?:Current thread|Thread) 0x)", text.strip())
     blocks = [b for b in blocks if b.strip() and "in _watch_parent" not in b and "<no Python frame>" not in b]
-    blocks.sort(key=lambda b: "in _rank_main" not in b)  # the main thread (the one running fn) first
+    # first the thread a fatal signal hit (faulthandler calls it the current one), else the main
+    # thread (the one running fn)
+    blocks.sort(key=lambda b: (not b.lstrip().startswith("Current thread"), "in _rank_main" not in b))
     kept = []
     for block in blocks:
         lines = [ln for ln in block.splitlines()

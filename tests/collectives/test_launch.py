@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -103,6 +104,23 @@ def test_a_failing_rank_is_named_first_and_nothing_is_left_behind(how, headline,
     assert info.value.ranks == [0, 1]
     assert time.monotonic() - start < 30
     assert_all_gone(_pids_in(tmp_path))
+
+
+def _segfault_in_a_thread(env):
+    if env.rank == 1:
+        worker = threading.Thread(target=ctypes.string_at, args=(0,), name="worker")
+        worker.start()
+        worker.join()
+    time.sleep(600)
+
+
+def test_a_crash_in_another_thread_is_placed_in_that_thread():
+    """The summary names where the signal hit (faulthandler's current thread), not where the main
+    thread was waiting for it."""
+    with pytest.raises(C.RankFailure) as info:
+        C.run(_segfault_in_a_thread, world_size=2, timeout=60)
+    headline = str(info.value).splitlines()[0]
+    assert headline.startswith("rank 1 died from SIGSEGV in string_at ("), str(info.value)
 
 
 def _peer_lost_reported_before_the_death(env):
