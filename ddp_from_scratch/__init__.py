@@ -15,7 +15,8 @@ The files:
               no_sync, find_unused_parameters, gradient_as_bucket_view, fp16/bf16 compression
   shard.py    the sharded steps' layout: FSDP2's dim-0 shards, chunk_cat's reduce-scatter layout
   zero1.py    step 4, ZeRO-1: DDP's buckets, the optimizer on this rank's rows, all_gather after the step
-  zero2.py    step 5, ZeRO-2: one reduce_scatter instead of the all_reduce, gradients sharded too
+  zero2.py    step 5, ZeRO-2: one reduce_scatter instead of the all_reduce, gradients sharded too;
+              with bucket_cap_mb, a reduce_scatter per bucket while backward runs (DeepSpeed's way)
   fsdp.py     step 6, ZeRO-3/FSDP: units gathered before forward and backward, freed after
   memory.py   what a rank holds during a step (parameters, gradients, optimizer state), sampled
   trace.py    the bucket timeline as a Chrome trace and a PNG (python -m ddp_from_scratch.trace)
