@@ -261,7 +261,9 @@ def deterministic_kernels(enabled: bool):
         return
     before = (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark,
               torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS first starts, later
+    workspace = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    if workspace is None:  # deterministic cuBLAS needs it; read when cuBLAS first starts, later
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
@@ -269,6 +271,8 @@ def deterministic_kernels(enabled: bool):
     finally:
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[:2]
         torch.use_deterministic_algorithms(before[2], warn_only=before[3])
+        if workspace is None:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
 
 
 def train(env, config) -> dict:

@@ -8,6 +8,7 @@ resumed from its gathered checkpoint ends where an uninterrupted one ends.
 """
 
 import json
+import os
 import time
 
 import pytest
@@ -57,13 +58,15 @@ def _deterministic_flags(env, argv):
     seen = []
     real_train = train._train
     train._train = lambda *a: seen.append((torch.are_deterministic_algorithms_enabled(),
-                                           torch.backends.cudnn.deterministic)) or real_train(*a)
+                                           torch.backends.cudnn.deterministic,
+                                           os.environ.get("CUBLAS_WORKSPACE_CONFIG"))) or real_train(*a)
     try:
         summary = train.train(env, vars(train.build_parser().parse_args(argv)))
     finally:
         train._train = real_train
     return summary["deterministic"], seen[0], (torch.are_deterministic_algorithms_enabled(),
-                                               torch.backends.cudnn.deterministic)
+                                               torch.backends.cudnn.deterministic,
+                                               os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
 
 
 def test_deterministic_sets_the_kernel_flags_while_training_and_restores_them(dist_run):
@@ -71,8 +74,9 @@ def test_deterministic_sets_the_kernel_flags_while_training_and_restores_them(di
     the losses); here: the flags are set while the rank trains, and restored after (the rank of a
     shared pool runs other work next), and left alone without the flag."""
     argv = COMMON[2:] + ["--impl", "torch", "--train-size", "16", "--test-size", "8"]
-    assert dist_run(_deterministic_flags, 1, args=(argv + ["--deterministic"],)) == [(True, (True, True), (False, False))]
-    assert dist_run(_deterministic_flags, 1, args=(argv,)) == [(False, (False, False), (False, False))]
+    assert dist_run(_deterministic_flags, 1, args=(argv + ["--deterministic"],)) == [
+        (True, (True, True, ":4096:8"), (False, False, None))]
+    assert dist_run(_deterministic_flags, 1, args=(argv,)) == [(False, (False, False, None), (False, False, None))]
 
 
 @pytest.mark.parametrize("factor, stepped", [(1.0, True), (float("inf"), False), (float("nan"), False)])
