@@ -1,6 +1,9 @@
 """The machine's own limits, measured in the same run as the collectives (`--limits`).
 
 - memory copy: one rank copies a large buffer; bandwidth counts bytes read plus bytes written.
+- memory, all ranks at once (CPU): every rank copies at the same time; the bytes all of them read
+  and write per second are the most this machine's memory moves for them together (the roofline
+  benchmarks/shm_pieces.py holds shm's all_reduce against).
 - point-to-point: rank 0 sends a large buffer to rank 1 over the same backend (send/recv); with
   Gloo on one machine this is TCP over loopback, the path every Gloo collective takes.
 
@@ -35,6 +38,25 @@ def memory_copy_gbps(device: torch.device, nbytes: int = 64 << 20, iters: int = 
         _sync(device)
         times.append(time.perf_counter() - start)
     return 2 * nbytes / statistics.median(times) / 1e9
+
+
+def aggregate_copy_gbps(nbytes: int = 64 << 20, reps: int = 4, trials: int = 5) -> float:
+    """Bytes read plus written per second / 1e9 by all ranks copying CPU buffers at once, from the
+    first rank's start to the last rank's end; the best of `trials` (a peak, as STREAM reports
+    one: a slow trial was disturbed, a fast one was not). Every rank calls it; all get the same."""
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = 0.0
+    for _ in range(trials):
+        dist.barrier()
+        start = time.perf_counter()  # CLOCK_MONOTONIC: one clock for every process of the machine
+        for _ in range(reps):
+            dst.copy_(src)
+        span = torch.tensor([-start, time.perf_counter()], dtype=torch.float64)
+        dist.all_reduce(span, op=dist.ReduceOp.MAX)  # minus the first start, and the last end
+        best = max(best, dist.get_world_size() * reps * 2 * nbytes / span.sum().item() / 1e9)
+    return best
 
 
 def point_to_point_gbps(device: torch.device, nbytes: int = 64 << 20, iters: int = 5) -> float:

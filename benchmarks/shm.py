@@ -8,8 +8,11 @@ In one world of spawned ranks the default group is Gloo and a second group over 
 is "shm" (collectives.shm): every call alternates between the two, each timed as the slowest
 rank's, medians over iterations. Four parts:
 
-1. all_reduce busbw on each, 8 B to 256 MiB, the ratio, and the memory-copy limit of this
-   machine measured in the same run (busbw cannot beat a copy: each byte is copied in and out);
+1. all_reduce busbw on each, 8 B to 256 MiB, the ratio, and the machine's memory limits measured
+   in the same run: one rank's copy, and the roofline (all ranks copying at once: the bytes
+   they move together per second); from the bytes shm's all_reduce reads and writes
+   (collectives.shm.ops.all_reduce_traffic) the memory GB/s it reached and the speed-up over Gloo
+   it would have at the roofline, the most this machine allows;
 2. 8-byte all_reduce latency (dist.all_reduce, as a user calls it);
 3. the shm waiting strategies (wait.py): latency and CPU seconds per 8-byte all_reduce;
 4. torch's DDP on ResNet-50 (batch 32 per rank) on Gloo and on shm, alternated step by step,
@@ -34,11 +37,12 @@ from torch import nn
 
 import collectives
 from collectives.cli import command
+from collectives.shm.ops import SMALL_BYTES, all_reduce_traffic
 from ddp_from_scratch.resnet import resnet50
 
 from .bandwidth import parse_size, size_list
 from .ddp_step_time import alternate_steps, summarise
-from .limits import memory_copy_gbps
+from .limits import aggregate_copy_gbps, memory_copy_gbps
 from .nccl_format import bandwidths
 
 
@@ -126,6 +130,7 @@ def run_all(env, config):
         copy = torch.tensor([memory_copy_gbps(torch.device("cpu"))])
         dist.all_reduce(copy, op=dist.ReduceOp.MIN)
         out["copy_gbps"] = copy.item()
+        out["roofline_gbps"] = aggregate_copy_gbps()
         out["latency"] = {"gloo": _latency_and_cpu(None), "shm": _latency_and_cpu(shm_group)}
         strategies = {}
         waiter = shm_group._waiter
@@ -144,16 +149,23 @@ def run_all(env, config):
 def report(result) -> str:
     n, lines = result["world_size"], []
     if "bandwidth" in result:
-        table = []
+        table, roof = [], result.get("roofline_gbps")
         for row in result["bandwidth"]:
             _, bus_gloo = bandwidths(row["size"], row["gloo_s"] * 1e6, "all_reduce", n)
             _, bus_shm = bandwidths(row["size"], row["shm_s"] * 1e6, "all_reduce", n)
             table.append([row["size"], f"{row['gloo_s'] * 1e6:.1f}", f"{bus_gloo:.2f}", f"{row['shm_s'] * 1e6:.1f}",
-                          f"{bus_shm:.2f}", f"{row['gloo_s'] / row['shm_s']:.2f}x", "ok" if row["check"] else "WRONG"])
+                          f"{bus_shm:.2f}", f"{row['gloo_s'] / row['shm_s']:.2f}x"]
+                         + (_roofline_cells(row, n, roof) if roof else []) + ["ok" if row["check"] else "WRONG"])
         lines.append(f"all_reduce on {n} ranks (float32), gloo and shm alternated; memory copy on this machine: "
-                     f"{result['copy_gbps']:.2f} GB/s (read + write)")
+                     f"{result['copy_gbps']:.2f} GB/s (read + write, one rank)"
+                     + (f"; roofline: {roof:.1f} GB/s (read + write, all {n} ranks copying at once)" if roof else ""))
         lines.append(tabulate(table, headers=["bytes", "gloo us", "gloo busbw GB/s", "shm us", "shm busbw GB/s",
-                                              "shm speed-up", "result"], disable_numparse=True))
+                                              "shm speed-up"] + (["shm memory GB/s", "at the roofline"] if roof else [])
+                              + ["result"], disable_numparse=True))
+        if roof:
+            lines.append("shm memory GB/s: the bytes all ranks read and write in one shm all_reduce (the model in "
+                         "collectives.shm.ops.all_reduce_traffic; sizes over 16 KiB) over its time. At the roofline: Gloo's time over "
+                         "the least time those bytes take at the roofline, the most shm could be faster here")
         lat = result["latency"]
         lines.append(f"\n8-byte dist.all_reduce, median of 400: gloo {lat['gloo'][0] * 1e6:.1f} us, "
                      f"shm {lat['shm'][0] * 1e6:.1f} us")
@@ -171,6 +183,13 @@ def report(result) -> str:
     return "\n".join(lines)
 
 
+def _roofline_cells(row, n: int, roof: float) -> list:
+    if row["size"] <= SMALL_BYTES:  # the small path: every rank adds every slot, another model
+        return ["", ""]
+    moved = n * all_reduce_traffic(row["size"], n, pieces=True)
+    return [f"{moved / row['shm_s'] / 1e9:.1f}", f"{row['gloo_s'] / (moved / (roof * 1e9)):.2f}x"]
+
+
 def plot(result, path: str) -> None:
     import matplotlib
 
@@ -184,6 +203,11 @@ def plot(result, path: str) -> None:
         ax.plot(sizes, [bandwidths(r["size"], r[key] * 1e6, "all_reduce", n)[1] for r in rows], "-o", ms=3, label=label)
     ax.axhline(result["copy_gbps"] / 2, color="gray", linestyle="--", lw=1,
                label=f"memory copy / 2 ({result['copy_gbps'] / 2:.1f} GB/s)")
+    if result.get("roofline_gbps"):  # shm's busbw if it moved its bytes at the roofline
+        big = [r for r in rows if r["size"] > SMALL_BYTES]
+        best = [n * all_reduce_traffic(r["size"], n, pieces=True) / (result["roofline_gbps"] * 1e9) for r in big]
+        ax.plot([r["size"] for r in big], [bandwidths(r["size"], t * 1e6, "all_reduce", n)[1] for r, t in zip(big, best)],
+                ":", color="black", lw=1, label="shm at the roofline (all ranks' memory bandwidth)")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("bytes")
     ax.set_ylabel("all_reduce busbw (GB/s)")

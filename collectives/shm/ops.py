@@ -7,7 +7,9 @@ all_reduce of one chunk on p ranks (DeepSpeed's CPU shared-memory all-reduce wor
     2. barrier
     3. rank r adds slice r of every other slot to slice r of its own tensor, in place, and
        copies the sum into its slot (a rank that takes no result, reduce's non-dst, writes the
-       sum into its slot only)
+       sum into its slot only); it does so in pieces of PIECE_BYTES, each summed and copied
+       while it is still in cache, so the sum is read from memory once, not once per rank
+       added (4 ranks: 22% fewer bytes of memory moved in all; all_reduce_traffic counts them)
     4. barrier
     5. rank r copies slice q of slot q, for every other q, into its tensor
 
@@ -36,6 +38,7 @@ shared memory would give a silent wrong answer.
 
 from __future__ import annotations
 
+import os
 import struct
 from typing import Optional
 
@@ -48,6 +51,11 @@ from .segment import CALL_WORDS, Segment
 from .wait import Waiter
 
 SMALL_BYTES = 16 << 10
+# Step 3 in pieces this size: the partial sum of a piece stays in cache (here L2 is 1 MiB a core,
+# L3 32 MiB shared) while the others' pieces are added to it and it is copied out. Measured
+# against the whole slice and 0.25-4 MiB pieces, calls alternated (benchmarks/shm_pieces.py):
+# see the README's shm section.
+PIECE_BYTES = int(float(os.environ.get("COLLECTIVES_SHM_PIECE_KB", "1024")) * 1024)
 _COMBINE = {"sum": torch.add, "product": torch.mul, "min": torch.minimum, "max": torch.maximum,
             "band": torch.bitwise_and, "bor": torch.bitwise_or, "bxor": torch.bitwise_xor}
 
@@ -59,6 +67,22 @@ def _combine(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, op: str) -> No
     except RuntimeError:  # no CPU kernel for this dtype (uint16/32/64): the widening path
         out.copy_(a)
         local_reduce(out, b, op)
+
+
+def all_reduce_traffic(nbytes: int, p: int, pieces: bool = True) -> float:
+    """Bytes one rank reads plus writes in memory for an all_reduce of nbytes on p ranks (the large
+    path), counted from the steps above; a piece of step 3 is taken to stay in cache.
+
+        step 1, copy in (all but its own slice)   read (p-1)/p n    write (p-1)/p n
+        step 3, whole slice at once               read (2p-1)/p n   write n     (the sum re-read for each rank added, then copied)
+        step 3, in pieces                         read n            write 2/p n (each input read once, the sum written twice)
+        step 5, copy out                          read (p-1)/p n    write (p-1)/p n
+
+    4.5 n (whole) or 4 n (pieces) on 2 ranks; 5.75 n or 4.5 n on 4.
+    """
+    n = float(nbytes)
+    step3 = (n + 2 * n / p) if pieces else ((2 * p - 1) / p * n + n)
+    return 4 * (p - 1) / p * n + step3
 
 
 KINDS = ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter", "barrier")
@@ -105,6 +129,7 @@ class ShmCollectives:
         self._pending: Optional[bytes] = None
         self._banks = [memoryview(segment.calls[b]).cast("B") for b in range(2)]
         self._typed: dict = {}  # (dtype, half) -> every rank's half-slot viewed as that dtype (slicing costs)
+        self.piece_bytes = PIECE_BYTES  # step 3's pieces (benchmarks/shm_pieces.py sets it per group)
 
     # -- every rank must be in the same collective, on the same arguments ----------------------
     def _call(self, kind: str, tensor: Optional[torch.Tensor] = None, op: str = "", root: int = -1) -> None:
@@ -179,23 +204,41 @@ class ShmCollectives:
             if e < m:
                 slot[e:].copy_(flat[a + e:b])
             self._barrier()
-            # 3. this rank's slice: its own value first, then the others' in rank order
+            # 3. this rank's slice: its own value first, then the others' in rank order, into
+            # this rank's tensor in place when it takes the result (and from there into the
+            # slot for the others): the sum is written where its inputs were just read, and
+            # step 5 has one slice less to copy
             if e > s:
-                others = [q for q in range(p) if q != r]
-                # into this rank's tensor in place when it takes the result (then into the slot
-                # for the others): the sum is written where its inputs were just read, and step
-                # 5 has one slice less to copy; measured 5-9% faster at 2 ranks, 8-26 MiB
-                into = flat[a + s:a + e] if copy_out else slot[s:e]
-                _combine(into, flat[a + s:a + e], self._slot(others[0], dtype, m, h)[s:e], op)
-                for q in others[1:]:
-                    local_reduce(into, self._slot(q, dtype, m, h)[s:e], op)
+                mine = flat[a + s:a + e]
+                others = [self._slot(q, dtype, m, h)[s:e] for q in range(p) if q != r]
                 if copy_out:
-                    slot[s:e].copy_(into)
+                    self._sum_in_pieces(mine, mine, others, op, also=slot[s:e])
+                else:
+                    self._sum_in_pieces(slot[s:e], mine, others, op)
             self._barrier()
             if copy_out:  # 5. every other slice from the slot of the rank that reduced it
                 for q, (s, e) in enumerate(bounds(m, p)):
                     if e > s and q != r:
                         flat[a + s:a + e].copy_(self._slot(q, dtype, m, h)[s:e])
+
+    def _sum_in_pieces(self, into: torch.Tensor, first: torch.Tensor, others, op: str, also=None) -> None:
+        """into = first op others[0] op others[1] ... (in that order, every element), piece by
+        piece (PIECE_BYTES), each piece also copied into `also` while it is in cache. `into`
+        may be `first`."""
+        if not others:  # a group of one: nothing to add
+            if into.data_ptr() != first.data_ptr():
+                into.copy_(first)
+            if also is not None:
+                also.copy_(into)
+            return
+        step = max(1, self.piece_bytes // into.element_size())
+        for c in range(0, into.numel(), step):
+            piece = into[c:c + step]
+            _combine(piece, first[c:c + step], others[0][c:c + step], op)
+            for src in others[1:]:
+                local_reduce(piece, src[c:c + step], op)
+            if also is not None:
+                also[c:c + step].copy_(piece)
 
     def broadcast(self, flat: torch.Tensor, src: int) -> None:
         self._call("broadcast", flat, root=src)
@@ -228,10 +271,9 @@ class ShmCollectives:
             k, h = b - a, self._next_round()
             self._slot(r, flat.dtype, p * k, h).view(p, k).copy_(flat.view(p, c)[:, a:b])
             self._barrier()
-            out[a:b].copy_(self._slot(r, flat.dtype, p * k, h).view(p, k)[r])
-            for q in range(p):
-                if q != r:
-                    local_reduce(out[a:b], self._slot(q, flat.dtype, p * k, h).view(p, k)[r], op)
+            # this rank's piece of every slot: its own first, then the others' in rank order
+            pieces = [self._slot(q, flat.dtype, p * k, h).view(p, k)[r] for q in range(p)]
+            self._sum_in_pieces(out[a:b], pieces[r], pieces[:r] + pieces[r + 1:], op)
 
     def barrier(self) -> None:
         self._call("barrier")

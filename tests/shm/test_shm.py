@@ -18,6 +18,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import collectives as C
 from collectives import shm
@@ -80,6 +81,93 @@ def test_buffers_larger_than_a_slot_go_through_in_rounds(monkeypatch):
     monkeypatch.setenv("COLLECTIVES_SHM_SLOT_MB", "0.002")  # 2 KB: 1 KB halves, 128 doubles a round
     for wrong in C.run(_many_rounds, 3, backend="shm", timeout=120):
         assert not wrong, wrong
+
+
+def _reduce_in_pieces(env):
+    """COLLECTIVES_SHM_PIECE_KB is tiny: step 3 adds every slice in many pieces, the last one short.
+    Raw torch.distributed calls, so the backend itself sees each dtype (the wrappers widen uint16)."""
+    r, n = env.rank, env.world_size
+    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "bor": dist.ReduceOp.BOR,
+           "product": dist.ReduceOp.PRODUCT, "bxor": dist.ReduceOp.BXOR}
+    wrong = []
+    for numel, dtype, op in [(1001, torch.float64, "sum"), (777, torch.int32, "max"), (513, torch.int64, "product"),
+                             (999, torch.uint8, "bxor"), (1234, torch.uint16, "sum"), (600, torch.bool, "bor"),
+                             (640, torch.float32, "min")]:
+        wide = dtype == torch.uint16  # no CPU add for it in torch: the expectation in int64, wrapped
+        inputs = inputs_for("all_reduce", n, numel, torch.int64 if wide else dtype, seed=numel, op=op)
+        want = expected("all_reduce", inputs, op)[0]
+        if wide:
+            inputs, want = [x.to(dtype) for x in inputs], (want % 65536).to(dtype)
+        t = inputs[r].clone()
+        dist.all_reduce(t, op=ops[op])
+        wrong += [] if torch.equal(t, want) else [f"all_reduce {dtype} {op}"]
+        t = inputs[r].clone()
+        dist.reduce(t, dst=2, op=ops[op])
+        wrong += [] if r != 2 or torch.equal(t, want) else [f"reduce {dtype} {op}"]
+        chunk = torch.empty(numel // n, dtype=dtype)
+        dist.reduce_scatter_tensor(chunk, torch.cat([inputs[r][:numel // n * n]]), op=ops[op])
+        mine = want[:numel // n * n].view(n, -1)[r]
+        wrong += [] if torch.equal(chunk, mine) else [f"reduce_scatter {dtype} {op}"]
+    return wrong
+
+
+def test_the_reduction_goes_through_in_pieces(monkeypatch):
+    # 0.1 KB pieces: 12 doubles (the last piece of a slice short), and rounds of 1 KB halves as well
+    monkeypatch.setenv("COLLECTIVES_SHM_PIECE_KB", "0.1")
+    for wrong in C.run(_reduce_in_pieces, 3, backend="shm", timeout=120):
+        assert not wrong, wrong
+    monkeypatch.setenv("COLLECTIVES_SHM_SLOT_MB", "0.002")
+    for wrong in C.run(_reduce_in_pieces, 3, backend="shm", timeout=120):
+        assert not wrong, wrong
+
+
+class _MemoryBytes(TorchDispatchMode):
+    """Bytes the tensor ops read and write (each operand counted whole, as if nothing were in cache)."""
+
+    def __init__(self):
+        super().__init__()
+        self.read = self.written = 0
+        self.unknown = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        nbytes = [a.numel() * a.element_size() if isinstance(a, torch.Tensor) else 0 for a in args]
+        if func is torch.ops.aten.copy_.default:  # reads src, writes self
+            self.read, self.written = self.read + nbytes[1], self.written + nbytes[0]
+        elif func is torch.ops.aten.add.out:  # reads both, writes out
+            self.read += nbytes[0] + nbytes[1]
+            self.written += kwargs["out"].numel() * kwargs["out"].element_size()
+        elif func is torch.ops.aten.add_.Tensor:  # reads both, writes self
+            self.read, self.written = self.read + nbytes[0] + nbytes[1], self.written + nbytes[0]
+        elif not func.is_view:
+            self.unknown.add(str(func))
+        return result
+
+
+def _count_all_reduce_bytes(env, numel):
+    group = dist.new_group(backend="shm")
+    flat = torch.arange(numel, dtype=torch.float32) + env.rank
+    with _MemoryBytes() as counted:
+        group._shm.all_reduce(flat, "sum")
+    assert torch.equal(flat, (torch.arange(numel, dtype=torch.float32) * env.world_size
+                              + sum(range(env.world_size))))
+    return counted.read + counted.written, counted.unknown
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_the_memory_traffic_model_counts_what_the_all_reduce_does(world_size, monkeypatch):
+    """all_reduce_traffic(pieces=False) is what the ops read and write, counted op by op (12 KiB
+    slices: the large path, one round, more than one piece each with 4 KiB pieces); in pieces
+    the re-reads of a piece still in cache are not memory traffic, which op counts cannot see."""
+    numel = 12 * 1024  # 48 KiB: a whole number of elements per rank at 2, 3 and 4 ranks
+    monkeypatch.setenv("COLLECTIVES_SHM_PIECE_KB", "4")
+    results = C.run(_count_all_reduce_bytes, world_size, backend="gloo", args=(numel,), timeout=60)
+    for rank, (moved, unknown) in enumerate(results):
+        assert not unknown, f"rank {rank}: ops the model does not count: {unknown}"
+        assert moved == shm.ops.all_reduce_traffic(numel * 4, world_size, pieces=False), (rank, moved)
+    n = 1.0
+    assert [shm.ops.all_reduce_traffic(n, p, pieces) for p in (2, 4) for pieces in (False, True)] == [4.5, 4.0, 5.75, 4.5]
 
 
 def _fallback_warns_once(env):
