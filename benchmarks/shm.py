@@ -78,6 +78,7 @@ def _bandwidth(groups, sizes, n):
         # each buffer was all-reduced 1 + iters times from ones: every element is n ** (1 + iters)
         ok = all(bool((b == float(n) ** (iters + 1)).all()) for b in buffers.values())
         rows.append({"size": numel * 4, "gloo_s": seconds[0], "shm_s": seconds[1], "check": ok,
+                     "shm_path": groups[1]._shm.all_reduce_path(numel * 4),
                      "roofline_gbps": aggregate_copy_gbps(trials=1)})  # between sizes: the machine's state drifts
         if dist.get_rank() == 0:
             print(f"[all_reduce] {numel * 4} B done", file=sys.stderr, flush=True)
@@ -164,12 +165,13 @@ def report(result) -> str:
                         f"{len(trials)} trials, one after each size, which ranged {min(trials):.1f}-{max(trials):.1f})"
                         if roof else ""))
         lines.append(tabulate(table, headers=["bytes", "gloo us", "gloo busbw GB/s", "shm us", "shm busbw GB/s",
-                                              "shm speed-up"] + (["shm memory GB/s", "at the roofline"] if roof else [])
+                                              "shm speed-up"] + (["shm memory GB/s", "at the roofline", "shm path"] if roof else [])
                               + ["result"], disable_numparse=True))
         if roof:
             lines.append("shm memory GB/s: the bytes all ranks read and write in one shm all_reduce (the model in "
-                         "collectives.shm.ops.all_reduce_traffic; sizes over 16 KiB) over its time. At the roofline: Gloo's time over "
-                         "the least time those bytes take at the roofline, the most shm could be faster here")
+                         "collectives.shm.ops.all_reduce_traffic, by the path it took: copies through the segment in pieces, "
+                         "or cma, cross-memory attach) over its time. At the roofline: Gloo's time over the least time those "
+                         "bytes take at the roofline, the most shm could be faster here")
         lat = result["latency"]
         lines.append(f"\n8-byte dist.all_reduce, median of 400: gloo {lat['gloo'][0] * 1e6:.1f} us, "
                      f"shm {lat['shm'][0] * 1e6:.1f} us")
@@ -187,11 +189,17 @@ def report(result) -> str:
     return "\n".join(lines)
 
 
+def _path(row) -> str:
+    """The path shm's all_reduce took for this row (results written before paths were recorded: pieces)."""
+    return row.get("shm_path") or ("small" if row["size"] <= SMALL_BYTES else "pieces")
+
+
 def _roofline_cells(row, n: int, roof: float) -> list:
-    if row["size"] <= SMALL_BYTES:  # the small path: every rank adds every slot, another model
-        return ["", ""]
-    moved = n * all_reduce_traffic(row["size"], n, pieces=True)
-    return [f"{moved / row['shm_s'] / 1e9:.1f}", f"{row['gloo_s'] / (moved / (roof * 1e9)):.2f}x"]
+    path = _path(row)
+    if path == "small":  # every rank adds every slot: another model
+        return ["", "", path]
+    moved = n * all_reduce_traffic(row["size"], n, path)
+    return [f"{moved / row['shm_s'] / 1e9:.1f}", f"{row['gloo_s'] / (moved / (roof * 1e9)):.2f}x", path]
 
 
 def plot(result, path: str) -> None:
@@ -210,8 +218,8 @@ def plot(result, path: str) -> None:
     ax.axhline(result["copy_gbps"] / 2, color="gray", linestyle="--", lw=1,
                label=f"one rank's memory copy / 2 ({result['copy_gbps'] / 2:.1f} GB/s)")
     if result.get("roofline_gbps"):  # shm's busbw if it moved its bytes at the roofline
-        big = [r for r in rows if r["size"] > SMALL_BYTES]
-        best = [n * all_reduce_traffic(r["size"], n, pieces=True) / (result["roofline_gbps"] * 1e9) for r in big]
+        big = [r for r in rows if _path(r) != "small"]
+        best = [n * all_reduce_traffic(r["size"], n, _path(r)) / (result["roofline_gbps"] * 1e9) for r in big]
         ax.plot([r["size"] for r in big], [bandwidths(r["size"], t * 1e6, "all_reduce", n)[1] for r, t in zip(big, best)],
                 ":", color="black", lw=1, label="shm at the roofline (its bytes at all ranks' memory bandwidth)")
     ax.set_xscale("log", base=2)

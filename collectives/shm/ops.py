@@ -28,6 +28,10 @@ less to do: broadcast (src copies in, everyone copies out), reduce (only dst cop
 all_gather (everyone copies in, everyone copies every slot out), reduce_scatter (each rank
 reduces only its own chunk, straight into its output), barrier.
 
+An all_reduce of 16 MiB or more skips the copies where every rank may: cma.py reads each slice
+straight from the other ranks' tensors and writes the sum straight back, same order, same bits
+(`all_reduce_path` says which way a call goes).
+
 The ranks must agree on what they call: at a call's first barrier every rank has written which
 collective, op, root, dtype and element count it is in, and each compares everyone's. Where raw
 torch.distributed calls disagree (rank 0 all-reduces 3 floats, rank 1 4; one says sum, one max;
@@ -47,13 +51,14 @@ import torch
 from ..algorithms.comm import local_reduce
 from ..algorithms.layout import bounds
 from ..errors import CollectiveMismatchError
+from . import cma
 from .segment import CALL_WORDS, Segment
 from .wait import Waiter
 
 SMALL_BYTES = 16 << 10
 # Step 3 in pieces this size: the partial sum of a piece stays in cache (here L2 is 1 MiB a core,
 # L3 32 MiB shared) while the others' pieces are added to it and it is copied out. Measured
-# against the whole slice and 0.25-4 MiB pieces, calls alternated (benchmarks/shm_pieces.py):
+# against the whole slice and 0.25-4 MiB pieces, calls alternated (benchmarks/shm_paths.py):
 # see the README's shm section.
 PIECE_BYTES = int(float(os.environ.get("COLLECTIVES_SHM_PIECE_KB", "1024")) * 1024)
 _COMBINE = {"sum": torch.add, "product": torch.mul, "min": torch.minimum, "max": torch.maximum,
@@ -69,19 +74,23 @@ def _combine(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, op: str) -> No
         local_reduce(out, b, op)
 
 
-def all_reduce_traffic(nbytes: int, p: int, pieces: bool = True) -> float:
-    """Bytes one rank reads plus writes in memory for an all_reduce of nbytes on p ranks (the large
-    path), counted from the steps above; a piece of step 3 is taken to stay in cache.
+def all_reduce_traffic(nbytes: int, p: int, path: str = "pieces") -> float:
+    """Bytes one rank reads plus writes in memory for an all_reduce of nbytes on p ranks, by the
+    path it takes (ShmCollectives.all_reduce_path), counted from the steps; a piece of step 3 is
+    taken to stay in cache.
 
         step 1, copy in (all but its own slice)   read (p-1)/p n    write (p-1)/p n
-        step 3, whole slice at once               read (2p-1)/p n   write n     (the sum re-read for each rank added, then copied)
-        step 3, in pieces                         read n            write 2/p n (each input read once, the sum written twice)
+        step 3, "whole" slice at once             read (2p-1)/p n   write n     (the sum re-read for each rank added, then copied)
+        step 3, in "pieces"                       read n            write 2/p n (each input read once, the sum written twice)
         step 5, copy out                          read (p-1)/p n    write (p-1)/p n
+        "cma" (cma.py): no copies, read n, write n (its own slice, and its slice of every other tensor)
 
-    4.5 n (whole) or 4 n (pieces) on 2 ranks; 5.75 n or 4.5 n on 4.
+    4.5 n (whole), 4 n (pieces), 2 n (cma) on 2 ranks; 5.75 n, 4.5 n, 2 n on 4.
     """
     n = float(nbytes)
-    step3 = (n + 2 * n / p) if pieces else ((2 * p - 1) / p * n + n)
+    if path == "cma":
+        return 2 * n
+    step3 = {"pieces": n + 2 * n / p, "whole": (2 * p - 1) / p * n + n}[path]
     return 4 * (p - 1) / p * n + step3
 
 
@@ -129,7 +138,9 @@ class ShmCollectives:
         self._pending: Optional[bytes] = None
         self._banks = [memoryview(segment.calls[b]).cast("B") for b in range(2)]
         self._typed: dict = {}  # (dtype, half) -> every rank's half-slot viewed as that dtype (slicing costs)
-        self.piece_bytes = PIECE_BYTES  # step 3's pieces (benchmarks/shm_pieces.py sets it per group)
+        self.piece_bytes = PIECE_BYTES  # step 3's pieces (benchmarks/shm_paths.py sets it per group)
+        # all_reduce through cross-memory attach, where every rank may use it (cma.probe, at start-up)
+        self.cma: Optional[cma.CrossMemory] = None
 
     # -- every rank must be in the same collective, on the same arguments ----------------------
     def _call(self, kind: str, tensor: Optional[torch.Tensor] = None, op: str = "", root: int = -1) -> None:
@@ -173,9 +184,23 @@ class ShmCollectives:
         per = max(1, self.half // (itemsize * parts))
         return [(a, min(a + per, numel)) for a in range(0, numel, per)] or [(0, 0)]
 
+    def all_reduce_path(self, nbytes: int) -> str:
+        """How an all_reduce of nbytes goes: "small" (every rank adds every slot), "pieces" or
+        "whole" (copies through the segment, step 3 in pieces or at once), "cma" (cma.py)."""
+        if self.cma is not None and nbytes >= cma.MIN_BYTES:
+            return "cma"
+        if nbytes <= min(SMALL_BYTES, self.half):
+            return "small"
+        return "whole" if self.piece_bytes >= self.half else "pieces"
+
     def all_reduce(self, flat: torch.Tensor, op: str) -> None:
         self._call("all_reduce", flat, op)
-        self._reduce(flat, op, copy_out=True)
+        if self.all_reduce_path(flat.numel() * flat.element_size()) == "cma":
+            # straight from and into the other ranks' tensors (cma.py): same steps, same order
+            self.cma.all_reduce(flat, op, self._barrier, self.piece_bytes,
+                                lambda piece, others, op: self._sum_in_pieces(piece, piece, others, op))
+        else:
+            self._reduce(flat, op, copy_out=True)
 
     def reduce(self, flat: torch.Tensor, op: str, dst: int) -> None:
         self._call("reduce", flat, op, root=dst)

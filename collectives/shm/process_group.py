@@ -6,7 +6,8 @@
 
 ProcessGroupShm subclasses torch's ProcessGroup, so torch calls it for every collective, its
 DDP included. broadcast, all_reduce, reduce, all_gather (list and single-tensor forms),
-reduce_scatter (both forms) and barrier run in shared memory (ops.py); they run one after
+reduce_scatter (both forms) and barrier run in shared memory (ops.py; large all_reduces by
+cross-memory attach where the ranks may, cma.py: `group.cma_off_reason` says why not); they run one after
 another on a worker thread, in the order they were issued (the same on every rank), and each
 call returns at once with a Work on a torch Future (ShmWork), so DDP overlaps them with backward
 as it does with Gloo; small calls with nothing queued before them run at once in the calling
@@ -29,6 +30,7 @@ import torch.distributed as dist
 
 from .. import reduce_ops
 from ..errors import CollectiveError, CollectiveMismatchError
+from . import cma
 from .ops import ShmCollectives
 from .segment import Segment
 from .wait import Waiter
@@ -87,6 +89,10 @@ class ProcessGroupShm(dist.ProcessGroup):
         self._segment = Segment.create_or_attach(store, rank, size, int(SLOT_MB * (1 << 20)), timeout=timeout)
         self._waiter = Waiter(self._segment, rank, timeout_s=timeout.total_seconds())
         self._shm = ShmCollectives(self._segment, rank, self._waiter)
+        # cross-memory attach where every rank may read and write every other's memory, else why not
+        self.cma_off_reason = cma.probe(self._segment, rank, self._waiter)
+        if not self.cma_off_reason:
+            self._shm.cma = cma.CrossMemory(self._segment, rank, self._waiter)
         self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("shm-fallback/", store), rank, size, timeout)
         self._warned: set = set()
         self._queue: "queue.Queue" = queue.Queue()

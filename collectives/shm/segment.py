@@ -3,7 +3,9 @@
 Layout (one file in /dev/shm, mapped by every rank):
 
     control  int32 words: per rank its step counter (the barrier), its pid, what collective it
-             is in (two banks, by call parity); the abort word
+             is in (two banks, by call parity), and for cross-memory attach (cma.py) its
+             tensor's address, whether it is writing into the others, whether the calls work;
+             the abort word
     data     world_size slots of slot_bytes each: rank r writes only slot r
     mail     world_size x world_size mailboxes of MAILBOX_BYTES for point-to-point messages
              (transport.py), up to MAX_MAIL_RANKS ranks
@@ -32,7 +34,7 @@ import torch
 
 SHM_DIR = "/dev/shm"
 PREFIX = "collectives-shm"
-CONTROL_BYTES = 256 << 10  # int32 words: the per-rank and per-pair counters below, with room to spare
+CONTROL_BYTES = 512 << 10  # int32 words: the per-rank and per-pair counters below, with room to spare
 ALIGN = 64
 ABORT = 0  # control word: nonzero once the group is broken: 1 + the rank that failed or died
 ABORT_SEEN_BY = 1  # 1 + the rank that noticed it
@@ -42,6 +44,9 @@ MAIL_TAKEN0 = MAIL_SENT0 + 4096  # and taken out of it (by dst)
 SLEEP0 = MAIL_TAKEN0 + 4096  # per rank: 1 while it sleeps on a futex (so others wake it only then)
 CALL0 = SLEEP0 + 4096  # per rank, two banks of CALL_WORDS: which collective it is in, on what (ops.py)
 CALL_WORDS = 4
+ADDR0 = CALL0 + 2 * 4096 * CALL_WORDS  # per rank, two words (one int64): its tensor's address (cma.py)
+WRITING0 = ADDR0 + 2 * 4096  # per rank: 1 while it writes into the other ranks' memory (cma.py)
+CMA_OK0 = WRITING0 + 4096  # per rank: 1 if it could read and write every other rank's memory (cma.py)
 MAX_MAIL_RANKS = 64  # mailboxes (point-to-point) for up to 64 x 64 pairs
 MAILBOX_BYTES = int(float(os.environ.get("COLLECTIVES_SHM_MAILBOX_KB", "256")) * 1024) // ALIGN * ALIGN
 
@@ -92,6 +97,9 @@ class Segment:
         self.pids = self.control[PID0:PID0 + world_size]
         self.sleeping = self.control[SLEEP0:SLEEP0 + world_size]
         self.calls = self.control[CALL0:CALL0 + 2 * world_size * CALL_WORDS].reshape(2, world_size, CALL_WORDS)
+        self.addresses = np.frombuffer(mapping, dtype=np.int64, count=world_size, offset=ADDR0 * 4)
+        self.writing = self.control[WRITING0:WRITING0 + world_size]
+        self.cma_ok = self.control[CMA_OK0:CMA_OK0 + world_size]
         self.data = torch.frombuffer(mapping, dtype=torch.uint8, offset=CONTROL_BYTES,
                                      count=world_size * slot_bytes)
         pairs = world_size * world_size if world_size <= MAX_MAIL_RANKS else 0

@@ -4,11 +4,14 @@ names every DDP variant with its ratio to Gloo.
     pytest tests/benchmarks/test_shm_benchmark.py
 """
 
+import argparse
+
+import pytest
 import torch
 import torch.distributed as dist
 
 from benchmarks import shm as bench
-from benchmarks import shm_pieces as pieces_bench
+from benchmarks import shm_paths as paths_bench
 
 
 def _free_group(env):
@@ -36,39 +39,53 @@ def test_the_report_gives_each_ddp_variant_its_ratio_to_gloo():
     assert "0.700 (0.700-0.700)" in lines["torch DDP, no_sync"], text
 
 
-def _bandwidth_result(roofline):
-    rows = [{"size": 8, "gloo_s": 200e-6, "shm_s": 20e-6, "check": True},
-            {"size": 1 << 20, "gloo_s": 0.010, "shm_s": 0.002, "check": True}]
+def _bandwidth_result(roofline, path="pieces"):
+    rows = [{"size": 8, "gloo_s": 200e-6, "shm_s": 20e-6, "check": True, "shm_path": "small"},
+            {"size": 1 << 20, "gloo_s": 0.010, "shm_s": 0.002, "check": True, "shm_path": path}]
     return {"world_size": 2, "bandwidth": rows, "copy_gbps": 20.0, "roofline_gbps": roofline,
             "latency": {"gloo": [2e-4, 1e-4], "shm": [2e-5, 1e-5]}, "strategies": {"futex": [2e-5, 1e-5]}}
 
 
-def test_the_report_holds_shm_against_the_roofline():
-    text = bench.report(_bandwidth_result(40.0))
-    rows = {line.split()[0]: line.split() for line in text.splitlines() if line[:1].isdigit()}
-    # 1 MiB on 2 ranks in pieces: 4 bytes moved per byte per rank, 2 ranks: 8 MiB in 2 ms
-    moved = 2 * 4 * (1 << 20)
-    assert rows["1048576"][6] == f"{moved / 0.002 / 1e9:.1f}", text
-    assert rows["1048576"][7] == f"{0.010 / (moved / 40e9):.2f}x", text  # Gloo's time over the floor
-    assert rows["8"][6:] == ["ok"], text  # the small path has no step 3: no model, no cells
-    assert "roofline: 40.0 GB/s" in text, text
+def test_the_report_holds_shm_against_the_roofline_by_the_path_it_took():
+    for path, per_byte in (("pieces", 4), ("cma", 2)):  # bytes moved per byte per rank on 2 ranks
+        text = bench.report(_bandwidth_result(40.0, path))
+        rows = {line.split()[0]: line.split() for line in text.splitlines() if line[:1].isdigit()}
+        moved = 2 * per_byte * (1 << 20)  # 2 ranks, 1 MiB, in 2 ms
+        assert rows["1048576"][6:] == [f"{moved / 0.002 / 1e9:.1f}", f"{0.010 / (moved / 40e9):.2f}x", path, "ok"], text
+        assert rows["8"][6:] == ["small", "ok"], text  # every rank adds every slot: no model, no cells
+        assert "roofline: 40.0 GB/s" in text, text
     assert "roofline" not in bench.report(_bandwidth_result(None)), "a result without one has no roofline columns"
 
 
-def test_the_pieces_report_compares_each_piece_size_with_the_roofline():
-    result = {"world_size": 4, "pieces": [0, 1 << 20], "roofline_gbps": 40.0,
-              "rows": [{"size": 4 << 20, "gloo_s": 0.008, "shm_s": {"0": 0.004, str(1 << 20): 0.002}, "check": True}]}
-    text = pieces_bench.report(result)
-    whole = next(line.split("  ") for line in text.splitlines() if "whole slice" in line)
-    cells = [c.strip() for c in whole if c.strip()]
-    moved = 4 * 5.75 * (4 << 20)  # 4 ranks, the whole slice: 5.75 bytes per byte per rank
-    assert cells[3:9] == ["4000", f"{(4 << 20) / 0.004 / 1e9 * 1.5:.2f}", f"{moved / 0.004 / 1e9:.1f}",
-                          f"{moved / 0.004 / 1e9 / 40:.0%}", "2.00x", f"{0.008 / (moved / 40e9):.2f}x"], text
-    assert "1024 KiB pieces" in text and "4.00x" in text, text
+def test_the_paths_report_compares_each_variant_with_the_roofline():
+    result = {"world_size": 4, "variants": [("whole", 0), ("pieces", 1 << 20), ("cma", 1 << 20)], "roofline_gbps": 40.0,
+              "rows": [{"size": 4 << 20, "gloo_s": 0.008, "shm_s": [0.004, 0.002, 0.001],
+                        "paths": ["whole", "pieces", "cma"], "check": True}]}
+    text = paths_bench.report(result)
+    lines = {name: [c.strip() for c in line.split("  ") if c.strip()] for line in text.splitlines()
+             for name in ("whole slice", "pieces, 1024 KiB", "cma, 1024 KiB") if name in line}
+    for name, t, per_byte in (("whole slice", 0.004, 5.75), ("pieces, 1024 KiB", 0.002, 4.5), ("cma, 1024 KiB", 0.001, 2)):
+        moved = 4 * per_byte * (4 << 20)  # 4 ranks
+        cells = lines[name]
+        assert cells[-6:] == [f"{(4 << 20) / t / 1e9 * 1.5:.2f}", f"{moved / t / 1e9:.1f}", f"{moved / t / 1e9 / 40:.0%}",
+                              f"{0.008 / t:.2f}x", f"{0.008 / (moved / 40e9):.2f}x", "ok"], (name, cells, text)
 
 
-def test_the_pieces_benchmark_runs_end_to_end(capsys):
-    assert pieces_bench.main(["--world-size", "2", "--pieces", "0", "8K", "-b", "64K", "-e", "256K",
-                              "--iters", "2"]) == 0
+def test_a_variant_is_a_path_and_a_piece_size():
+    assert paths_bench.parse_variant("whole") == ("whole", 0)
+    assert paths_bench.parse_variant("pieces=256K") == ("pieces", 256 << 10)
+    assert paths_bench.parse_variant("cma=1M") == ("cma", 1 << 20)
+    for bad in ("cma", "pieces=0", "whole=1M", "ring=1M"):
+        with pytest.raises(argparse.ArgumentTypeError, match="whole, pieces=SIZE or cma=SIZE"):
+            paths_bench.parse_variant(bad)
+
+
+def test_the_paths_benchmark_runs_end_to_end(capsys, monkeypatch):
+    monkeypatch.setenv("COLLECTIVES_SHM_CMA", "1")  # wherever the calls work
+    monkeypatch.setenv("COLLECTIVES_SHM_CMA_MIN_KB", "256")
+    assert paths_bench.main(["--world-size", "2", "--variants", "whole", "pieces=8K", "cma=8K", "-b", "64K",
+                             "-e", "1M", "--iters", "2"]) == 0
     out = capsys.readouterr().out
-    assert out.count("whole slice") == 2 and out.count("8 KiB pieces") == 2 and "WRONG" not in out, out
+    assert out.count("whole slice") == 3 and out.count("pieces, 8 KiB") == 3 and "WRONG" not in out, out
+    # cma from 256 KiB (COLLECTIVES_SHM_CMA_MIN_KB); below it that group's calls go through the segment
+    assert out.count("cma, 8 KiB (took pieces)") == 1 and out.count("cma, 8 KiB ") == 3, out

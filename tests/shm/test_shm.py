@@ -147,6 +147,7 @@ class _MemoryBytes(TorchDispatchMode):
 
 def _count_all_reduce_bytes(env, numel):
     group = dist.new_group(backend="shm")
+    group._shm.cma = None  # the copies through the segment: cross-memory attach moves its bytes in the kernel
     flat = torch.arange(numel, dtype=torch.float32) + env.rank
     with _MemoryBytes() as counted:
         group._shm.all_reduce(flat, "sum")
@@ -157,7 +158,7 @@ def _count_all_reduce_bytes(env, numel):
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_the_memory_traffic_model_counts_what_the_all_reduce_does(world_size, monkeypatch):
-    """all_reduce_traffic(pieces=False) is what the ops read and write, counted op by op (12 KiB
+    """all_reduce_traffic(path="whole") is what the ops read and write, counted op by op (12 KiB
     slices: the large path, one round, more than one piece each with 4 KiB pieces); in pieces
     the re-reads of a piece still in cache are not memory traffic, which op counts cannot see."""
     numel = 12 * 1024  # 48 KiB: a whole number of elements per rank at 2, 3 and 4 ranks
@@ -165,9 +166,9 @@ def test_the_memory_traffic_model_counts_what_the_all_reduce_does(world_size, mo
     results = C.run(_count_all_reduce_bytes, world_size, backend="gloo", args=(numel,), timeout=60)
     for rank, (moved, unknown) in enumerate(results):
         assert not unknown, f"rank {rank}: ops the model does not count: {unknown}"
-        assert moved == shm.ops.all_reduce_traffic(numel * 4, world_size, pieces=False), (rank, moved)
-    n = 1.0
-    assert [shm.ops.all_reduce_traffic(n, p, pieces) for p in (2, 4) for pieces in (False, True)] == [4.5, 4.0, 5.75, 4.5]
+        assert moved == shm.ops.all_reduce_traffic(numel * 4, world_size, "whole"), (rank, moved)
+    paths = ("whole", "pieces", "cma")
+    assert [shm.ops.all_reduce_traffic(1.0, p, path) for p in (2, 4) for path in paths] == [4.5, 4.0, 2.0, 5.75, 4.5, 2.0]
 
 
 def _fallback_warns_once(env):
@@ -342,10 +343,11 @@ def test_the_control_words_fit_the_control_area():
 
     regions = [(s.STEP0, 4096), (s.PID0, 4096), (s.MAIL_SENT0, s.MAX_MAIL_RANKS ** 2),
                (s.MAIL_TAKEN0, s.MAX_MAIL_RANKS ** 2), (s.SLEEP0, 4096),
-               (s.CALL0, 2 * 4096 * s.CALL_WORDS)]
+               (s.CALL0, 2 * 4096 * s.CALL_WORDS), (s.ADDR0, 2 * 4096), (s.WRITING0, 4096), (s.CMA_OK0, 4096)]
     ends = sorted((start, start + size) for start, size in regions)
     assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(ends, ends[1:]))
     assert ends[-1][1] <= s.CONTROL_BYTES // 4 and ends[0][0] > max(s.ABORT, s.ABORT_SEEN_BY)
+    assert s.ADDR0 % 2 == 0, "the addresses are int64: their first word must be 8-byte aligned"
 
 
 def test_a_full_dev_shm_is_a_clear_error_not_a_sigbus(monkeypatch):
