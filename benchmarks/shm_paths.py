@@ -88,7 +88,7 @@ def run_all(env, config):
         seconds = _timed(groups, call, iters)
         # each buffer was all-reduced 1 + iters times from ones: every element is n ** (1 + iters)
         ok = all(bool((b == float(env.world_size) ** (iters + 1)).all()) for b in buffers)
-        rows.append({"size": numel * 4, "gloo_s": seconds[0], "shm_s": [s for s in seconds[1:]],
+        rows.append({"size": numel * 4, "gloo_s": seconds[0], "shm_s": list(seconds[1:]),
                      "paths": [g._shm.all_reduce_path(numel * 4) for g in groups[1:]], "check": ok,
                      "roofline_gbps": aggregate_copy_gbps(trials=2)})  # the machine's state drifts
         if env.rank == 0:

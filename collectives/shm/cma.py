@@ -103,9 +103,9 @@ class CrossMemory:
 
     # -- the all_reduce --------------------------------------------------------------------------
     def all_reduce(self, flat: torch.Tensor, op: str, first_barrier: Callable[[], None], piece_bytes: int,
-                   add: Callable[[torch.Tensor, List[torch.Tensor], str], None]) -> None:
+                   add: Callable[[torch.Tensor, torch.Tensor, List[torch.Tensor], str], None]) -> None:
         """The module docstring's steps on a contiguous CPU tensor. `first_barrier` is the call's
-        checked barrier; add(piece, others, op) adds the others' pieces into `piece` in order."""
+        checked barrier; add(into, first, others, op) is ops._sum, the order every path adds in."""
         seg, r, p = self.segment, self.rank, self.size
         seg.addresses[r] = flat.data_ptr()
         first_barrier()
@@ -127,7 +127,7 @@ class CrossMemory:
                 for q, buf in zip(others, buffers):
                     self.move(False, q, buf.data_ptr(), addresses[q] + c * size, k * size)
                 piece = flat[c:c + k]
-                add(piece, [buf[:k] for buf in buffers], op)
+                add(piece, piece, [buf[:k] for buf in buffers], op)
                 for q in others:
                     self.move(True, q, piece.data_ptr(), addresses[q] + c * size, k * size)
             seg.writing[r] = 0

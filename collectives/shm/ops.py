@@ -74,6 +74,14 @@ def _combine(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, op: str) -> No
         local_reduce(out, b, op)
 
 
+def _sum(into: torch.Tensor, first: torch.Tensor, others, op: str) -> None:
+    """into = first op others[0] op others[1] ... (in that order, every element); `into` may be
+    `first`. The one order every path adds in, so every path gives the same bits."""
+    _combine(into, first, others[0], op)
+    for src in others[1:]:
+        local_reduce(into, src, op)
+
+
 def all_reduce_traffic(nbytes: int, p: int, path: str = "pieces") -> float:
     """Bytes one rank reads plus writes in memory for an all_reduce of nbytes on p ranks, by the
     path it takes (ShmCollectives.all_reduce_path), counted from the steps; a piece of step 3 is
@@ -197,8 +205,7 @@ class ShmCollectives:
         self._call("all_reduce", flat, op)
         if self.all_reduce_path(flat.numel() * flat.element_size()) == "cma":
             # straight from and into the other ranks' tensors (cma.py): same steps, same order
-            self.cma.all_reduce(flat, op, self._barrier, self.piece_bytes,
-                                lambda piece, others, op: self._sum_in_pieces(piece, piece, others, op))
+            self.cma.all_reduce(flat, op, self._barrier, self.piece_bytes, _sum)
         else:
             self._reduce(flat, op, copy_out=True)
 
@@ -247,9 +254,7 @@ class ShmCollectives:
                         flat[a + s:a + e].copy_(self._slot(q, dtype, m, h)[s:e])
 
     def _sum_in_pieces(self, into: torch.Tensor, first: torch.Tensor, others, op: str, also=None) -> None:
-        """into = first op others[0] op others[1] ... (in that order, every element), piece by
-        piece (PIECE_BYTES), each piece also copied into `also` while it is in cache. `into`
-        may be `first`."""
+        """_sum piece by piece (PIECE_BYTES), each piece also copied into `also` while it is in cache."""
         if not others:  # a group of one: nothing to add
             if into.data_ptr() != first.data_ptr():
                 into.copy_(first)
@@ -259,9 +264,7 @@ class ShmCollectives:
         step = max(1, self.piece_bytes // into.element_size())
         for c in range(0, into.numel(), step):
             piece = into[c:c + step]
-            _combine(piece, first[c:c + step], others[0][c:c + step], op)
-            for src in others[1:]:
-                local_reduce(piece, src[c:c + step], op)
+            _sum(piece, first[c:c + step], [src[c:c + step] for src in others], op)
             if also is not None:
                 also[c:c + step].copy_(piece)
 
