@@ -32,37 +32,35 @@ from tabulate import tabulate
 
 import collectives
 from collectives.cli import command
-from ddp_from_scratch.wrap import SHARDED_WRAPPERS, torch_fully_shard
-from ddp_from_scratch.ddp import DistributedDataParallel
+from ddp_from_scratch.wrap import SHARDED, STAGES as REGISTRY, wrap
 from ddp_from_scratch.fsdp import unit_plan
 from ddp_from_scratch.memory import HeldBytes
 from ddp_from_scratch.models import MODELS
 
 from .ddp_step_time import alternate_steps, summarise
 
-STAGES = ["ddp", "ddp, gradient_as_bucket_view", "zero1", "zero2", "zero2, bucketed", "fsdp", "fsdp, no prefetch", "torch fully_shard",
-          "fsdp, per block", "torch fully_shard, per block"]
 MiB = 1 << 20
-BUCKET_MB = 25  # "zero2, bucketed": DDP's bucket size
+BUCKET_MB = 25  # "zero2-bucketed" here: DDP's bucket size
+# Each row: a stage of wrap.STAGES (every sharded one, ours then torch's) or a variant of one, with its options.
+ROWS = {
+    "ddp": ("bucketed", {"timeline": False}),
+    "ddp, gradient_as_bucket_view": ("bucketed", {"gradient_as_bucket_view": True, "timeline": False}),
+    **{name: (name, {"bucket_cap_mb": BUCKET_MB} if name == "zero2-bucketed" else {}) for name in SHARDED},
+    "fsdp, no prefetch": ("fsdp", {"prefetch": False}),
+    "torch fully_shard": ("torch-fsdp", {}),
+    "fsdp, per block": ("fsdp", {"units": "blocks"}),
+    "torch fully_shard, per block": ("torch-fsdp", {"units": "blocks"}),
+}
+STAGES = list(ROWS)
 
 
 def build(stage: str, net, lr: float = 0.001):
-    """(model, optimizer) for a stage; every rank passes the same seeded `net`."""
-    if stage.startswith("ddp"):
-        model = DistributedDataParallel(net, gradient_as_bucket_view=stage.endswith("view"), timeline=False)
-        return model, torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    if stage.startswith("torch fully_shard"):
-        model = torch_fully_shard(net, "blocks" if stage.endswith("per block") else "children")
-        return model, torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    if stage == "fsdp, no prefetch":
-        model = SHARDED_WRAPPERS["fsdp"](net, prefetch=False)
-    elif stage == "zero2, bucketed":
-        model = SHARDED_WRAPPERS["zero2"](net, bucket_cap_mb=BUCKET_MB)
-    elif stage == "fsdp, per block":
-        model = SHARDED_WRAPPERS["fsdp"](net, units="blocks")
-    else:
-        model = SHARDED_WRAPPERS[stage](net)
-    return model, model.optimizer(torch.optim.SGD, lr=lr, momentum=0.9)
+    """(model, optimizer) for a row; every rank passes the same seeded `net`."""
+    name, options = ROWS[stage]
+    model = wrap(net, name, **options)
+    if REGISTRY[name].sharded and REGISTRY[name].ours:
+        return model, model.optimizer(torch.optim.SGD, lr=lr, momentum=0.9)
+    return model, torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
 
 
 def _step(model, opt, x, y) -> None:
@@ -113,7 +111,7 @@ FORMULAS = {  # what each wrapper keeps at its peak (psi: parameter bytes, p: ra
     "ddp, gradient_as_bucket_view": "3 psi: the .grad are the buckets",
     "zero1": "3 psi + psi/p + one gather group",
     "zero2": "2 psi + 2 psi/p: params, the packed grads, grad and momentum shards",
-    "zero2, bucketed": "psi + 2 psi/p + buckets in flight in backward or one gather group after the step (not one formula)",
+    "zero2-bucketed": "psi + 2 psi/p + buckets in flight in backward or one gather group after the step (not one formula)",
     "fsdp": "2 psi/p + 2u + (1+1/p) u2: shards, momentum, a unit, its grads, the next one prefetched",
     "fsdp, no prefetch": "2 psi/p + (1+1/p) u + 2 u2: u's reduce-scatter in flight while u2 computes",
     "torch fully_shard": "as fsdp; FSDP2's buffers in flight are not seen",
@@ -186,7 +184,7 @@ def main(argv=None) -> int:
     p.add_argument("--skip-time", action="store_true", help="only the memory part")
     p.add_argument("--skip-memory", action="store_true", help="only the step times")
     p.add_argument("--time-stages", nargs="+", choices=STAGES,
-                   default=["ddp", "zero1", "zero2", "zero2, bucketed", "fsdp", "fsdp, no prefetch", "torch fully_shard", "fsdp, per block",
+                   default=["ddp", "zero1", "zero2", "zero2-bucketed", "fsdp", "fsdp, no prefetch", "torch fully_shard", "fsdp, per block",
                             "torch fully_shard, per block"],
                    help="stages in the step-time part")
     p.add_argument("--json", metavar="FILE", help="write every figure as JSON")

@@ -34,7 +34,7 @@ import select
 import signal
 import sys
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .errors import RankFailure
 from .rank_main import HIDDEN_FILES, PACKAGE_DIR, _rank_main
@@ -218,7 +218,17 @@ class RankPool:
         return self._collect(name, timeout, expect="ok")
 
     def _collect(self, what: str, timeout: float, expect: str) -> List[Any]:
+        """Every rank's reply to `what` (status `expect`), in rank order; or RankFailure naming the
+        first rank that failed, how, and which ranks stopped because of it."""
         __tracebackhide__ = True
+        results, failures, summaries, order, pending = self._receive(timeout, expect)
+        if not failures and not pending:
+            return [results[r] for r in range(self.world_size)]
+        self._report_failure(what, timeout, failures, summaries, order, pending)
+
+    def _receive(self, timeout: float, expect: str):
+        """Wait for every rank's reply until the timeout, or until FAILURE_GRACE_S after the first
+        failure. Returns (results, failures, summaries, order of failures, ranks still pending)."""
         results: Dict[int, Any] = {}
         failures: Dict[int, str] = {}
         summaries: Dict[int, str] = {}
@@ -237,22 +247,9 @@ class RankPool:
                 rank = waitables[ready]
                 if rank not in pending:
                     continue
-                conn = self._conns[rank]
-                if conn.poll():
-                    try:
-                        status, value = conn.recv()
-                    except (EOFError, OSError):
-                        status, value = "died", None
-                else:
-                    status, value = "died", None
+                status, value = self._reply(rank)
                 if status == "died":
-                    self._procs[rank].join(1.0)
-                    summaries[rank] = _describe_exit(self._procs[rank].exitcode)
-                    stack = _clean_stack(self._read_crash_stack(rank))  # written by faulthandler as it died
-                    where = _where(stack).replace("waiting in ", "in ", 1)
-                    if where:
-                        summaries[rank] = summaries[rank].replace(" (", f" {where} (", 1) if " (" in summaries[rank] \
-                            else f"{summaries[rank]} {where}"
+                    summaries[rank], stack = self._death(rank)
                     failures[rank] = f"rank {rank} {summaries[rank]}" + (f"; its Python stack:\n{stack}" if stack else "")
                 elif status == "error":
                     summaries[rank] = f"raised {value[0]}"
@@ -267,8 +264,33 @@ class RankPool:
                     order.append(rank)
                     if first_failure_at is None:
                         first_failure_at = time.monotonic()
-        if not failures and not pending:
-            return [results[r] for r in range(self.world_size)]
+        return results, failures, summaries, order, pending
+
+    def _reply(self, rank: int):
+        """(status, value) from a rank whose pipe or process sentinel is ready; "died" if it is gone."""
+        conn = self._conns[rank]
+        if not conn.poll():
+            return "died", None
+        try:
+            return conn.recv()
+        except (EOFError, OSError):
+            return "died", None
+
+    def _death(self, rank: int) -> Tuple[str, str]:
+        """How a dead rank ended and where, and the stack its faulthandler wrote as it died."""
+        self._procs[rank].join(1.0)
+        summary = _describe_exit(self._procs[rank].exitcode)
+        stack = _clean_stack(self._read_crash_stack(rank))
+        where = _where(stack).replace("waiting in ", "in ", 1)
+        if where:
+            summary = summary.replace(" (", f" {where} (", 1) if " (" in summary else f"{summary} {where}"
+        return summary, stack
+
+    def _report_failure(self, what: str, timeout: float, failures: Dict[int, str], summaries: Dict[int, str],
+                        order: List[int], pending: set) -> None:
+        """Raise RankFailure: the first rank that failed on its own leads, then the others that
+        failed, then those stopped because of it (hung past the grace period, or lost a peer)."""
+        __tracebackhide__ = True
         # A rank that only lost its peer can report before the parent sees the peer's death (both
         # arrive in one wait, in no set order): lead with the first failure of its own.
         own = [r for r in order if not _PEER_LOST.search(failures[r])]

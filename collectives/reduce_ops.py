@@ -1,7 +1,12 @@
-"""Reduction ops: names, which dtypes each makes sense for, and the gaps the wrappers fill.
+"""Reduction ops: names, which dtypes each makes sense for, and the one table of how each is done.
 
 Ops are given as strings ("sum", "avg", "min", "max", "product", "band", "bor", "bxor") or as
 torch.distributed.ReduceOp values; both mean the same thing on every backend.
+
+COMBINE is the one op table: `fold` (a backend's missing op, done locally by the wrappers),
+`local_reduce` (dst op= src, what the from-scratch algorithms do at each step) and `combine`
+(out = a op b, the shm backend's reduce) all read it, so every path applies an op the same way.
+"avg" is not in it: every path sums and divides by the number of ranks once, at the end.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from typing import List, Union
 import torch
 import torch.distributed as dist
 
-from .dtypes import FLOAT8
+from .dtypes import FLOAT8, arithmetic_wire
 from .errors import CollectiveError
 
 R = dist.ReduceOp
@@ -85,7 +90,8 @@ def backend_supports(backend: str, name: str) -> bool:
     return not (backend == "nccl" and name in BITWISE)
 
 
-_FOLDS = {
+# op -> a torch function (a, b, out=None) computing a op b elementwise
+COMBINE = {
     "sum": torch.add, "product": torch.mul, "min": torch.minimum, "max": torch.maximum,
     "band": torch.bitwise_and, "bor": torch.bitwise_or, "bxor": torch.bitwise_xor,
 }
@@ -95,4 +101,22 @@ def fold(name: str, tensors: List[torch.Tensor]) -> torch.Tensor:
     """Reduce a list of tensors locally, in rank order (used where a backend lacks the op)."""
     if name == "avg":  # floats only (check_op_dtype refuses it on integers)
         return functools.reduce(torch.add, tensors) / len(tensors)
-    return functools.reduce(_FOLDS[name], tensors)
+    return functools.reduce(COMBINE[name], tensors)
+
+
+def local_reduce(dst: torch.Tensor, src: torch.Tensor, op: str) -> None:
+    """dst = dst op src in place: one pass over memory, no temporary (this is the gamma term)."""
+    wire = arithmetic_wire(dst.dtype, op)  # torch has no CPU arithmetic on uint16/32/64
+    if wire is None:
+        COMBINE[op](dst, src, out=dst)
+    else:
+        dst.copy_(wire.from_wire(fold(op, [wire.to_wire(dst), wire.to_wire(src)])))
+
+
+def combine(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, op: str) -> None:
+    """out = a op b in one pass over memory (a copy and an in-place op would be two)."""
+    try:
+        COMBINE[op](a, b, out=out)
+    except RuntimeError:  # no CPU kernel for this dtype (uint16/32/64): the widening path
+        out.copy_(a)
+        local_reduce(out, b, op)

@@ -16,12 +16,17 @@ A subclass says how gradients move through one of two extension points:
   communication while backward is still running; the default counts arrivals and calls
   `_sync()` after the last).
 
+Every wrapper also has `no_sync()` (gradients accumulate locally inside it; the next backward
+outside it syncs them) and `timeline` (the last backward's events, timeline.py; None unless the
+wrapper records one).
+
 Gradients are scaled by 1 / world_size before they are summed, as torch's DDP does, so that the
 sum cannot overflow in low precision and the result matches torch's bit for bit.
 """
 
 from __future__ import annotations
 
+import contextlib
 import zlib
 from typing import List, Optional
 
@@ -31,11 +36,15 @@ from torch import nn
 
 import collectives
 
+from .bucket import runs_of_at_most
+from .timeline import NoTimeline, Timeline
+
 
 class DataParallelBase(nn.Module):
     """Wrap `module`; after backward every rank holds the gradient averaged over the group."""
 
-    def __init__(self, module: nn.Module, group: Optional[dist.ProcessGroup] = None, broadcast_buffers: bool = True):
+    def __init__(self, module: nn.Module, group: Optional[dist.ProcessGroup] = None, broadcast_buffers: bool = True,
+                 timeline: bool = False):
         super().__init__()
         self.module = module
         self.group = group
@@ -43,6 +52,11 @@ class DataParallelBase(nn.Module):
         self.world_size = dist.get_world_size(group)
         self.src = dist.get_process_group_ranks(group or dist.group.WORLD)[0]
         self.named_params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self.names = [n for n, _ in self.named_params]
+        self._index = {id(p): i for i, (_, p) in enumerate(self.named_params)}  # parameter -> its position
+        self.record_timeline = timeline
+        self._recorder: Timeline = NoTimeline()
+        self._syncing = True
         # where small bookkeeping tensors (checksums, orders, flags) go: NCCL takes CUDA tensors only
         first = next(module.parameters(), None)
         self.meta_device = first.device if first is not None and first.is_cuda and \
@@ -57,6 +71,24 @@ class DataParallelBase(nn.Module):
     @property
     def params(self) -> List[nn.Parameter]:
         return [p for _, p in self.named_params]
+
+    @property
+    def timeline(self) -> Optional[dict]:
+        """The last backward's events (timeline.py; trace.py draws them), or None when not recorded."""
+        return self._recorder.events
+
+    def _new_timeline(self) -> Timeline:  # pragma: no cover - each recording wrapper says what its lanes are
+        """Extension point: an empty recorder for the next backward (timeline=True only)."""
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Gradients accumulate locally inside the block; the next backward outside it syncs them all."""
+        self._syncing = False
+        try:
+            yield
+        finally:
+            self._syncing = True
 
     def _check_same_parameters(self) -> None:
         signature = repr([(n, tuple(p.shape), str(p.dtype)) for n, p in self.named_params])
@@ -83,14 +115,8 @@ class DataParallelBase(nn.Module):
             by_kind.setdefault((t.dtype, t.device), []).append(t)
         with torch.no_grad():
             for group_of_kind in by_kind.values():
-                chunks, current, size = [], [], 0
-                for t in group_of_kind:
-                    if current and size + t.numel() * t.element_size() > chunk_bytes:
-                        chunks.append(current)
-                        current, size = [], 0
-                    current.append(t)
-                    size += t.numel() * t.element_size()
-                chunks.append(current)
+                runs = runs_of_at_most([t.numel() * t.element_size() for t in group_of_kind], chunk_bytes)
+                chunks = [[group_of_kind[i] for i in run] for run in runs]
                 for chunk in chunks:
                     flat = torch.cat([t.reshape(-1) for t in chunk])
                     collectives.broadcast(flat, src=self.src, group=self.group)
@@ -98,6 +124,8 @@ class DataParallelBase(nn.Module):
                     torch._foreach_copy_(chunk, [p.view_as(t) for p, t in zip(pieces, chunk)])  # one call, not one per tensor
 
     def forward(self, *args, **kwargs):
+        if self.record_timeline:  # before the buffers' broadcast: the timeline starts with the forward
+            self._recorder = self._new_timeline()
         if self.broadcast_buffers and self.world_size > 1 and self._buffers_to_sync:
             self._broadcast_coalesced(self._buffers_to_sync)
         self._ready = 0
@@ -105,6 +133,8 @@ class DataParallelBase(nn.Module):
 
     def _grad_ready(self, param: nn.Parameter) -> None:
         """Extension point: one parameter's gradient has just been accumulated."""
+        if not self._syncing:
+            return
         self._ready += 1
         if self._ready == len(self.named_params):
             self._sync()

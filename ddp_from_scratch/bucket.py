@@ -1,6 +1,7 @@
 """Buckets: which gradients travel together, and where each one sits in its bucket's flat buffer.
 
-A bucket is closed once it holds at least its byte limit: a small first bucket (1 MiB) so that
+A bucket is closed once it holds at least its byte limit (torch's rule; `runs_of_at_most` is the
+other rule, closing before the cap, that the sharded stages use): a small first bucket (1 MiB) so that
 communication starts early, then `bucket_cap_mb` (25 MiB by default). Parameters of different
 dtypes or devices never share a bucket. The layouts are torch's (torch 2.13,
 nn/parallel/distributed.py and the C++ Reducer), because with more than two ranks the sum's
@@ -108,6 +109,24 @@ class Bucket:
                 views.append(slot)
         if grads:
             torch._foreach_copy_(grads, views)  # one call per bucket, not one per tensor
+
+
+def runs_of_at_most(nbytes: Sequence[int], cap_bytes: float, order: Optional[Sequence[int]] = None) -> List[List[int]]:
+    """Indices walking `order` (default 0, 1, ...), cut into consecutive runs of at most
+    cap_bytes: a run closes *before* the index that would pass the cap, so only an item larger
+    than the cap makes a run larger. ZeRO-1's and ZeRO-2's all-gathers after the step, ZeRO-2's
+    reduce-scatter buckets and the buffer broadcast are cut this way. (torch's DDP buckets close
+    *once* they reach their cap instead, and per dtype: `assign_buckets`.)"""
+    runs: List[List[int]] = []
+    now: List[int] = []
+    size = 0
+    for i in (range(len(nbytes)) if order is None else order):
+        if now and size + nbytes[i] > cap_bytes:
+            runs.append(now)
+            now, size = [], 0
+        now.append(i)
+        size += nbytes[i]
+    return runs + ([now] if now else [])
 
 
 def assign_buckets(params: Sequence[torch.Tensor], order: Sequence[int], limits: Sequence[int]) -> List[List[int]]:

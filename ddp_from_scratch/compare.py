@@ -29,7 +29,7 @@ import copy
 import sys
 import time
 from functools import partial
-from typing import Dict, List, NamedTuple, Optional
+from typing import Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -41,55 +41,10 @@ from collectives.cli import command, eta
 from .bucket import describe as bucket_describe
 from .ddp import DistributedDataParallel
 from .models import MODELS, batch
+from .parity import StepCheck, count_nonfinite, relative_diff, same_bits, summarise, table_row
+from .sharded_parity import (PARITY_IMPLS, SHARDED_HEADERS, SHARDED_NOTE, must_be_bitwise, shard_layout_text,
+                             train_sharded_side_by_side)
 from .wrap import WRAPPERS, wrap
-
-# An integer dtype of each width: "the same bits" is torch.equal on these views
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def same_bits(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
-    """Bitwise equal: the same dtype, shape and bit pattern, so identical NaNs (and the sign of
-    zero) count as equal, and a NaN against a number does not. torch.equal would call two
-    identical NaN tensors different. Both None counts as equal."""
-    if a is None or b is None:
-        return a is None and b is None
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    if a.dtype.is_complex:
-        a, b = torch.view_as_real(a), torch.view_as_real(b)
-    if a.dtype.is_floating_point:
-        width = _BITS[a.element_size()]
-        a, b = a.contiguous().view(width), b.contiguous().view(width)
-    return torch.equal(a, b)
-
-
-def _relative_diff(ours: torch.Tensor, theirs: torch.Tensor) -> float:
-    """Largest |ours - theirs| over the tensor, relative to the tensor's largest |value| (0 when
-    the bits are the same; NaN when either side is not finite and they differ)."""
-    if same_bits(ours, theirs):
-        return 0.0
-    return ((ours - theirs).abs().max() / theirs.abs().max().clamp_min(1e-30)).item()
-
-
-def _nonfinite(params) -> int:
-    """How many parameter tensors hold an inf or a NaN."""
-    return sum(not bool(torch.isfinite(p).all()) for p in params)
-
-
-class StepCheck(NamedTuple):
-    """One training step on one rank: ours against torch's DDP."""
-
-    params: bool  # every parameter and its .grad: the same bits (or both .grad None)
-    buffers: bool  # every buffer (BatchNorm running statistics)
-    loss: bool
-    largest_diff: float  # the largest relative parameter difference (see _relative_diff)
-    nonfinite_ours: int  # parameter tensors holding inf or NaN after the step
-    nonfinite_theirs: int
-
-    @property
-    def bitwise(self) -> bool:
-        return self.params and self.buffers and self.loss
-
 
 def train_side_by_side(env, wrapper, steps: int, model="small", batch_size: int = 4, image: int = 12,
                        torch_comm_hook=None, ddp_kwargs: Optional[dict] = None, set_to_none: bool = True,
@@ -133,37 +88,11 @@ def train_side_by_side(env, wrapper, steps: int, model="small", batch_size: int 
             params=all(same_bits(p_ours[k], p_theirs[k]) and same_bits(p_ours[k].grad, p_theirs[k].grad) for k in p_theirs),
             buffers=all(same_bits(b_ours[k], b_theirs[k]) for k in b_theirs),
             loss=same_bits(losses[0], losses[1]),
-            largest_diff=max(_relative_diff(p_ours[k].detach(), p_theirs[k].detach()) for k in p_theirs),
-            nonfinite_ours=_nonfinite(p_ours.values()),
-            nonfinite_theirs=_nonfinite(p_theirs.values()),
+            largest_diff=max(relative_diff(p_ours[k].detach(), p_theirs[k].detach()) for k in p_theirs),
+            nonfinite_ours=count_nonfinite(p_ours.values()),
+            nonfinite_theirs=count_nonfinite(p_theirs.values()),
         ))
     return report
-
-
-def summarise(per_rank: List[List[StepCheck]]) -> Dict:
-    """Over every rank and step: bitwise or not, the largest difference, the first step that
-    differs, and when values stopped being finite (first step, tensors on each side)."""
-    steps = len(per_rank[0])
-    first_off = next((s for s in range(steps) if not all(rank[s].bitwise for rank in per_rank)), None)
-    first_nonfinite = next((s for s in range(steps) if any(rank[s].nonfinite_ours or rank[s].nonfinite_theirs
-                                                            for rank in per_rank)), None)
-    nonfinite = None
-    if first_nonfinite is not None:
-        last = [rank[-1] for rank in per_rank]
-        nonfinite = {"first_step": first_nonfinite, "ours": max(c.nonfinite_ours for c in last),
-                     "theirs": max(c.nonfinite_theirs for c in last)}
-    diffs = [c.largest_diff for rank in per_rank for c in rank]
-    return {"bitwise": first_off is None, "largest_diff": max(diffs, key=lambda d: (d != d, d)),
-            "first_step_differing": first_off, "nonfinite": nonfinite}
-
-
-def describe_nonfinite(res: Dict) -> str:
-    """"" for finite runs, else e.g. "both sides overflow (inf/NaN) from step 0: 129 / 129 tensors"."""
-    nf = res.get("nonfinite")
-    if not nf:
-        return ""
-    who = "both sides" if nf["ours"] and nf["theirs"] else ("ours only" if nf["ours"] else "torch's only")
-    return f"{who} overflow (inf/NaN) from step {nf['first_step']}: {nf['ours']} / {nf['theirs']} tensors at the end"
 
 
 def bf16_compress_hook_on_gloo(state, bucket):
@@ -222,12 +151,6 @@ def layouts(env, model: str = "small", batch_size: int = 2, image: int = 12, ver
     return {when: bucket_describe(layout, ddp.params, ddp.names, verbose) for when, layout in ddp.layout_history.items()}
 
 
-def _row(label, n, steps, res):
-    return [label, n, steps, "yes" if res["bitwise"] else "no", f"{res['largest_diff']:.3g}",
-            "-" if res["first_step_differing"] is None else res["first_step_differing"],
-            describe_nonfinite(res) or "finite"]
-
-
 HEADERS = ["wrapper", "ranks", "steps", "bitwise equal to torch DDP", "largest relative param diff",
            "first step differing", "values"]
 NOT_BITWISE = """naive and flat are not bitwise equal to torch's DDP on more than 2 ranks, and cannot be: Gloo's ring
@@ -254,15 +177,11 @@ def _validate(args, parser, image: int) -> None:
                          "value per channel (torch refuses that in training); use --batch-size 2 or more")
 
 
-@command
-def main(argv=None) -> int:
-    from .sharded_parity import PARITY_IMPLS, SHARDED_HEADERS, SHARDED_NOTE, must_be_bitwise, shard_layout_text, \
-        train_sharded_side_by_side
-
+def _parser(parity_impls) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="Compare our data-parallel wrappers with torch's DDP, step by step.")
     parser.add_argument("--model", choices=list(MODELS), default="small",
                         help="small CNN, ResNet-50 (10 classes), or the small CNN with unused heads")
-    parser.add_argument("--impl", nargs="+", choices=list(WRAPPERS) + PARITY_IMPLS, default=list(WRAPPERS),
+    parser.add_argument("--impl", nargs="+", choices=list(WRAPPERS) + parity_impls, default=list(WRAPPERS),
                         help="wrappers to compare; zero1, zero2, zero2-bucketed (in buckets of a quarter of the "
                              "model) and fsdp (the sharded steps) go into a table of their own, each against "
                              "torch's fully_shard and torch's DDP")
@@ -278,65 +197,85 @@ def main(argv=None) -> int:
     parser.add_argument("--show-layout", nargs="?", const="summary", choices=["summary", "full"],
                         help="print our bucket layout before and after the rebuild: one line per bucket, or "
                              "'full': every parameter with its offset, shape and bytes")
-    args = parser.parse_args(argv)
-    image = args.image or (32 if args.model == "resnet50" else 12)
-    _validate(args, parser, image)
-    data = f"synthetic CIFAR-shaped data ({args.batch_size} x 3 x {image} x {image} per rank)"
-    rows, option_rows, sharded_rows = [], [], []
-    chosen = {} if args.no_options else options(args.model, args.batch_size)
-    plain = [impl for impl in args.impl if impl not in PARITY_IMPLS]
-    sharded = [impl for impl in args.impl if impl in PARITY_IMPLS]
-    runs = len(args.world_sizes) * (len(plain) + 2 * len(sharded) + len(chosen))
-    done, start = 0, time.perf_counter()
+    return parser
 
-    def progress(what: str) -> None:
-        left = eta(done, runs, time.perf_counter() - start)
-        print(f"[{done + 1}/{runs}] running {what} ... {left}".rstrip(), file=sys.stderr, flush=True)
 
-    for n in args.world_sizes:
-        with collectives.RankPool(n) as pool:  # one spawn per world size, shared by every comparison
-            for impl in plain:
-                progress(f"{impl} on {n} ranks")
-                res = summarise(pool.submit(train_side_by_side, args=(impl, args.steps, args.model, args.batch_size, image),
-                                            timeout=3600))
-                rows.append(_row(impl, n, args.steps, res))
-                done += 1
-            for label, (kwargs, _) in chosen.items():
-                progress(f"bucketed, {label}, on {n} ranks")
-                kwargs = {"model": args.model, "batch_size": args.batch_size, "image": image, **kwargs}
-                res = summarise(pool.submit(partial(train_side_by_side, **kwargs), args=("bucketed", args.steps),
-                                            timeout=3600))
-                option_rows.append(_row(label, n, args.steps, res))
-                done += 1
-            for impl in sharded:
-                for against in ("torch-fsdp", "torch"):
-                    progress(f"{impl} against {against} on {n} ranks")
-                    res = summarise(pool.submit(
-                        partial(train_sharded_side_by_side, against=against, model=args.model,
-                                batch_size=args.batch_size, image=image, units=args.units),
-                        args=(impl, args.steps), timeout=3600))
-                    must = must_be_bitwise(impl, against, n)
-                    row = _row(impl, n, args.steps, res)
-                    sharded_rows.append([impl, "torch fully_shard" if against == "torch-fsdp" else "torch DDP"]
-                                        + row[1:4] + ["yes" if must else "-"] + row[4:])
-                    done += 1
-    print(f"model {args.model}, {data}, SGD momentum 0.9, Gloo; parameters, their .grad, buffers and the loss "
+class _Runs:
+    """Runs the comparisons, world size by world size, with a progress line on stderr."""
+
+    def __init__(self, args, image: int, chosen: dict, plain: list, sharded: list):
+        self.args, self.image, self.chosen, self.plain, self.sharded = args, image, chosen, plain, sharded
+        self.total = len(args.world_sizes) * (len(plain) + 2 * len(sharded) + len(chosen))
+        self.done, self.start = 0, time.perf_counter()
+        self.rows, self.option_rows, self.sharded_rows = [], [], []
+
+    def _progress(self, what: str) -> None:
+        left = eta(self.done, self.total, time.perf_counter() - self.start)
+        print(f"[{self.done + 1}/{self.total}] running {what} ... {left}".rstrip(), file=sys.stderr, flush=True)
+
+    def run(self) -> "_Runs":
+        for n in self.args.world_sizes:
+            with collectives.RankPool(n) as pool:  # one spawn per world size, shared by every comparison
+                self._plain(pool, n)
+                self._options(pool, n)
+                self._sharded(pool, n)
+        return self
+
+    def _plain(self, pool, n: int) -> None:
+        a = self.args
+        for impl in self.plain:
+            self._progress(f"{impl} on {n} ranks")
+            res = summarise(pool.submit(train_side_by_side, args=(impl, a.steps, a.model, a.batch_size, self.image),
+                                        timeout=3600))
+            self.rows.append(table_row(impl, n, a.steps, res))
+            self.done += 1
+
+    def _options(self, pool, n: int) -> None:
+        a = self.args
+        for label, (kwargs, _) in self.chosen.items():
+            self._progress(f"bucketed, {label}, on {n} ranks")
+            kwargs = {"model": a.model, "batch_size": a.batch_size, "image": self.image, **kwargs}
+            res = summarise(pool.submit(partial(train_side_by_side, **kwargs), args=("bucketed", a.steps), timeout=3600))
+            self.option_rows.append(table_row(label, n, a.steps, res))
+            self.done += 1
+
+    def _sharded(self, pool, n: int) -> None:
+        a = self.args
+        for impl in self.sharded:
+            for against in ("torch-fsdp", "torch"):
+                self._progress(f"{impl} against {against} on {n} ranks")
+                res = summarise(pool.submit(
+                    partial(train_sharded_side_by_side, against=against, model=a.model, batch_size=a.batch_size,
+                            image=self.image, units=a.units),
+                    args=(impl, a.steps), timeout=3600))
+                must = must_be_bitwise(impl, against, n)
+                row = table_row(impl, n, a.steps, res)
+                self.sharded_rows.append([impl, "torch fully_shard" if against == "torch-fsdp" else "torch DDP"]
+                                         + row[1:4] + ["yes" if must else "-"] + row[4:])
+                self.done += 1
+
+
+def _print_tables(runs: _Runs, data: str) -> None:
+    print(f"model {runs.args.model}, {data}, SGD momentum 0.9, Gloo; parameters, their .grad, buffers and the loss "
           "compared bit for bit after every step on every rank")
-    if rows:
-        print(tabulate(rows, headers=HEADERS))
-    if any(row[3] == "no" and row[0] in ("naive", "flat") and row[1] > 2 for row in rows):
+    if runs.rows:
+        print(tabulate(runs.rows, headers=HEADERS))
+    if any(row[3] == "no" and row[0] in ("naive", "flat") and row[1] > 2 for row in runs.rows):
         print("\n" + NOT_BITWISE)
-    if option_rows:
+    if runs.option_rows:
         print("\nthe bucketed wrapper's options, each against torch's DDP with the same option")
-        print(tabulate(option_rows, headers=["bucketed, option"] + HEADERS[1:]))
-        for label, (_, note) in chosen.items():
+        print(tabulate(runs.option_rows, headers=["bucketed, option"] + HEADERS[1:]))
+        for label, (_, note) in runs.chosen.items():
             if note:
                 print(f"  {label}: {note}")
-    if sharded_rows:
+    if runs.sharded_rows:
         print("\nthe sharded steps (ZeRO-1, ZeRO-2, FSDP), each against torch's fully_shard and torch's DDP "
               "(every rank starts from the same weights; whole parameters compared, gradients are shards)")
-        print(tabulate(sharded_rows, headers=SHARDED_HEADERS))
+        print(tabulate(runs.sharded_rows, headers=SHARDED_HEADERS))
         print("\n" + SHARDED_NOTE)
+
+
+def _print_layouts(args, image: int, plain: list, sharded: list) -> None:
     if args.show_layout and sharded:
         print(f"\nshard layout on {max(args.world_sizes)} ranks, model {args.model} (fsdp's units; "
               f"ZeRO-1/2 cut each parameter the same way):\n"
@@ -346,8 +285,23 @@ def main(argv=None) -> int:
         for when in ("initial", "rebuilt"):
             print(f"\nbucket layout, {when} ({'first iteration' if when == 'initial' else 'from the first backward'}'s "
                   f"order), model {args.model}:\n{shown[when]}")
-    sharded_ok = all(row[4] == "yes" for row in sharded_rows if row[5] == "yes")
-    return 0 if sharded_ok and all(row[3] == "yes" for row in rows + option_rows
+
+
+@command
+def main(argv=None) -> int:
+    parser = _parser(PARITY_IMPLS)
+    args = parser.parse_args(argv)
+    image = args.image or (32 if args.model == "resnet50" else 12)
+    _validate(args, parser, image)
+    data = f"synthetic CIFAR-shaped data ({args.batch_size} x 3 x {image} x {image} per rank)"
+    chosen = {} if args.no_options else options(args.model, args.batch_size)
+    plain = [impl for impl in args.impl if impl not in PARITY_IMPLS]
+    sharded = [impl for impl in args.impl if impl in PARITY_IMPLS]
+    runs = _Runs(args, image, chosen, plain, sharded).run()
+    _print_tables(runs, data)
+    _print_layouts(args, image, plain, sharded)
+    sharded_ok = all(row[4] == "yes" for row in runs.sharded_rows if row[5] == "yes")
+    return 0 if sharded_ok and all(row[3] == "yes" for row in runs.rows + runs.option_rows
                                    if row[0] not in ("naive", "flat") or row[1] <= 2) else 1
 
 

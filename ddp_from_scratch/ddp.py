@@ -32,12 +32,11 @@ Options, with torch's names and meaning:
   back and the memory of a second gradient copy.
 - compress="fp16"/"bf16": send each bucket in that dtype, as torch's fp16_compress_hook /
   bf16_compress_hook do.
-- timeline=True: record each backward's events in `self.timeline` (trace.py draws them).
+- timeline=True: record each backward's events in `self.timeline` (timeline.py; trace.py draws them).
 """
 
 from __future__ import annotations
 
-import contextlib
 from typing import Optional
 
 import torch
@@ -48,7 +47,7 @@ import collectives
 
 from . import bucket as bucketing
 from .base import DataParallelBase
-from .trace import NoTimeline, Timeline
+from .timeline import Timeline
 from .unused import reachable_parameters
 
 MiB = 1 << 20
@@ -58,7 +57,6 @@ COMPRESS = {None: None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 class DistributedDataParallel(DataParallelBase):
-    uses_buckets = True  # ZeRO-2 and FSDP (zero2.py) reduce-scatter instead, and build none
     def __init__(self, module: nn.Module, group: Optional[dist.ProcessGroup] = None,
                  bucket_cap_mb: Optional[float] = None, first_bucket_mb: Optional[float] = None,
                  broadcast_buffers: bool = True, find_unused_parameters: bool = False,
@@ -70,7 +68,7 @@ class DistributedDataParallel(DataParallelBase):
             broadcast_buffers: send rank 0's buffers (BatchNorm statistics) before each forward.
             find_unused_parameters, gradient_as_bucket_view, compress, timeline: see above.
         """
-        super().__init__(module, group=group, broadcast_buffers=broadcast_buffers)
+        super().__init__(module, group=group, broadcast_buffers=broadcast_buffers, timeline=timeline)
         if compress not in COMPRESS:
             raise ValueError(f"compress must be None, 'fp16' or 'bf16', got {compress!r}")
         self.compress = COMPRESS[compress]
@@ -80,21 +78,11 @@ class DistributedDataParallel(DataParallelBase):
         self.bucket_cap_bytes, self.first_bucket_bytes = int(cap * MiB), int(first_bucket_mb * MiB)
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
-        self.record_timeline = timeline
-        self.names = [n for n, _ in self.named_params]
-        self._index = {id(p): i for i, p in enumerate(self.params)}
         self._set_layout(bucketing.initial_layout(self.params, self.bucket_cap_bytes, self.first_bucket_bytes,
-                                                  find_unused_parameters) if self.uses_buckets else [])
+                                                  find_unused_parameters))
         self.layout_history = {"initial": [b.param_indices for b in self.buckets]}  # and "rebuilt" later
         # torch rebuilds only when it does not search for unused parameters (then the order can change)
         self._ready_order: Optional[list] = None if find_unused_parameters else []
-        self._syncing = True
-        self._recorder: Timeline = NoTimeline()
-
-    @property
-    def timeline(self) -> Optional[dict]:
-        """The last backward's events (trace.py), or None with timeline=False."""
-        return self._recorder.events
 
     def _new_timeline(self) -> Timeline:
         return Timeline(self._bucket_names, [b.nbytes for b in self.buckets])
@@ -120,15 +108,6 @@ class DistributedDataParallel(DataParallelBase):
         """{"initial": text, "rebuilt": text (after the rebuild)}: the layout before and after."""
         return {when: bucketing.describe(layout, self.params, self.names) for when, layout in self.layout_history.items()}
 
-    @contextlib.contextmanager
-    def no_sync(self):
-        """Gradients accumulate locally inside the block; the next backward outside it syncs them all."""
-        self._syncing = False
-        try:
-            yield
-        finally:
-            self._syncing = True
-
     # -- 1. forward ---------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
         will_sync = self._syncing and torch.is_grad_enabled()
@@ -144,8 +123,6 @@ class DistributedDataParallel(DataParallelBase):
         self._next_launch, self._callback_queued = 0, False
         self._seen = bytearray(len(self.params))  # 1 where a gradient arrived in this backward
         self._unused: list = []  # indices this forward's output does not reach
-        if self.record_timeline:
-            self._recorder = self._new_timeline()
         output = super().forward(*args, **kwargs)
         if self.find_unused_parameters and will_sync:
             reached = reachable_parameters(output)

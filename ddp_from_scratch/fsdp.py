@@ -13,13 +13,18 @@ At any moment a rank holds its shards plus about one unit whole:
 
     model = FullyShardedDataParallel(net)        # units="children", "blocks", "model" or module names
     opt = model.optimizer(torch.optim.SGD, lr=0.05, momentum=0.9)
-    print(model.layout_text())                             # which rows of which parameter each rank owns
+    print(model.shard_layout_text())                       # which rows of which parameter each rank owns
 
 Freeing is `param.data = <an empty tensor>`: autograd keeps the parameter object for backward,
 and reads its .data only when the backward runs, by which time it has been gathered again (a
 hook on the unit's output fires when the gradient reaches it, just before the unit's backward).
 Bitwise equal to torch's fully_shard applied to the same units (tests/ddp/test_zero.py): the
 same shards, the same reduce-scatter layout and op.
+
+Built on ZeRO-2 (zero2.py), which reduce-scatters unit by unit: this file gives it the units
+(by module, `unit_plan`), keeps only the shards between uses (copies, so freeing the whole
+parameters frees their memory), and gathers each unit before its forward and its backward.
+Nothing is gathered after the step: the next forward gathers each unit afresh.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from torch import nn
 
 import collectives
 
-from .shard import ShardLayout
+from .sharding import refuse_ddp_options
 from .unused import _tensors_in
 from .zero2 import ZeroTwoDataParallel
 
@@ -86,20 +91,19 @@ def units_of(module: nn.Module, units="children") -> List[List[str]]:
 
 class FullyShardedDataParallel(ZeroTwoDataParallel):
     def __init__(self, module: nn.Module, group: Optional[dist.ProcessGroup] = None, units: str = "children",
-                 broadcast_buffers: bool = False, timeline: bool = True, prefetch: bool = True):
+                 broadcast_buffers: bool = False, timeline: bool = True, prefetch: bool = True, **ddp_options):
         """prefetch: in backward, start the next unit's all_gather while this one's backward runs
         (FSDP2's default too), for one more unit held. Measured on ResNet-50 here it changes
         little (0.96x against 0.98x fully_shard's step at 2 ranks, 1.02x against 1.01x at 4); the
         async reduce-scatter (zero2.py) is what took the step from 1.11x to about 1.0x
         (benchmarks/sharded.py measures both, with and without)."""
-        super().__init__(module, group=group, broadcast_buffers=broadcast_buffers, timeline=timeline)
-        index = {n: i for i, n in enumerate(self.names)}
+        refuse_ddp_options(type(self).__name__, ddp_options)
         plan = unit_plan(module, units)
-        self.unit_names = [name for name, _ in plan]  # "" is the root's own parameters
-        self.units = [[index[n] for n in names] for _, names in plan]
-        self.unit_layouts = [ShardLayout([self.params[i] for i in unit], self.world_size) for unit in self.units]
-        self._setup_units()
-        self.own_shards()  # self.shards: this rank's rows, the only copy of the parameters it keeps
+        super().__init__(module, group=group, broadcast_buffers=broadcast_buffers, timeline=timeline,
+                         unit_params=[names for _, names in plan])
+        self.unit_names = [name for name, _ in plan]  # the units' modules; "" is the root's own parameters
+        self.shards = [nn.Parameter(self.shard_layout.shard(p.detach(), i, self.rank).clone())
+                       for i, p in enumerate(self.params)]  # this rank's rows: the only copy it keeps
         self._empty = [p.data.new_empty(0) for p in self.params]
         self._gathered = [False] * len(self.units)
         self._prefetching: Dict[int, tuple] = {}  # unit -> (all_gather work, start) started ahead
@@ -187,9 +191,6 @@ class FullyShardedDataParallel(ZeroTwoDataParallel):
     # -- the optimizer updates the shards; the next forward gathers them ---------------------
     def own_shards(self) -> List[nn.Parameter]:
         """Copies, not views: the full parameters are freed, and a view would keep them alive."""
-        if not hasattr(self, "shards"):
-            self.shards = [nn.Parameter(self.layout.shard(p.detach(), i, self.rank).clone())
-                           for i, p in enumerate(self.params)]
         return self.shards
 
     def after_step(self, shards) -> None:
@@ -203,7 +204,7 @@ class FullyShardedDataParallel(ZeroTwoDataParallel):
         """Each rank keeps its rows of each saved parameter; buffers are loaded as they are."""
         with torch.no_grad():
             for i, (name, shard) in enumerate(zip(self.names, self.shards)):
-                shard.copy_(self.layout.shard(state[name].to(shard.device), i, self.rank))
+                shard.copy_(self.shard_layout.shard(state[name].to(shard.device), i, self.rank))
         buffers = {n for n, _ in self.module.named_buffers()}
         self.module.load_state_dict({k: v for k, v in state.items() if k in buffers}, strict=False)
 

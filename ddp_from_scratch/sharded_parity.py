@@ -16,11 +16,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .compare import StepCheck, _nonfinite, _relative_diff, same_bits
+from .parity import StepCheck, count_nonfinite, relative_diff, same_bits
 from .fsdp import unit_plan
 from .models import MODELS, batch
-from .shard import ShardLayout
-from .wrap import SHARDED_WRAPPERS, torch_fully_shard, wrap
+from .sharding import ShardLayout
+from .wrap import SHARDED, STAGES, torch_fully_shard, wrap
 
 
 def _gather_dim0(p) -> torch.Tensor:
@@ -46,19 +46,14 @@ def _full_params(model: nn.Module) -> Dict[str, torch.Tensor]:
     return {n: (_gather_dim0(p) if hasattr(p, "to_local") else p.detach()) for n, p in inner.named_parameters()}
 
 
-# The sharded steps the parity check knows by name: the wrappers, and ZeRO-2 in buckets of a
-# quarter of the model's parameter bytes (so at least 4, whatever the model).
-PARITY_IMPLS = [*SHARDED_WRAPPERS, "zero2-bucketed"]
+# The sharded stages the parity check knows by name: every sharded stage of ours in wrap.STAGES
+PARITY_IMPLS = SHARDED
 
 
 def _build_ours(impl, base: nn.Module, against: str, units: str) -> nn.Module:
     if not isinstance(impl, str):
         return impl(base)
-    if impl == "zero2-bucketed":
-        quarter_mb = sum(p.numel() * p.element_size() for p in base.parameters()) / 4 / (1 << 20)
-        return SHARDED_WRAPPERS["zero2"](base, broadcast_buffers=against == "torch", bucket_cap_mb=quarter_mb)
-    kwargs = {"units": units} if impl == "fsdp" else {}
-    return SHARDED_WRAPPERS[impl](base, broadcast_buffers=against == "torch", **kwargs)
+    return wrap(base, impl, broadcast_buffers=against == "torch", units=units if STAGES[impl].units_option else None)
 
 
 def train_sharded_side_by_side(env, impl: str, steps: int, against: str = "torch-fsdp", model="small",
@@ -79,8 +74,8 @@ def train_sharded_side_by_side(env, impl: str, steps: int, against: str = "torch
     base = (MODELS[model] if isinstance(model, str) else model)().to(device)
     copied = copy.deepcopy(base)
     # the units torch's side is cut into: ours for fsdp; ZeRO-1/2 reduce the whole model at once
-    theirs = torch_fully_shard(copied, units if impl == "fsdp" else "model") if against == "torch-fsdp" \
-        else wrap(copied, "torch")
+    cut = units if isinstance(impl, str) and STAGES[impl].units_option else "model"
+    theirs = torch_fully_shard(copied, cut) if against == "torch-fsdp" else wrap(copied, "torch")
     ours = _build_ours(impl, base, against, units)
     opt_ours = ours.optimizer(torch.optim.SGD, lr=lr, momentum=0.9)
     opt_theirs = torch.optim.SGD(theirs.parameters(), lr=lr, momentum=0.9)
@@ -101,9 +96,9 @@ def train_sharded_side_by_side(env, impl: str, steps: int, against: str = "torch
             params=all(same_bits(p_ours[k], p_theirs[k]) for k in p_theirs),
             buffers=all(same_bits(b_ours[k], b_theirs[k]) for k in b_theirs),
             loss=same_bits(losses[0], losses[1]),
-            largest_diff=max(_relative_diff(p_ours[k], p_theirs[k]) for k in p_theirs),
-            nonfinite_ours=_nonfinite(p_ours.values()),
-            nonfinite_theirs=_nonfinite(p_theirs.values()),
+            largest_diff=max(relative_diff(p_ours[k], p_theirs[k]) for k in p_theirs),
+            nonfinite_ours=count_nonfinite(p_ours.values()),
+            nonfinite_theirs=count_nonfinite(p_theirs.values()),
         ))
     return report
 
@@ -122,11 +117,8 @@ bitwise both at 2 ranks; beyond, it has no fully_shard twin (its buckets are not
 
 
 def must_be_bitwise(impl: str, against: str, world_size: int) -> bool:
-    """Which sharded comparisons are bitwise by construction (SHARDED_NOTE says why)."""
-    if impl == "zero2-bucketed":
-        return world_size <= 2
-    same_collective = (impl == "zero1") == (against == "torch")
-    return same_collective or world_size <= 2
+    """Which sharded comparisons are bitwise by construction (wrap.STAGES' bitwise_twin; SHARDED_NOTE says why)."""
+    return world_size <= 2 or STAGES[impl].bitwise_twin == against
 
 
 def shard_layout_text(model: str, world_size: int, units: str = "children") -> str:

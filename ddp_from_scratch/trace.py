@@ -20,59 +20,10 @@ import argparse
 import json
 import math
 import sys
-import time
-from typing import Dict, List, Optional
+from typing import Dict
 
 from collectives.cli import command
 
-
-class Timeline:
-    """Records one backward's events on this rank, for the bucket layout it was built with.
-
-    The DDP wrapper calls ready() as each gradient arrives, launched() as each bucket's
-    all_reduce starts, and finished() when the averaged gradients are in place. `events` is the
-    dict that write_chrome_trace() and plot_timeline() draw.
-    """
-
-    def __init__(self, bucket_names: List[List[str]], bucket_bytes: List[int]):
-        self.events: Dict = {"start": time.perf_counter(), "ready": [], "launch": {}, "done": {}, "end": None,
-                             "buckets": bucket_names, "bytes": bucket_bytes, "spans": []}
-
-    def ready(self, name: str, bucket: int) -> None:
-        self.events["ready"].append((name, bucket, time.perf_counter()))
-
-    def launched(self, bucket: int, work) -> None:
-        events = self.events
-        events["launch"][bucket] = time.perf_counter()
-        future = work.get_future()
-        if future is not None:  # completion as the backend reports it, not when we waited
-            future.then(lambda _: events["done"].__setitem__(bucket, time.perf_counter()))
-
-    def finished(self) -> None:
-        self.events["end"] = time.perf_counter()
-
-    def span(self, name: str, lane: str, start: float, end: float) -> None:
-        """A collective that ran from start to end (the sharded steps record theirs this way)."""
-        self.events["spans"].append((name, lane, start, end))
-
-
-class NoTimeline(Timeline):
-    """timeline=False: records nothing (a benchmark row measures what recording costs)."""
-
-    def __init__(self, *_):
-        self.events: Optional[Dict] = None
-
-    def ready(self, name: str, bucket: int) -> None:
-        pass
-
-    def launched(self, bucket: int, work) -> None:
-        pass
-
-    def finished(self) -> None:
-        pass
-
-    def span(self, name: str, lane: str, start: float, end: float) -> None:
-        pass
 
 
 def _us(timeline: Dict, t: float) -> float:
@@ -161,15 +112,14 @@ def _traced_steps(env, model_name: str, batch_size: int, steps: int, impl: str =
 
     from .ddp import DistributedDataParallel
     from .models import MODELS, batch
+    from .wrap import wrap
 
     torch.manual_seed(0)
     if impl == "bucketed":
         model = DistributedDataParallel(MODELS[model_name]())
         opt = torch.optim.SGD(model.parameters(), lr=0.001, momentum=0.9)
     else:
-        from .wrap import SHARDED_WRAPPERS
-
-        model = SHARDED_WRAPPERS[impl](MODELS[model_name](), **(options or {}))
+        model = wrap(MODELS[model_name](), impl, **(options or {}))
         opt = model.optimizer(torch.optim.SGD, lr=0.001, momentum=0.9)
     image = 32 if model_name == "resnet50" else 12
     for step in range(steps):
@@ -179,9 +129,7 @@ def _traced_steps(env, model_name: str, batch_size: int, steps: int, impl: str =
         opt.step()
     if impl == "bucketed":
         return model.timeline, model.layouts
-    units = "\n".join(f"unit {u}: " + layout.describe([model.names[i] for i in unit], env.rank)
-                      for u, (unit, layout) in enumerate(zip(model.units, model.unit_layouts)))
-    return model.timeline, {f"shards, rank {env.rank}": units}
+    return model.timeline, {f"shards, rank {env.rank}": model.shard_layout_text(env.rank)}
 
 
 @command
@@ -189,22 +137,23 @@ def main(argv=None) -> int:
     import collectives
 
     from .models import MODELS
+    from .wrap import SHARDED, STAGES
 
     parser = argparse.ArgumentParser(description="Record our DDP's bucket timeline (or a sharded step's all-gathers "
                                                  "and reduce-scatters): Chrome trace, PNG, layouts.")
-    parser.add_argument("--impl", choices=["bucketed", "zero1", "zero2", "fsdp"], default="bucketed",
-                        help="our DDP, or a sharded step (ZeRO-1, ZeRO-2, FSDP)")
+    parser.add_argument("--impl", choices=["bucketed"] + SHARDED, default="bucketed",
+                        help="our DDP, or a sharded step (" + "; ".join(f"{n}: {STAGES[n].summary}" for n in SHARDED) + ")")
     parser.add_argument("--model", choices=list(MODELS), default="resnet50")
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=8, help="images per rank")
     parser.add_argument("--steps", type=int, default=3, help="steps trained; the last one is traced (the buckets "
                         "are rebuilt at step 1)")
     parser.add_argument("--bucket-cap-mb", type=float, default=None,
-                        help="--impl zero2: reduce-scatter in buckets of this many MiB during backward")
+                        help="--impl zero2 or zero2-bucketed: reduce-scatter in buckets of this many MiB during backward")
     parser.add_argument("--out", default="ddp-timeline", help="writes OUT.json (Chrome trace) and OUT.png")
     args = parser.parse_args(argv)
-    if args.bucket_cap_mb is not None and args.impl != "zero2":
-        parser.error(f"--bucket-cap-mb applies to --impl zero2 here, not {args.impl}")
+    if args.bucket_cap_mb is not None and args.impl not in ("zero2", "zero2-bucketed"):
+        parser.error(f"--bucket-cap-mb applies to --impl zero2 or zero2-bucketed here, not {args.impl}")
     if args.bucket_cap_mb is not None and not (math.isfinite(args.bucket_cap_mb) and args.bucket_cap_mb > 0):
         parser.error(f"--bucket-cap-mb must be a positive number of MiB, got {args.bucket_cap_mb}")
     options = {"bucket_cap_mb": args.bucket_cap_mb} if args.bucket_cap_mb is not None else {}

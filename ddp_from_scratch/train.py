@@ -1,7 +1,7 @@
 """Train ResNet-50 on CIFAR-10 with torch's DDP or one of ours, as the seeds do.
 
     python -m ddp_from_scratch.train --impl bucketed --nproc 2 --synthetic --epochs 1 --batch-size 32
-    python -m ddp_from_scratch.train --impl fsdp --nproc 2 --synthetic --epochs 1    # or zero1, zero2, torch-fsdp
+    python -m ddp_from_scratch.train --impl fsdp --nproc 2 --synthetic --epochs 1    # or zero1, zero2, zero2-bucketed, torch-fsdp
     python -m ddp_from_scratch.train --impl torch --nproc 2 --data ./data --epochs 1 --batch-size 128
     torchrun --nproc_per_node=4 -m ddp_from_scratch.train --impl bucketed --data ./data --amp
     srun -N2 --ntasks-per-node=4 python -m ddp_from_scratch.train --impl bucketed --data ./data
@@ -16,7 +16,7 @@ them. Every argument, the dataset files and the checkpoint are checked before an
 The last line on stdout is a JSON summary; with --synthetic every output says that the data was
 synthetic.
 
-The sharded steps (--impl zero1, zero2, fsdp: ours; torch-fsdp: torch's fully_shard on the same
+The sharded steps (--impl zero1, zero2, zero2-bucketed, fsdp: ours; torch-fsdp: torch's fully_shard on the same
 units) start every rank from the same seeded weights. Their checkpoint is gathered on save: whole
 parameters and whole optimizer state (each rank's momentum rows all-gathered), written by rank 0
 as for DDP, and cut into rows again on resume; so the file does not depend on how the ranks
@@ -45,16 +45,16 @@ from collectives.env import read_env
 
 from . import cifar10
 from .models import MODELS
-from .wrap import IMPLS, SHARDED_WRAPPERS, torch_fully_shard, wrap
+from .wrap import IMPLS, STAGES, wrap
 
-SHARDED_IMPLS = ["zero1", "zero2", "fsdp", "torch-fsdp"]
+SHARDED_IMPLS = [n for n, s in STAGES.items() if s.sharded]  # ours and torch-fsdp, from the one registry
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m ddp_from_scratch.train", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--impl", choices=IMPLS + SHARDED_IMPLS, default="bucketed",
-                   help="which DDP, or a sharded step (ZeRO-1, ZeRO-2, FSDP: ours; torch-fsdp: torch's fully_shard)")
+                   help="which DDP, or a sharded step: " + "; ".join(f"{n}: {STAGES[n].summary}" for n in SHARDED_IMPLS))
     p.add_argument("--nproc", type=int, default=2, help="ranks to spawn when not under torchrun/srun")
     p.add_argument("--model", choices=list(MODELS), default="resnet50", help="ResNet-50 (10 classes) or a small CNN")
     p.add_argument("--data", default="./data", help="folder with cifar-10-batches-py/ or cifar-10-python.tar.gz")
@@ -65,9 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=32, help="images per rank per step (the seeds use 256 and 128)")
     p.add_argument("--lr", type=float, default=0.001, help="SGD learning rate (momentum 0.9), as in the seeds")
     p.add_argument("--bucket-cap-mb", type=float, default=None,
-                   help="bucket size for --impl bucketed / torch, MiB (default: torch's, 25 with a 1 MiB first bucket); "
-                        "for --impl zero2, reduce-scatter in buckets of this size during backward (default: one "
-                        "reduce-scatter of the whole model after it)")
+                   help="bucket size for --impl bucketed / torch / zero1 (DDP's buckets), MiB (default: torch's, 25 with a 1 MiB first bucket); "
+                        "for --impl zero2 or zero2-bucketed, reduce-scatter in buckets of this size during backward "
+                        "(default: zero2, one reduce-scatter of the whole model after it; zero2-bucketed, a quarter "
+                        "of the model)")
     p.add_argument("--amp", action="store_true", help="mixed precision: bf16 autocast on CPU, fp16 + GradScaler on CUDA")
     p.add_argument("--seed", type=int, default=0, help="initialisation, shuffling and augmentation")
     p.add_argument("--deterministic", action="store_true",
@@ -134,8 +135,9 @@ def validate(args, parser, world_size: int) -> None:
         parser.error(f"--lr must be a positive number, got {args.lr}")
     if args.bucket_cap_mb is not None and not (math.isfinite(args.bucket_cap_mb) and args.bucket_cap_mb > 0):
         parser.error(f"--bucket-cap-mb must be a positive number of MiB, got {args.bucket_cap_mb}")
-    if args.bucket_cap_mb is not None and args.impl not in ("torch", "bucketed", "zero2"):
-        parser.error(f"--bucket-cap-mb applies to --impl torch, bucketed or zero2, not {args.impl}")
+    takers = ["torch"] + [n for n, s in STAGES.items() if "bucket_cap_mb" in s.takes]
+    if args.bucket_cap_mb is not None and args.impl not in takers:
+        parser.error(f"--bucket-cap-mb applies to --impl {', '.join(takers)}, not {args.impl}")
     if args.amp and args.impl in SHARDED_IMPLS:
         parser.error(f"--amp applies to the DDP impls ({', '.join(IMPLS)}), not {args.impl}: the sharded steps' "
                      "optimizers are not torch optimizers that GradScaler can step")
@@ -206,11 +208,9 @@ def _evaluate(model, test, env, batch_size) -> float:
 
 def _sharded(net, config):
     """(model, optimizer) for a sharded step; every rank has the same seeded weights already."""
-    if config["impl"] == "torch-fsdp":
-        model = torch_fully_shard(net)
+    model = wrap(net, config["impl"], bucket_cap_mb=config["bucket_cap_mb"])
+    if not STAGES[config["impl"]].ours:  # torch's fully_shard: a torch optimizer over its DTensors
         return model, torch.optim.SGD(model.parameters(), lr=config["lr"], momentum=0.9)
-    options = {"bucket_cap_mb": config["bucket_cap_mb"]} if config["impl"] == "zero2" else {}
-    model = SHARDED_WRAPPERS[config["impl"]](net, **options)
     return model, model.optimizer(torch.optim.SGD, lr=config["lr"], momentum=0.9)
 
 
@@ -280,18 +280,68 @@ def train(env, config) -> dict:
         return _train(env, config)
 
 
+def _build(env, config):
+    """(model, optimizer) for config["impl"] on this rank's device."""
+    if config["impl"] in SHARDED_IMPLS:
+        return _sharded(MODELS[config["model"]]().to(env.device), config)
+    device_ids = [env.device.index] if config["impl"] == "torch" and env.device.type == "cuda" else None
+    model = wrap(MODELS[config["model"]]().to(env.device), config["impl"], bucket_cap_mb=config["bucket_cap_mb"],
+                 device_ids=device_ids)
+    return model, torch.optim.SGD(model.parameters(), lr=config["lr"], momentum=0.9)
+
+
+class _Progress:
+    """Rank 0's progress line on stderr: step, loss, images/s, the time left, skipped steps."""
+
+    def __init__(self, env, config, steps_to_do: int):
+        self.env, self.config, self.steps_to_do, self.steps_done = env, config, steps_to_do, 0
+        self.run_start = time.perf_counter()
+        self.tag = " [synthetic data]" if config["synthetic"] else ""
+        self.clear = "\033[K" if sys.stderr.isatty() else ""  # the rest of a longer earlier progress line
+
+    def step(self, epoch: int, step: int, steps: int, loss, epoch_start: float, skipped: int) -> None:
+        self.steps_done += 1
+        if self.env.rank != 0:
+            return
+        done = (step + 1) * self.config["batch_size"] * self.env.world_size
+        now = time.perf_counter()
+        left = eta(self.steps_done, self.steps_to_do, now - self.run_start)
+        skips = f", {skipped} steps skipped by GradScaler (inf/NaN gradients)" if skipped else ""
+        print(f"\repoch {epoch + 1}/{self.config['epochs']} step {step + 1}/{steps} loss {loss.item():.4f} "
+              f"{done / (now - epoch_start):.1f} images/s, {left}{skips}{self.tag}{self.clear}", end="",
+              file=sys.stderr, flush=True)
+
+
+def _train_epoch(env, config, model, opt, loader, scaler, epoch: int, progress: _Progress, skipped: int) -> int:
+    """One epoch of steps; the number of steps GradScaler has skipped so far."""
+    amp_dtype = torch.float16 if env.device.type == "cuda" else torch.bfloat16
+    start = time.perf_counter()
+    for step, (x, y) in enumerate(loader):
+        x, y = x.to(env.device), y.to(env.device)
+        opt.zero_grad()
+        with torch.autocast(env.device.type, dtype=amp_dtype, enabled=config["amp"]):
+            loss = F.cross_entropy(model(x), y)
+        if scaler:
+            skipped += not scaled_step(scaler, loss, opt)
+        else:
+            loss.backward()
+            opt.step()
+        progress.step(epoch, step, len(loader), loss, start, skipped)
+    return skipped
+
+
+def _save(path: str, config, saved: dict, epoch: int, settings: dict) -> None:
+    """Rank 0 writes the checkpoint atomically: a crash leaves the previous one whole."""
+    os.makedirs(config["checkpoint"], exist_ok=True)
+    torch.save({**saved, "epoch": epoch + 1, "synthetic": config["synthetic"], "settings": settings}, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
 def _train(env, config) -> dict:
     torch.manual_seed(config["seed"])
     train_set, test_set = _datasets(config)
-    if config["impl"] in SHARDED_IMPLS:
-        model, opt = _sharded(MODELS[config["model"]]().to(env.device), config)
-    else:
-        device_ids = [env.device.index] if config["impl"] == "torch" and env.device.type == "cuda" else None
-        model = wrap(MODELS[config["model"]]().to(env.device), config["impl"], bucket_cap_mb=config["bucket_cap_mb"],
-                     device_ids=device_ids)
-        opt = torch.optim.SGD(model.parameters(), lr=config["lr"], momentum=0.9)
+    model, opt = _build(env, config)
     scaler = torch.amp.GradScaler("cuda") if config["amp"] and env.device.type == "cuda" else None
-    amp_dtype = torch.float16 if env.device.type == "cuda" else torch.bfloat16
     path = os.path.join(config["checkpoint"], "checkpoint.pt") if config["checkpoint"] else None
     start_epoch = 0
     settings = run_settings(config, env.world_size)
@@ -303,45 +353,23 @@ def _train(env, config) -> dict:
     sampler = DistributedSampler(train_set, num_replicas=env.world_size, rank=env.rank, shuffle=True,
                                  seed=config["seed"], drop_last=True)
     loader = DataLoader(train_set, batch_size=config["batch_size"], sampler=sampler, drop_last=True)
-    tag = " [synthetic data]" if config["synthetic"] else ""
-    clear = "\033[K" if sys.stderr.isatty() else ""  # the rest of a longer earlier progress line
+    progress = _Progress(env, config, (config["epochs"] - start_epoch) * len(loader))
     images, seconds, accuracy, skipped = 0, 0.0, None, 0
-    steps_to_do, steps_done, run_start = (config["epochs"] - start_epoch) * len(loader), 0, time.perf_counter()
     for epoch in range(start_epoch, config["epochs"]):
         sampler.set_epoch(epoch)  # a new shuffle each epoch (every rank the same permutation, disjoint shards)
         (train_set.dataset if isinstance(train_set, torch.utils.data.Subset) else train_set).set_epoch(epoch)
         start = time.perf_counter()
-        for step, (x, y) in enumerate(loader):
-            x, y = x.to(env.device), y.to(env.device)
-            opt.zero_grad()
-            with torch.autocast(env.device.type, dtype=amp_dtype, enabled=config["amp"]):
-                loss = F.cross_entropy(model(x), y)
-            if scaler:
-                skipped += not scaled_step(scaler, loss, opt)
-            else:
-                loss.backward()
-                opt.step()
-            steps_done += 1
-            if env.rank == 0:
-                done = (step + 1) * config["batch_size"] * env.world_size
-                now = time.perf_counter()
-                rate = done / (now - start)
-                left = eta(steps_done, steps_to_do, now - run_start)
-                skips = f", {skipped} steps skipped by GradScaler (inf/NaN gradients)" if skipped else ""
-                print(f"\repoch {epoch + 1}/{config['epochs']} step {step + 1}/{len(loader)} loss {loss.item():.4f} "
-                      f"{rate:.1f} images/s, {left}{skips}{tag}{clear}", end="", file=sys.stderr, flush=True)
+        skipped = _train_epoch(env, config, model, opt, loader, scaler, epoch, progress, skipped)
         epoch_seconds = time.perf_counter() - start
         images += len(loader) * config["batch_size"] * env.world_size
         seconds += epoch_seconds
         accuracy = _evaluate(model, test_set, env, config["batch_size"])
         saved = _state(model, opt, config["impl"]) if path else None  # sharded: every rank takes part in gathering
         if env.rank == 0:
-            print(f"\nepoch {epoch + 1}: {epoch_seconds:.1f} s, test accuracy {accuracy:.4f}{tag}", file=sys.stderr, flush=True)
+            print(f"\nepoch {epoch + 1}: {epoch_seconds:.1f} s, test accuracy {accuracy:.4f}{progress.tag}",
+                  file=sys.stderr, flush=True)
             if path:
-                os.makedirs(config["checkpoint"], exist_ok=True)
-                torch.save({**saved, "epoch": epoch + 1, "synthetic": config["synthetic"], "settings": settings},
-                           path + ".tmp")
-                os.replace(path + ".tmp", path)  # atomic: a crash leaves the previous checkpoint whole
+                _save(path, config, saved, epoch, settings)
         collectives.barrier()
     return {"impl": config["impl"], "model": config["model"], "world_size": env.world_size, "device": str(env.device),
             "backend": env.backend, "epochs": config["epochs"], "resumed_from_epoch": start_epoch,

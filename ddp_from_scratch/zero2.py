@@ -2,7 +2,7 @@
 
 In ZeRO-1 every rank received the whole averaged gradient and then used only its shard of it.
 ZeRO-2 asks for only that shard: once the last gradient of the backward has arrived, one
-reduce_scatter (shard.py's flat layout, FSDP2's) sums the gradients over the ranks, averages
+reduce_scatter (sharding.py's flat layout, FSDP2's) sums the gradients over the ranks, averages
 them, and leaves on rank r just rows r of each parameter's gradient. It moves half the bytes of
 an all_reduce, and the full gradients are freed as soon as the shard has arrived, so a rank
 keeps 1/p of the gradients as well as of the optimizer state.
@@ -15,11 +15,17 @@ gradient once (packed). With `bucket_cap_mb`, ZeRO-2 as DeepSpeed runs it: the p
 the order backward produces their gradients (reverse registration, as DDP's buckets) are cut into
 buckets of at most that many MiB, and each bucket is reduce-scattered as soon as its gradients
 are there, while backward goes on; a rank then holds its gradient shards and about two buckets
-instead of a whole gradient (benchmarks/sharded.py: "zero2, bucketed").
+instead of a whole gradient (the stage named "zero2-bucketed" in wrap.py and the benchmarks).
 
     model = ZeroTwoDataParallel(net, bucket_cap_mb=25)
 
-FSDP (fsdp.py) cuts the model into units too, by module, and shards the parameters as well.
+How it is built: the data-parallel base (base.py: the initial broadcast, the gradient-ready
+hooks) and the sharding module (sharding.py: the shards, their optimizer, the all-gather after
+the step); this file adds only the reduce-scatter, unit by unit. A unit is the set of parameters
+reduce-scattered together: the whole model, a bucket of at most bucket_cap_mb, or (FSDP, fsdp.py,
+which builds on this file and also shards the parameters) a module's parameters. DDP's options
+(compress, gradient_as_bucket_view, find_unused_parameters) belong to the all_reduce and are
+refused by name.
 
 On 2 ranks bitwise equal to torch's DDP and to torch's fully_shard, bucketed or not; on 3 and 4
 the one-unit form is bitwise equal to fully_shard with the model as one unit (the same layout,
@@ -33,54 +39,56 @@ from __future__ import annotations
 
 import math
 import time
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import collectives
 
-from .shard import ShardLayout
-from .trace import Timeline
-from .zero1 import ZeroOneDataParallel
+from .base import DataParallelBase
+from .bucket import runs_of_at_most
+from .sharding import ShardedStage, ShardLayout, refuse_ddp_options
+from .timeline import Timeline
 
 
 def reduce_buckets(nbytes: List[int], cap_mb: float) -> List[List[int]]:
     """Parameter indices in the order a plain backward produces their gradients (the last
-    registered first), cut into runs of at most cap_mb MiB; a run closes before a parameter that
-    would pass the cap, so only a parameter larger than the cap makes a run larger."""
-    buckets, now, size = [], [], 0
-    for i in reversed(range(len(nbytes))):
-        if now and size + nbytes[i] > cap_mb * (1 << 20):
-            buckets.append(now)
-            now, size = [], 0
-        now.append(i)
-        size += nbytes[i]
-    return buckets + ([now] if now else [])
+    registered first), cut into runs of at most cap_mb MiB (bucket.runs_of_at_most)."""
+    return runs_of_at_most(nbytes, cap_mb * (1 << 20), order=reversed(range(len(nbytes))))
 
 
-class ZeroTwoDataParallel(ZeroOneDataParallel):
-    uses_buckets = False  # DDP's buckets would hold a whole gradient's worth of memory, unused here
-
-    def __init__(self, module: nn.Module, *args, bucket_cap_mb: Optional[float] = None, **kwargs):
-        """bucket_cap_mb: None, one reduce-scatter of the whole model after backward; else buckets
-        of at most this many MiB (one bucket if a parameter is larger), each reduce-scattered as
-        soon as its gradients are there. Other options are ZeRO-1's (zero1.py)."""
+class ZeroTwoDataParallel(ShardedStage, DataParallelBase):
+    def __init__(self, module: nn.Module, group: Optional[dist.ProcessGroup] = None, broadcast_buffers: bool = True,
+                 bucket_cap_mb: Optional[float] = None, gather_cap_mb: float = 25, timeline: bool = True,
+                 unit_params: Optional[Sequence[Sequence[str]]] = None, **ddp_options):
+        """Args:
+            bucket_cap_mb: None, one reduce-scatter of the whole model after backward; else units
+                of at most this many MiB (one unit if a parameter is larger), each reduce-scattered
+                as soon as its gradients are there.
+            gather_cap_mb: the all-gather after the step, in groups of at most this many MiB (sharding.py).
+            broadcast_buffers, timeline: as DDP's (base.py, ddp.py).
+            unit_params: the parameters (by name) of each unit, instead of bucket_cap_mb's cut:
+                how FSDP (fsdp.py) reduce-scatters module by module.
+        """
+        refuse_ddp_options(type(self).__name__, ddp_options)
         if bucket_cap_mb is not None and (isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float))
                                           or not math.isfinite(bucket_cap_mb) or bucket_cap_mb <= 0):
             raise ValueError(f"{type(self).__name__}: bucket_cap_mb must be a positive number of MiB or None, "
                              f"got {bucket_cap_mb!r}")
-        super().__init__(module, *args, **kwargs)
+        super().__init__(module, group=group, broadcast_buffers=broadcast_buffers, timeline=timeline)
+        self._shard(gather_cap_mb)
         self.bucket_cap_mb = bucket_cap_mb
-        if bucket_cap_mb is None:
+        if unit_params is not None:
+            index = {n: i for i, n in enumerate(self.names)}
+            self.units = [[index[n] for n in names] for names in unit_params]
+        elif bucket_cap_mb is None:
             self.units = [list(range(len(self.params)))]  # one unit: the whole model
-            self.unit_layouts = [self.layout]
         else:
             self.units = reduce_buckets([p.numel() * p.element_size() for p in self.params], bucket_cap_mb)
-            self.unit_layouts = [ShardLayout([self.params[i] for i in unit], self.world_size) for unit in self.units]
-        self._setup_units()
-
-    def _setup_units(self) -> None:
+        self.unit_layouts = [self.shard_layout if unit == list(range(len(self.params)))
+                             else ShardLayout([self.params[i] for i in unit], self.world_size) for unit in self.units]
         self.unit_of = {i: u for u, unit in enumerate(self.units) for i in unit}
         self._place = {i: k for unit in self.units for k, i in enumerate(unit)}  # position within its unit
         self._arrived = bytearray(len(self.params))
@@ -168,3 +176,8 @@ class ZeroTwoDataParallel(ZeroOneDataParallel):
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)
         self._grad_shards = [None] * len(self.params)
+
+    def shard_layout_text(self, rank: Optional[int] = None) -> str:
+        """Unit by unit: which rows of which parameter each rank owns (or only `rank`)."""
+        return "\n".join(f"unit {u}: " + layout.describe([self.names[i] for i in unit], rank)
+                         for u, (unit, layout) in enumerate(zip(self.units, self.unit_layouts)))

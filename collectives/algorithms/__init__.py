@@ -29,7 +29,7 @@ from ..errors import CollectiveError
 from . import bruck, chain, pairwise, recursive, ring, tree
 from .comm import DistComm, comm_for, run_on_ranks
 from .cost import CostModel, choose
-from .layout import bounds
+from ..chunks import bounds
 from .sim import SimResult, Simulator
 
 ALGORITHMS: Dict[str, Dict[str, Callable]] = {

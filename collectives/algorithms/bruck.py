@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .layout import bounds
+from ..chunks import bounds
 
 
 def all_gather_bruck(comm, buf: torch.Tensor):

@@ -26,7 +26,7 @@ from typing import Optional
 
 from . import ring, tree
 from .cost import pieces_for
-from .layout import bounds
+from ..chunks import bounds
 
 
 def broadcast_chain(comm, buf: torch.Tensor, root: int, pieces: Optional[int] = None):

@@ -15,7 +15,7 @@ Slices passed to send/recv are contiguous 1-d views of the caller's buffers. `ch
 message for the traces (which piece of the data it carries); `comm.step` counts the yields, so
 every message is recorded with the step it belongs to.
 
-`DistComm` is the real end: torch.distributed isend/irecv on a group (Gloo across processes and
+The interface (Comm, Message) is collectives/p2p.py's. `DistComm` is the real end: torch.distributed isend/irecv on a group (Gloo across processes and
 machines, NCCL on GPU), with group ranks (CUDA tensors on Gloo go through host memory, as Gloo's
 own collectives do); on an "shm" group the algorithms use that backend's
 mailboxes instead (collectives/shm/transport.py). `run_on_ranks(algorithm, comm, *args)` drives a
@@ -24,87 +24,14 @@ generator to the end on the calling rank. The simulator (sim.py) is the other en
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
 
-from .. import reduce_ops
-from ..dtypes import arithmetic_wire, as_bytes, moves_as_bytes
-
-
-@dataclasses.dataclass
-class Message:
-    """One point-to-point message, as the traces show it."""
-
-    step: int
-    src: int  # group ranks
-    dst: int
-    nbytes: int
-    chunk: object
-    start: float  # seconds: when both sides had posted it (simulated), or when the sender posted it (real)
-    end: float
-
-
-class Comm:
-    """One rank's end of a transport. Subclasses provide send, recv and the clock."""
-
-    rank: int
-    size: int
-    step: int = 0
-
-    def send(self, tensor: torch.Tensor, peer: int, chunk=None):
-        raise NotImplementedError
-
-    def recv(self, tensor: torch.Tensor, peer: int, chunk=None):
-        raise NotImplementedError
-
-    def reduce(self, dst: torch.Tensor, src: torch.Tensor, op: str) -> None:
-        """dst = dst op src, elementwise, on this rank (in dst's dtype, as the backends do)."""
-        local_reduce(dst, src, op)
-
-    def workspace(self, like: torch.Tensor, numel: int, slot: str = "algorithm") -> torch.Tensor:
-        """Scratch space of `numel` elements like `like`. Algorithms use the default slot; the
-        public calls keep their copy of the input in another, so the two never overlap. (The
-        simulator: a new tensor each time, since its ranks share one process.)"""
-        return like.new_empty(numel)
-
-
-_workspaces = {}
-
-
-def _process_workspace(like: torch.Tensor, numel: int, slot: str) -> torch.Tensor:
-    """A scratch 1-d tensor of `numel` elements, like `like`, reused from call to call (one
-    process is one rank, so one buffer per dtype and device serves every call in turn).
-
-    Measured here: a fresh 32 MiB receive buffer per call made a 64 MiB ring all_reduce 1.5x
-    slower than Gloo's (the first write to each new page costs a page fault; torch hands large
-    CPU blocks back to the system). One buffer per (dtype, device, slot) is kept and grown, so
-    the memory is paid once, up to the largest size used.
-    """
-    key = (like.dtype, like.device, slot)
-    buf = _workspaces.get(key)
-    if buf is None or buf.numel() < numel:
-        buf = _workspaces[key] = torch.empty(max(numel, 1), dtype=like.dtype, device=like.device)
-    return buf[:numel]
-
-
-_IN_PLACE = {
-    "sum": lambda d, s: d.add_(s), "product": lambda d, s: d.mul_(s),
-    "min": lambda d, s: torch.minimum(d, s, out=d), "max": lambda d, s: torch.maximum(d, s, out=d),
-    "band": lambda d, s: d.bitwise_and_(s), "bor": lambda d, s: d.bitwise_or_(s), "bxor": lambda d, s: d.bitwise_xor_(s),
-}
-
-
-def local_reduce(dst: torch.Tensor, src: torch.Tensor, op: str) -> None:
-    """dst = dst op src in place: one pass over memory, no temporary (this is the gamma term)."""
-    wire = arithmetic_wire(dst.dtype, op)  # torch has no CPU arithmetic on uint16/32/64
-    if wire is None:
-        _IN_PLACE[op](dst, src)
-    else:
-        dst.copy_(wire.from_wire(reduce_ops.fold(op, [wire.to_wire(dst), wire.to_wire(src)])))
+from ..dtypes import as_bytes, moves_as_bytes
+from ..p2p import Comm, Message, process_workspace
 
 
 class _DistRequest:
@@ -154,7 +81,7 @@ class DistComm(Comm):
         return self._post(dist.isend, tensor, peer, self.rank, peer, chunk)
 
     def workspace(self, like, numel, slot="algorithm"):
-        return _process_workspace(like, numel, slot)
+        return process_workspace(like, numel, slot)
 
     def recv(self, tensor, peer, chunk=None):
         return self._post(dist.irecv, tensor, peer, peer, self.rank, chunk)

@@ -31,7 +31,8 @@ import torch
 
 from ..cli import command
 from ..launch import run
-from .comm import DistComm, local_reduce
+from ..reduce_ops import local_reduce
+from .comm import DistComm
 from .cost import DEFAULT_PATH, CostModel
 
 SIZES = [8 << k for k in range(0, 24, 2)]  # 8 B to 32 MiB

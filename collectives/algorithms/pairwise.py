@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .layout import bounds
+from ..chunks import bounds
 
 
 def reduce_scatter_pairwise(comm, buf: torch.Tensor, op: str):

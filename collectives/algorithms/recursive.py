@@ -15,7 +15,7 @@ of halve.
 Rabenseifner's all-reduce = recursive-halving reduce-scatter + recursive-doubling all-gather;
 his reduce = recursive-halving reduce-scatter + a binomial gather to the root.
 
-A world that is not a power of two is folded first (layout.Fold): the first 2(p' - p) ranks
+A world that is not a power of two is folded first (fold.Fold): the first 2(p' - p) ranks
 pair up and the even one hands its data to the odd one, which acts for both.
 
 Costs (alpha per message, beta per byte sent, gamma per byte reduced, n bytes, p ranks, powers
@@ -33,7 +33,8 @@ from __future__ import annotations
 import torch
 
 from . import tree
-from .layout import Fold, bounds
+from ..chunks import bounds
+from .fold import Fold
 
 
 def _fold_in(comm, buf, op, fold: Fold, tmp):

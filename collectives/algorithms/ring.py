@@ -1,7 +1,7 @@
 """Ring algorithms: reduce-scatter, all-gather, and all-reduce as the two in a row.
 
 The ranks stand in a ring; each sends only to its right neighbour (rank + 1) and receives only
-from its left (rank - 1). The buffer is cut into one chunk per rank (layout.bounds). With 4 ranks:
+from its left (rank - 1). The buffer is cut into one chunk per rank (collectives/chunks.py). With 4 ranks:
 
     reduce-scatter, step s: rank r sends chunk (r - s - 1) to r + 1, which adds it to its own
     copy. After 3 steps rank r holds chunk r summed over every rank.
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from .layout import bounds
+from ..chunks import bounds
 
 
 def _split(start: int, end: int, pieces: int):

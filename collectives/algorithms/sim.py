@@ -24,7 +24,8 @@ from collections import deque
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence
 
 
-from .comm import Comm, Message, local_reduce
+from ..p2p import Comm, Message
+from ..reduce_ops import local_reduce
 
 
 class SimulationError(RuntimeError):
@@ -123,61 +124,73 @@ class Simulator:
         self.sends, self.recvs = _Lazy(), _Lazy()  # (src, dst) -> posted requests not yet matched, in order
         self.ready, self._posts = [], 0
         self.computes: List[Compute] = []
-        messages: List[Message] = []
-        out_free, in_free = [0.0] * p, [0.0] * p
-        gens = [algorithm(self.comms[r], *per_rank_args[r], **kwargs) for r in range(p)]
-        waiting: List[Optional[list]] = [None] * p
-        returns: List[object] = [None] * p
-        snapshots: Dict[int, List[object]] = {r: [] for r in range(p)} if watch is not None else {}
-        finished = 0
+        self._messages: List[Message] = []
+        self._out_free, self._in_free = [0.0] * p, [0.0] * p  # when each rank's link is free to send, to receive
+        self._gens = [algorithm(self.comms[r], *per_rank_args[r], **kwargs) for r in range(p)]
+        self._waiting: List[Optional[list]] = [None] * p
+        self._returns: List[object] = [None] * p
+        self._watch = watch
+        self._snapshots: Dict[int, List[object]] = {r: [] for r in range(p)} if watch is not None else {}
+        self._finished = 0
         runnable = deque(range(p))
         while True:
             while runnable:
-                r = runnable.popleft()
-                while True:  # run rank r until it waits for something not yet done, or returns
-                    try:
-                        requests = list(next(gens[r]))
-                    except StopIteration as stop:
-                        returns[r] = stop.value
-                        finished += 1
-                        if watch is not None:
-                            snapshots[r].append(watch(r))
-                        break
-                    if watch is not None:  # the state after the previous step's local work (first: the start)
-                        snapshots[r].append(watch(r))
-                    if all(q.done for q in requests):
-                        self._resume(r, requests)
-                        continue
-                    waiting[r] = requests
-                    break
+                self._advance(runnable.popleft())
             if not self.ready:
                 break
-            ready, _, send, recv = heapq.heappop(self.ready)
-            src, dst = send.rank, recv.rank
-            nbytes = send.tensor.numel() * send.tensor.element_size()
-            if recv.tensor.numel() * recv.tensor.element_size() != nbytes or recv.tensor.dtype != send.tensor.dtype:
-                raise SimulationError(f"rank {src} sent {nbytes} bytes of {send.tensor.dtype} to rank {dst} (chunk "
-                                      f"{send.chunk}, step {send.step}), which posted a receive of "
-                                      f"{recv.tensor.numel() * recv.tensor.element_size()} bytes of {recv.tensor.dtype} "
-                                      f"(chunk {recv.chunk}, step {recv.step})")
-            start = max(ready, out_free[src], in_free[dst])
-            end = start + self.model.alpha + self.model.beta * nbytes
-            out_free[src] = in_free[dst] = end
-            recv.tensor.copy_(send.tensor)
-            send.done = recv.done = True
-            send.end = recv.end = end
-            messages.append(Message(send.step, src, dst, nbytes, send.chunk, start, end))
-            for rank in (src, dst):
-                if waiting[rank] is not None and all(q.done for q in waiting[rank]):
-                    self._resume(rank, waiting[rank])
-                    waiting[rank] = None
-                    runnable.append(rank)
-        if finished < p:
-            stuck = [f"  rank {r} waits for: " + "; ".join(q.describe() for q in waiting[r] if not q.done)
-                     for r in range(p) if waiting[r] is not None]
-            raise SimulationError(f"deadlock: {p - finished} of {p} rank(s) can never go on (on real processes "
+            runnable.extend(self._deliver_next())
+        if self._finished < p:
+            stuck = [f"  rank {r} waits for: " + "; ".join(q.describe() for q in self._waiting[r] if not q.done)
+                     for r in range(p) if self._waiting[r] is not None]
+            raise SimulationError(f"deadlock: {p - self._finished} of {p} rank(s) can never go on (on real processes "
                                   "they would hang):\n" + "\n".join(stuck))
-        return SimResult(max(self.clock), list(self.clock), messages, self.computes, snapshots, returns)
+        return SimResult(max(self.clock), list(self.clock), self._messages, self.computes, self._snapshots,
+                         self._returns)
+
+    def _advance(self, r: int) -> None:
+        """Run rank r until it waits for something not yet done, or returns."""
+        while True:
+            try:
+                requests = list(next(self._gens[r]))
+            except StopIteration as stop:
+                self._returns[r] = stop.value
+                self._finished += 1
+                if self._watch is not None:
+                    self._snapshots[r].append(self._watch(r))
+                return
+            if self._watch is not None:  # the state after the previous step's local work (first: the start)
+                self._snapshots[r].append(self._watch(r))
+            if all(q.done for q in requests):
+                self._resume(r, requests)
+                continue
+            self._waiting[r] = requests
+            return
+
+    def _deliver_next(self) -> List[int]:
+        """Deliver the message that can start first (both sides posted, both links free); the ranks
+        it lets go on."""
+        ready, _, send, recv = heapq.heappop(self.ready)
+        src, dst = send.rank, recv.rank
+        nbytes = send.tensor.numel() * send.tensor.element_size()
+        if recv.tensor.numel() * recv.tensor.element_size() != nbytes or recv.tensor.dtype != send.tensor.dtype:
+            raise SimulationError(f"rank {src} sent {nbytes} bytes of {send.tensor.dtype} to rank {dst} (chunk "
+                                  f"{send.chunk}, step {send.step}), which posted a receive of "
+                                  f"{recv.tensor.numel() * recv.tensor.element_size()} bytes of {recv.tensor.dtype} "
+                                  f"(chunk {recv.chunk}, step {recv.step})")
+        start = max(ready, self._out_free[src], self._in_free[dst])
+        end = start + self.model.alpha + self.model.beta * nbytes
+        self._out_free[src] = self._in_free[dst] = end
+        recv.tensor.copy_(send.tensor)
+        send.done = recv.done = True
+        send.end = recv.end = end
+        self._messages.append(Message(send.step, src, dst, nbytes, send.chunk, start, end))
+        woken = []
+        for rank in (src, dst):
+            if self._waiting[rank] is not None and all(q.done for q in self._waiting[rank]):
+                self._resume(rank, self._waiting[rank])
+                self._waiting[rank] = None
+                woken.append(rank)
+        return woken
 
     def _resume(self, rank, requests):
         if requests:

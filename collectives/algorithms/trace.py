@@ -18,7 +18,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from .layout import bounds
+from ..chunks import bounds
 
 
 def origin_inputs(collective: str, world_size: int, numel: int, root: int = 0) -> List[torch.Tensor]:

@@ -32,7 +32,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from .cost import pieces_for
-from .layout import bounds
+from ..chunks import bounds
 
 
 def _parent_and_children(v: int, p: int) -> Tuple[Optional[int], List[int]]:

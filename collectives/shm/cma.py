@@ -43,15 +43,14 @@ from typing import Callable, List
 
 import torch
 
-from ..algorithms.layout import bounds
+from ..chunks import bounds
 from ..errors import CollectiveError
 from .segment import ABORT, Segment
 from .wait import PeerFailure, Waiter, _process_alive
 
-# all_reduce of at least this many bytes goes through cross-memory attach; smaller ones through
-# the segment, whose copies stay in the caches (here 32 MiB of L3 holds 2 ranks' 8 MiB tensors and
-# slots) and beat the kernel's page-by-page copies (measured: the README's shm section)
-MIN_BYTES = int(float(os.environ.get("COLLECTIVES_SHM_CMA_MIN_KB", str(16 << 10))) * 1024)
+# An all_reduce of at least ShmConfig.cma_min_bytes (16 MiB) goes through cross-memory attach;
+# smaller ones through the segment, whose copies stay in the caches (here 32 MiB of L3 holds 2
+# ranks' 8 MiB tensors and slots) and beat the kernel's page-by-page copies (docs/shm.md).
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -148,15 +147,14 @@ class CrossMemory:
             time.sleep(1e-4)
 
 
-def probe(segment: Segment, rank: int, waiter: Waiter) -> str:
+def probe(segment: Segment, rank: int, waiter: Waiter, mode: str = "auto") -> str:
     """"" on every rank if every rank can read and write every other rank's memory, else on every
     rank why not (naming the ranks that could not). Every rank of the group calls it once, at
-    start-up (three barriers)."""
+    start-up (three barriers). mode: ShmConfig.cma ("auto", "1"/"on", "0"/"off")."""
     p, pid = segment.world_size, os.getpid()
     mark = torch.zeros(p, dtype=torch.int64)  # slot q: written by rank q
     mark[rank] = pid
     segment.addresses[rank] = mark.data_ptr()
-    mode = os.environ.get("COLLECTIVES_SHM_CMA", "auto")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     why = (f"COLLECTIVES_SHM_CMA={mode}" if mode in ("0", "off") else
            "a group of one" if p == 1 else

@@ -7,7 +7,7 @@ all_reduce of one chunk on p ranks (DeepSpeed's CPU shared-memory all-reduce wor
     2. barrier
     3. rank r adds slice r of every other slot to slice r of its own tensor, in place, and
        copies the sum into its slot (a rank that takes no result, reduce's non-dst, writes the
-       sum into its slot only); it does so in pieces of PIECE_BYTES, each summed and copied
+       sum into its slot only); it does so in pieces (ShmConfig.piece_bytes), each summed and copied
        while it is still in cache, so the sum is read from memory once, not once per rank
        added (4 ranks: 22% fewer bytes of memory moved in all; all_reduce_traffic counts them)
     4. barrier
@@ -42,42 +42,30 @@ shared memory would give a silent wrong answer.
 
 from __future__ import annotations
 
-import os
 import struct
 from typing import Optional
 
 import torch
 
-from ..algorithms.comm import local_reduce
-from ..algorithms.layout import bounds
+from ..chunks import bounds
 from ..errors import CollectiveMismatchError
+from ..reduce_ops import combine, local_reduce
 from . import cma
+from .config import ShmConfig
 from .segment import CALL_WORDS, Segment
 from .wait import Waiter
 
 SMALL_BYTES = 16 << 10
-# Step 3 in pieces this size: the partial sum of a piece stays in cache (here L2 is 1 MiB a core,
-# L3 32 MiB shared) while the others' pieces are added to it and it is copied out. Measured
-# against the whole slice and 0.25-4 MiB pieces, calls alternated (benchmarks/shm_paths.py):
-# see the README's shm section.
-PIECE_BYTES = int(float(os.environ.get("COLLECTIVES_SHM_PIECE_KB", "1024")) * 1024)
-_COMBINE = {"sum": torch.add, "product": torch.mul, "min": torch.minimum, "max": torch.maximum,
-            "band": torch.bitwise_and, "bor": torch.bitwise_or, "bxor": torch.bitwise_xor}
-
-
-def _combine(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, op: str) -> None:
-    """out = a op b in one pass over memory (a copy and an in-place op would be two)."""
-    try:
-        _COMBINE[op](a, b, out=out)
-    except RuntimeError:  # no CPU kernel for this dtype (uint16/32/64): the widening path
-        out.copy_(a)
-        local_reduce(out, b, op)
+# Step 3 in pieces of ShmConfig.piece_bytes (1 MiB): the partial sum of a piece stays in cache
+# (here L2 is 1 MiB a core, L3 32 MiB shared) while the others' pieces are added to it and it is
+# copied out. Measured against the whole slice and 0.25-4 MiB pieces, calls alternated
+# (benchmarks/shm_paths.py): see docs/shm.md.
 
 
 def _sum(into: torch.Tensor, first: torch.Tensor, others, op: str) -> None:
     """into = first op others[0] op others[1] ... (in that order, every element); `into` may be
     `first`. The one order every path adds in, so every path gives the same bits."""
-    _combine(into, first, others[0], op)
+    combine(into, first, others[0], op)
     for src in others[1:]:
         local_reduce(into, src, op)
 
@@ -137,7 +125,7 @@ def _disagreement(what: str, rank: int, bank) -> str:
 class ShmCollectives:
     """The collectives of one group on its segment (one rank's view). Tensors are contiguous, CPU."""
 
-    def __init__(self, segment: Segment, rank: int, waiter: Waiter):
+    def __init__(self, segment: Segment, rank: int, waiter: Waiter, config: ShmConfig = ShmConfig()):
         self.segment, self.rank, self.waiter = segment, rank, waiter
         self.size = segment.world_size
         self.half = segment.slot_bytes // 2
@@ -146,7 +134,8 @@ class ShmCollectives:
         self._pending: Optional[bytes] = None
         self._banks = [memoryview(segment.calls[b]).cast("B") for b in range(2)]
         self._typed: dict = {}  # (dtype, half) -> every rank's half-slot viewed as that dtype (slicing costs)
-        self.piece_bytes = PIECE_BYTES  # step 3's pieces (benchmarks/shm_paths.py sets it per group)
+        self.piece_bytes = config.piece_bytes  # step 3's pieces (benchmarks/shm_paths.py sets it per group)
+        self.cma_min_bytes = config.cma_min_bytes
         # all_reduce through cross-memory attach, where every rank may use it (cma.probe, at start-up)
         self.cma: Optional[cma.CrossMemory] = None
 
@@ -195,7 +184,7 @@ class ShmCollectives:
     def all_reduce_path(self, nbytes: int) -> str:
         """How an all_reduce of nbytes goes: "small" (every rank adds every slot), "pieces" or
         "whole" (copies through the segment, step 3 in pieces or at once), "cma" (cma.py)."""
-        if self.cma is not None and nbytes >= cma.MIN_BYTES:
+        if self.cma is not None and nbytes >= self.cma_min_bytes:
             return "cma"
         if nbytes <= min(SMALL_BYTES, self.half):
             return "small"
@@ -254,7 +243,7 @@ class ShmCollectives:
                         flat[a + s:a + e].copy_(self._slot(q, dtype, m, h)[s:e])
 
     def _sum_in_pieces(self, into: torch.Tensor, first: torch.Tensor, others, op: str, also=None) -> None:
-        """_sum piece by piece (PIECE_BYTES), each piece also copied into `also` while it is in cache."""
+        """_sum piece by piece (piece_bytes), each piece also copied into `also` while it is in cache."""
         if not others:  # a group of one: nothing to add
             if into.data_ptr() != first.data_ptr():
                 into.copy_(first)

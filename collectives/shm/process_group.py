@@ -18,7 +18,6 @@ already issued has finished; the first call of each says so in a warning.
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 import warnings
@@ -31,21 +30,28 @@ import torch.distributed as dist
 from .. import reduce_ops
 from ..errors import CollectiveError, CollectiveMismatchError
 from . import cma
+from .config import ShmConfig
 from .ops import ShmCollectives
 from .segment import Segment
 from .wait import Waiter
 
-# Data slot per rank. 64 MiB holds a 25 MiB DDP bucket in one round of each half; measured,
-# ResNet-50's DDP step on 2 ranks took 0.904 and 0.874 of Gloo's time with 64 MiB slots,
-# 0.930 and 0.910 with 16 MiB. Pages are only allocated when touched.
-SLOT_MB = float(os.environ.get("COLLECTIVES_SHM_SLOT_MB", "64"))
-# Calls this small run in the calling thread when nothing is queued: a hand-off to the worker
-# thread costs tens of microseconds, more than the whole collective.
-INLINE_BYTES = int(os.environ.get("COLLECTIVES_SHM_INLINE_BYTES", str(64 << 10)))
+# The settings (config.py), read once per group. The data slot per rank, 64 MiB, holds a 25 MiB
+# DDP bucket in one round of each half; measured, ResNet-50's DDP step on 2 ranks took 0.904 and
+# 0.874 of Gloo's time with 64 MiB slots, 0.930 and 0.910 with 16 MiB (pages are only allocated
+# when touched). Calls up to inline_bytes run in the calling thread when nothing is queued: a
+# hand-off to the worker thread costs tens of microseconds, more than the whole collective.
 
 
 def _op(opts) -> str:
-    return reduce_ops.op_name(opts.reduceOp, "shm")
+    return reduce_ops.op_name(opts.reduceOp, "shm") if opts is not None else "sum"
+
+
+def _reduced(op: str, size: int, run: Callable[[str], None], result: torch.Tensor, gets_result: bool = True) -> None:
+    """Run a reduction with `op`, where "avg" is the one place it is handled: the ranks sum, and
+    a rank that gets the result divides it by the group's size once (the order Gloo uses too)."""
+    run("sum" if op == "avg" else op)
+    if op == "avg" and gets_result:
+        result.div_(size)
 
 
 class ShmWork(dist.Work):
@@ -86,11 +92,13 @@ def _contiguous_cpu(tensor: torch.Tensor, what: str) -> torch.Tensor:
 class ProcessGroupShm(dist.ProcessGroup):
     def __init__(self, store, rank: int, size: int, timeout: timedelta):
         super().__init__(rank, size)
-        self._segment = Segment.create_or_attach(store, rank, size, int(SLOT_MB * (1 << 20)), timeout=timeout)
-        self._waiter = Waiter(self._segment, rank, timeout_s=timeout.total_seconds())
-        self._shm = ShmCollectives(self._segment, rank, self._waiter)
+        self.config = config = ShmConfig.from_env()
+        self._segment = Segment.create_or_attach(store, rank, size, config.slot_bytes, timeout=timeout,
+                                                 mailbox_bytes=config.mailbox_bytes)
+        self._waiter = Waiter(self._segment, rank, strategy=config.wait, timeout_s=timeout.total_seconds())
+        self._shm = ShmCollectives(self._segment, rank, self._waiter, config)
         # cross-memory attach where every rank may read and write every other's memory, else why not
-        self.cma_off_reason = cma.probe(self._segment, rank, self._waiter)
+        self.cma_off_reason = cma.probe(self._segment, rank, self._waiter, config.cma)
         if not self.cma_off_reason:
             self._shm.cma = cma.CrossMemory(self._segment, rank, self._waiter)
         self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("shm-fallback/", store), rank, size, timeout)
@@ -129,7 +137,7 @@ class ProcessGroupShm(dist.ProcessGroup):
     def _submit(self, job: Callable[[], None], value, nbytes: int = 0) -> dist.Work:
         fut = torch.futures.Future()
         with self._idle:
-            inline = self._pending == 0 and nbytes <= INLINE_BYTES
+            inline = self._pending == 0 and nbytes <= self.config.inline_bytes
             if not inline:
                 self._pending += 1
         if inline:  # nothing queued before it: run it here, no thread hand-off (small calls' latency)
@@ -153,14 +161,12 @@ class ProcessGroupShm(dist.ProcessGroup):
 
     # -- in shared memory ----------------------------------------------------------------------
     def allreduce(self, tensors: List[torch.Tensor], opts=None):
-        op = _op(opts) if opts is not None else "sum"
+        op = _op(opts)
 
         def job():
             for t in tensors:
                 flat = _contiguous_cpu(t, "all_reduce").view(-1) if t.is_contiguous() else t.contiguous().view(-1)
-                self._shm.all_reduce(flat, "sum" if op == "avg" else op)
-                if op == "avg":
-                    flat.div_(self.size())
+                _reduced(op, self.size(), lambda o: self._shm.all_reduce(flat, o), flat)
                 if flat.data_ptr() != t.data_ptr():
                     t.copy_(flat.view_as(t))
         return self._submit(job, tensors, _nbytes(tensors))
@@ -180,9 +186,8 @@ class ProcessGroupShm(dist.ProcessGroup):
         def job():
             for t in tensors:
                 flat = _contiguous_cpu(t, "reduce").contiguous().view(-1)
-                self._shm.reduce(flat, "sum" if op == "avg" else op, opts.rootRank)
-                if op == "avg" and self.rank() == opts.rootRank:
-                    flat.div_(self.size())
+                _reduced(op, self.size(), lambda o: self._shm.reduce(flat, o, opts.rootRank), flat,
+                         gets_result=self.rank() == opts.rootRank)
                 if flat.data_ptr() != t.data_ptr():
                     t.copy_(flat.view_as(t))
         return self._submit(job, tensors)
@@ -195,7 +200,7 @@ class ProcessGroupShm(dist.ProcessGroup):
                 output.copy_(out.view_as(output))
         return self._submit(job, [output])
 
-    _allgather_base = all_gather_single  # the name torch used before 2.13
+    _allgather_base = all_gather_single  # the names torch used before 2.13
 
     def allgather(self, output_tensors: List[List[torch.Tensor]], input_tensors: List[torch.Tensor], opts=None):
         def job():
@@ -208,13 +213,11 @@ class ProcessGroupShm(dist.ProcessGroup):
         return self._submit(job, output_tensors)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts=None):
-        op = _op(opts) if opts is not None else "sum"
+        op = _op(opts)
 
         def job():
             out = _contiguous_cpu(output, "reduce_scatter").contiguous().view(-1)
-            self._shm.reduce_scatter(out, input.contiguous().view(-1), "sum" if op == "avg" else op)
-            if op == "avg":
-                out.div_(self.size())
+            _reduced(op, self.size(), lambda o: self._shm.reduce_scatter(out, input.contiguous().view(-1), o), out)
             if out.data_ptr() != output.data_ptr():
                 output.copy_(out.view_as(output))
         return self._submit(job, [output])
@@ -222,15 +225,13 @@ class ProcessGroupShm(dist.ProcessGroup):
     _reduce_scatter_base = reduce_scatter_single
 
     def reduce_scatter(self, output_tensors: List[torch.Tensor], input_tensors: List[List[torch.Tensor]], opts=None):
-        op = _op(opts) if opts is not None else "sum"
+        op = _op(opts)
 
         def job():
             for out, ins in zip(output_tensors, input_tensors):
                 joined = torch.cat([t.reshape(-1) for t in ins])
                 flat = out.new_empty(out.numel())
-                self._shm.reduce_scatter(flat, joined, "sum" if op == "avg" else op)
-                if op == "avg":
-                    flat.div_(self.size())
+                _reduced(op, self.size(), lambda o: self._shm.reduce_scatter(flat, joined, o), flat)
                 out.copy_(flat.view_as(out))
         return self._submit(job, output_tensors)
 
@@ -247,15 +248,7 @@ class ProcessGroupShm(dist.ProcessGroup):
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts):
         return self._fallback("all_to_all").alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)
 
-    # torch before 2.13 calls the single-tensor forms by their older names
-    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts):
-        return self.all_to_all_single(output, input, output_split_sizes, input_split_sizes, opts)
-
-    def _allgather_base(self, output, input, opts=None):
-        return self.all_gather_single(output, input, opts)
-
-    def _reduce_scatter_base(self, output, input, opts=None):
-        return self.reduce_scatter_single(output, input, opts)
+    alltoall_base = all_to_all_single  # its name before torch 2.13
 
     def alltoall(self, output_tensors, input_tensors, opts):
         return self._fallback("all_to_all").alltoall(output_tensors, input_tensors, opts)

@@ -32,10 +32,11 @@ from datetime import timedelta
 import numpy as np
 import torch
 
+from .config import ALIGN, ShmConfig
+
 SHM_DIR = "/dev/shm"
 PREFIX = "collectives-shm"
 CONTROL_BYTES = 512 << 10  # int32 words: the per-rank and per-pair counters below, with room to spare
-ALIGN = 64
 ABORT = 0  # control word: nonzero once the group is broken: 1 + the rank that failed or died
 ABORT_SEEN_BY = 1  # 1 + the rank that noticed it
 STEP0, PID0 = 16, 16 + 4096  # per-rank words start here (steps, then pids)
@@ -48,7 +49,7 @@ ADDR0 = CALL0 + 2 * 4096 * CALL_WORDS  # per rank, two words (one int64): its te
 WRITING0 = ADDR0 + 2 * 4096  # per rank: 1 while it writes into the other ranks' memory (cma.py)
 CMA_OK0 = WRITING0 + 4096  # per rank: 1 if it could read and write every other rank's memory (cma.py)
 MAX_MAIL_RANKS = 64  # mailboxes (point-to-point) for up to 64 x 64 pairs
-MAILBOX_BYTES = int(float(os.environ.get("COLLECTIVES_SHM_MAILBOX_KB", "256")) * 1024) // ALIGN * ALIGN
+MAILBOX_BYTES = ShmConfig().mailbox_bytes  # the default; a segment takes its own (config.py)
 
 
 def _path(name: str) -> str:
@@ -90,7 +91,7 @@ def leftovers() -> list:
 class Segment:
     """One mapped segment: the control words (numpy views, shared) and the data slots (tensors)."""
 
-    def __init__(self, mapping: mmap.mmap, world_size: int, slot_bytes: int):
+    def __init__(self, mapping: mmap.mmap, world_size: int, slot_bytes: int, mailbox_bytes: int = MAILBOX_BYTES):
         self.mapping, self.world_size, self.slot_bytes = mapping, world_size, slot_bytes
         self.control = np.frombuffer(mapping, dtype=np.int32, count=CONTROL_BYTES // 4)
         self.steps = self.control[STEP0:STEP0 + world_size]
@@ -106,12 +107,13 @@ class Segment:
         self.mail_sent = self.control[MAIL_SENT0:MAIL_SENT0 + pairs]
         self.mail_taken = self.control[MAIL_TAKEN0:MAIL_TAKEN0 + pairs]
         self.mail = torch.frombuffer(mapping, dtype=torch.uint8, offset=CONTROL_BYTES + world_size * slot_bytes,
-                                     count=pairs * MAILBOX_BYTES) if pairs else None
+                                     count=pairs * mailbox_bytes) if pairs else None
+        self.mailbox_bytes = mailbox_bytes
 
     def mailbox(self, src: int, dst: int) -> torch.Tensor:
-        """The mailbox for messages from src to dst, MAILBOX_BYTES of uint8."""
+        """The mailbox for messages from src to dst, mailbox_bytes of uint8."""
         k = src * self.world_size + dst
-        return self.mail[k * MAILBOX_BYTES:(k + 1) * MAILBOX_BYTES]
+        return self.mail[k * self.mailbox_bytes:(k + 1) * self.mailbox_bytes]
 
     def slot(self, rank: int) -> torch.Tensor:
         """Rank `rank`'s data slot, slot_bytes of uint8."""
@@ -123,14 +125,14 @@ class Segment:
 
     @classmethod
     def create_or_attach(cls, store, rank: int, world_size: int, slot_bytes: int, prefix: str = "",
-                         timeout: timedelta = timedelta(minutes=5)) -> "Segment":
+                         timeout: timedelta = timedelta(minutes=5), mailbox_bytes: int = MAILBOX_BYTES) -> "Segment":
         """Every rank of the group calls this; returns the mapped segment, its name already unlinked."""
         if world_size > 4096:
             raise ValueError(f"the shm backend takes at most 4096 ranks, got {world_size}")
         # every slot and half-slot starts 64-byte aligned: a tensor view of any dtype needs its
         # element size to divide its offset (torch rounds a misaligned offset down, silently)
         slot_bytes = max(ALIGN * 2, -(-slot_bytes // (ALIGN * 2)) * ALIGN * 2)
-        mail = world_size * world_size * MAILBOX_BYTES if world_size <= MAX_MAIL_RANKS else 0
+        mail = world_size * world_size * mailbox_bytes if world_size <= MAX_MAIL_RANKS else 0
         size = CONTROL_BYTES + world_size * slot_bytes + mail
         key = f"{prefix}shm-segment"
         if rank == 0:
@@ -157,7 +159,7 @@ class Segment:
                 mapping = mmap.mmap(fd, size)
             finally:
                 os.close(fd)
-        segment = cls(mapping, world_size, slot_bytes)
+        segment = cls(mapping, world_size, slot_bytes, mailbox_bytes)
         segment.pids[rank] = os.getpid()
         store.set(f"{key}/attached/{rank}", "1")
         if rank == 0:  # everyone has it mapped: the name can go

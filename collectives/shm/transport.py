@@ -25,12 +25,11 @@ from typing import Deque, Dict, List
 
 import torch
 
-from ..algorithms.comm import Comm, Message, _process_workspace
+from ..p2p import Comm, Message, process_workspace
 from ..dtypes import as_bytes
-from .segment import MAIL_SENT0, MAIL_TAKEN0, MAILBOX_BYTES
+from .segment import MAIL_SENT0, MAIL_TAKEN0
 from .wait import _SYS_FUTEX, FAULT_CHECK_S, FUTEX_WAIT, FUTEX_WAKE, _libc, _Timespec
 
-HALF = MAILBOX_BYTES // 2
 
 
 class _Transfer:
@@ -53,21 +52,22 @@ class _Transfer:
         """Move as many pieces as the mailbox allows now; True if any moved."""
         seg, k, moved = self.comm.segment, self.pair, False
         box = seg.mailbox(k // seg.world_size, k % seg.world_size)
+        half_bytes = seg.mailbox_bytes // 2
         while not self.finished:
             sent, taken = int(seg.mail_sent[k]), int(seg.mail_taken[k])
-            n = min(HALF, self.bytes.numel() - self.done)
+            n = min(half_bytes, self.bytes.numel() - self.done)
             if self.kind == "send":
                 if sent - taken >= 2:
                     break
                 half = sent % 2
-                box[half * HALF:half * HALF + n].copy_(self.bytes[self.done:self.done + n])
+                box[half * half_bytes:half * half_bytes + n].copy_(self.bytes[self.done:self.done + n])
                 seg.mail_sent[k] = sent + 1
                 word = MAIL_SENT0 + k
             else:
                 if sent <= taken:
                     break
                 half = taken % 2
-                self.bytes[self.done:self.done + n].copy_(box[half * HALF:half * HALF + n])
+                self.bytes[self.done:self.done + n].copy_(box[half * half_bytes:half * half_bytes + n])
                 seg.mail_taken[k] = taken + 1
                 word = MAIL_TAKEN0 + k
             if _SYS_FUTEX is not None:
@@ -113,7 +113,7 @@ class ShmComm(Comm):
         return self._post("recv", tensor, peer, chunk)
 
     def workspace(self, like, numel, slot="algorithm"):
-        return _process_workspace(like, numel, slot)
+        return process_workspace(like, numel, slot)
 
     def _advance(self) -> bool:
         """Move the first message of every pair as far as it goes; True if anything moved."""

@@ -72,7 +72,7 @@ class Waiter:
     """Barriers on one segment, waiting with one of STRATEGIES."""
 
     def __init__(self, segment: Segment, rank: int, strategy: Optional[str] = None, timeout_s: float = 600.0):
-        strategy = strategy or os.environ.get("COLLECTIVES_SHM_WAIT", "futex")
+        strategy = strategy or "futex"  # ShmConfig.wait, from the process group
         if strategy not in STRATEGIES:
             raise ValueError(f"wait strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
         if strategy == "futex" and _SYS_FUTEX is None:

@@ -8,7 +8,7 @@ import functools
 import torch
 
 from collectives import reduce_ops
-from collectives.algorithms.layout import bounds
+from collectives.chunks import bounds
 
 
 def reduced(inputs, op: str) -> torch.Tensor:

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from collectives.algorithms import ALGORITHMS, simulate
 from collectives.algorithms import ring
 from collectives.algorithms.cost import CostModel
-from collectives.algorithms.layout import Fold, bounds
+from collectives.algorithms.fold import Fold
+from collectives.chunks import bounds
 from collectives.algorithms.sim import SimulationError, Simulator
 
 from .reference import expected, inputs_for

@@ -104,7 +104,7 @@ def test_a_step_gradscaler_skips_is_reported_and_leaves_the_weights(factor, step
     (["--resume"], "--resume needs --checkpoint FOLDER"),  # once "no checkpoint at None"
     (["--lr", "-1"], "--lr must be a positive number"),
     (["--bucket-cap-mb", "0"], "--bucket-cap-mb must be a positive number of MiB"),
-    (["--impl", "fsdp", "--bucket-cap-mb", "5"], "--bucket-cap-mb applies to --impl torch, bucketed or zero2, not fsdp"),
+    (["--impl", "fsdp", "--bucket-cap-mb", "5"], "--bucket-cap-mb applies to --impl torch, bucketed, zero1, zero2, zero2-bucketed, not fsdp"),
 ])
 def test_bad_arguments_are_refused_before_any_rank_starts(argv, fragment, capsys):
     start = time.monotonic()

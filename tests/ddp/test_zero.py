@@ -18,14 +18,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import collectives
-from ddp_from_scratch import shard as shard_module
-from ddp_from_scratch.compare import summarise
+from ddp_from_scratch import sharding as shard_module
+from ddp_from_scratch.parity import summarise
 from ddp_from_scratch.sharded_parity import PARITY_IMPLS, _gather_dim0, must_be_bitwise, train_sharded_side_by_side
-from ddp_from_scratch.wrap import SHARDED_WRAPPERS
+from ddp_from_scratch.wrap import SHARDED, wrap
 from ddp_from_scratch.fsdp import FullyShardedDataParallel, unit_plan, units_of
 from ddp_from_scratch.models import Branchy, SmallNet, batch
 from ddp_from_scratch.resnet import resnet50
-from ddp_from_scratch.shard import ShardLayout
+from ddp_from_scratch.sharding import ShardLayout
 from ddp_from_scratch.zero1 import ZeroOneDataParallel
 from ddp_from_scratch.memory import HeldBytes
 from ddp_from_scratch.zero2 import ZeroTwoDataParallel, reduce_buckets
@@ -142,7 +142,7 @@ def _accumulated(env, impl, steps=2):
         model = torch.nn.parallel.DistributedDataParallel(net, broadcast_buffers=False)
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     else:
-        model = ZeroTwoDataParallel(net, bucket_cap_mb=1e-9) if impl == "zero2, bucketed" else SHARDED_WRAPPERS[impl](net)
+        model = wrap(net, impl, bucket_cap_mb=1e-9 if impl == "zero2-bucketed" else None)  # a bucket per parameter
         opt = model.optimizer(torch.optim.SGD, lr=0.05, momentum=0.9)
     after = []
     for step in range(steps):
@@ -161,7 +161,7 @@ def _accumulation_against_torch(env):
     reference = _accumulated(env, "torch")
     return {impl: [[name for name, t in step.items() if not torch.equal(t, ref[name])]
                    for step, ref in zip(_accumulated(env, impl), reference)]
-            for impl in [*SHARDED_WRAPPERS, "zero2, bucketed"]}
+            for impl in SHARDED}
 
 
 def test_no_sync_accumulation_is_bitwise_torchs_ddp_on_two_ranks(dist_run):

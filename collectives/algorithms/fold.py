@@ -1,9 +1,5 @@
-"""How the algorithms cut a buffer into per-rank chunks, and fold a world that is not a power of two.
-
-Chunks: a buffer of `numel` elements has one chunk per rank; the first numel % size chunks are
-one element longer, so any element count works (chunks may be empty when numel < size).
-
-    bounds(10, 4) -> [(0, 3), (3, 6), (6, 8), (8, 10)]
+"""How recursive doubling and halving fold a world that is not a power of two into one that is.
+(The per-rank chunks of a buffer are collectives/chunks.py's.)
 
 The fold (Thakur, Rabenseifner and Gropp 2005): recursive doubling and halving need a power of
 two, p = the largest one <= size. The first 2 * (size - p) ranks pair up, (0, 1), (2, 3), ...;
@@ -15,18 +11,7 @@ take virtual ranks 0..p-1. At the end the odd rank hands the result back.
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
-
-
-def bounds(numel: int, size: int) -> List[Tuple[int, int]]:
-    """(start, end) of each rank's chunk of a buffer of `numel` elements."""
-    base, extra = divmod(numel, size)
-    out, start = [], 0
-    for r in range(size):
-        end = start + base + (1 if r < extra else 0)
-        out.append((start, end))
-        start = end
-    return out
+from typing import List, Optional
 
 
 def largest_power_of_two(n: int) -> int:

@@ -1,0 +1,76 @@
+"""The shm backend's settings, read from the environment once per process group, checked.
+
+    COLLECTIVES_SHM_SLOT_MB=64           data slot per rank, MiB (a 25 MiB DDP bucket fits one round)
+    COLLECTIVES_SHM_INLINE_BYTES=65536   calls this small run in the calling thread when nothing is queued
+    COLLECTIVES_SHM_MAILBOX_KB=256       point-to-point mailbox per ordered pair of ranks, KiB
+    COLLECTIVES_SHM_PIECE_KB=1024        all_reduce's step 3 in pieces this size, KiB (ops.py)
+    COLLECTIVES_SHM_CMA=auto             cross-memory attach: auto (where ranks have cores), 1/on, 0/off
+    COLLECTIVES_SHM_CMA_MIN_KB=16384     all_reduces this large or larger use it, KiB (cma.py)
+    COLLECTIVES_SHM_WAIT=futex           how a rank waits at a barrier: futex, yield or spin (wait.py)
+
+    config = ShmConfig.from_env()        # ProcessGroupShm does this once, and hands it down
+
+A value that is not a number (or not one of the choices) is a ValueError naming the variable.
+Measured reasons for the defaults are in docs/shm.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Mapping, Optional
+
+ALIGN = 64  # every slot, half-slot and mailbox half starts 64-byte aligned
+
+_CHOICES = {"cma": ("auto", "1", "on", "0", "off"), "wait": ("futex", "yield", "spin")}
+
+
+@dataclasses.dataclass(frozen=True)
+class ShmConfig:
+    slot_mb: float = 64.0
+    inline_bytes: int = 64 << 10
+    mailbox_kb: float = 256.0
+    piece_kb: float = 1024.0
+    cma: str = "auto"
+    cma_min_kb: float = float(16 << 10)
+    wait: str = "futex"
+
+    @property
+    def slot_bytes(self) -> int:
+        return int(self.slot_mb * (1 << 20))
+
+    @property
+    def mailbox_bytes(self) -> int:
+        return max(2 * ALIGN, int(self.mailbox_kb * 1024) // (2 * ALIGN) * 2 * ALIGN)
+
+    @property
+    def piece_bytes(self) -> int:
+        return int(self.piece_kb * 1024)
+
+    @property
+    def cma_min_bytes(self) -> int:
+        return int(self.cma_min_kb * 1024)
+
+    @classmethod
+    def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> "ShmConfig":
+        environ = os.environ if environ is None else environ
+        values = {}
+        for field in dataclasses.fields(cls):
+            var = "COLLECTIVES_SHM_" + field.name.upper()
+            raw = environ.get(var)
+            if raw is None or raw == "":
+                continue
+            if field.name in _CHOICES:
+                if raw not in _CHOICES[field.name]:
+                    raise ValueError(f"{var}={raw!r}: must be one of {', '.join(_CHOICES[field.name])}")
+                values[field.name] = raw
+                continue
+            try:
+                number = float(raw)
+            except ValueError:
+                raise ValueError(f"{var}={raw!r}: must be a number") from None
+            if not math.isfinite(number) or number < 0 or (number == 0 and field.name != "inline_bytes"):
+                raise ValueError(f"{var}={raw!r}: must be a positive number")
+            values[field.name] = int(number) if field.type in (int, "int") else number
+        return cls(**values)
