@@ -1,4 +1,4 @@
-"""Every Python example in the README runs as pasted, and prints what its comment says.
+"""Every Python example in the README and in docs/ runs as pasted, and prints what its comment says.
 
 A block that defines a @distributed test is run with pytest; any other block is run as a script.
 A line `print(...)  # text` must print text (for the first example: `# [6.0, 6.0, 6.0]`).
@@ -13,8 +13,10 @@ import sys
 
 import pytest
 
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
-BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+BLOCKS = [(page.relative_to(ROOT).as_posix(), block) for page in PAGES
+          for block in re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)]
 
 
 def expected_output(block: str):
@@ -22,13 +24,15 @@ def expected_output(block: str):
     return [m.group(1).strip() for m in re.finditer(r"^\s*print\(.*\)\s+#\s*(.+)$", block, flags=re.M)]
 
 
-def test_the_readme_has_examples():
-    assert len(BLOCKS) >= 5, "the README lost its examples (or the pattern no longer finds them)"
+def test_the_readme_and_docs_have_examples():
+    pages = {page for page, _ in BLOCKS}
+    assert "README.md" in pages and len(pages) >= 6 and len(BLOCKS) >= 10, \
+        f"examples lost (or the pattern no longer finds them): {sorted(pages)}, {len(BLOCKS)} blocks"
 
 
-@pytest.mark.parametrize("index", range(len(BLOCKS)))
+@pytest.mark.parametrize("index", range(len(BLOCKS)), ids=[f"{page}-{i}" for i, (page, _) in enumerate(BLOCKS)])
 def test_readme_example_runs_as_pasted(index, tmp_path):
-    block = BLOCKS[index]
+    page, block = BLOCKS[index]
     if "@distributed" in block:
         path = tmp_path / "test_readme_example.py"
         path.write_text(block)
@@ -38,6 +42,6 @@ def test_readme_example_runs_as_pasted(index, tmp_path):
         path.write_text(block)
         argv = [sys.executable, str(path)]
     out = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert out.returncode == 0, f"README example {index} failed:\n{block}\n--- stdout\n{out.stdout}\n--- stderr\n{out.stderr}"
+    assert out.returncode == 0, f"{page} example {index} failed:\n{block}\n--- stdout\n{out.stdout}\n--- stderr\n{out.stderr}"
     for text in expected_output(block):
-        assert text in out.stdout, f"README example {index} should print {text!r}; it printed:\n{out.stdout}"
+        assert text in out.stdout, f"{page} example {index} should print {text!r}; it printed:\n{out.stdout}"

@@ -14,7 +14,7 @@ all_reduce on p ranks, rank r owns slice r of every rank's tensor:
 Memory moved per rank: read n, write n (its own slice and the others'), against 4-4.5 n through
 the segment (ops.all_reduce_traffic). The kernel copies between the two address spaces itself,
 pinning each page as it goes, so a byte costs more CPU than a memcpy's; measured on 2 cores it
-still pays from 1 MiB (the README's shm section).
+still pays from 1 MiB (docs/shm.md).
 
 When it is used: Linux lets one process read and write another's memory this way only if it
 may ptrace it: same user, no seccomp filter refusing the calls (some container runtimes), and

@@ -14,7 +14,7 @@ least k. How it waits is the question when ranks outnumber cores:
            (FUTEX_WAKE); no core is spent on a long wait
 
 benchmarks/shm_wait.py measures all four (latency and CPU seconds per call, 2 and 4 ranks);
-`futex` is the default, after those measurements (see the README).
+`futex` is the default, after those measurements (see docs/shm.md).
 
 Faults: while it waits, a rank checks every FAULT_CHECK_S that the others' processes are alive
 and that no rank has raised the abort word; then it raises `PeerFailure` naming the rank. A

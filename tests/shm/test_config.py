@@ -1,0 +1,37 @@
+"""ShmConfig: every COLLECTIVES_SHM_* setting read in one place, and a bad value names its variable."""
+
+from __future__ import annotations
+
+import pytest
+
+from collectives.shm.config import ShmConfig
+
+
+def test_defaults_without_the_variables():
+    c = ShmConfig.from_env({})
+    assert (c.slot_bytes, c.inline_bytes, c.mailbox_bytes, c.piece_bytes, c.cma, c.cma_min_bytes, c.wait) == \
+        (64 << 20, 64 << 10, 256 << 10, 1 << 20, "auto", 16 << 20, "futex")
+
+
+def test_each_variable_reaches_its_field():
+    c = ShmConfig.from_env({"COLLECTIVES_SHM_SLOT_MB": "0.5", "COLLECTIVES_SHM_INLINE_BYTES": "0",
+                            "COLLECTIVES_SHM_MAILBOX_KB": "3", "COLLECTIVES_SHM_PIECE_KB": "4",
+                            "COLLECTIVES_SHM_CMA": "0", "COLLECTIVES_SHM_CMA_MIN_KB": "256",
+                            "COLLECTIVES_SHM_WAIT": "yield"})
+    assert (c.slot_bytes, c.inline_bytes, c.piece_bytes, c.cma, c.cma_min_bytes, c.wait) == \
+        (512 << 10, 0, 4096, "0", 256 << 10, "yield")
+    assert c.mailbox_bytes == 3072 and c.mailbox_bytes % 128 == 0  # halves stay 64-byte aligned
+
+
+@pytest.mark.parametrize("var, value, says", [
+    ("COLLECTIVES_SHM_SLOT_MB", "big", "must be a number"),
+    ("COLLECTIVES_SHM_SLOT_MB", "0", "must be a positive number"),
+    ("COLLECTIVES_SHM_PIECE_KB", "nan", "must be a positive number"),
+    ("COLLECTIVES_SHM_MAILBOX_KB", "-1", "must be a positive number"),
+    ("COLLECTIVES_SHM_CMA", "yes", "must be one of auto, 1, on, 0, off"),
+    ("COLLECTIVES_SHM_WAIT", "sleep", "must be one of futex, yield, spin"),
+])
+def test_a_bad_value_is_an_error_naming_the_variable(var, value, says):
+    with pytest.raises(ValueError) as info:
+        ShmConfig.from_env({var: value})
+    assert str(info.value) == f"{var}={value!r}: {says}"
