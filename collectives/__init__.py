@@ -6,7 +6,13 @@
     collectives.all_reduce(t, op="sum")             # checked wrapper, same answer on Gloo and NCCL
 
 Importing it registers "shm", a shared-memory backend for ranks on one machine, with
-torch.distributed (collectives/shm/).
+torch.distributed (collectives/shm/). From-scratch algorithms: collectives/algorithms/. The
+layers and what may import what: docs/architecture.md.
+
+Words: *rank*, *world_size*, *group*, *src*, *dst* mean what they mean in torch.distributed; a
+*group rank* is a rank's index within a subgroup, a *global rank* its index in the world; the
+*op table* (reduce_ops.COMBINE) is how every path applies a reduction op; *checked mode* adds one
+small all_gather per call so that ranks that disagree are told instead of hanging.
 """
 
 from .checked_mode import checked, is_checked

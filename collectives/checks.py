@@ -13,6 +13,7 @@ from typing import Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from .dtypes import UNMOVABLE
 from .errors import CollectiveError
 
 CPU_BACKENDS = ("gloo", "shm")  # the common case the checks let straight through
@@ -61,8 +62,11 @@ def resolve_group(group: Optional[dist.ProcessGroup], collective: str) -> GroupI
                 f"{collective}: the default process group is not initialised; call "
                 "collectives.init_from_env() or run the function with collectives.run()"
             )
-    info = _group_cache.get(group)
+    info = _group_cache.get(group) if isinstance(group, dist.ProcessGroup) else None
     if info is None:
+        if not isinstance(group, dist.ProcessGroup):
+            raise CollectiveError(f"{collective}: group must be a process group (from collectives.new_group or "
+                                  f"split) or None for the world, got {group!r}")
         global_rank = dist.get_rank()
         ranks = tuple(dist.get_process_group_ranks(group))
         group_rank = ranks.index(global_rank) if global_rank in ranks else -1
@@ -78,7 +82,8 @@ def resolve_group(group: Optional[dist.ProcessGroup], collective: str) -> GroupI
 
 def check_tensor(tensor, collective: str, info: GroupInfo, name: str = "tensor") -> None:
     """A dense tensor on a device the group's backend can use, contiguous where it must be."""
-    if info.backend in CPU_BACKENDS and isinstance(tensor, torch.Tensor) and tensor.layout == torch.strided and tensor.is_cpu:
+    if info.backend in CPU_BACKENDS and isinstance(tensor, torch.Tensor) and tensor.layout == torch.strided \
+            and tensor.is_cpu and tensor.dtype not in UNMOVABLE:
         return  # the common case, kept short: time spent here shows up in small-message latency
     where = f"{collective} on rank {info.global_rank}"
     if tensor is None:
@@ -87,6 +92,9 @@ def check_tensor(tensor, collective: str, info: GroupInfo, name: str = "tensor")
         raise CollectiveError(f"{where}: {name} must be a torch.Tensor, got {type(tensor).__name__}")
     if tensor.layout != torch.strided:
         raise CollectiveError(f"{where}: {name} must be dense (strided), got layout {tensor.layout}")
+    if tensor.dtype in UNMOVABLE:
+        raise CollectiveError(f"{where}: {name} has dtype {tensor.dtype}, which no backend here can move (a bit-packed "
+                              "or sub-byte dtype, or float8_e8m0fnu); view or cast it to uint8 first")
     device = tensor.device.type
     if info.backend == "nccl":
         if device != "cuda":

@@ -29,6 +29,12 @@ import torch
 
 FLOAT8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
                if hasattr(torch, n))
+# Bit-packed and sub-byte dtypes, and float8_e8m0fnu: no backend here moves them (Gloo fails with
+# "Invalid scalar type", measured on torch 2.13) and they are not whole bytes per element, or have
+# no arithmetic, so the wrappers refuse them by name instead of moving bytes.
+UNMOVABLE = frozenset(getattr(torch, n) for n in (
+    "bits1x8", "bits2x4", "bits4x2", "bits8", "bits16", "float4_e2m1fn_x2", "float8_e8m0fnu",
+    *(f"int{k}" for k in range(1, 8)), *(f"uint{k}" for k in range(1, 8))) if hasattr(torch, n))
 _UNSIGNED_WIDE = tuple(getattr(torch, n) for n in ("uint16", "uint32", "uint64") if hasattr(torch, n))
 # What each backend cannot carry, per kind of collective.
 UNSUPPORTED = {

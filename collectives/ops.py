@@ -62,9 +62,10 @@ def _finish(work, finish: Callable[[], object], async_op: bool):
 
 
 _NO_TENSOR = object()  # barrier has no tensor; None is a tensor argument that is missing
+_NO_OP = object()  # not a reduction; op=None is an op argument that is missing
 
 
-def _begin(collective: str, group: Group, tensor=_NO_TENSOR, op=None, root=None, root_kind="src",
+def _begin(collective: str, group: Group, tensor=_NO_TENSOR, op=_NO_OP, root=None, root_kind="src",
            divisible=False, writes=False, spread=False, compare_tensor=True):
     """Resolve the group, run the local checks, and in checked mode compare with the other ranks.
 
@@ -82,7 +83,7 @@ def _begin(collective: str, group: Group, tensor=_NO_TENSOR, op=None, root=None,
             check_tensor(tensor, collective, info)
             if writes:
                 check_writable(tensor, collective, info)
-        if op is not None:
+        if op is not _NO_OP:  # a reduction: op=None is an error, not "no op"
             name = reduce_ops.op_name(op, collective)
             reduce_ops.check_op_dtype(name, tensor.dtype, collective)
         if root is not None:

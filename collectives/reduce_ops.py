@@ -47,7 +47,8 @@ def op_name(op: OpLike, collective: str = "collective") -> str:
     if name == "prod":
         name = "product"
     if name not in OP_NAMES:
-        raise CollectiveError(f"{collective}: unknown reduction op {op!r}; use one of {', '.join(OP_NAMES)}")
+        raise CollectiveError(f"{collective}: unknown reduction op {op!r}; use one of {', '.join(OP_NAMES)} "
+                              "or a torch.distributed.ReduceOp")
     try:
         _names[key] = name
     except TypeError:  # an unhashable ReduceOp instance

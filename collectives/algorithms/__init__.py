@@ -11,9 +11,16 @@ halving, Rabenseifner, Bruck, pairwise exchange, written once and run on real ra
 Each family is one module whose docstring draws it and gives its cost: ring.py, recursive.py
 (recursive doubling and halving, Rabenseifner), tree.py (binomial trees, NCCL's double binary
 tree), chain.py (pipelined chain, scatter + all-gather), pairwise.py, bruck.py. They are written
-against comm.Comm only; comm.DistComm runs them on torch.distributed (any backend, any group),
+against the point-to-point interface only (collectives/p2p.py: Comm); comm.DistComm runs them on
+torch.distributed (any backend, any group; an shm group's mailboxes, shm/transport.py),
 sim.Simulator on a virtual clock (cost.CostModel). Every element count works (chunks need not be
 equal), every world size (recursive ones fold the extra ranks), every op the wrappers take.
+
+Words: a *chunk* is one rank's piece of a buffer (collectives/chunks.py: the first numel % size
+chunks one element longer); a *step* is one yield of an algorithm (the messages posted between
+two waits); the *fold* (fold.py) maps a world that is not a power of two onto one that is;
+alpha, beta and gamma are the cost model's seconds per message, per byte moved and per byte
+reduced.
 """
 
 from __future__ import annotations

@@ -9,7 +9,15 @@ On one machine Gloo still goes through TCP. Here the ranks map one segment of sh
 (segment.py) and each collective is copies and adds in it (ops.py), waiting for each other
 on futexes (wait.py), behind a Python ProcessGroup that torch's own DDP runs on
 (process_group.py). A rank that dies mid-collective makes the others raise PeerFailure naming
-it; nothing is left in /dev/shm, however the ranks end.
+it; nothing is left in /dev/shm, however the ranks end. Settings: config.py (ShmConfig, the
+COLLECTIVES_SHM_* variables, read once per group).
+
+Words: the *segment* is the one shared mapping of a group; a *slot* is one rank's part of its data
+area, used in two *halves* that alternate from round to round; a *round* is one pass of a
+collective through the slots (a buffer larger than half a slot takes several); a *piece* is the
+part of a slice summed while it stays in cache (ops.py, step 3); a *mailbox* carries
+point-to-point messages between one ordered pair of ranks (transport.py); *cma* is cross-memory
+attach (cma.py: reading and writing another rank's tensor directly).
 """
 
 import torch.distributed as dist

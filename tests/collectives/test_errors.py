@@ -59,6 +59,23 @@ def test_local_checks_name_the_problem(env):
     group_still_works()
 
 
+@distributed(world_size=2)
+def test_arguments_that_used_to_reach_torch_internals_are_named(env):
+    """op=None, a group that is not a process group and dtypes no backend moves: one clear error
+    each (they were KeyError, AttributeError, a barrier silently on the world, "Invalid scalar type")."""
+    raises(lambda: C.all_reduce(torch.ones(2), op=None), CollectiveError, "all_reduce", "unknown reduction op None")
+    raises(lambda: C.reduce_scatter(torch.ones(2, 2), op=None), CollectiveError, "reduce_scatter", "op None")
+    for bad in (0, "world", [0, 1]):
+        raises(lambda: C.all_reduce(torch.ones(2), group=bad), CollectiveError, "all_reduce", "group must be a process group",
+               repr(bad))
+    raises(lambda: C.barrier(group=0), CollectiveError, "barrier", "got 0")
+    for dtype in (torch.float8_e8m0fnu, torch.uint4, torch.bits8):
+        raises(lambda: C.broadcast(torch.zeros(4, dtype=dtype), src=0), CollectiveError, "broadcast", f"rank {env.rank}",
+               str(dtype), "no backend here can move")
+        raises(lambda: C.all_gather(torch.zeros(4, dtype=dtype)), CollectiveError, "all_gather", str(dtype))
+    group_still_works()
+
+
 def test_nccl_checks_without_a_gpu():
     """The NCCL device check, run against a NCCL-like group description. Non-contiguous tensors
     pass (the wrappers hand NCCL a contiguous copy)."""
