@@ -48,6 +48,27 @@ class GroupInfo:
 _group_cache: dict = {}
 
 
+@dataclasses.dataclass(frozen=True)
+class NotInGroup:
+    """What a rank outside a group holds in its place (from collectives.new_group or split).
+
+    Not None, which every call reads as the world: a rank left out that went on to a collective
+    would join the world's and hang. Every wrapper refuses it by name; it is falsy, so
+    `if group:` reads as "this rank has no group here".
+    """
+
+    ranks: Tuple[int, ...]  # the group's members; () for a rank that split() left out of every part
+    made_by: str  # "new_group([0, 1])", "split([[0, 1, 2]])"
+
+    def __bool__(self) -> bool:
+        return False
+
+    def describe(self, rank: int) -> str:
+        if self.ranks:
+            return f"group ranks {list(self.ranks)}, from {self.made_by}; rank {rank} holds a NotInGroup placeholder"
+        return f"rank {rank} was left out of {self.made_by}, so it has no group there"
+
+
 def resolve_group(group: Optional[dist.ProcessGroup], collective: str) -> GroupInfo:
     """The group (WORLD when None), refusing a rank that is not in it.
 
@@ -64,6 +85,9 @@ def resolve_group(group: Optional[dist.ProcessGroup], collective: str) -> GroupI
             )
     info = _group_cache.get(group) if isinstance(group, dist.ProcessGroup) else None
     if info is None:
+        if isinstance(group, NotInGroup):
+            me = dist.get_rank()
+            raise CollectiveError(f"{collective}: rank {me} called it on a group it is not in ({group.describe(me)})")
         if not isinstance(group, dist.ProcessGroup):
             raise CollectiveError(f"{collective}: group must be a process group (from collectives.new_group or "
                                   f"split) or None for the world, got {group!r}")

@@ -14,18 +14,21 @@ shares rank % cols. A tensor's "dim" is never called an axis here.
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Union
 
 import torch.distributed as dist
 
+from .checks import NotInGroup
 from .errors import CollectiveError
 
+Group = Union[dist.ProcessGroup, NotInGroup]
 
-def new_group(ranks: Sequence[int], backend: Optional[str] = None) -> dist.ProcessGroup:
+
+def new_group(ranks: Sequence[int], backend: Optional[str] = None) -> Group:
     """torch.distributed.new_group with its ranks checked first. Call it on every rank.
 
-    Returns the group; on ranks not in it, torch gives back a placeholder that the wrappers
-    refuse with a clear error.
+    Returns the group; on ranks not in it, a NotInGroup placeholder that knows the group's ranks
+    (torch gives back one number, the same for every group) and that the wrappers refuse by name.
     """
     ranks = list(ranks)
     world = dist.get_world_size()
@@ -34,21 +37,24 @@ def new_group(ranks: Sequence[int], backend: Optional[str] = None) -> dist.Proce
         raise CollectiveError(f"new_group: ranks {bad} are out of range for world_size {world}")
     if len(set(ranks)) != len(ranks):
         raise CollectiveError(f"new_group: ranks {ranks} name a rank twice")
-    return dist.new_group(ranks=sorted(ranks), backend=backend)
+    group = dist.new_group(ranks=sorted(ranks), backend=backend)
+    return group if dist.get_rank() in ranks else NotInGroup(tuple(sorted(ranks)), f"new_group({sorted(ranks)})")
 
 
-def split(partition: Sequence[Sequence[int]], backend: Optional[str] = None) -> Optional[dist.ProcessGroup]:
+def split(partition: Sequence[Sequence[int]], backend: Optional[str] = None) -> Group:
     """Create one group per part of a partition of the ranks; return this rank's group.
 
     Args:
-        partition: disjoint lists of global ranks, e.g. [[0, 1], [2, 3]]. Ranks left out get None.
+        partition: disjoint lists of global ranks, e.g. [[0, 1], [2, 3]]. A rank left out gets a
+            NotInGroup (falsy, refused by every collective by name), never None, which would
+            mean the world.
     """
     seen: List[int] = []
     for part in partition:
         seen += list(part)
     if len(set(seen)) != len(seen):
         raise CollectiveError(f"split: the parts {list(map(list, partition))} are not disjoint")
-    mine = None
+    mine: Group = NotInGroup((), f"split({[list(part) for part in partition]})")
     me = dist.get_rank()
     for part in partition:  # same order on every rank: group creation is collective
         group = new_group(part, backend=backend)
@@ -79,16 +85,20 @@ class Mesh2D:
         self.col = split([[r * self.cols + c for r in range(self.rows)] for c in range(self.cols)])
 
 
-def group_rank(group: dist.ProcessGroup, global_rank: Optional[int] = None) -> int:
+def _ranks(group: Group) -> List[int]:
+    return list(group.ranks) if isinstance(group, NotInGroup) else dist.get_process_group_ranks(group)
+
+
+def group_rank(group: Group, global_rank: Optional[int] = None) -> int:
     """The index of `global_rank` (default: this rank) within `group`; -1 if not in it."""
-    ranks = dist.get_process_group_ranks(group)
+    ranks = _ranks(group)
     global_rank = dist.get_rank() if global_rank is None else global_rank
     return ranks.index(global_rank) if global_rank in ranks else -1
 
 
-def global_rank(group: dist.ProcessGroup, group_rank: int) -> int:
+def global_rank(group: Group, group_rank: int) -> int:
     """The global rank of the rank at index `group_rank` within `group`."""
-    ranks = dist.get_process_group_ranks(group)
+    ranks = _ranks(group)
     if not 0 <= group_rank < len(ranks):
         raise CollectiveError(f"global_rank: group rank {group_rank} is out of range for a group of {len(ranks)}")
     return ranks[group_rank]

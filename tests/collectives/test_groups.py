@@ -49,12 +49,17 @@ def test_mesh_rows_and_columns(env):
 @distributed(world_size=4)
 def test_odd_sized_group_and_left_out_rank(env):
     trio = C.split([[0, 1, 2]])
-    if env.rank == 3:
-        assert trio is None
+    if env.rank == 3:  # left out: a placeholder that is not None (None would mean the world)
+        assert isinstance(trio, C.NotInGroup) and not trio
+        with pytest.raises(C.CollectiveError, match=r"all_reduce: rank 3 called it on a group it is not in "
+                                                    r"\(rank 3 was left out of split\(\[\[0, 1, 2\]\]\)"):
+            C.all_reduce(torch.tensor([1.0]), group=trio)
     else:
         assert C.all_reduce(torch.tensor([1.0]), group=trio).item() == 3.0
         assert C.group_rank(trio) == env.rank
+    assert C.all_reduce(torch.tensor([1.0])).item() == 4.0  # the world is still usable, rank 3 included
     assert C.group_rank(C.new_group([1, 3]), global_rank=2) == -1
+    assert C.global_rank(C.new_group([2, 3]), 1) == 3  # on ranks 0 and 1 too: the placeholder knows the ranks
 
 
 @distributed(world_size=2)
