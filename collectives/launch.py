@@ -25,7 +25,7 @@ from typing import Any, Callable, List, Optional, Sequence
 import os
 
 from .env import init_from_env, read_env, shutdown
-from .pool import RankPool, check_call
+from .pool import RankPool, check_call, pickled
 
 
 def run(
@@ -56,6 +56,7 @@ def run(
             rank starts).
     """
     check_call(fn, args, timeout)
+    pickled(fn, args)  # refused here, before any rank is spawned
     with RankPool(world_size, backend=backend, threads=threads) as pool:
         return pool.submit(fn, args=args, timeout=timeout)
 

@@ -205,13 +205,7 @@ class RankPool:
         __tracebackhide__ = True  # pytest: show the test, not the harness
         check_call(fn, args, timeout)
         name = name or getattr(fn, "__qualname__", repr(fn))
-        try:
-            payload = pickle.dumps((fn, tuple(args)))
-        except Exception as exc:
-            raise TypeError(
-                f"cannot send {name} to the ranks: {exc}. Define the function at module level "
-                "(not a lambda or a nested function) and pass picklable args."
-            ) from exc
+        payload = pickled(fn, args, name)
         self.start()
         for conn in self._conns:
             conn.send((payload, list(sys.path)))
@@ -385,6 +379,17 @@ def _clean_stack(text: str) -> str:
                  and not ln.startswith(("Fatal Python error:", "Extension modules:"))]  # a crash's trailer
         kept.append("\n".join(lines))
     return "\n\n".join(k for k in kept if k.strip())
+
+
+def pickled(fn, args, name: Optional[str] = None) -> bytes:
+    """(fn, args) as the ranks receive them; a TypeError naming what does not pickle, before any rank starts."""
+    try:
+        return pickle.dumps((fn, tuple(args)))
+    except Exception as exc:
+        raise TypeError(
+            f"cannot send {name or getattr(fn, '__qualname__', repr(fn))} to the ranks: {exc}. Define the function "
+            "at module level (not a lambda or a nested function) and pass picklable args."
+        ) from exc
 
 
 def check_call(fn, args, timeout) -> None:

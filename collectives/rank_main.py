@@ -110,6 +110,9 @@ def _format_exception(exc: BaseException) -> str:
 
 
 def _one_line(exc: BaseException) -> str:
-    """ "ValueError: the first line of its message" """
-    lines = str(exc).strip().splitlines()
+    """ "ValueError: the first line of its message" (an exception whose str() fails says so)"""
+    try:
+        lines = str(exc).strip().splitlines()
+    except Exception as failure:  # noqa: BLE001 - the rank must still report something
+        return f"{type(exc).__name__} (its str() raised {type(failure).__name__})"
     return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__

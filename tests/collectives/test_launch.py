@@ -275,3 +275,35 @@ def test_eta_by_size_is_latency_plus_bandwidth_not_bytes_alone():
     predicted = float(eta_by_size(done, left).split()[0].lstrip("~"))
     assert abs(predicted - sum(cost(n) for n in left)) <= 1, predicted
     assert eta_by_size(done, []) == "" and eta_by_size([], left) == "estimating time left"
+
+
+@pytest.mark.parametrize("fn, args, what", [
+    (lambda env: 1, (), "Can't pickle <function <lambda>"),
+    (print, (threading.Lock(),), "cannot pickle '_thread.lock' object"),
+])
+def test_what_cannot_pickle_is_refused_before_any_rank_is_spawned(fn, args, what, monkeypatch):
+    import collectives.launch as launch
+
+    def no_spawn(*a, **k):
+        raise AssertionError("a rank pool was started for a call that cannot reach the ranks")
+
+    monkeypatch.setattr(launch, "RankPool", no_spawn)
+    with pytest.raises(TypeError, match="cannot send .* to the ranks: " + what):
+        C.run(fn, world_size=2, args=args)
+
+
+class _StrFails(Exception):
+    def __str__(self):
+        raise RuntimeError("str() of this exception fails")
+
+
+def _raise_str_fails(env):
+    raise _StrFails()
+
+
+def test_an_exception_whose_str_fails_is_still_reported():
+    with pytest.raises(C.RankFailure) as info:
+        C.run(_raise_str_fails, world_size=2)
+    assert str(info.value).startswith("rank 0 raised _StrFails (its str() raised RuntimeError)") or \
+        str(info.value).startswith("rank 1 raised _StrFails (its str() raised RuntimeError)"), str(info.value)
+    assert "exited with code 1" not in str(info.value)  # the rank reported; it did not die
