@@ -32,7 +32,7 @@ import collectives.algorithms as A
 from collectives.algorithms.cost import CostModel, choose
 from collectives.cli import command, eta_by_size
 
-from .bandwidth import DTYPES, parse_size, size_list
+from .bandwidth import DTYPES, check_sweep, parse_size, size_list
 from .cases import buffer_count, count_wrong, make_algorithm_case, make_case
 
 COLLECTIVES = list(A.ALGORITHMS)
@@ -203,8 +203,9 @@ def main(argv=None) -> int:
     parser.add_argument("--replot", metavar="RUN.json", nargs="+",
                         help="only draw --plot from saved --json runs (no measuring)")
     args = parser.parse_args(argv)
-    if args.minbytes < 1 or args.maxbytes < args.minbytes or args.stepfactor < 2 or args.world_size < 1:
-        parser.error("need 1 <= -b <= -e, -f >= 2 and --world-size >= 1")
+    check_sweep(args, parser)
+    if args.world_size < 1:
+        parser.error(f"--world-size must be at least 1, got {args.world_size}")
     if args.replot:
         if not args.plot:
             parser.error("--replot needs --plot FILE.png")

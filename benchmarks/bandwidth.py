@@ -87,12 +87,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def validate(args, parser) -> None:
-    """Refuse nonsense with a message naming the flag, before any rank starts."""
+def check_sweep(args, parser) -> None:
+    """-b, -e and -f as every benchmark's size sweep takes them: 1 <= -b <= -e, and -f >= 2 (a step
+    factor of 1 never reaches -e)."""
     if args.minbytes < 1 or args.maxbytes < args.minbytes:
         parser.error(f"-b {args.minbytes} must be at least 1 and at most -e {args.maxbytes}")
     if args.stepfactor < 2:
         parser.error(f"-f {args.stepfactor}: the step factor must be at least 2")
+
+
+def validate(args, parser) -> None:
+    """Refuse nonsense with a message naming the flag, before any rank starts."""
+    check_sweep(args, parser)
     if args.iters < 1 or args.warmup_iters < 0:
         parser.error("-n must be at least 1 and -w at least 0")
     if args.world_size < 1:

@@ -40,7 +40,7 @@ from collectives.cli import command
 from collectives.shm.ops import SMALL_BYTES, all_reduce_traffic
 from ddp_from_scratch.resnet import resnet50
 
-from .bandwidth import parse_size, size_list
+from .bandwidth import check_sweep, parse_size, size_list
 from .ddp_step_time import alternate_steps, summarise
 from .limits import aggregate_copy_gbps, memory_copy_gbps
 from .nccl_format import bandwidths
@@ -257,6 +257,7 @@ def main(argv=None) -> int:
         parser.error("need --world-size >= 2, --rounds >= 1 and --batch-size >= 2")
     if args.skip_ddp and args.only_ddp:
         parser.error("--skip-ddp and --only-ddp leave nothing to do")
+    check_sweep(args, parser)
     config = {k: getattr(args, k) for k in ("minbytes", "maxbytes", "stepfactor", "rounds", "batch_size", "skip_ddp",
                                             "only_ddp")}
     result = collectives.run(run_all, args.world_size, args=(config,), timeout=6 * 3600)[0]

@@ -38,7 +38,7 @@ import collectives
 from collectives.cli import command
 from collectives.shm.ops import SMALL_BYTES, all_reduce_traffic
 
-from .bandwidth import parse_size, size_list
+from .bandwidth import check_sweep, parse_size, size_list
 from .limits import aggregate_copy_gbps
 from .nccl_format import bandwidths
 from .shm import _timed
@@ -148,6 +148,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.world_size < 2 or args.iters < 0:
         parser.error("need --world-size >= 2 and --iters >= 0")
+    check_sweep(args, parser)
     if args.minbytes <= SMALL_BYTES:
         parser.error(f"sizes up to {SMALL_BYTES >> 10} KiB take shm's small path, the same in every variant: "
                      "start above it (-b)")

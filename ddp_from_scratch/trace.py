@@ -152,6 +152,9 @@ def main(argv=None) -> int:
                         help="--impl zero2 or zero2-bucketed: reduce-scatter in buckets of this many MiB during backward")
     parser.add_argument("--out", default="ddp-timeline", help="writes OUT.json (Chrome trace) and OUT.png")
     args = parser.parse_args(argv)
+    for name in ("world_size", "batch_size", "steps"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.bucket_cap_mb is not None and args.impl not in ("zero2", "zero2-bucketed"):
         parser.error(f"--bucket-cap-mb applies to --impl zero2 or zero2-bucketed here, not {args.impl}")
     if args.bucket_cap_mb is not None and not (math.isfinite(args.bucket_cap_mb) and args.bucket_cap_mb > 0):

@@ -1,0 +1,38 @@
+"""Every command-line program refuses nonsense in one line with exit code 2, before any rank
+starts: sizes below 1, -b above -e, a step factor of 1 (it never reaches -e), zero steps or batches.
+
+    pytest tests/test_cli_usage.py -q
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import algorithms, bandwidth, shm, shm_paths
+from collectives.algorithms import show
+from ddp_from_scratch import trace
+
+CASES = [
+    (show.main, ["all_reduce", "--bytes", "-800"], "--bytes must be at least 1, got -800"),
+    (show.main, ["all_reduce", "--bytes", "0"], "--bytes must be at least 1, got 0"),
+    (trace.main, ["--steps", "0"], "--steps must be at least 1, got 0"),
+    (trace.main, ["--batch-size", "0"], "--batch-size must be at least 1, got 0"),
+    (trace.main, ["--world-size", "0"], "--world-size must be at least 1, got 0"),
+    (bandwidth.main, ["-b", "64M", "-e", "8"], "-b 67108864 must be at least 1 and at most -e 8"),
+    (bandwidth.main, ["-f", "1"], "-f 1: the step factor must be at least 2"),
+    (shm.main, ["-f", "1"], "-f 1: the step factor must be at least 2"),
+    (shm.main, ["-b", "1M", "-e", "1K"], "must be at least 1 and at most -e 1024"),
+    (shm_paths.main, ["-f", "1"], "-f 1: the step factor must be at least 2"),
+    (algorithms.main, ["-f", "1"], "-f 1: the step factor must be at least 2"),
+    (algorithms.main, ["--world-size", "0"], "--world-size must be at least 1, got 0"),
+]
+
+
+@pytest.mark.parametrize("main, argv, says", CASES, ids=[f"{m.__module__}:{' '.join(a)}" for m, a, _ in CASES])
+def test_usage_errors_exit_2_in_one_line(main, argv, says, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert info.value.code == 2, err
+    assert says in err, err
+    assert err.strip().splitlines()[-1].endswith(says) or says in err.strip().splitlines()[-1], err
