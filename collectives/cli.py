@@ -16,6 +16,7 @@ SIGTERM and SIGKILL need nothing here: the ranks watch their parent and end with
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from typing import Callable
 
@@ -55,11 +56,24 @@ def eta_by_size(done: list, left: list) -> str:
     return f"~{format_seconds(sum(a + b * n for n in left))} left"
 
 
+def compile_cache_outside_tmp() -> None:
+    """Keep torch's compile cache out of the temporary directory, unless the user placed it.
+
+    Constructing any torch optimizer imports torch._dynamo, which creates
+    /tmp/torchinductor_<user> (TORCHINDUCTOR_CACHE_DIR's default) although nothing here compiles.
+    Every rank and every program of this project points it at ~/.cache/torchinductor instead
+    (XDG_CACHE_HOME respected): one directory, reused, and nothing new in /tmp after a run.
+    """
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(cache, "torchinductor"))
+
+
 def command(main: Callable[..., int]) -> Callable[..., int]:
     """Decorate a program's main(argv=None) -> exit code (see the module docstring)."""
 
     @functools.wraps(main)
     def wrapped(*args, **kwargs) -> int:
+        compile_cache_outside_tmp()
         try:
             return main(*args, **kwargs)
         except KeyboardInterrupt:

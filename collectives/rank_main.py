@@ -24,6 +24,8 @@ import sys
 import threading
 import traceback
 
+from .cli import compile_cache_outside_tmp
+
 PARENT_POLL_S = 1.0  # the lifeline wakes the watcher at once; this is only the fallback
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 # Frames of the harness itself, left out of the tracebacks and stacks shown to the user.
@@ -48,6 +50,7 @@ def _watch_parent(lifeline, parent_pid: int) -> None:
 
 def _rank_main(rank, world_size, backend, store_port, conn, stack_writer, lifeline, parent_pid, threads, setup):
     """Body of one spawned rank: join the group, then run what the parent sends until None."""
+    compile_cache_outside_tmp()  # before torch's optimizers import torch._dynamo
     os.setpgid(0, 0)  # own process group, so the rank and its children can be killed together
     signal.signal(signal.SIGTERM, _kill_own_group)
     threading.Thread(target=_watch_parent, args=(lifeline, parent_pid), daemon=True, name="parent-watch").start()

@@ -307,3 +307,21 @@ def test_an_exception_whose_str_fails_is_still_reported():
     assert str(info.value).startswith("rank 0 raised _StrFails (its str() raised RuntimeError)") or \
         str(info.value).startswith("rank 1 raised _StrFails (its str() raised RuntimeError)"), str(info.value)
     assert "exited with code 1" not in str(info.value)  # the rank reported; it did not die
+
+
+def _compile_cache_dir(env):
+    import tempfile
+
+    import torch
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)  # imports torch._dynamo, which makes the cache dir
+    return cache_dir(), tempfile.gettempdir()
+
+
+def test_ranks_keep_torchs_compile_cache_out_of_tmp():
+    """torch's optimizers create /tmp/torchinductor_<user> on import (seen after every train,
+    trace and compare run); our ranks point the cache at ~/.cache/torchinductor instead."""
+    for where, tmp in C.run(_compile_cache_dir, world_size=2):
+        assert not where.startswith(tmp), where
+        assert where.endswith("torchinductor")
