@@ -230,3 +230,14 @@ def test_amp_with_a_sharded_step_is_refused(capsys):
     with pytest.raises(SystemExit) as info:
         train.main(COMMON + ["--impl", "zero2", "--amp"])
     assert info.value.code == 2 and "--amp applies to the DDP impls" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("impl", ["torch", "zero2", "fsdp"])
+def test_resume_with_another_impl_is_refused_naming_it(impl, tmp_path, capsys):
+    """A bucketed checkpoint resumed as another impl (whose state is laid out differently) must
+    stop before any rank starts, naming the impl, not only the world size."""
+    _checkpoint(tmp_path / "ckpt")
+    with pytest.raises(SystemExit) as info:
+        train.main(COMMON + ["--impl", impl, "--epochs", "2", "--checkpoint", str(tmp_path / "ckpt"), "--resume"])
+    assert info.value.code == 2
+    assert f"impl 'bucketed' in the checkpoint, '{impl}' now" in capsys.readouterr().err
