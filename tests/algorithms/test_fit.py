@@ -1,0 +1,40 @@
+"""The cost-model fit recovers known alpha and beta (and gamma) from synthetic timings, and weighs
+small and large sizes as its docstring says: relative error lets the small sizes pin alpha.
+
+    pytest tests/algorithms/test_fit.py -q
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from collectives.algorithms.fit import fit_line
+
+SIZES = [8 << k for k in range(0, 26, 2)]  # 8 B .. 256 MiB, as the fit measures
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.floats(1e-6, 1e-3), st.floats(1e-11, 1e-8))
+def test_exact_timings_give_back_alpha_and_beta(alpha, beta):
+    points = [(n, alpha + beta * n) for n in SIZES]
+    for relative in (True, False):
+        a, b = fit_line(points, relative=relative)
+        assert a == pytest.approx(alpha, rel=1e-6, abs=1e-12) and b == pytest.approx(beta, rel=1e-6)
+
+
+def test_relative_error_lets_the_small_sizes_pin_alpha():
+    """With 5% noise on every time, the relative fit finds alpha within a few percent; plain least
+    squares, which the large sizes dominate, does not (a fit weighting the wrong way would pass
+    the exact test above and fail here)."""
+    alpha, beta = 50e-6, 0.25e-9
+    rng = random.Random(0)
+    points = [(n, (alpha + beta * n) * (1 + rng.uniform(-0.05, 0.05))) for n in SIZES for _ in range(3)]
+    a_rel, b_rel = fit_line(points, relative=True)
+    a_abs, b_abs = fit_line(points, relative=False)
+    assert a_rel == pytest.approx(alpha, rel=0.05) and b_rel == pytest.approx(beta, rel=0.05)
+    assert abs(a_abs - alpha) > 10 * abs(a_rel - alpha)  # the large sizes' noise swamps alpha
+    assert b_abs == pytest.approx(beta, rel=0.05)  # and gamma's plain fit still recovers a slope
