@@ -363,3 +363,25 @@ def test_a_full_dev_shm_is_a_clear_error_not_a_sigbus(monkeypatch):
                                           r"set COLLECTIVES_SHM_SLOT_MB lower"):
         s.Segment.create_or_attach(dist.HashStore(), 0, 2, 64 << 20)
     assert shm.leftovers() == [] or all(not n.startswith(f"{s.PREFIX}-{os.getpid()}-") for n in shm.leftovers())
+
+
+def _small_all_reduce_bits(env):
+    """Random floats (sums that round), sizes on the small path (up to SMALL_BYTES): every rank's
+    result as raw bits, gathered, for every op."""
+    out = {}
+    for numel in (1, 7, 1000, 4000):  # 4000 float32 = 16000 bytes: the small path's largest
+        for op in ("sum", "avg", "max", "min", "product"):
+            g = torch.Generator().manual_seed(1000 * numel + env.rank)
+            t = torch.rand(numel, generator=g) + 0.5
+            C.all_reduce(t, op=op)
+            everyone = C.all_gather(t.view(torch.int32).view(1, -1))  # (world_size, numel) bits
+            out[(numel, op)] = all(torch.equal(everyone[0], row) for row in everyone)
+    return out
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_a_small_all_reduce_leaves_the_same_bits_on_every_rank(world_size):
+    """On the small path every rank adds every slot itself: only one fixed order (rank 0's slot
+    first) gives every rank the same bits at 3 and more ranks; adding its own value first would not."""
+    for rank, same in enumerate(C.run(_small_all_reduce_bits, world_size=world_size, backend="shm")):
+        assert all(same.values()), (rank, [k for k, v in same.items() if not v])
