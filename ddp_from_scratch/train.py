@@ -331,10 +331,17 @@ def _train_epoch(env, config, model, opt, loader, scaler, epoch: int, progress: 
 
 
 def _save(path: str, config, saved: dict, epoch: int, settings: dict) -> None:
-    """Rank 0 writes the checkpoint atomically: a crash leaves the previous one whole."""
+    """Rank 0 writes the checkpoint atomically: a crash, or a write that fails (a full disk), leaves
+    the previous one whole and no .tmp behind."""
     os.makedirs(config["checkpoint"], exist_ok=True)
-    torch.save({**saved, "epoch": epoch + 1, "synthetic": config["synthetic"], "settings": settings}, path + ".tmp")
-    os.replace(path + ".tmp", path)
+    tmp = path + ".tmp"
+    try:
+        torch.save({**saved, "epoch": epoch + 1, "synthetic": config["synthetic"], "settings": settings}, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+        raise
 
 
 def _train(env, config) -> dict:

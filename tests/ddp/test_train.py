@@ -241,3 +241,16 @@ def test_resume_with_another_impl_is_refused_naming_it(impl, tmp_path, capsys):
         train.main(COMMON + ["--impl", impl, "--epochs", "2", "--checkpoint", str(tmp_path / "ckpt"), "--resume"])
     assert info.value.code == 2
     assert f"impl 'bucketed' in the checkpoint, '{impl}' now" in capsys.readouterr().err
+
+
+def test_a_checkpoint_that_cannot_be_written_leaves_the_previous_one_and_no_tmp(tmp_path):
+    """torch.save failing half-way (here: something it cannot pickle, as a full disk would fail it)
+    must leave the last good checkpoint as it was and no checkpoint.pt.tmp."""
+    folder = tmp_path / "ckpt"
+    path = _checkpoint(folder)
+    before = path.read_bytes()
+    config = {"checkpoint": str(folder), "synthetic": True}
+    with pytest.raises(Exception):
+        train._save(str(path), config, {"model": {"w": lambda: 0}}, 1, {})
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in folder.iterdir()) == ["checkpoint.pt"]
