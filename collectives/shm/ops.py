@@ -48,7 +48,7 @@ from typing import Optional
 import torch
 
 from ..chunks import bounds
-from ..errors import CollectiveMismatchError
+from ..errors import CollectiveError, CollectiveMismatchError
 from ..reduce_ops import combine, local_reduce
 from . import cma
 from .config import ShmConfig
@@ -95,6 +95,14 @@ OPS = ("", "sum", "product", "min", "max", "band", "bor", "bxor")
 DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
 DTYPE_CODES = {d: i for i, d in enumerate(DTYPES)}
 _WORDS = struct.Struct(f"{CALL_WORDS}i")  # one rank's call: kind | op | root, dtype, numel (two words)
+REFUSED = -2  # the dtype word of a call that this rank's own argument checks refused (ShmCollectives.refuse)
+
+
+class ShmArgumentError(CollectiveError):
+    """A raw torch.distributed call on an shm group whose arguments are wrong on this rank (an
+    output of the wrong size, length or dtype). Raised before any byte moves, after meeting the
+    other ranks at the call's first barrier, so none of them waits for this one and the group
+    stays usable."""
 
 
 def _describe(words) -> str:
@@ -103,6 +111,8 @@ def _describe(words) -> str:
     kind, op, root = KINDS[(head & 15) - 1], OPS[(head >> 4) & 15], (head >> 8) - 1
     if kind == "barrier":
         return kind
+    if dtype == REFUSED:
+        return f"{kind} with arguments that rank refused"
     text = f"{kind} of {high << 31 | low} {str(DTYPES[dtype]).replace('torch.', '')}"
     if op:
         text += f" ({op})"
@@ -148,6 +158,19 @@ class ShmCollectives:
         self._pending = _WORDS.pack(KINDS.index(kind) + 1 | OPS.index(op) << 4 | (root + 1) << 8,
                                     DTYPE_CODES[tensor.dtype] if tensor is not None else -1, numel & 0x7FFFFFFF,
                                     numel >> 31)
+
+    def refuse(self, kind: str, reason: str) -> None:
+        """This rank's arguments for `kind` are wrong (`reason`): meet the other ranks at the call's
+        first barrier anyway, marked as refused, so that every rank raises there instead of
+        waiting for this one; then raise ShmArgumentError(reason) here. Nothing is written."""
+        self.waiter.what = kind
+        self._pending = _WORDS.pack(KINDS.index(kind) + 1, REFUSED, 0, 0)
+        self._next_round()  # one round, as every call enters before its first barrier: the halves stay in step
+        try:
+            self._barrier()
+        except CollectiveMismatchError:
+            pass  # the others raise it, naming this rank; this rank raises its own reason
+        raise ShmArgumentError(reason)
 
     def _barrier(self) -> None:
         """The barrier; at a call's first one each rank has put what it is calling in its words

@@ -31,7 +31,7 @@ from .. import reduce_ops
 from ..errors import CollectiveError, CollectiveMismatchError
 from . import cma
 from .config import ShmConfig
-from .ops import ShmCollectives
+from .ops import ShmArgumentError, ShmCollectives
 from .segment import Segment
 from .wait import Waiter
 
@@ -89,6 +89,62 @@ def _contiguous_cpu(tensor: torch.Tensor, what: str) -> torch.Tensor:
     return tensor
 
 
+def _span(t: torch.Tensor):
+    """The bytes a tensor's elements can touch, as (start, end) addresses."""
+    extent = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) if t.numel() else 0
+    return t.data_ptr(), t.data_ptr() + extent * t.element_size()
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    (a0, a1), (b0, b1) = _span(a), _span(b)
+    return a0 < b1 and b0 < a1
+
+
+def _wrong_devices(**tensors) -> str:
+    """"" when every tensor is on the CPU (lists allowed), else which one is not."""
+    for name, value in tensors.items():
+        for i, t in enumerate(value if isinstance(value, (list, tuple)) else [value]):
+            if isinstance(t, (list, tuple)):
+                bad = _wrong_devices(**{f"{name}[{i}]": t})
+                if bad:
+                    return bad
+            elif t.device.type != "cpu":
+                where = f"{name}[{i}]" if isinstance(value, (list, tuple)) else name
+                return f"{where} is on {t.device}; the shm backend moves CPU tensors only"
+    return ""
+
+
+def _wrong_gather(output: torch.Tensor, input: torch.Tensor, size: int) -> str:
+    """What is wrong with all_gather_into_tensor's arguments ("" if nothing), as Gloo checks them."""
+    if output.dtype != input.dtype:
+        return f"output is {output.dtype} and input {input.dtype}; they must be the same dtype"
+    if output.numel() != size * input.numel():
+        return (f"output has {output.numel()} elements; it must have world_size x input's, "
+                f"{size} x {input.numel()} = {size * input.numel()}")
+    return ""
+
+
+def _wrong_scatter(output: torch.Tensor, input: torch.Tensor, size: int) -> str:
+    """What is wrong with reduce_scatter_tensor's arguments ("" if nothing)."""
+    if output.dtype != input.dtype:
+        return f"output is {output.dtype} and input {input.dtype}; they must be the same dtype"
+    if input.numel() != size * output.numel():
+        return (f"input has {input.numel()} elements; it must have world_size x output's, "
+                f"{size} x {output.numel()} = {size * output.numel()}")
+    return ""
+
+
+def _wrong_list(tensors: List[torch.Tensor], like: torch.Tensor, size: int, name: str) -> str:
+    """What is wrong with a list that must hold one tensor per rank, each like `like`."""
+    if len(tensors) != size:
+        return f"{name} has {len(tensors)} tensors; it must have one per rank ({size})"
+    for q, t in enumerate(tensors):
+        if t.dtype != like.dtype or t.numel() != like.numel():
+            return (f"{name}[{q}] is {t.numel()} x {t.dtype}; every one must match the other side's "
+                    f"{like.numel()} x {like.dtype}")
+    return ""
+
+
 class ProcessGroupShm(dist.ProcessGroup):
     def __init__(self, store, rank: int, size: int, timeout: timedelta):
         super().__init__(rank, size)
@@ -128,7 +184,7 @@ class ProcessGroupShm(dist.ProcessGroup):
         try:
             job()
             fut.set_result(value)
-        except CollectiveMismatchError as exc:
+        except (CollectiveMismatchError, ShmArgumentError) as exc:  # every rank raised at one barrier
             fut.set_exception(exc)
         except BaseException as exc:  # noqa: BLE001
             self._waiter.abort()
@@ -147,6 +203,12 @@ class ProcessGroupShm(dist.ProcessGroup):
             self._queue.put((job, fut, value))
         return ShmWork(fut)
 
+    def _refuse(self, kind: str, why: str) -> dist.Work:
+        """A Work that raises ShmArgumentError naming the call, this rank and the argument, after
+        meeting the other ranks at the call's first barrier (none of them waits for this one)."""
+        reason = f"{kind} on rank {self.rank()} of the shm group: {why}; nothing was moved"
+        return self._submit(lambda: self._shm.refuse(kind, reason), None)
+
     def _drain(self) -> None:
         with self._idle:
             self._idle.wait_for(lambda: self._pending == 0)
@@ -162,6 +224,9 @@ class ProcessGroupShm(dist.ProcessGroup):
     # -- in shared memory ----------------------------------------------------------------------
     def allreduce(self, tensors: List[torch.Tensor], opts=None):
         op = _op(opts)
+        why = _wrong_devices(tensor=tensors)
+        if why:
+            return self._refuse("all_reduce", why)
 
         def job():
             for t in tensors:
@@ -172,6 +237,9 @@ class ProcessGroupShm(dist.ProcessGroup):
         return self._submit(job, tensors, _nbytes(tensors))
 
     def broadcast(self, tensors: List[torch.Tensor], opts):
+        why = _wrong_devices(tensor=tensors)
+        if why:
+            return self._refuse("broadcast", why)
         def job():
             for t in tensors:
                 flat = _contiguous_cpu(t, "broadcast").contiguous().view(-1)
@@ -182,6 +250,9 @@ class ProcessGroupShm(dist.ProcessGroup):
 
     def reduce(self, tensors: List[torch.Tensor], opts):
         op = _op(opts)
+        why = _wrong_devices(tensor=tensors)
+        if why:
+            return self._refuse("reduce", why)
 
         def job():
             for t in tensors:
@@ -193,6 +264,9 @@ class ProcessGroupShm(dist.ProcessGroup):
         return self._submit(job, tensors)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts=None):
+        why = _wrong_devices(output=output, input=input) or _wrong_gather(output, input, self.size())
+        if why:
+            return self._refuse("all_gather", why)
         def job():
             out = _contiguous_cpu(output, "all_gather").contiguous().view(-1)
             self._shm.all_gather(out, input.contiguous().view(-1))
@@ -203,6 +277,11 @@ class ProcessGroupShm(dist.ProcessGroup):
     _allgather_base = all_gather_single  # the names torch used before 2.13
 
     def allgather(self, output_tensors: List[List[torch.Tensor]], input_tensors: List[torch.Tensor], opts=None):
+        why = _wrong_devices(output_tensor_list=output_tensors, input=input_tensors) or next(
+            (w for outs, inp in zip(output_tensors, input_tensors)
+             for w in [_wrong_list(outs, inp, self.size(), "output_tensor_list")] if w), "")
+        if why:
+            return self._refuse("all_gather", why)
         def job():
             for outs, inp in zip(output_tensors, input_tensors):
                 flat = _contiguous_cpu(inp, "all_gather").contiguous().view(-1)
@@ -214,9 +293,13 @@ class ProcessGroupShm(dist.ProcessGroup):
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts=None):
         op = _op(opts)
+        why = _wrong_devices(output=output, input=input) or _wrong_scatter(output, input, self.size())
+        if why:
+            return self._refuse("reduce_scatter", why)
+        aliased = _overlap(output, input)  # e.g. the output is this rank's chunk of the input
 
         def job():
-            out = _contiguous_cpu(output, "reduce_scatter").contiguous().view(-1)
+            out = output.new_empty(output.numel()) if aliased else output.contiguous().view(-1)
             _reduced(op, self.size(), lambda o: self._shm.reduce_scatter(out, input.contiguous().view(-1), o), out)
             if out.data_ptr() != output.data_ptr():
                 output.copy_(out.view_as(output))
@@ -226,6 +309,11 @@ class ProcessGroupShm(dist.ProcessGroup):
 
     def reduce_scatter(self, output_tensors: List[torch.Tensor], input_tensors: List[List[torch.Tensor]], opts=None):
         op = _op(opts)
+        why = _wrong_devices(output=output_tensors, input_list=input_tensors) or next(
+            (w for out, ins in zip(output_tensors, input_tensors)
+             for w in [_wrong_list(ins, out, self.size(), "input_list")] if w), "")
+        if why:
+            return self._refuse("reduce_scatter", why)
 
         def job():
             for out, ins in zip(output_tensors, input_tensors):

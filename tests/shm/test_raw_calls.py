@@ -1,0 +1,141 @@
+"""Raw torch.distributed calls on an shm group: every call does what Gloo does with the same
+arguments (the same result, or an error), never writes outside its output, and a rank whose
+arguments are wrong is named without any rank waiting for it.
+
+    pytest tests/shm/test_raw_calls.py -q
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import collectives as C
+from collectives.errors import CollectiveMismatchError
+from collectives.shm.ops import ShmArgumentError
+
+SENTINEL = -7  # what the memory around every output holds; it must still hold it afterwards
+CASES = 60
+
+
+def _values(rng_seed: int, rank: int, numel: int, dtype) -> torch.Tensor:
+    """Rank-dependent integers (exact in every dtype here, so sums do not depend on the order)."""
+    g = torch.Generator().manual_seed(rng_seed * 31 + rank)
+    return torch.randint(-50, 50, (numel,), generator=g).to(dtype)
+
+
+def _placed(n: int, dtype, rng: random.Random):
+    """An output of n elements inside a larger buffer of SENTINEL, at a random offset: (view, buffer)."""
+    before, after = rng.randint(0, 5), rng.randint(0, 5)
+    buf = torch.full((before + n + after,), SENTINEL, dtype=dtype)
+    return buf[before:before + n], buf, (before, before + n)
+
+
+def _one_case(case: int, rank: int, size: int, group):
+    """Build case `case` (the same arguments on every rank), run it on `group`; returns
+    (error type or None, outputs as lists, whether the memory around the outputs is untouched)."""
+    rng = random.Random(case)  # the same on every rank: the ranks agree on the call
+    kind = rng.choice(["all_gather_into_tensor", "all_gather", "reduce_scatter_tensor", "reduce_scatter", "all_reduce"])
+    dtype = rng.choice([torch.float32, torch.float64, torch.int32, torch.int64])
+    n = rng.randint(1, 9)
+    wrong = rng.random() < 0.4
+    alias = kind == "reduce_scatter_tensor" and not wrong and rng.random() < 0.5
+    inp = _values(case, rank, n * (size if kind.startswith("reduce_scatter") else 1), dtype)
+    outs, bufs, spans = [], [], []
+
+    def out(numel, out_dtype=dtype):
+        view, buf, span = _placed(numel, out_dtype, rng)
+        outs.append(view)
+        bufs.append(buf)
+        spans.append(span)
+        return view
+
+    try:
+        if kind == "all_gather_into_tensor":
+            bad = wrong and rng.choice(["size", "dtype"])
+            o = out(n * size + (rng.choice([-1, 1]) if bad == "size" else 0),
+                    torch.float16 if bad == "dtype" else dtype)
+            dist.all_gather_into_tensor(o, inp, group=group)
+        elif kind == "all_gather":
+            k = size + (rng.choice([-1, 1]) if wrong else 0)
+            dist.all_gather([out(n) for _ in range(max(k, 1))], inp, group=group)
+        elif kind == "reduce_scatter_tensor":
+            if alias:  # the output is this rank's own chunk of its input
+                dist.reduce_scatter_tensor(inp[rank * n:(rank + 1) * n], inp, group=group)
+                outs.append(inp)
+            else:
+                o = out(n + (rng.choice([-1, 1]) if wrong else 0))
+                dist.reduce_scatter_tensor(o, inp, group=group)
+        elif kind == "reduce_scatter":
+            k = size + (rng.choice([-1, 1]) if wrong else 0)
+            dist.reduce_scatter(out(n), list(inp.chunk(size))[:max(k, 1)] if k <= size else
+                                list(inp.chunk(size)) + [inp[:n]], group=group)
+        else:
+            o = out(n)
+            o.copy_(inp)
+            dist.all_reduce(o, group=group)
+        error = None
+    except (RuntimeError, ValueError) as exc:
+        error = type(exc).__name__ if not isinstance(exc, ShmArgumentError) else "refused"
+    untouched = all(torch.equal(buf[:a], torch.full((a,), SENTINEL, dtype=buf.dtype)) and
+                    torch.equal(buf[b:], torch.full((len(buf) - b,), SENTINEL, dtype=buf.dtype))
+                    for buf, (a, b) in zip(bufs, spans))
+    return kind, wrong, error, [o.tolist() for o in outs] if error is None else None, untouched
+
+
+def _against_gloo(env):
+    shm_group = dist.new_group(backend="shm")
+    report = []
+    for case in range(CASES):
+        theirs = _one_case(case, env.rank, env.world_size, None)  # the world is Gloo
+        ours = _one_case(case, env.rank, env.world_size, shm_group)
+        report.append((case, theirs, ours))
+    after = torch.tensor([env.rank + 1.0])
+    dist.all_reduce(after, group=shm_group)  # still usable after every refusal
+    return report, after.item()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_every_raw_call_does_what_gloo_does_and_writes_nothing_outside_its_output(world_size):
+    for rank, (report, after) in enumerate(C.run(_against_gloo, world_size=world_size, timeout=300)):
+        assert after == sum(range(1, world_size + 1))
+        wrong_cases = 0
+        for case, (kind, wrong, gloo_error, gloo_out, _), (_, _, shm_error, shm_out, untouched) in report:
+            where = f"rank {rank}, case {case}: {kind}, {'wrong' if wrong else 'right'} arguments"
+            assert untouched, f"{where}: shm wrote outside the output"
+            assert (gloo_error is None) == (shm_error is None), f"{where}: Gloo {gloo_error}, shm {shm_error}"
+            if gloo_error is None:
+                assert shm_out == gloo_out, f"{where}: shm {shm_out}, Gloo {gloo_out}"
+            else:
+                assert shm_error in ("refused", "ValueError"), f"{where}: shm raised {shm_error}"
+                wrong_cases += 1
+        assert wrong_cases >= 10  # the generator really made wrong calls
+
+
+def _one_rank_wrong(env):
+    group = dist.new_group(backend="shm")
+    size = env.world_size
+    out = torch.empty(2 * size + (1 if env.rank == 1 else 0))  # rank 1's output is one too long
+    try:
+        dist.all_gather_into_tensor(out, torch.ones(2), group=group)
+        said = "no error"
+    except ShmArgumentError as exc:
+        said = f"refused: {exc}"
+    except CollectiveMismatchError as exc:
+        said = f"mismatch: {exc}"
+    t = torch.ones(1)
+    dist.all_reduce(t, group=group)
+    return said, t.item()
+
+
+def test_one_rank_with_wrong_arguments_is_named_and_nobody_waits_for_it():
+    results = C.run(_one_rank_wrong, world_size=3, timeout=60)
+    assert results[1][0].startswith("refused: all_gather on rank 1 of the shm group: output has 7 elements; it must "
+                                    "have world_size x input's, 3 x 2 = 6; nothing was moved"), results[1][0]
+    for rank in (0, 2):
+        said = results[rank][0]
+        assert said.startswith("mismatch:") and "rank 1: all_gather with arguments that rank refused" in said, said
+    assert [t for _, t in results] == [3.0, 3.0, 3.0]  # the group is still usable
