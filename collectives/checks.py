@@ -8,6 +8,7 @@ in `checked_mode.py`.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Optional, Tuple
 
 import torch
@@ -174,7 +175,7 @@ def check_writable(tensor: torch.Tensor, collective: str, info: GroupInfo) -> No
 def check_root(root: int, kind: str, collective: str, info: GroupInfo) -> None:
     """`src`/`dst` is a global rank (torch.distributed's convention) that is in the group."""
     where = f"{collective} on rank {info.global_rank}"
-    if not isinstance(root, int) or isinstance(root, bool):
+    if not isinstance(root, numbers.Integral) or isinstance(root, bool):  # numpy integers too, as torch takes them
         raise CollectiveError(f"{where}: {kind} must be an int (a global rank), got {root!r}")
     world = dist.get_world_size()
     if not 0 <= root < world:

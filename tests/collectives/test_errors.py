@@ -230,3 +230,19 @@ def test_run_refuses_bad_arguments_before_spawning(kwargs, error, fragment):
     assert time.monotonic() - start < 1.0  # refused before any rank was spawned
     with pytest.raises(TypeError, match="fn must be a function, got int"):
         C.run(5, 2)
+
+
+@distributed(world_size=2)
+def test_numpy_integer_roots_are_taken_as_torch_takes_them(env):
+    """src=np.int64(1) is a rank to torch.distributed; the wrappers used to refuse it as not an int."""
+    import numpy as np
+
+    t = torch.tensor([float(env.rank)])
+    C.broadcast(t, src=np.int64(1))
+    assert t.item() == 1.0
+    r = torch.tensor([env.rank + 1.0])
+    C.reduce(r, dst=np.int32(0))
+    assert env.rank != 0 or r.item() == 3.0
+    raises(lambda: C.broadcast(torch.ones(1), src=True), CollectiveError, "src must be an int")
+    raises(lambda: C.broadcast(torch.ones(1), src=np.float64(1.0)), CollectiveError, "src must be an int")
+    group_still_works()
