@@ -36,3 +36,21 @@ def test_usage_errors_exit_2_in_one_line(main, argv, says, capsys):
     assert info.value.code == 2, err
     assert says in err, err
     assert err.strip().splitlines()[-1].endswith(says) or says in err.strip().splitlines()[-1], err
+
+
+@pytest.mark.parametrize("content, says", [
+    (None, "no such file (python -m collectives.algorithms.fit writes one)"),
+    ("{not json", "is not one (a JSON object with numbers alpha, beta and gamma): JSONDecodeError"),
+    ('{"alpha": 1e-5, "beta": 1e-9}', "is not one (a JSON object with numbers alpha, beta and gamma): no 'gamma' key"),
+    ('{"alpha": 1e-5, "beta": "fast", "gamma": 0}', "is not one"),
+    ('{"alpha": -1, "beta": 1e-9, "gamma": 0}', "must be finite and not negative"),
+    ("[1, 2, 3]", "is not one"),
+])
+def test_a_cost_model_file_that_is_missing_or_wrong_is_a_usage_error(content, says, tmp_path, capsys):
+    path = tmp_path / "model.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(SystemExit) as info:
+        show.main(["all_reduce", "--model", str(path)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert info.value.code == 2 and f"error: --model: cost model {path}" in err[-1] and says in err[-1], err

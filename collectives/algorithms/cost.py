@@ -40,9 +40,19 @@ class CostModel:
         """The model saved by `python -m collectives.algorithms.fit` (COLLECTIVES_COST_MODEL or the
         package's model.json, fitted on the development machine)."""
         path = path or os.environ.get("COLLECTIVES_COST_MODEL") or DEFAULT_PATH
-        with open(path) as f:
-            data = json.load(f)
-        return cls(data["alpha"], data["beta"], data["gamma"], data.get("source", path))
+        try:
+            with open(path) as f:
+                data = json.load(f)
+            values = [float(data[k]) for k in ("alpha", "beta", "gamma")]
+        except FileNotFoundError:
+            raise ValueError(f"cost model {path}: no such file (python -m collectives.algorithms.fit writes one)") from None
+        except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+            why = f"no {exc} key" if isinstance(exc, KeyError) else f"{type(exc).__name__}: {exc}"
+            raise ValueError(f"cost model {path} is not one (a JSON object with numbers alpha, beta and gamma): {why}") \
+                from None
+        if not all(math.isfinite(v) and v >= 0 for v in values):
+            raise ValueError(f"cost model {path}: alpha, beta and gamma must be finite and not negative, got {values}")
+        return cls(*values, data.get("source", path))
 
     def save(self, path: str, **extra) -> None:
         with open(path, "w") as f:

@@ -55,7 +55,10 @@ def main(argv=None) -> int:
         parser.error(f"--root {args.root} is not a rank of a world of {args.world_size}")
     if args.algorithm != "auto" and args.algorithm not in ALGORITHMS[args.collective]:
         parser.error(f"{args.collective} has no algorithm {args.algorithm!r}: one of {', '.join(ALGORITHMS[args.collective])}")
-    model = CostModel.load(args.model)
+    try:
+        model = CostModel.load(args.model)
+    except ValueError as exc:
+        parser.error(f"--model: {exc}")
     p = args.world_size
     per_rank = args.bytes // 8 // (p if args.collective in ("all_gather", "gather") else 1)
     if args.collective == "all_to_all":
