@@ -128,6 +128,7 @@ class RankPool:
         return [p.pid for p in self._procs]
 
     def start(self) -> "RankPool":
+        _not_while_a_rank_imports_main()
         if self.alive:
             return self
         self._kill()
@@ -379,6 +380,16 @@ def _clean_stack(text: str) -> str:
                  and not ln.startswith(("Fatal Python error:", "Extension modules:"))]  # a crash's trailer
         kept.append("\n".join(lines))
     return "\n\n".join(k for k in kept if k.strip())
+
+
+def _not_while_a_rank_imports_main() -> None:
+    """A spawned rank imports the launching script as __mp_main__; a script that calls run() at
+    module level (no `if __name__ == "__main__":`) would call it again in every rank, and each
+    would print multiprocessing's 60-line bootstrap traceback. Say it in one line and leave."""
+    if getattr(mp.current_process(), "_inheriting", False):
+        print(f"{mp.current_process().name}: collectives.run() was called while this rank imported your "
+              "main module; call it under `if __name__ == \"__main__\":`", file=sys.stderr, flush=True)
+        raise SystemExit(1)
 
 
 def pickled(fn, args, name: Optional[str] = None) -> bytes:

@@ -325,3 +325,4 @@ def test_ranks_keep_torchs_compile_cache_out_of_tmp():
     for where, tmp in C.run(_compile_cache_dir, world_size=2):
         assert not where.startswith(tmp), where
         assert where.endswith("torchinductor")
+
