@@ -23,10 +23,12 @@ What each rank runs is rank_main.py; this file is the parent's side.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import math
 import multiprocessing as mp
 import multiprocessing.connection
+import multiprocessing.util  # registers its exit handler now, so that ours (below) runs before it
 import os
 import pickle
 import re
@@ -34,6 +36,7 @@ import select
 import signal
 import sys
 import time
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .errors import RankFailure
@@ -132,6 +135,7 @@ class RankPool:
         if self.alive:
             return self
         self._kill()
+        _LIVE.add(self)
         import torch.distributed as dist
 
         # The rendezvous: a TCP store on a free port of this process, gone when this process is.
@@ -147,7 +151,7 @@ class RankPool:
                     target=_rank_main,
                     args=(rank, self.world_size, self.backend, self._store.port, child, stack_writer, lifeline_reader,
                           os.getpid(), self.threads, self.setup),
-                    daemon=True,
+                    daemon=False,  # a rank may start processes of its own (DataLoader workers); see _LIVE
                     name=f"rank{rank}",
                 )
                 proc.start()
@@ -185,6 +189,7 @@ class RankPool:
         for conn in self._conns + self._stacks + ([self._lifeline] if self._lifeline else []):
             conn.close()
         self._procs, self._conns, self._stacks, self._lifeline, self._store = [], [], [], None, None
+        _LIVE.discard(self)
 
     def __enter__(self) -> "RankPool":
         return self.start()
@@ -390,6 +395,19 @@ def _not_while_a_rank_imports_main() -> None:
         print(f"{mp.current_process().name}: collectives.run() was called while this rank imported your "
               "main module; call it under `if __name__ == \"__main__\":`", file=sys.stderr, flush=True)
         raise SystemExit(1)
+
+
+# Pools with ranks running. Ranks are not daemonic processes (daemons may not have children), so
+# multiprocessing joins them when this process exits; a pool left open would then wait for ranks
+# that wait for this process. This exit handler, registered after multiprocessing's own and so run
+# before it, kills them first.
+_LIVE: "weakref.WeakSet[RankPool]" = weakref.WeakSet()
+
+
+@atexit.register
+def _kill_live_pools() -> None:
+    for pool in list(_LIVE):
+        pool._kill()
 
 
 def pickled(fn, args, name: Optional[str] = None) -> bytes:

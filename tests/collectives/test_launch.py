@@ -326,3 +326,25 @@ def test_ranks_keep_torchs_compile_cache_out_of_tmp():
         assert not where.startswith(tmp), where
         assert where.endswith("torchinductor")
 
+
+
+def _load_with_workers(env):
+    """A DataLoader with worker processes inside a rank (a daemonic rank may not have children)."""
+    data = torch.utils.data.TensorDataset(torch.arange(8.0))
+    loader = torch.utils.data.DataLoader(data, batch_size=4, num_workers=2)
+    return [batch[0].tolist() for batch in loader]
+
+
+def test_a_rank_may_start_processes_of_its_own():
+    for batches in C.run(_load_with_workers, world_size=2, timeout=120):
+        assert batches == [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0, 6.0, 7.0]]
+
+
+def test_a_program_that_leaves_its_pool_open_still_exits(tmp_path):
+    """Ranks are not daemons (so they may have children), and multiprocessing joins such processes
+    at exit; a pool left open must be killed first, or the program waits for ranks that wait for it."""
+    script = tmp_path / "open_pool.py"
+    script.write_text("import collectives\n\ndef f(env):\n    return env.rank\n\nif __name__ == '__main__':\n"
+                      "    pool = collectives.RankPool(2)\n    print(pool.start().submit(f))\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert out.returncode == 0 and out.stdout.strip() == "[0, 1]", out.stderr
