@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from .. import reduce_ops
-from ..errors import CollectiveError, CollectiveMismatchError
+from ..errors import CollectiveMismatchError
 from . import cma
 from .config import ShmConfig
 from .ops import ShmArgumentError, ShmCollectives
@@ -83,12 +83,6 @@ def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _contiguous_cpu(tensor: torch.Tensor, what: str) -> torch.Tensor:
-    if tensor.device.type != "cpu":
-        raise CollectiveError(f"the shm backend moves CPU tensors only; {what} got one on {tensor.device}")
-    return tensor
-
-
 def _span(t: torch.Tensor):
     """The bytes a tensor's elements can touch, as (start, end) addresses."""
     extent = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) if t.numel() else 0
@@ -114,23 +108,14 @@ def _wrong_devices(**tensors) -> str:
     return ""
 
 
-def _wrong_gather(output: torch.Tensor, input: torch.Tensor, size: int) -> str:
-    """What is wrong with all_gather_into_tensor's arguments ("" if nothing), as Gloo checks them."""
-    if output.dtype != input.dtype:
-        return f"output is {output.dtype} and input {input.dtype}; they must be the same dtype"
-    if output.numel() != size * input.numel():
-        return (f"output has {output.numel()} elements; it must have world_size x input's, "
-                f"{size} x {input.numel()} = {size * input.numel()}")
-    return ""
-
-
-def _wrong_scatter(output: torch.Tensor, input: torch.Tensor, size: int) -> str:
-    """What is wrong with reduce_scatter_tensor's arguments ("" if nothing)."""
-    if output.dtype != input.dtype:
-        return f"output is {output.dtype} and input {input.dtype}; they must be the same dtype"
-    if input.numel() != size * output.numel():
-        return (f"input has {input.numel()} elements; it must have world_size x output's, "
-                f"{size} x {output.numel()} = {size * output.numel()}")
+def _wrong_sizes(whole: torch.Tensor, part: torch.Tensor, size: int, whole_name: str, part_name: str) -> str:
+    """What is wrong ("" if nothing) with a pair where `whole` must hold world_size of `part`, as
+    Gloo checks it: all_gather's output and input, reduce_scatter's input and output."""
+    if whole.dtype != part.dtype:
+        return f"{whole_name} is {whole.dtype} and {part_name} {part.dtype}; they must be the same dtype"
+    if whole.numel() != size * part.numel():
+        return (f"{whole_name} has {whole.numel()} elements; it must have world_size x {part_name}'s, "
+                f"{size} x {part.numel()} = {size * part.numel()}")
     return ""
 
 
@@ -230,7 +215,7 @@ class ProcessGroupShm(dist.ProcessGroup):
 
         def job():
             for t in tensors:
-                flat = _contiguous_cpu(t, "all_reduce").view(-1) if t.is_contiguous() else t.contiguous().view(-1)
+                flat = t.view(-1) if t.is_contiguous() else t.contiguous().view(-1)
                 _reduced(op, self.size(), lambda o: self._shm.all_reduce(flat, o), flat)
                 if flat.data_ptr() != t.data_ptr():
                     t.copy_(flat.view_as(t))
@@ -240,9 +225,10 @@ class ProcessGroupShm(dist.ProcessGroup):
         why = _wrong_devices(tensor=tensors)
         if why:
             return self._refuse("broadcast", why)
+
         def job():
             for t in tensors:
-                flat = _contiguous_cpu(t, "broadcast").contiguous().view(-1)
+                flat = t.contiguous().view(-1)
                 self._shm.broadcast(flat, opts.rootRank)
                 if flat.data_ptr() != t.data_ptr():
                     t.copy_(flat.view_as(t))
@@ -256,7 +242,7 @@ class ProcessGroupShm(dist.ProcessGroup):
 
         def job():
             for t in tensors:
-                flat = _contiguous_cpu(t, "reduce").contiguous().view(-1)
+                flat = t.contiguous().view(-1)
                 _reduced(op, self.size(), lambda o: self._shm.reduce(flat, o, opts.rootRank), flat,
                          gets_result=self.rank() == opts.rootRank)
                 if flat.data_ptr() != t.data_ptr():
@@ -264,11 +250,12 @@ class ProcessGroupShm(dist.ProcessGroup):
         return self._submit(job, tensors)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts=None):
-        why = _wrong_devices(output=output, input=input) or _wrong_gather(output, input, self.size())
+        why = _wrong_devices(output=output, input=input) or _wrong_sizes(output, input, self.size(), "output", "input")
         if why:
             return self._refuse("all_gather", why)
+
         def job():
-            out = _contiguous_cpu(output, "all_gather").contiguous().view(-1)
+            out = output.contiguous().view(-1)
             self._shm.all_gather(out, input.contiguous().view(-1))
             if out.data_ptr() != output.data_ptr():
                 output.copy_(out.view_as(output))
@@ -282,9 +269,10 @@ class ProcessGroupShm(dist.ProcessGroup):
              for w in [_wrong_list(outs, inp, self.size(), "output_tensor_list")] if w), "")
         if why:
             return self._refuse("all_gather", why)
+
         def job():
             for outs, inp in zip(output_tensors, input_tensors):
-                flat = _contiguous_cpu(inp, "all_gather").contiguous().view(-1)
+                flat = inp.contiguous().view(-1)
                 joined = flat.new_empty(self.size() * flat.numel())
                 self._shm.all_gather(joined, flat)
                 for q, out in enumerate(outs):
@@ -293,7 +281,7 @@ class ProcessGroupShm(dist.ProcessGroup):
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts=None):
         op = _op(opts)
-        why = _wrong_devices(output=output, input=input) or _wrong_scatter(output, input, self.size())
+        why = _wrong_devices(output=output, input=input) or _wrong_sizes(input, output, self.size(), "input", "output")
         if why:
             return self._refuse("reduce_scatter", why)
         aliased = _overlap(output, input)  # e.g. the output is this rank's chunk of the input
