@@ -25,7 +25,7 @@ from typing import Any, Callable, List, Optional, Sequence
 import os
 
 from .env import init_from_env, read_env, shutdown
-from .pool import RankPool, check_call, pickled
+from .pool import RankPool, check_call
 
 
 def run(
@@ -56,9 +56,14 @@ def run(
             rank starts).
     """
     check_call(fn, args, timeout)
-    pickled(fn, args)  # refused here, before any rank is spawned
-    with RankPool(world_size, backend=backend, threads=threads) as pool:
-        return pool.submit(fn, args=args, timeout=timeout)
+    pool = RankPool(world_size, backend=backend, threads=threads)
+    done = False
+    try:  # not `with pool`, which starts the ranks: submit pickles (fn, args) first, refusing what cannot go
+        result = pool.submit(fn, args=args, timeout=timeout)
+        done = True
+        return result
+    finally:
+        pool.close() if done else pool._kill()  # Ctrl-C or an error: no point waiting for the ranks
 
 
 def run_or_join(fn: Callable, world_size: int, **run_kwargs) -> Any:

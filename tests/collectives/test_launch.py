@@ -282,12 +282,10 @@ def test_eta_by_size_is_latency_plus_bandwidth_not_bytes_alone():
     (print, (threading.Lock(),), "cannot pickle '_thread.lock' object"),
 ])
 def test_what_cannot_pickle_is_refused_before_any_rank_is_spawned(fn, args, what, monkeypatch):
-    import collectives.launch as launch
-
     def no_spawn(*a, **k):
         raise AssertionError("a rank pool was started for a call that cannot reach the ranks")
 
-    monkeypatch.setattr(launch, "RankPool", no_spawn)
+    monkeypatch.setattr(C.RankPool, "start", no_spawn)
     with pytest.raises(TypeError, match="cannot send .* to the ranks: " + what):
         C.run(fn, world_size=2, args=args)
 
