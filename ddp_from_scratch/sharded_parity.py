@@ -53,7 +53,7 @@ PARITY_IMPLS = SHARDED
 def _build_ours(impl, base: nn.Module, against: str, units: str) -> nn.Module:
     if not isinstance(impl, str):
         return impl(base)
-    return wrap(base, impl, broadcast_buffers=against == "torch", units=units if STAGES[impl].units_option else None)
+    return wrap(base, impl, broadcast_buffers=against == "torch", units=units if "units" in STAGES[impl].takes else None)
 
 
 def train_sharded_side_by_side(env, impl: str, steps: int, against: str = "torch-fsdp", model="small",
@@ -74,7 +74,7 @@ def train_sharded_side_by_side(env, impl: str, steps: int, against: str = "torch
     base = (MODELS[model] if isinstance(model, str) else model)().to(device)
     copied = copy.deepcopy(base)
     # the units torch's side is cut into: ours for fsdp; ZeRO-1/2 reduce the whole model at once
-    cut = units if isinstance(impl, str) and STAGES[impl].units_option else "model"
+    cut = units if isinstance(impl, str) and "units" in STAGES[impl].takes else "model"
     theirs = torch_fully_shard(copied, cut) if against == "torch-fsdp" else wrap(copied, "torch")
     ours = _build_ours(impl, base, against, units)
     opt_ours = ours.optimizer(torch.optim.SGD, lr=lr, momentum=0.9)

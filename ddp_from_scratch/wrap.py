@@ -57,12 +57,12 @@ class Stage:
     """One data-parallel stage, by name.
 
     build(module, **options) wraps the module; `defaults(module)` adds options the name implies
-    (zero2-bucketed: its bucket size); `takes` lists the options beyond group, broadcast_buffers
-    and timeline that it accepts. For the sharded stages (which have `model.optimizer(...)`):
-    `bitwise_twin` is torch's wrapper it matches bit for bit at every world size ("torch" for
-    DDP, "torch-fsdp" for fully_shard, None: only at 2 ranks; sharded_parity.SHARDED_NOTE says
-    why) and `units_option` whether it takes fsdp's units= (its fully_shard twin is then cut the
-    same way; otherwise the twin is the whole model as one unit).
+    (zero2-bucketed: its bucket size); `takes` lists the options beyond group and broadcast_buffers
+    that it accepts. For the sharded stages (which have `model.optimizer(...)`): `bitwise_twin` is
+    torch's wrapper it matches bit for bit at every world size ("torch" for DDP, "torch-fsdp" for
+    fully_shard, None: only at 2 ranks; sharded_parity.SHARDED_NOTE says why). A stage that takes
+    fsdp's `units` is compared with a fully_shard cut the same way; the others with the whole
+    model as one unit.
     """
 
     name: str
@@ -73,11 +73,10 @@ class Stage:
     takes: frozenset = frozenset()
     defaults: Callable[[nn.Module], Dict] = lambda module: {}
     bitwise_twin: Optional[str] = None
-    units_option: bool = False
 
 
 _BUCKETED = frozenset({"bucket_cap_mb", "first_bucket_mb", "find_unused_parameters", "gradient_as_bucket_view",
-                       "compress"})
+                       "compress", "timeline"})
 
 STAGES: Dict[str, Stage] = {s.name: s for s in [
     Stage("torch", lambda module, **kw: nn.parallel.DistributedDataParallel(module, **kw),
@@ -89,13 +88,13 @@ STAGES: Dict[str, Stage] = {s.name: s for s in [
     Stage("zero1", ZeroOneDataParallel, "step 4, ZeRO-1: DDP's buckets, the optimizer state sharded",
           sharded=True, takes=_BUCKETED | {"gather_cap_mb"}, bitwise_twin="torch"),
     Stage("zero2", ZeroTwoDataParallel, "step 5, ZeRO-2: one reduce_scatter after backward, gradients sharded too",
-          sharded=True, takes=frozenset({"bucket_cap_mb", "gather_cap_mb"}), bitwise_twin="torch-fsdp"),
+          sharded=True, takes=frozenset({"bucket_cap_mb", "gather_cap_mb", "timeline"}), bitwise_twin="torch-fsdp"),
     Stage("zero2-bucketed", ZeroTwoDataParallel,
           "step 5, ZeRO-2 in buckets reduce-scattered during backward (default: a quarter of the model each)",
-          sharded=True, takes=frozenset({"bucket_cap_mb", "gather_cap_mb"}),
+          sharded=True, takes=frozenset({"bucket_cap_mb", "gather_cap_mb", "timeline"}),
           defaults=lambda module: {"bucket_cap_mb": quarter_of_the_model_mb(module)}),
     Stage("fsdp", FullyShardedDataParallel, "step 6, ZeRO-3/FSDP: parameters sharded too, gathered unit by unit",
-          sharded=True, takes=frozenset({"units", "prefetch"}), bitwise_twin="torch-fsdp", units_option=True),
+          sharded=True, takes=frozenset({"units", "prefetch", "timeline"}), bitwise_twin="torch-fsdp"),
     Stage("torch-fsdp", lambda module, units="children", **kw: torch_fully_shard(module, units),
           "torch's fully_shard (FSDP2) on the same units as fsdp", sharded=True, ours=False,
           takes=frozenset({"units"})),
@@ -126,8 +125,7 @@ def wrap(model: nn.Module, impl: Union[str, type], **kwargs) -> nn.Module:
     stage = STAGES[impl]
     if impl == "torch":  # torch's DDP checks its own options
         return stage.build(model, **kwargs)
-    common = {"group", "broadcast_buffers"} | ({"timeline"} if stage.ours and impl not in ("naive", "flat") else set())
-    refused = sorted(kwargs.keys() - common - stage.takes)
+    refused = sorted(kwargs.keys() - {"group", "broadcast_buffers"} - stage.takes)
     if refused:
         takers = [n for n, s in STAGES.items() if set(refused) <= s.takes]
         raise ValueError(f"{impl} takes no {', '.join(refused)}"
