@@ -31,6 +31,7 @@ from .. import reduce_ops
 from ..errors import CollectiveMismatchError
 from . import cma
 from .config import ShmConfig
+from .arguments import overlap, wrong_devices, wrong_list, wrong_sizes
 from .ops import ShmArgumentError, ShmCollectives
 from .segment import Segment
 from .wait import Waiter
@@ -81,53 +82,6 @@ class ShmWork(dist.Work):
 
 def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def _span(t: torch.Tensor):
-    """The bytes a tensor's elements can touch, as (start, end) addresses."""
-    extent = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) if t.numel() else 0
-    return t.data_ptr(), t.data_ptr() + extent * t.element_size()
-
-
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    (a0, a1), (b0, b1) = _span(a), _span(b)
-    return a0 < b1 and b0 < a1
-
-
-def _wrong_devices(**tensors) -> str:
-    """"" when every tensor is on the CPU (lists allowed), else which one is not."""
-    for name, value in tensors.items():
-        for i, t in enumerate(value if isinstance(value, (list, tuple)) else [value]):
-            if isinstance(t, (list, tuple)):
-                bad = _wrong_devices(**{f"{name}[{i}]": t})
-                if bad:
-                    return bad
-            elif t.device.type != "cpu":
-                where = f"{name}[{i}]" if isinstance(value, (list, tuple)) else name
-                return f"{where} is on {t.device}; the shm backend moves CPU tensors only"
-    return ""
-
-
-def _wrong_sizes(whole: torch.Tensor, part: torch.Tensor, size: int, whole_name: str, part_name: str) -> str:
-    """What is wrong ("" if nothing) with a pair where `whole` must hold world_size of `part`, as
-    Gloo checks it: all_gather's output and input, reduce_scatter's input and output."""
-    if whole.dtype != part.dtype:
-        return f"{whole_name} is {whole.dtype} and {part_name} {part.dtype}; they must be the same dtype"
-    if whole.numel() != size * part.numel():
-        return (f"{whole_name} has {whole.numel()} elements; it must have world_size x {part_name}'s, "
-                f"{size} x {part.numel()} = {size * part.numel()}")
-    return ""
-
-
-def _wrong_list(tensors: List[torch.Tensor], like: torch.Tensor, size: int, name: str) -> str:
-    """What is wrong with a list that must hold one tensor per rank, each like `like`."""
-    if len(tensors) != size:
-        return f"{name} has {len(tensors)} tensors; it must have one per rank ({size})"
-    for q, t in enumerate(tensors):
-        if t.dtype != like.dtype or t.numel() != like.numel():
-            return (f"{name}[{q}] is {t.numel()} x {t.dtype}; every one must match the other side's "
-                    f"{like.numel()} x {like.dtype}")
-    return ""
 
 
 class ProcessGroupShm(dist.ProcessGroup):
@@ -209,7 +163,7 @@ class ProcessGroupShm(dist.ProcessGroup):
     # -- in shared memory ----------------------------------------------------------------------
     def allreduce(self, tensors: List[torch.Tensor], opts=None):
         op = _op(opts)
-        why = _wrong_devices(tensor=tensors)
+        why = wrong_devices(tensor=tensors)
         if why:
             return self._refuse("all_reduce", why)
 
@@ -222,7 +176,7 @@ class ProcessGroupShm(dist.ProcessGroup):
         return self._submit(job, tensors, _nbytes(tensors))
 
     def broadcast(self, tensors: List[torch.Tensor], opts):
-        why = _wrong_devices(tensor=tensors)
+        why = wrong_devices(tensor=tensors)
         if why:
             return self._refuse("broadcast", why)
 
@@ -236,7 +190,7 @@ class ProcessGroupShm(dist.ProcessGroup):
 
     def reduce(self, tensors: List[torch.Tensor], opts):
         op = _op(opts)
-        why = _wrong_devices(tensor=tensors)
+        why = wrong_devices(tensor=tensors)
         if why:
             return self._refuse("reduce", why)
 
@@ -250,7 +204,7 @@ class ProcessGroupShm(dist.ProcessGroup):
         return self._submit(job, tensors)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts=None):
-        why = _wrong_devices(output=output, input=input) or _wrong_sizes(output, input, self.size(), "output", "input")
+        why = wrong_devices(output=output, input=input) or wrong_sizes(output, input, self.size(), "output", "input")
         if why:
             return self._refuse("all_gather", why)
 
@@ -264,9 +218,9 @@ class ProcessGroupShm(dist.ProcessGroup):
     _allgather_base = all_gather_single  # the names torch used before 2.13
 
     def allgather(self, output_tensors: List[List[torch.Tensor]], input_tensors: List[torch.Tensor], opts=None):
-        why = _wrong_devices(output_tensor_list=output_tensors, input=input_tensors) or next(
+        why = wrong_devices(output_tensor_list=output_tensors, input=input_tensors) or next(
             (w for outs, inp in zip(output_tensors, input_tensors)
-             for w in [_wrong_list(outs, inp, self.size(), "output_tensor_list")] if w), "")
+             for w in [wrong_list(outs, inp, self.size(), "output_tensor_list")] if w), "")
         if why:
             return self._refuse("all_gather", why)
 
@@ -281,10 +235,10 @@ class ProcessGroupShm(dist.ProcessGroup):
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts=None):
         op = _op(opts)
-        why = _wrong_devices(output=output, input=input) or _wrong_sizes(input, output, self.size(), "input", "output")
+        why = wrong_devices(output=output, input=input) or wrong_sizes(input, output, self.size(), "input", "output")
         if why:
             return self._refuse("reduce_scatter", why)
-        aliased = _overlap(output, input)  # e.g. the output is this rank's chunk of the input
+        aliased = overlap(output, input)  # e.g. the output is this rank's chunk of the input
 
         def job():
             out = output.new_empty(output.numel()) if aliased else output.contiguous().view(-1)
@@ -297,9 +251,9 @@ class ProcessGroupShm(dist.ProcessGroup):
 
     def reduce_scatter(self, output_tensors: List[torch.Tensor], input_tensors: List[List[torch.Tensor]], opts=None):
         op = _op(opts)
-        why = _wrong_devices(output=output_tensors, input_list=input_tensors) or next(
+        why = wrong_devices(output=output_tensors, input_list=input_tensors) or next(
             (w for out, ins in zip(output_tensors, input_tensors)
-             for w in [_wrong_list(ins, out, self.size(), "input_list")] if w), "")
+             for w in [wrong_list(ins, out, self.size(), "input_list")] if w), "")
         if why:
             return self._refuse("reduce_scatter", why)
 
