@@ -31,7 +31,6 @@ import multiprocessing.connection
 import multiprocessing.util  # registers its exit handler now, so that ours (below) runs before it
 import os
 import pickle
-import re
 import select
 import signal
 import sys
@@ -40,53 +39,13 @@ import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .errors import RankFailure
-from .rank_main import HIDDEN_FILES, PACKAGE_DIR, _rank_main
+from .rank_main import _rank_main
+from .rank_report import PEER_LOST, clean_stack, describe_exit, short, where_it_was
 
 # After the first rank fails, how long the others get to report their own error (in checked
 # mode every rank raises the same mismatch; all of their messages are worth showing).
 FAILURE_GRACE_S = 3.0
 STACK_DUMP_WAIT_S = 1.0
-
-
-def _describe_exit(code: Optional[int]) -> str:
-    if code is None:
-        return "is still running"
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        hint = " (Gloo aborts like this on a size or dtype mismatch)" if name == "SIGABRT" else ""
-        return f"died from {name}{hint}"
-    return f"exited with code {code} without reporting a result"
-
-
-# What a rank's error says when the peer it was talking to died or failed first.
-_PEER_LOST = re.compile(r"Connection (reset|closed) by peer|Socket closed|Broken pipe|peer.*(closed|died)"
-                        r"|PeerFailure: .* rank \d+ (\(pid \d+\) )?(died|failed)", re.IGNORECASE)
-
-
-def _short(text: str, limit: int = 160) -> str:
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
-
-
-def _where(stack: str) -> str:
-    """Where a rank was, from its main thread's stack (the first block of `_clean_stack`'s
-    output, innermost frame first): "waiting in all_reduce (called from prog.py:6 in boom)" or
-    "in sleep_forever (prog.py:12)"."""
-    frames = [m.groupdict() for m in _FRAME.finditer(stack.split("\n\n")[0])]
-    if not frames:
-        return ""
-    user = next((f for f in frames if "/torch/" not in f["file"] and not f["file"].startswith(PACKAGE_DIR)), None)
-    called = f" (called from {os.path.basename(user['file'])}:{user['line']} in {user['func']})" if user else ""
-    c10d = next((f for f in frames if "torch/distributed/" in f["file"]), None)
-    if c10d is not None:
-        return f"waiting in {c10d['func']}{called}"
-    first = frames[0]
-    return f"in {first['func']} ({os.path.basename(first['file'])}:{first['line']})"
 
 
 class RankPool:
@@ -279,9 +238,9 @@ class RankPool:
     def _death(self, rank: int) -> Tuple[str, str]:
         """How a dead rank ended and where, and the stack its faulthandler wrote as it died."""
         self._procs[rank].join(1.0)
-        summary = _describe_exit(self._procs[rank].exitcode)
-        stack = _clean_stack(self._read_crash_stack(rank))
-        where = _where(stack).replace("waiting in ", "in ", 1)
+        summary = describe_exit(self._procs[rank].exitcode)
+        stack = clean_stack(self._read_crash_stack(rank))
+        where = where_it_was(stack).replace("waiting in ", "in ", 1)
         if where:
             summary = summary.replace(" (", f" {where} (", 1) if " (" in summary else f"{summary} {where}"
         return summary, stack
@@ -293,13 +252,13 @@ class RankPool:
         __tracebackhide__ = True
         # A rank that only lost its peer can report before the parent sees the peer's death (both
         # arrive in one wait, in no set order): lead with the first failure of its own.
-        own = [r for r in order if not _PEER_LOST.search(failures[r])]
+        own = [r for r in order if not PEER_LOST.search(failures[r])]
         if own and own[0] != order[0]:
             order = [own[0]] + [r for r in order if r != own[0]]
         stopped: List[int] = []
         if pending:  # hung (timeout), or still busy after another rank failed
             stacks = self._dump_stacks(sorted(pending))
-            where = {r: _where(stacks.get(r, "")) for r in pending}
+            where = {r: where_it_was(stacks.get(r, "")) for r in pending}
             if failures:
                 why = f"was still running {FAILURE_GRACE_S:.0f} s after rank {order[0]} failed"
                 stopped = sorted(pending)
@@ -312,7 +271,7 @@ class RankPool:
                 summaries[rank] = f"{why}: {where[rank]}" if where[rank] else why
                 failures[rank] = f"rank {rank} {why}; its Python stack:\n{stacks.get(rank) or '(no stack captured)'}"
         # A rank whose connection to a dead or failed peer broke failed because of that peer.
-        stopped += [r for r in order[1:] if r not in stopped and _PEER_LOST.search(failures[r])]
+        stopped += [r for r in order[1:] if r not in stopped and PEER_LOST.search(failures[r])]
         self._kill()
         failed = [r for r in order if r not in stopped]
         first = order[0]
@@ -320,10 +279,10 @@ class RankPool:
                  f"  in {what} (world_size={self.world_size}, backend={self.backend})"]
         others = [r for r in failed if r != first]
         if others:
-            lines.append("  also: " + "; ".join(f"rank {r} {_short(summaries[r])}" for r in others))
+            lines.append("  also: " + "; ".join(f"rank {r} {short(summaries[r])}" for r in others))
         if stopped:
             lines.append(f"  stopped because of it: rank(s) {sorted(stopped)}")
-            lines += [f"    rank {r} {_short(summaries[r])}" for r in sorted(stopped)]
+            lines += [f"    rank {r} {short(summaries[r])}" for r in sorted(stopped)]
         body = "\n".join(f"----- {failures[r]}".rstrip() for r in [*failed, *sorted(stopped)])
         if what == "start-up" and any("exited with code 1" in f for f in failures.values()):
             body += (
@@ -367,24 +326,7 @@ class RankPool:
                 break
             if all(raw.values()):
                 time.sleep(0.05)  # let the last threads' frames arrive
-        return {rank: _clean_stack(text.decode(errors="replace")) for rank, text in raw.items() if text}
-
-
-def _clean_stack(text: str) -> str:
-    """faulthandler's all-thread dump, minus the parent-watch thread, the spawn bootstrap frames and
-    the trailer a fatal signal adds (the signal is in the summary already)."""
-    blocks = re.split(r"\n\s*\n|\n(?=(?:Current thread|Thread) 0x)", text.strip())
-    blocks = [b for b in blocks if b.strip() and "in _watch_parent" not in b and "<no Python frame>" not in b]
-    # first the thread a fatal signal hit (faulthandler calls it the current one), else the main
-    # thread (the one running fn)
-    blocks.sort(key=lambda b: (not b.lstrip().startswith("Current thread"), "in _rank_main" not in b))
-    kept = []
-    for block in blocks:
-        lines = [ln for ln in block.splitlines()
-                 if "multiprocessing/" not in ln and '"<string>"' not in ln and not any(h in ln for h in HIDDEN_FILES)
-                 and not ln.startswith(("Fatal Python error:", "Extension modules:"))]  # a crash's trailer
-        kept.append("\n".join(lines))
-    return "\n\n".join(k for k in kept if k.strip())
+        return {rank: clean_stack(text.decode(errors="replace")) for rank, text in raw.items() if text}
 
 
 def _not_while_a_rank_imports_main() -> None:
