@@ -12,10 +12,13 @@ and the caller gets one `RankFailure` that leads with the rank that failed first
 Nothing outlives the pool, whatever ends it:
 - The ranks join through a TCP store that this process hosts on a free port (no fixed port, no
   rendezvous file to leave behind in /tmp).
-- Each rank watches a "lifeline" pipe whose only writer is this process. When this process
-  ends in any way, SIGKILL included, the pipe reads end-of-file and the rank kills its own
-  process group: itself and anything it started. (PR_SET_PDEATHSIG would kill only the rank,
-  not its children, and fires when the *thread* that started the rank exits.)
+- A reaper process (reaper.py), started before the ranks, kills every process that carries this
+  pool's mark in its environment (the ranks and all they start, a grandchild in a session of its
+  own included) when the pool closes or this process ends in any way, SIGKILL included. It needs
+  nothing from the ranks, so a rank stuck in a C call that holds Python's lock goes too.
+- Each rank also watches a "lifeline" pipe whose only writer is this process, and kills its own
+  process group when it reads end-of-file: the quick path, and the one that covers a rank forked
+  but not yet started when this process died.
 - A hung rank's Python stack comes back through a pipe too (faulthandler writes into it).
 
 What each rank runs is rank_main.py; this file is the parent's side.
@@ -28,6 +31,7 @@ import datetime
 import math
 import multiprocessing as mp
 import multiprocessing.connection
+import multiprocessing.resource_tracker
 import multiprocessing.util  # registers its exit handler now, so that ours (below) runs before it
 import os
 import pickle
@@ -41,6 +45,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from .errors import RankFailure
 from .rank_main import _rank_main
 from .rank_report import PEER_LOST, clean_stack, describe_exit, short, where_it_was
+from .reaper import Reaper
 
 # After the first rank fails, how long the others get to report their own error (in checked
 # mode every rank raises the same mismatch; all of their messages are worth showing).
@@ -78,6 +83,7 @@ class RankPool:
         self._stacks: List[mp.connection.Connection] = []
         self._lifeline = None
         self._store = None
+        self._reaper: Optional[Reaper] = None
 
     # -- life cycle ---------------------------------------------------------------------------
     @property
@@ -102,6 +108,11 @@ class RankPool:
                                     timeout=datetime.timedelta(seconds=self.start_timeout))
         ctx = mp.get_context("spawn")
         lifeline_reader, self._lifeline = ctx.Pipe(duplex=False)
+        # multiprocessing's resource tracker serves this process beyond the pool: start it unmarked
+        # (it exits by itself once every process holding its pipe, the ranks included, is gone).
+        multiprocessing.resource_tracker.ensure_running()
+        self._reaper = Reaper()
+        os.environ[self._reaper.mark] = "1"  # the spawned ranks inherit it, and pass it to all they start
         try:
             for rank in range(self.world_size):
                 parent, child = ctx.Pipe()
@@ -120,6 +131,7 @@ class RankPool:
                 self._conns.append(parent)
                 self._stacks.append(stack_reader)
         finally:
+            del os.environ[self._reaper.mark]
             lifeline_reader.close()
         self._collect("start-up", self.start_timeout, expect="ready")
         return self
@@ -145,9 +157,11 @@ class RankPool:
             except (ProcessLookupError, PermissionError):
                 pass
             proc.join(5.0)
+        if self._reaper is not None:
+            self._reaper.sweep_now()  # what a rank started outside its process group
         for conn in self._conns + self._stacks + ([self._lifeline] if self._lifeline else []):
             conn.close()
-        self._procs, self._conns, self._stacks, self._lifeline, self._store = [], [], [], None, None
+        self._procs, self._conns, self._stacks, self._lifeline, self._store, self._reaper = [], [], [], None, None, None
         _LIVE.discard(self)
 
     def __enter__(self) -> "RankPool":

@@ -218,6 +218,48 @@ def test_ranks_die_with_a_killed_launcher(sig, tmp_path):
     assert not [p.name for p in tmp.iterdir() if p.name.startswith("collectives")], list(tmp.iterdir())
 
 
+STUCK_LAUNCHER = textwrap.dedent("""
+    import ctypes, os, subprocess, sys, time
+    import collectives
+
+    def work(env, pid_dir):
+        if env.rank == 0:  # will sit in one C call that holds Python's lock: its watcher thread never runs
+            pids = [os.getpid()]
+        else:  # leaves for a session of its own, out of reach of the rank's process group
+            child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+            pids = [os.getpid(), child.pid]
+        with open(os.path.join(pid_dir, f"rank{env.rank}.pid"), "w") as f:
+            f.write(" ".join(map(str, pids)))
+        if env.rank == 0:
+            ctypes.PyDLL(None).sleep(600)
+        time.sleep(600)
+
+    if __name__ == "__main__":
+        collectives.run(work, world_size=2, args=(sys.argv[1],))
+""")
+
+
+def test_nothing_outlives_a_killed_launcher_even_a_rank_that_holds_the_gil_or_a_detached_grandchild(tmp_path):
+    """Seen surviving a SIGKILLed launcher before the reaper: a rank stuck in a GIL-holding call,
+    the grandchild in its own session, and the launcher's resource tracker (kept alive by them)."""
+    below, pid_dir, _ = kill_launcher_script(STUCK_LAUNCHER, signal.SIGKILL, tmp_path)
+    pids = _pids_in(pid_dir)
+    assert len(pids) == 3 and set(pids) <= set(below)
+    assert os.getsid(pids[2]) == pids[2]  # the grandchild really did leave the rank's session
+    assert len(below) >= 5  # and multiprocessing's resource tracker, and the reaper
+    assert_all_gone(below)
+
+
+def _start_a_detached_child(env):
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+    return child.pid
+
+
+def test_a_detached_grandchild_is_gone_when_run_returns():
+    [pid] = C.run(_start_a_detached_child, world_size=1)
+    assert not _running(pid), f"pid {pid}, started by the rank in a session of its own, outlived the run"
+
+
 def test_a_function_the_ranks_cannot_import_is_refused_clearly():
     with pytest.raises(TypeError, match="module level"):
         C.run(lambda env: env.rank, world_size=2)
