@@ -388,3 +388,17 @@ def test_a_program_that_leaves_its_pool_open_still_exits(tmp_path):
                       "    pool = collectives.RankPool(2)\n    print(pool.start().submit(f))\n")
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert out.returncode == 0 and out.stdout.strip() == "[0, 1]", out.stderr
+
+
+def _inner(env):
+    return os.getpid()
+
+
+def _run_nested(env):
+    return C.run(_inner, world_size=1, timeout=120)
+
+
+def test_a_rank_may_run_a_pool_of_its_own():
+    """A nested run (a daemonic rank may not have children); its rank is gone once it returns."""
+    [[inner_pid]] = C.run(_run_nested, world_size=1, timeout=180)
+    assert inner_pid != os.getpid() and not _running(inner_pid)
