@@ -34,6 +34,11 @@ OpLike = Union[str, "dist.ReduceOp", "dist.ReduceOp.RedOpType"]
 _names: dict = {}
 
 
+def _short(op) -> str:
+    text = repr(op) if not hasattr(op, "shape") else f"{type(op).__name__} of shape {tuple(op.shape)}"
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def op_name(op: OpLike, collective: str = "collective") -> str:
     """Normalise "SUM", ReduceOp.SUM or ReduceOp(ReduceOp.SUM) to "sum"."""
     try:
@@ -43,7 +48,11 @@ def op_name(op: OpLike, collective: str = "collective") -> str:
     key = op
     if not isinstance(op, str) and not hasattr(op, "name") and hasattr(op, "op"):
         op = op.op  # a ReduceOp instance wraps a RedOpType
-    name = op.lower() if isinstance(op, str) else getattr(op, "name", str(op)).lower()
+    name = op if isinstance(op, str) else getattr(op, "name", None)
+    if not isinstance(name, str):  # None, a number, a tensor (whose .name is None) ...
+        raise CollectiveError(f"{collective}: unknown reduction op {_short(op)}; use one of {', '.join(OP_NAMES)} "
+                              "or a torch.distributed.ReduceOp")
+    name = name.lower()
     if name == "prod":
         name = "product"
     if name not in OP_NAMES:

@@ -65,6 +65,8 @@ def test_arguments_that_used_to_reach_torch_internals_are_named(env):
     each (they were KeyError, AttributeError, a barrier silently on the world, "Invalid scalar type")."""
     raises(lambda: C.all_reduce(torch.ones(2), op=None), CollectiveError, "all_reduce", "unknown reduction op None")
     raises(lambda: C.reduce_scatter(torch.ones(2, 2), op=None), CollectiveError, "reduce_scatter", "op None")
+    raises(lambda: C.reduce_scatter(torch.ones(2, 2), torch.ones(2)), CollectiveError, "reduce_scatter",
+           "unknown reduction op Tensor of shape (2,)")  # a tensor where op goes was an AttributeError
     for bad in (0, "world", [0, 1]):
         raises(lambda: C.all_reduce(torch.ones(2), group=bad), CollectiveError, "all_reduce", "group must be a process group",
                repr(bad))
