@@ -15,7 +15,6 @@ was the measured-fastest algorithm, and its regret, t(auto's choice) / t(fastest
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -30,6 +29,7 @@ from tabulate import tabulate
 import collectives
 import collectives.algorithms as A
 from collectives.algorithms.cost import CostModel, choose
+from collectives import cli
 from collectives.cli import command, eta_by_size
 
 from .bandwidth import DTYPES, check_sweep, parse_size, size_list
@@ -187,10 +187,20 @@ def plot(results, path: str) -> None:
     plt.close(fig)
 
 
+def _load(parser, path: str) -> dict:
+    """A run written by --json, or a usage error naming the file and what is missing."""
+    what = "benchmarks.algorithms --json run"
+    run = cli.load_json(parser, "--replot", path, keys=("rows", "world_size", "backend"), what=what)
+    for i, row in enumerate(run["rows"] if isinstance(run["rows"], list) else [None]):
+        if not isinstance(row, dict) or any(k not in row for k in ("collective", "size", "backend_s", "algorithms")):
+            parser.error(f"--replot {path}: row {i} is not a measurement of a {what}")
+    return run
+
+
 @command
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.algorithms", description=__doc__.split("\n\n")[0])
+    parser = cli.ArgumentParser(prog="python -m benchmarks.algorithms", description=__doc__.split("\n\n")[0])
     parser.add_argument("-c", "--collective", nargs="+", default=["all_reduce", "reduce_scatter", "all_gather",
                                                                   "broadcast", "reduce", "all_to_all"],
                         choices=[c for c in COLLECTIVES if c not in ("gather", "scatter")], help="collectives to race")
@@ -209,12 +219,11 @@ def main(argv=None) -> int:
     if args.replot:
         if not args.plot:
             parser.error("--replot needs --plot FILE.png")
-        runs = []
-        for path in args.replot:
-            with open(path) as f:
-                runs.append(json.load(f))
+        cli.check_outputs(parser, {"--plot": args.plot})
+        runs = [_load(parser, path) for path in args.replot]
         plot(runs, args.plot)
         return 0
+    cli.check_outputs(parser, {"--json": args.json, "--plot": args.plot})
     config = {k: getattr(args, k) for k in ("collective", "minbytes", "maxbytes", "stepfactor")}
     result = collectives.run(race, args.world_size, args=(config,), timeout=6 * 3600)[0]
     score = auto_score(result)

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 import collectives
+from collectives import cli
 from collectives.cli import command, eta_by_size
 
 from . import limits as machine_limits
@@ -61,7 +62,7 @@ def size_list(begin: int, end: int, factor: int) -> list:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.bandwidth", description=__doc__.split("\n\n")[0],
+    p = cli.ArgumentParser(prog="python -m benchmarks.bandwidth", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("-c", "--collective", nargs="+", default=["all_reduce"], choices=COLLECTIVES + ["all"],
                    help="collectives to run ('all' runs each)")
@@ -87,13 +88,23 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+SWEEP_BUFFERS = 4  # tensors of -e bytes a rank may hold at the largest size
+
+
 def check_sweep(args, parser) -> None:
-    """-b, -e and -f as every benchmark's size sweep takes them: 1 <= -b <= -e, and -f >= 2 (a step
-    factor of 1 never reaches -e)."""
+    """-b, -e and -f as every benchmark's size sweep takes them: 1 <= -b <= -e, -f >= 2 (a step
+    factor of 1 never reaches -e), and -e small enough for every rank's buffers to fit in memory."""
     if args.minbytes < 1 or args.maxbytes < args.minbytes:
         parser.error(f"-b {args.minbytes} must be at least 1 and at most -e {args.maxbytes}")
     if args.stepfactor < 2:
         parser.error(f"-f {args.stepfactor}: the step factor must be at least 2")
+    ranks = getattr(args, "world_size", 1)
+    on_gpu = getattr(args, "device", None) == "cuda" or getattr(args, "backend", None) == "nccl"
+    if not on_gpu and isinstance(ranks, int) and ranks >= 1:
+        # Input, output, the expected result and the backend's scratch: all ranks' in this machine's
+        # memory. (GPU memory is per device, and torch's out-of-memory error there names it.)
+        cli.check_memory(parser, "-e", ranks * SWEEP_BUFFERS * args.maxbytes,
+                         f"{ranks} rank(s) x {SWEEP_BUFFERS} buffers of {cli.format_bytes(args.maxbytes)}")
 
 
 def validate(args, parser) -> None:
@@ -122,19 +133,10 @@ def validate(args, parser) -> None:
             parser.error(f"--algorithm {args.algorithm}: none of {', '.join(args.collective)} has it "
                          f"(algorithms: {', '.join(known)})")
         args.collective = having
-
-
-
-
-# -- data whose reduction is exact in any order ----------------------------------------------------
-
-
-
-
+    cli.check_outputs(parser, {"--json": args.json, "--csv": args.csv, "--plot": args.plot})
 
 
 # -- one collective, one side (out-of-place or in-place) --------------------------------------------
-
 
 
 

@@ -12,13 +12,13 @@ still differ on a GPU (ddp_from_scratch.train --deterministic makes them match).
 
 from __future__ import annotations
 
-import argparse
 import copy
 import sys
 
 import torch
 import torch.nn.functional as F
 
+from collectives import cli
 from ddp_from_scratch.resnet import resnet50
 
 
@@ -50,7 +50,7 @@ def measure(deterministic: bool, repeats: int, batch_size: int) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.cuda_determinism", description=__doc__.split("\n\n")[0])
+    p = cli.ArgumentParser(prog="python -m benchmarks.cuda_determinism", description=__doc__.split("\n\n")[0])
     p.add_argument("--repeats", type=int, default=3, help="steps from the same weights and batch")
     p.add_argument("--batch-size", type=int, default=64)
     args = p.parse_args(argv)

@@ -11,7 +11,6 @@ lookup and a timestamp). Prints the median backward time of each, and the differ
 
 from __future__ import annotations
 
-import argparse
 import random
 import statistics
 import sys
@@ -21,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from tabulate import tabulate
 
+from collectives import cli
 from collectives.cli import command
 from ddp_from_scratch.resnet import resnet50
 
@@ -57,7 +57,7 @@ def _hooked(kind: str):
 
 @command
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=15, help="backwards per variant (alternated)")
     parser.add_argument("--batch-size", type=int, default=32)
     args = parser.parse_args(argv)

@@ -16,7 +16,6 @@ tensors): only the time is measured.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import datetime
 import json
@@ -34,6 +33,7 @@ from tabulate import tabulate
 from torch import nn
 
 import collectives
+from collectives import cli
 from collectives.cli import command
 from ddp_from_scratch.resnet import resnet50
 from ddp_from_scratch.wrap import wrap
@@ -114,7 +114,7 @@ def _ratio(entry) -> str:
 
 @command
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=11, help="timed steps per variant (alternated)")
     parser.add_argument("--batch-size", type=int, default=32, help="images per rank per step")
     parser.add_argument("--caps", type=float, nargs="*", default=[1, 5, 25, 100],
@@ -124,6 +124,7 @@ def main(argv=None) -> int:
     parser.add_argument("--skip-table", action="store_true", help="skip the seeds-style table (4 ranks, AMP)")
     parser.add_argument("--json", help="write every step time, median and ratio, and the environment to this file")
     args = parser.parse_args(argv)
+    cli.check_outputs(parser, {"--json": args.json})
     report = {}
     how = (f"median of {args.rounds} rounds; in each round every variant does one step, in random order; "
            "'/ torch' is the median of the per-round ratios, with quartiles")

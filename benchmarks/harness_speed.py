@@ -11,7 +11,6 @@ torch.multiprocessing.spawn-style tests do), then a block of pooled cases
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -22,6 +21,7 @@ import time
 import torch
 
 import collectives
+from collectives import cli
 from collectives.cli import command
 from collectives.testing import close_pools, get_pool, run_on_ranks
 
@@ -35,12 +35,13 @@ def _case(env):
 
 @command
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world-size", type=int, default=2, help="ranks per test case (default 2)")
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds (default 5)")
     parser.add_argument("--pooled-per-round", type=int, default=50, help="pooled cases per round (default 50)")
     parser.add_argument("--json", help="write the figures and environment to this file")
     args = parser.parse_args(argv)
+    cli.check_outputs(parser, {"--json": args.json})
 
     spawn_s, pooled_s = [], []
     first_pool_start = time.perf_counter()

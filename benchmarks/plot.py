@@ -9,10 +9,10 @@ extra).
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 from typing import Dict, List
+
+from collectives import cli
 
 
 def plot_results(results: List[Dict], out_png: str) -> None:
@@ -49,15 +49,33 @@ def plot_results(results: List[Dict], out_png: str) -> None:
     plt.close(fig)
 
 
+ROW_KEYS = ("collective", "size")
+ENVIRONMENT_KEYS = ("backend", "world_size", "device", "date")
+
+
+def _load(parser, path: str) -> Dict:
+    """One result file of benchmarks.bandwidth --json, or a usage error naming it and what is missing."""
+    what = "benchmarks.bandwidth --json result"
+    result = cli.load_json(parser, "file", path, keys=("rows", "environment"), what=what)
+    rows, env = result["rows"], result["environment"]
+    if not isinstance(rows, list) or not rows or not isinstance(env, dict):
+        parser.error(f"file {path}: not a {what} ('rows' must be a non-empty list, 'environment' an object)")
+    for key in ENVIRONMENT_KEYS:
+        if key not in env:
+            parser.error(f"file {path}: not a {what} (no {key!r} in 'environment')")
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict) or any(k not in row for k in ROW_KEYS) or not (row.get("oop") or row.get("ip")):
+            parser.error(f"file {path}: row {i} is not a measurement (needs {', '.join(ROW_KEYS)} and 'oop' or 'ip')")
+    return result
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description="Plot busbw against size from benchmark JSON files.")
+    parser = cli.ArgumentParser(description="Plot busbw against size from benchmark JSON files.")
     parser.add_argument("files", nargs="+", help="JSON files written by python -m benchmarks.bandwidth --json")
     parser.add_argument("-o", "--output", required=True, help="PNG file to write")
     args = parser.parse_args(argv)
-    results = []
-    for path in args.files:
-        with open(path) as f:
-            results.append(json.load(f))
+    cli.check_outputs(parser, {"-o": args.output})
+    results = [_load(parser, path) for path in args.files]
     plot_results(results, args.output)
     print(f"wrote {args.output}")
     return 0

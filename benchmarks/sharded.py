@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from tabulate import tabulate
 
 import collectives
+from collectives import cli
 from collectives.cli import command
 from ddp_from_scratch.wrap import SHARDED, STAGES as REGISTRY, wrap
 from ddp_from_scratch.fsdp import unit_plan
@@ -174,7 +175,7 @@ def plot(result: dict, path: str) -> None:
 
 @command
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.sharded", description=__doc__.split("\n\n")[0],
+    p = cli.ArgumentParser(prog="python -m benchmarks.sharded", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--world-size", type=int, default=2, help="ranks to spawn")
     p.add_argument("--rounds", type=int, default=7, help="timed rounds (each trains every stage one step)")
@@ -192,6 +193,7 @@ def main(argv=None) -> int:
                    "running nothing")
     p.add_argument("--plot", metavar="FILE.png", help="draw the memory part as stacked bars")
     args = p.parse_args(argv)
+    cli.check_outputs(p, {"--json": args.json, "--plot": args.plot})
     for name in ("world_size", "rounds", "batch", "memory_batch"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
@@ -200,8 +202,10 @@ def main(argv=None) -> int:
     if args.skip_time and args.skip_memory:
         p.error("--skip-time and --skip-memory together leave nothing to run")
     if args.from_json:
-        with open(args.from_json) as f:
-            result = json.load(f)
+        result = cli.load_json(p, "--from-json", args.from_json, keys=("world_size", "machine", "date"),
+                               what="benchmarks.sharded --json run")
+        if "memory" not in result and "step_time" not in result:
+            p.error(f"--from-json {args.from_json}: the run has neither 'memory' nor 'step_time' figures")
         n = result["world_size"]
         args.time_stages = list(result.get("step_time", {})) or args.time_stages
     else:

@@ -36,6 +36,7 @@ from tabulate import tabulate
 from torch import nn
 
 import collectives
+from collectives import cli
 from collectives.cli import command
 from collectives.shm.ops import SMALL_BYTES, all_reduce_traffic
 from ddp_from_scratch.resnet import resnet50
@@ -234,7 +235,7 @@ def plot(result, path: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.shm", description=__doc__.split("\n\n")[0])
+    parser = cli.ArgumentParser(prog="python -m benchmarks.shm", description=__doc__.split("\n\n")[0])
     parser.add_argument("--world-size", type=int, default=2, help="ranks to spawn")
     parser.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("8"), help="smallest size, bytes")
     parser.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("256M"), help="largest size, bytes")
@@ -253,6 +254,7 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
+    cli.check_outputs(parser, {"--json": args.json, "--plot": args.plot})
     if args.world_size < 2 or args.rounds < 1 or args.batch_size < 2:
         parser.error("need --world-size >= 2, --rounds >= 1 and --batch-size >= 2")
     if args.skip_ddp and args.only_ddp:

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from tabulate import tabulate
 
 import collectives
+from collectives import cli
 from collectives.cli import command
 from collectives.shm.ops import SMALL_BYTES, all_reduce_traffic
 
@@ -128,7 +129,7 @@ def report(result) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.shm_paths", description=__doc__.split("\n\n")[0])
+    parser = cli.ArgumentParser(prog="python -m benchmarks.shm_paths", description=__doc__.split("\n\n")[0])
     parser.add_argument("--world-size", type=int, default=4, help="ranks to spawn")
     parser.add_argument("--variants", type=parse_variant, nargs="+",
                         default=[("whole", 0), ("pieces", 1 << 20), ("cma", 1 << 20)],
@@ -146,6 +147,7 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
+    cli.check_outputs(parser, {"--json": args.json})
     if args.world_size < 2 or args.iters < 0:
         parser.error("need --world-size >= 2 and --iters >= 0")
     check_sweep(args, parser)

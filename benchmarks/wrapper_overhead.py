@@ -22,7 +22,6 @@ with checked mode off. Checked mode's cost is printed too.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -38,6 +37,7 @@ import torch.distributed as dist
 from tabulate import tabulate
 
 import collectives
+from collectives import cli
 from collectives.cli import command
 
 SIZES = {"4 B": 4, "64 KiB": 64 << 10, "16 MiB": 16 << 20}
@@ -126,7 +126,7 @@ def _summarise(results) -> dict:
 
 @command
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world-size", type=int, default=2, help="ranks to spawn (default 2)")
     parser.add_argument("--scale", type=float, default=1.0,
                         help="multiply the calls per size (6000 at 4 B, 2000 at 64 KiB, 400 at 16 MiB) by this")
@@ -134,6 +134,7 @@ def main(argv=None) -> int:
                         help="whole measurements, each in freshly spawned ranks; the table is their median (default 3)")
     parser.add_argument("--json", help="write the medians, ratios, every run and the environment to this file")
     args = parser.parse_args(argv)
+    cli.check_outputs(parser, {"--json": args.json})
 
     runs = []  # one {size: figures} per run, each run in freshly spawned ranks
     for i in range(args.repeats):

@@ -11,16 +11,33 @@
   exits with 1, instead of the launcher's own traceback glued under it.
 - Anything else is a bug in the program and keeps its traceback.
 SIGTERM and SIGKILL need nothing here: the ranks watch their parent and end with it (pool.py).
+
+Checks every program makes before its work, each a usage error (exit 2) naming the flag:
+
+    cli.check_outputs(parser, {"--json": args.json, "--plot": args.plot})  # writable, room, matplotlib
+    cli.check_memory(parser, "-e", need_bytes, "2 ranks x 3 buffers of 1 TiB")  # before allocating
+    data = cli.load_json(parser, "--replot", path, keys=("rows",))  # missing, corrupt, wrong keys
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
+import importlib.util
+import json
 import os
 import sys
-from typing import Callable
+from typing import Callable, Iterable, Optional
 
 from .errors import RankFailure
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser with usage errors in one line, `prog: error: what is wrong (--help for
+    usage)`, exit code 2, instead of the whole usage block first (15 lines for the benchmarks)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (--help for usage)\n")
 
 
 def format_seconds(seconds: float) -> str:
@@ -66,6 +83,85 @@ def compile_cache_outside_tmp() -> None:
     """
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(cache, "torchinductor"))
+
+
+MIN_FREE_BYTES = 1 << 20  # an output's disk needs at least this much room before the work starts
+
+
+def check_outputs(parser, outputs) -> None:
+    """Before any work: every output file ({flag: path} or [(flag, path)]; a None path: not asked
+    for) can be written where asked, its disk is not full, and a .png can be drawn (matplotlib).
+    Nothing is left behind."""
+    for flag, path in (outputs.items() if isinstance(outputs, dict) else outputs):
+        if not path:
+            continue
+        if os.path.isdir(path):
+            parser.error(f"{flag} {path} is a folder; give a file name")
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder):
+            parser.error(f"{flag} {path}: the folder {folder} does not exist")
+        existed = os.path.exists(path)
+        try:
+            with open(path, "a"):  # "a": an existing file is not truncated by the check
+                pass
+        except OSError as exc:
+            parser.error(f"{flag} {path}: cannot write there ({exc.strerror or exc})")
+        finally:
+            if not existed and os.path.exists(path):
+                os.remove(path)
+        stat = os.statvfs(folder)
+        if stat.f_bavail * stat.f_frsize < MIN_FREE_BYTES:
+            parser.error(f"{flag} {path}: the disk is full ({stat.f_bavail * stat.f_frsize} bytes free in {folder})")
+        if path.lower().endswith(".png"):
+            if importlib.util.find_spec("matplotlib") is None:
+                parser.error(f"{flag} {path}: drawing needs matplotlib: pip install -e '.[plot]'")
+
+
+def available_memory() -> Optional[int]:
+    """Bytes of memory the kernel says can be allocated without swapping (MemAvailable), or None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_memory(parser, flag: str, need: int, what: str, available: Optional[int] = None) -> None:
+    """Refuse a size that cannot fit before anything is allocated (a rank killed by the OOM killer
+    half-way through a sweep, or a machine swapping, is the alternative). `what` says how `need`
+    was counted, e.g. "2 ranks x 3 buffers of 1 TiB"."""
+    available = available_memory() if available is None else available
+    if available is not None and need > available:
+        parser.error(f"{flag}: {what} need ~{format_bytes(need)}, and this machine has {format_bytes(available)} available")
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if n < 1024 or unit == "PiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def load_json(parser, flag: str, path: str, keys: Iterable[str] = (), what: str = "result file"):
+    """A JSON object from `path`, or a usage error naming the file: missing, unreadable, not JSON,
+    or without the keys the program reads."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        parser.error(f"{flag} {path}: no such file")
+    except OSError as exc:
+        parser.error(f"{flag} {path}: cannot read it ({exc.strerror or exc})")
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        parser.error(f"{flag} {path}: not a JSON {what} ({exc})")
+    missing = [k for k in keys if k not in data] if isinstance(data, dict) else list(keys) or ["an object"]
+    if missing:
+        parser.error(f"{flag} {path}: not a {what} (no {', '.join(repr(k) for k in missing)})")
+    return data
 
 
 def command(main: Callable[..., int]) -> Callable[..., int]:

@@ -10,12 +10,12 @@ is checked against its closed form, and the exit code is 1 if any is wrong.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import torch
 
 import collectives as C
+from collectives import cli
 from collectives.cli import command
 
 COLLECTIVES = ["broadcast", "all_reduce", "reduce", "all_gather", "reduce_scatter", "gather", "scatter", "all_to_all"]
@@ -74,7 +74,7 @@ def _body(env, names, checked):
 
 @command
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description="Show each collective's input and output on every rank.")
+    parser = cli.ArgumentParser(description="Show each collective's input and output on every rank.")
     parser.add_argument("--world-size", "-n", type=int, default=4, help="ranks to spawn (default 4)")
     parser.add_argument("-c", "--collectives", nargs="+", choices=COLLECTIVES, default=COLLECTIVES,
                         help="which collectives to show (default: all)")

@@ -35,12 +35,13 @@ import torch
 import torch.nn.functional as F
 from tabulate import tabulate
 
+from collectives import cli
 import collectives
 from collectives.cli import command, eta
 
 from .bucket import describe as bucket_describe
 from .ddp import DistributedDataParallel
-from .models import MODELS, batch
+from .models import MODELS, batch, check_batch_fits
 from .parity import StepCheck, count_nonfinite, relative_diff, same_bits, summarise, table_row
 from .sharded_parity import (PARITY_IMPLS, SHARDED_HEADERS, SHARDED_NOTE, must_be_bitwise, shard_layout_text,
                              train_sharded_side_by_side)
@@ -169,6 +170,7 @@ def _validate(args, parser, image: int) -> None:
         parser.error(f"--world-sizes must all be at least 1, got {args.world_sizes}")
     if image < 4:
         parser.error(f"--image must be at least 4 pixels, got {image}")
+    check_batch_fits(parser, args.model, args.batch_size, max(args.world_sizes), image)
     if args.model == "resnet50":
         # BatchNorm needs two values per channel; ResNet-50's last stage is image / 32 pixels wide
         side = max(1, -(-image // 32))
@@ -178,7 +180,7 @@ def _validate(args, parser, image: int) -> None:
 
 
 def _parser(parity_impls) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description="Compare our data-parallel wrappers with torch's DDP, step by step.")
+    parser = cli.ArgumentParser(description="Compare our data-parallel wrappers with torch's DDP, step by step.")
     parser.add_argument("--model", choices=list(MODELS), default="small",
                         help="small CNN, ResNet-50 (10 classes), or the small CNN with unused heads")
     parser.add_argument("--impl", nargs="+", choices=list(WRAPPERS) + parity_impls, default=list(WRAPPERS),

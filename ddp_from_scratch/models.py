@@ -15,6 +15,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from collectives import cli
+
 from .resnet import resnet50
 
 
@@ -52,6 +54,43 @@ class Branchy(SmallNet):
 
 
 MODELS = {"small": SmallNet, "resnet50": lambda: resnet50(num_classes=10), "branchy": Branchy}
+
+# Bytes of every layer's output for one 32x32 image, as layer_output_bytes() counts them: a floor on
+# what training holds per image until backward (ResNet-50's peak grew by 2.5 MiB per image from
+# batch 64 to 256 here, the figure below). train and trace refuse a batch that cannot fit before
+# any rank allocates it; tests/ddp/test_models.py recounts these. branchy: small's, a floor.
+LAYER_OUTPUT_BYTES = {"small": 94_376, "resnet50": 2_623_528, "branchy": 94_376}
+
+
+def check_batch_fits(parser, model: str, batch_size: int, ranks: int, image: int = 32) -> None:
+    """--batch-size refused (a usage error) before any rank allocates it when the layer outputs
+    alone of every rank on this machine exceed its available memory. Other image sizes scale the
+    figure by area, less a tenth for the rounding of strided layers."""
+    per_image = LAYER_OUTPUT_BYTES[model] * (1.0 if image == 32 else 0.9 * (image / 32) ** 2)
+    cli.check_memory(parser, "--batch-size", int(ranks * batch_size * per_image),
+                     f"{ranks} rank(s) x {batch_size} images x {per_image / 2**20:.2f} MiB of {model}'s layer outputs")
+
+
+def layer_output_bytes(model: nn.Module, image: int = 32) -> int:
+    """The sum of every leaf module's output size, in bytes, for one image (eval mode, no grad)."""
+    total = 0
+
+    def count(module, inputs, output):
+        nonlocal total
+        if isinstance(output, torch.Tensor):
+            total += output.numel() * output.element_size()
+
+    hooks = [m.register_forward_hook(count) for m in model.modules() if not list(m.children())]
+    was_training = model.training
+    try:
+        with torch.no_grad():
+            model.eval()
+            model(torch.zeros(1, 3, image, image))
+    finally:
+        model.train(was_training)
+        for hook in hooks:
+            hook.remove()
+    return total
 
 
 def batch(step: int, rank: int, batch_size: int, image: int = 32):

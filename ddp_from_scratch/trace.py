@@ -16,13 +16,15 @@ Times are microseconds from the forward's start.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
 from typing import Dict
 
+from collectives import cli
 from collectives.cli import command
+
+from .models import check_batch_fits
 
 
 
@@ -139,7 +141,7 @@ def main(argv=None) -> int:
     from .models import MODELS
     from .wrap import SHARDED, STAGES
 
-    parser = argparse.ArgumentParser(description="Record our DDP's bucket timeline (or a sharded step's all-gathers "
+    parser = cli.ArgumentParser(description="Record our DDP's bucket timeline (or a sharded step's all-gathers "
                                                  "and reduce-scatters): Chrome trace, PNG, layouts.")
     parser.add_argument("--impl", choices=["bucketed"] + SHARDED, default="bucketed",
                         help="our DDP, or a sharded step (" + "; ".join(f"{n}: {STAGES[n].summary}" for n in SHARDED) + ")")
@@ -152,9 +154,11 @@ def main(argv=None) -> int:
                         help="--impl zero2 or zero2-bucketed: reduce-scatter in buckets of this many MiB during backward")
     parser.add_argument("--out", default="ddp-timeline", help="writes OUT.json (Chrome trace) and OUT.png")
     args = parser.parse_args(argv)
+    cli.check_outputs(parser, [("--out", args.out + ".json"), ("--out", args.out + ".png")])
     for name in ("world_size", "batch_size", "steps"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    check_batch_fits(parser, args.model, args.batch_size, args.world_size)
     if args.bucket_cap_mb is not None and args.impl not in ("zero2", "zero2-bucketed"):
         parser.error(f"--bucket-cap-mb applies to --impl zero2 or zero2-bucketed here, not {args.impl}")
     if args.bucket_cap_mb is not None and not (math.isfinite(args.bucket_cap_mb) and args.bucket_cap_mb > 0):

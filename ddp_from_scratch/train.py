@@ -34,24 +34,26 @@ import pickle
 import sys
 import time
 import zipfile
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler
 
 import collectives
+from collectives import cli
 from collectives.cli import command, eta
 from collectives.env import read_env
 
 from . import cifar10
-from .models import MODELS
+from .models import MODELS, check_batch_fits
 from .wrap import IMPLS, STAGES, wrap
 
 SHARDED_IMPLS = [n for n, s in STAGES.items() if s.sharded]  # ours and torch-fsdp, from the one registry
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m ddp_from_scratch.train", description=__doc__.split("\n\n")[0],
+    p = cli.ArgumentParser(prog="python -m ddp_from_scratch.train", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--impl", choices=IMPLS + SHARDED_IMPLS, default="bucketed",
                    help="which DDP, or a sharded step: " + "; ".join(f"{n}: {STAGES[n].summary}" for n in SHARDED_IMPLS))
@@ -125,12 +127,15 @@ def run_settings(config: dict, world_size: int) -> dict:
     return {**{k: config[k] for k in RESUME_KEYS if k != "world_size"}, "world_size": world_size}
 
 
-def validate(args, parser, world_size: int) -> None:
-    """Refuse every bad argument, dataset and checkpoint before any rank starts (parser.error: exit 2)."""
+def validate(args, parser, world_size: int, local_ranks: Optional[int] = None) -> None:
+    """Refuse every bad argument, dataset and checkpoint before any rank starts (parser.error: exit 2).
+    `local_ranks`: the ranks on this machine, which share its memory (default: world_size)."""
     for name, minimum in (("nproc", 1), ("batch_size", 1), ("epochs", 1), ("train_size", 1), ("test_size", 1)):
         value = getattr(args, name)
         if value is not None and value < minimum:
             parser.error(f"--{name.replace('_', '-')} must be at least {minimum}, got {value}")
+    check_batch_fits(parser, args.model, args.batch_size, local_ranks or world_size)
+    cli.check_outputs(parser, {"--json": args.json})
     if not (math.isfinite(args.lr) and args.lr > 0):
         parser.error(f"--lr must be a positive number, got {args.lr}")
     if args.bucket_cap_mb is not None and not (math.isfinite(args.bucket_cap_mb) and args.bucket_cap_mb > 0):
@@ -163,12 +168,9 @@ def validate(args, parser, world_size: int) -> None:
             parser.error(f"--checkpoint {args.checkpoint} is a file; it must be a folder (checkpoint.pt is written in it)")
         try:
             os.makedirs(args.checkpoint, exist_ok=True)
-            probe = os.path.join(args.checkpoint, ".write-test")
-            with open(probe, "w"):
-                pass
-            os.remove(probe)
         except OSError as exc:
             parser.error(f"--checkpoint {args.checkpoint}: cannot write there ({exc.strerror or exc})")
+        cli.check_outputs(parser, {"--checkpoint": os.path.join(args.checkpoint, "checkpoint.pt")})
         if args.resume:
             path = os.path.join(args.checkpoint, "checkpoint.pt")
             try:
@@ -392,7 +394,9 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     launched = read_env(os.environ)
-    validate(args, parser, launched["world_size"] if launched["master_addr"] is not None else args.nproc)
+    joined = launched["master_addr"] is not None
+    validate(args, parser, launched["world_size"] if joined else args.nproc,
+             launched["local_world_size"] if joined else args.nproc)
     config = vars(args)
     summary = collectives.run_or_join(train, args.nproc, args=(config,), timeout=7 * 24 * 3600)
     if summary is None:  # a torchrun/srun rank other than 0: rank 0 reports

@@ -19,7 +19,6 @@ printed compares each measured time with the fitted line.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import statistics
@@ -29,6 +28,7 @@ from typing import List, Tuple
 
 import torch
 
+from .. import cli
 from ..cli import command
 from ..launch import run
 from ..reduce_ops import local_reduce
@@ -90,11 +90,12 @@ def fit_line(points: List[Tuple[int, float]], relative: bool = True) -> Tuple[fl
 
 @command
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m collectives.algorithms.fit", description=__doc__.split("\n\n")[0])
+    parser = cli.ArgumentParser(prog="python -m collectives.algorithms.fit", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=DEFAULT_PATH, help="where to save the model (default: the package's model.json)")
     parser.add_argument("--json", default=None, help="also write every measurement here")
     parser.add_argument("--repeats", type=int, default=30, help="timed repetitions per size (medians are kept)")
     args = parser.parse_args(argv)
+    cli.check_outputs(parser, {"--out": args.out, "--json": args.json})
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
     print("exchanges between 2 ranks ...", file=sys.stderr, flush=True)

@@ -17,6 +17,7 @@ import argparse
 import importlib
 import sys
 
+from .. import cli
 from ..cli import command
 from . import ALGORITHMS, simulate
 from .cost import CostModel
@@ -34,7 +35,7 @@ def _parse_bytes(text: str) -> int:
 
 @command
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m collectives.algorithms.show", description=__doc__.split("\n\n")[0])
+    parser = cli.ArgumentParser(prog="python -m collectives.algorithms.show", description=__doc__.split("\n\n")[0])
     parser.add_argument("collective", choices=list(ALGORITHMS), help="which collective")
     parser.add_argument("--algorithm", "-a", default="auto", help="the algorithm (default: auto, the cheapest predicted)")
     parser.add_argument("--world-size", "-n", type=int, default=4, help="simulated ranks (1 to 4096; the table: up to 62)")
@@ -45,6 +46,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None, help="write OUT.json (Chrome trace) and OUT.png (default: no files)")
     parser.add_argument("--no-table", action="store_true", help="skip the step table (needed above 62 ranks)")
     args = parser.parse_args(argv)
+    if args.out:
+        cli.check_outputs(parser, [("--out", args.out + ".json"), ("--out", args.out + ".png")])
     if not 1 <= args.world_size <= 4096:
         parser.error(f"--world-size must be 1 to 4096, got {args.world_size}")
     if args.bytes < 1:
