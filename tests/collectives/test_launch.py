@@ -402,3 +402,44 @@ def test_a_rank_may_run_a_pool_of_its_own():
     """A nested run (a daemonic rank may not have children); its rank is gone once it returns."""
     [[inner_pid]] = C.run(_run_nested, world_size=1, timeout=180)
     assert inner_pid != os.getpid() and not _running(inner_pid)
+
+
+def _fail_in_order(env, delays):
+    dist.barrier()  # the same start for every rank, then each fails after its own delay
+    time.sleep(delays[env.rank])
+    raise ValueError(f"rank {env.rank} failed after {delays[env.rank]} s")
+
+
+def test_several_failing_ranks_are_listed_in_the_order_they_failed():
+    """Rank 2 fails first, then rank 0, then rank 1 (all within the grace period): rank 2 leads,
+    the others follow in their order, not in rank order."""
+    with pytest.raises(C.RankFailure) as info:
+        C.run(_fail_in_order, world_size=3, args=({2: 0.0, 0: 0.8, 1: 1.6},), timeout=60)
+    lines = str(info.value).splitlines()
+    assert lines[0] == "rank 2 raised ValueError: rank 2 failed after 0.0 s", lines[0]
+    assert lines[2] == "  also: rank 0 raised ValueError: rank 0 failed after 0.8 s; " \
+                       "rank 1 raised ValueError: rank 1 failed after 1.6 s", lines[2]
+    assert (info.value.first, info.value.failed, info.value.stopped) == (2, [0, 1, 2], [])  # failed: rank order
+
+
+@pytest.mark.parametrize("order, peer_lost, first, failed, stopped", [
+    ([2, 0, 1], [], 2, [2, 0, 1], []),
+    ([0, 1, 2], [], 0, [0, 1, 2], []),
+    ([1, 2, 0], [], 1, [1, 2, 0], []),
+    ([0, 2, 1], [0], 2, [2, 1], [0]),     # rank 0 only lost its peer: the next rank of its own leads
+    ([1, 0, 2], [1, 2], 0, [0], [1, 2]),
+])
+def test_the_first_failure_of_its_own_leads_whatever_the_arrival_order(order, peer_lost, first, failed, stopped):
+    """The launcher's ordering alone, for arrival orders a 3-rank run cannot force cheaply."""
+    pool = C.RankPool(world_size=3)
+    failures = {r: (f"rank {r} raised:\nRuntimeError: [gloo] Connection closed by peer [127.0.0.1]:1" if r in peer_lost
+                    else f"rank {r} raised:\nValueError: planted {r}") for r in order}
+    summaries = {r: "raised " + failures[r].splitlines()[1] for r in order}
+    with pytest.raises(C.RankFailure) as info:
+        pool._report_failure("call", 60, failures, summaries, list(order), set())
+    assert (info.value.first, info.value.failed, info.value.stopped) == (first, sorted(failed), stopped)
+    lines = str(info.value).splitlines()
+    assert lines[0].startswith(f"rank {first} raised")
+    others = [r for r in failed if r != first]
+    if others:  # the others that failed on their own follow in the order they failed
+        assert lines[2] == "  also: " + "; ".join(f"rank {r} raised ValueError: planted {r}" for r in others), lines
