@@ -227,8 +227,16 @@ class RankPool:
                 elif status == "error":
                     summaries[rank] = f"raised {value[0]}"
                     failures[rank] = f"rank {rank} raised:\n{value[1]}"
+                elif status == expect == "ok":
+                    try:
+                        results[rank] = pickle.loads(value[0])
+                    except Exception as exc:  # a class that only exists in the rank, say
+                        summaries[rank] = (f"returned a {value[1]} that this process cannot unpickle "
+                                           f"({type(exc).__name__}: {exc})")
+                        failures[rank] = (f"rank {rank} {summaries[rank]}; return tensors, numbers, strings, lists "
+                                          "or dicts, or instances of a class this process can import")
                 elif status == expect:
-                    results[rank] = pickle.loads(value) if status == "ok" else None
+                    results[rank] = None
                 else:
                     summaries[rank] = f"sent an unexpected {status!r}"
                     failures[rank] = f"rank {rank} {summaries[rank]}"

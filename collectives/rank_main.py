@@ -9,7 +9,7 @@ together), watches the parent's lifeline pipe in a daemon thread (end-of-file: t
 gone, so the rank kills its own group), lets faulthandler write its stack into a pipe on
 SIGUSR1 (the parent's hang diagnosis) and on a fatal signal (SIGSEGV, SIGABRT, ...: where a crashed
 rank was, which the parent reads once it has died), joins the process group through the parent's TCP store,
-then runs each function the parent sends and sends back ("ok", result) or ("error", (one line,
+then runs each function the parent sends and sends back ("ok", (pickled result, its class)) or ("error", (one line,
 traceback without this harness's frames)) until the parent sends None.
 """
 
@@ -95,7 +95,8 @@ def _rank_main(rank, world_size, backend, store_port, conn, stack_writer, lifeli
         try:
             fn, args = pickle.loads(payload)
             result = fn(env, *args)
-            reply = ("ok", pickle.dumps(result))
+            kind = type(result)
+            reply = ("ok", (pickle.dumps(result), f"{kind.__module__}.{kind.__qualname__}"))
         except BaseException as exc:
             reply = ("error", (_one_line(exc), _format_exception(exc)))
         conn.send(reply)

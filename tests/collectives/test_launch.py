@@ -443,3 +443,21 @@ def test_the_first_failure_of_its_own_leads_whatever_the_arrival_order(order, pe
     others = [r for r in failed if r != first]
     if others:  # the others that failed on their own follow in the order they failed
         assert lines[2] == "  also: " + "; ".join(f"rank {r} raised ValueError: planted {r}" for r in others), lines
+
+
+def _a_result_of_a_class_only_the_rank_has(env):
+    import types
+
+    module = types.ModuleType("only_in_the_rank")
+    sys.modules["only_in_the_rank"] = module
+    module.Result = type("Result", (), {"__module__": "only_in_the_rank"})
+    return module.Result()
+
+
+def test_a_result_the_launcher_cannot_unpickle_is_a_rank_failure():
+    """It escaped as a bare ModuleNotFoundError from the launcher's own pickle.loads."""
+    with pytest.raises(C.RankFailure) as info:
+        C.run(_a_result_of_a_class_only_the_rank_has, world_size=2, timeout=60)
+    headline = str(info.value).splitlines()[0]
+    assert "returned a only_in_the_rank.Result that this process cannot unpickle (ModuleNotFoundError" in headline
+    assert "instances of a class this process can import" in str(info.value)
