@@ -42,6 +42,7 @@ import time
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from . import flight_recorder
 from .errors import RankFailure
 from .rank_main import _rank_main
 from .rank_report import PEER_LOST, clean_stack, describe_exit, short, where_it_was
@@ -51,6 +52,7 @@ from .reaper import Reaper
 # mode every rank raises the same mismatch; all of their messages are worth showing).
 FAILURE_GRACE_S = 3.0
 STACK_DUMP_WAIT_S = 1.0
+FLIGHT_RECORD_WAIT_S = 3.0
 
 
 class RankPool:
@@ -81,6 +83,7 @@ class RankPool:
         self._procs: List[mp.process.BaseProcess] = []
         self._conns: List[mp.connection.Connection] = []
         self._stacks: List[mp.connection.Connection] = []
+        self._recorders: List[mp.connection.Connection] = []  # ask a rank for its flight record
         self._lifeline = None
         self._store = None
         self._reaper: Optional[Reaper] = None
@@ -117,16 +120,19 @@ class RankPool:
             for rank in range(self.world_size):
                 parent, child = ctx.Pipe()
                 stack_reader, stack_writer = ctx.Pipe(duplex=False)
+                recorder, recorder_child = ctx.Pipe()
                 proc = ctx.Process(
                     target=_rank_main,
                     args=(rank, self.world_size, self.backend, self._store.port, child, stack_writer, lifeline_reader,
-                          os.getpid(), self.threads, self.setup),
+                          os.getpid(), self.threads, self.setup, recorder_child),
                     daemon=False,  # a rank may start processes of its own (DataLoader workers); see _LIVE
                     name=f"rank{rank}",
                 )
                 proc.start()
                 child.close()
                 stack_writer.close()
+                recorder_child.close()
+                self._recorders.append(recorder)
                 self._procs.append(proc)
                 self._conns.append(parent)
                 self._stacks.append(stack_reader)
@@ -159,9 +165,10 @@ class RankPool:
             proc.join(5.0)
         if self._reaper is not None:
             self._reaper.sweep_now()  # what a rank started outside its process group
-        for conn in self._conns + self._stacks + ([self._lifeline] if self._lifeline else []):
+        for conn in self._conns + self._stacks + self._recorders + ([self._lifeline] if self._lifeline else []):
             conn.close()
-        self._procs, self._conns, self._stacks, self._lifeline, self._store, self._reaper = [], [], [], None, None, None
+        self._procs, self._conns, self._stacks, self._recorders = [], [], [], []
+        self._lifeline, self._store, self._reaper = None, None, None
         _LIVE.discard(self)
 
     def __enter__(self) -> "RankPool":
@@ -294,10 +301,12 @@ class RankPool:
                 failures[rank] = f"rank {rank} {why}; its Python stack:\n{stacks.get(rank) or '(no stack captured)'}"
         # A rank whose connection to a dead or failed peer broke failed because of that peer.
         stopped += [r for r in order[1:] if r not in stopped and PEER_LOST.search(failures[r])]
+        told = self._flight_verdict(where if pending else {}) if pending else []
         self._kill()
         failed = [r for r in order if r not in stopped]
         first = order[0]
-        lines = [f"rank {first} {summaries[first]}",
+        lines = [f"flight recorder: {line}" for line in told] + [
+                 f"rank {first} {summaries[first]}",
                  f"  in {what} (world_size={self.world_size}, backend={self.backend})"]
         others = [r for r in failed if r != first]
         if others:
@@ -330,6 +339,30 @@ class RankPool:
         return raw.decode(errors="replace")
 
     # -- hang diagnosis ---------------------------------------------------------------------------
+    def _flight_verdict(self, where: Dict[int, str]) -> List[str]:
+        """With torch's flight recorder on in the ranks (TORCH_FR_BUFFER_SIZE), ask every live rank
+        for its record (a thread in the rank answers, even while it waits in a collective) and say
+        what the records show (flight_recorder.verdict); [] when it is off or shows nothing."""
+        if not flight_recorder.recording():
+            return []
+        asked = {}
+        for rank, conn in enumerate(self._recorders):
+            try:
+                conn.send("dump")
+                asked[conn] = rank
+            except (OSError, BrokenPipeError):
+                pass
+        records: Dict[int, Any] = {}
+        deadline = time.monotonic() + FLIGHT_RECORD_WAIT_S
+        while asked and time.monotonic() < deadline:
+            for conn in mp.connection.wait(list(asked), timeout=max(0.0, deadline - time.monotonic())):
+                rank = asked.pop(conn)
+                try:
+                    records[rank] = conn.recv()
+                except (EOFError, OSError, pickle.UnpicklingError):
+                    pass
+        return flight_recorder.verdict(records, where, ranks=range(self.world_size))
+
     def _dump_stacks(self, ranks: List[int]) -> Dict[int, str]:
         for rank in ranks:
             try:

@@ -2,14 +2,14 @@
 
     mp.get_context("spawn").Process(target=_rank_main, args=(rank, world_size, backend, store_port,
                                                              conn, stack_writer, lifeline, parent_pid,
-                                                             threads, setup))
+                                                             threads, setup, recorder))
 
 A rank puts itself in a process group of its own (so it and everything it starts can be killed
 together), watches the parent's lifeline pipe in a daemon thread (end-of-file: the parent is
 gone, so the rank kills its own group), lets faulthandler write its stack into a pipe on
 SIGUSR1 (the parent's hang diagnosis) and on a fatal signal (SIGSEGV, SIGABRT, ...: where a crashed
 rank was, which the parent reads once it has died), joins the process group through the parent's TCP store,
-then runs each function the parent sends and sends back ("ok", (pickled result, its class)) or ("error", (one line,
+answers the parent's requests for its flight record from a thread (flight_recorder.py), then runs each function the parent sends and sends back ("ok", (pickled result, its class)) or ("error", (one line,
 traceback without this harness's frames)) until the parent sends None.
 """
 
@@ -48,7 +48,28 @@ def _watch_parent(lifeline, parent_pid: int) -> None:
             _kill_own_group()
 
 
-def _rank_main(rank, world_size, backend, store_port, conn, stack_writer, lifeline, parent_pid, threads, setup):
+def _answer_flight_record_requests(recorder) -> None:
+    """Runs in a daemon thread of each rank: send this rank's flight record whenever the parent
+    asks. A thread, so that a rank blocked in a collective (which releases Python's lock) answers."""
+    from .flight_recorder import dump
+
+    while True:
+        try:
+            recorder.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            record = dump()
+        except Exception:  # a record that cannot be read is no answer, not a second failure
+            record = None
+        try:
+            recorder.send(record)
+        except (OSError, ValueError):
+            return
+
+
+def _rank_main(rank, world_size, backend, store_port, conn, stack_writer, lifeline, parent_pid, threads, setup,
+               recorder):
     """Body of one spawned rank: join the group, then run what the parent sends until None."""
     compile_cache_outside_tmp()  # before torch's optimizers import torch._dynamo
     os.setpgid(0, 0)  # own process group, so the rank and its children can be killed together
@@ -80,6 +101,7 @@ def _rank_main(rank, world_size, backend, store_port, conn, stack_writer, lifeli
     except BaseException as exc:
         conn.send(("error", (_one_line(exc), traceback.format_exc())))
         return
+    threading.Thread(target=_answer_flight_record_requests, args=(recorder,), daemon=True, name="flight-record").start()
     conn.send(("ready", None))
     while True:
         try:

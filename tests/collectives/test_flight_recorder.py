@@ -1,0 +1,140 @@
+"""collectives.flight_recorder: planted hangs on Gloo, each named in collective terms (the rank,
+the group, the collective and its sequence number) by the records torch keeps when
+TORCH_FR_BUFFER_SIZE is set; and the analysis alone on records written by hand.
+
+    pytest tests/collectives/test_flight_recorder.py -q
+
+Each planted hang costs a spawn and the 3 s timeout.
+"""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import collectives as C
+from collectives.flight_recorder import verdict
+
+TIMEOUT_S = 3.0
+
+
+# -- planted hangs, for real -------------------------------------------------------------------------
+
+def _skips_one_all_reduce(env):
+    t = torch.ones(4)
+    for step in range(5):
+        if env.rank == 1 and step == 3:
+            time.sleep(600)  # stuck in user code: never enters all_reduce #4
+        dist.all_reduce(t)
+
+
+def _different_order(env):
+    a, b = torch.ones(4), torch.ones(6)
+    dist.all_reduce(a)
+    if env.rank == 0:
+        dist.all_reduce(a)
+        dist.broadcast(b, 0)
+    else:
+        dist.broadcast(b, 0)
+        dist.all_reduce(a)
+
+
+def _hang_in_a_subgroup(env):
+    pair = dist.new_group([0, 1])
+    t = torch.ones(4)
+    dist.all_reduce(t)  # the world is fine
+    if env.rank in (0, 1):
+        dist.all_reduce(t, group=pair)
+        if env.rank == 0:
+            dist.all_reduce(t, group=pair)  # rank 1 has left: rank 0 waits here
+    if env.rank == 2:
+        time.sleep(600)
+
+
+@pytest.mark.parametrize("fn, world_size, says", [
+    (_skips_one_all_reduce, 2,
+     "flight recorder: rank(s) [1] never entered all_reduce #4 on group 0 [0, 1] (rank(s) [0] waiting in it for "),
+    (_different_order, 2,
+     "flight recorder: ranks called different collectives at #2 on group 0 [0, 1]: rank 0 all_reduce(4 Float); "
+     "rank 1 broadcast(6 Float)"),
+    (_hang_in_a_subgroup, 3,
+     "flight recorder: rank(s) [1] never entered all_reduce #2 on group 1 [0, 1] (rank(s) [0] waiting in it for "),
+], ids=["a rank skips one collective", "two orders", "a subgroup hangs, the world is fine"])
+def test_a_planted_hang_is_named_in_collective_terms(fn, world_size, says, monkeypatch):
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "2000")
+    start = time.monotonic()
+    with pytest.raises(C.RankFailure) as info:
+        C.run(fn, world_size=world_size, timeout=TIMEOUT_S)
+    first = str(info.value).splitlines()[0]
+    assert first.startswith(says), str(info.value)
+    if fn is _skips_one_all_reduce:  # and where the missing rank is instead
+        assert first.endswith("rank 1 last entered all_reduce #3 (completed), and is now in _skips_one_all_reduce "
+                              "(test_flight_recorder.py:28)"), first
+    assert time.monotonic() - start < TIMEOUT_S + 5 + 10  # the timeout, the grace, the records, the spawn
+
+
+def test_without_the_recorder_the_failure_is_as_before(monkeypatch):
+    monkeypatch.delenv("TORCH_FR_BUFFER_SIZE", raising=False)
+    with pytest.raises(C.RankFailure) as info:
+        C.run(_skips_one_all_reduce, world_size=2, timeout=TIMEOUT_S)
+    assert str(info.value).startswith("rank 1 did not finish"), str(info.value)
+
+
+# -- the analysis alone ------------------------------------------------------------------------------
+
+def _entry(seq, op="all_reduce", sizes=((4,),), dtypes=("Float",), group="0", pg_id=0, created=0):
+    return {"collective_seq_id": seq, "pg_id": pg_id, "process_group": (group, ""), "profiling_name": f"gloo:{op}",
+            "input_sizes": [list(s) for s in sizes], "input_dtypes": list(dtypes), "is_p2p": False,
+            "time_created_ns": created}
+
+
+def _record(entries, completed, groups=None):
+    groups = groups or {"0": "[0, 1, 2]"}
+    status = {}
+    for e in entries:
+        s = status.setdefault(str(e["pg_id"]), {"last_completed_collective": -1})
+        s["last_completed_collective"] = completed.get(e["process_group"][0], -1)
+    return {"entries": entries, "pg_status": status, "dump_time_ns": 30 * 10**9,
+            "pg_config": {g: {"name": g, "desc": "", "ranks": r} for g, r in groups.items()}}
+
+
+def test_the_rank_that_never_entered_is_named_with_where_it_is():
+    waiting = _record([_entry(s, created=10 * 10**9) for s in (1, 2, 3)], {"0": 2})
+    behind = _record([_entry(s) for s in (1, 2)], {"0": 2})
+    lines = verdict({0: waiting, 1: behind, 2: waiting}, where={1: "in step (train.py:88)"})
+    assert lines == ["rank(s) [1] never entered all_reduce #3 on group 0 [0, 1, 2] (rank(s) [0, 2] waiting in it for "
+                     "20.0 s); rank 1 last entered all_reduce #2 (completed), and is now in step (train.py:88)"]
+
+
+def test_the_first_call_that_differs_is_named_not_the_later_ones():
+    r0 = _record([_entry(1), _entry(2, sizes=((4,),)), _entry(3, "broadcast")], {"0": 1})
+    r1 = _record([_entry(1), _entry(2, sizes=((6,),)), _entry(3, "all_gather")], {"0": 1})
+    lines = verdict({0: r0, 1: r1}, ranks=[0, 1])
+    assert lines == ["ranks called different collectives at #2 on group 0 [0, 1, 2]: rank 0 all_reduce(4 Float); "
+                     "rank 1 all_reduce(6 Float)"]
+
+
+def test_dtypes_differ_too():
+    r0 = _record([_entry(1, dtypes=("Float",))], {"0": 0})
+    r1 = _record([_entry(1, dtypes=("Int",))], {"0": 0})
+    assert "rank 0 all_reduce(4 Float); rank 1 all_reduce(4 Int)" in verdict({0: r0, 1: r1})[0]
+
+
+def test_a_group_whose_ranks_all_finished_says_nothing_and_a_silent_rank_is_named_only_with_a_finding():
+    done = _record([_entry(1), _entry(2)], {"0": 2})
+    assert verdict({0: done, 1: done, 2: None}) == []
+    waiting = _record([_entry(1), _entry(2)], {"0": 1})
+    behind = _record([_entry(1)], {"0": 1})
+    lines = verdict({0: waiting, 1: behind, 2: None})
+    assert lines[0].startswith("rank(s) [1] never entered all_reduce #2")
+    assert lines[-1] == "rank(s) [2] did not answer (dead, or in C code that holds Python's lock)"
+
+
+def test_a_subgroup_is_judged_on_its_own_members():
+    groups = {"0": "[0, 1, 2]", "1": "[0, 1]"}
+    r0 = _record([_entry(1), _entry(1, group="1", pg_id=1), _entry(2, group="1", pg_id=1)], {"0": 1, "1": 1}, groups)
+    r1 = _record([_entry(1), _entry(1, group="1", pg_id=1)], {"0": 1, "1": 1}, groups)
+    r2 = _record([_entry(1)], {"0": 1}, groups)
+    lines = verdict({0: r0, 1: r1, 2: r2})
+    assert len(lines) == 1 and lines[0].startswith("rank(s) [1] never entered all_reduce #2 on group 1 [0, 1] "), lines
