@@ -22,15 +22,18 @@ lock in C code does not answer (it is named as such), and the shm backend record
 from __future__ import annotations
 
 import json
+import multiprocessing.connection
+import os
 import pickle
 import time
 from typing import Dict, List, Optional, Sequence
 
+ANSWER_WAIT_S = 3.0  # how long the launcher waits for the ranks' records
+
 
 def recording() -> bool:
-    """Whether torch's flight recorder is on in this process (TORCH_FR_BUFFER_SIZE > 0)."""
-    import os
-
+    """Whether torch's flight recorder is on in this process (TORCH_FR_BUFFER_SIZE > 0; the
+    launcher's environment is its ranks')."""
     try:
         return int(os.environ.get("TORCH_FR_BUFFER_SIZE", "0") or 0) > 0
     except ValueError:
@@ -55,6 +58,28 @@ def dump() -> Optional[dict]:
     record["pg_config"] = config
     record["dump_time_ns"] = time.time_ns()
     return record
+
+
+def collect(conns: Sequence[multiprocessing.connection.Connection], wait: float = ANSWER_WAIT_S) -> Dict[int, dict]:
+    """The launcher's side: ask each rank (conns[rank], answered by a thread in the rank, see
+    rank_main.py) for its dump(); rank -> record, for the ranks that answered within `wait` s."""
+    asked = {}
+    for rank, conn in enumerate(conns):
+        try:
+            conn.send("dump")
+            asked[conn] = rank
+        except (OSError, ValueError):
+            pass
+    records: Dict[int, dict] = {}
+    deadline = time.monotonic() + wait
+    while asked and time.monotonic() < deadline:
+        for conn in multiprocessing.connection.wait(list(asked), timeout=max(0.0, deadline - time.monotonic())):
+            rank = asked.pop(conn)
+            try:
+                records[rank] = conn.recv()
+            except (EOFError, OSError, pickle.UnpicklingError):
+                pass
+    return records
 
 
 def _op(entry: dict) -> str:
@@ -98,7 +123,7 @@ def verdict(records: Dict[int, Optional[dict]], where: Optional[Dict[int, str]] 
     where = where or {}
     answered = {r: rec for r, rec in records.items() if rec}
     lines: List[str] = []
-    for name, members in sorted(_groups(answered).items(), key=lambda kv: (len(kv[1]) != len(ranks or kv[1]), kv[0])):
+    for name, members in sorted(_groups(answered).items()):
         lines += _group_verdict(name, members, answered, where)
     silent = sorted(set(ranks if ranks is not None else records) - set(answered))
     if silent and lines:

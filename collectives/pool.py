@@ -52,7 +52,6 @@ from .reaper import Reaper
 # mode every rank raises the same mismatch; all of their messages are worth showing).
 FAILURE_GRACE_S = 3.0
 STACK_DUMP_WAIT_S = 1.0
-FLIGHT_RECORD_WAIT_S = 3.0
 
 
 class RankPool:
@@ -301,7 +300,9 @@ class RankPool:
                 failures[rank] = f"rank {rank} {why}; its Python stack:\n{stacks.get(rank) or '(no stack captured)'}"
         # A rank whose connection to a dead or failed peer broke failed because of that peer.
         stopped += [r for r in order[1:] if r not in stopped and PEER_LOST.search(failures[r])]
-        told = self._flight_verdict(where if pending else {}) if pending else []
+        # A hang: what torch's flight records say, when the ranks keep them (TORCH_FR_BUFFER_SIZE).
+        told = flight_recorder.verdict(flight_recorder.collect(self._recorders), where, ranks=range(self.world_size)) \
+            if pending and flight_recorder.recording() else []
         self._kill()
         failed = [r for r in order if r not in stopped]
         first = order[0]
@@ -339,30 +340,6 @@ class RankPool:
         return raw.decode(errors="replace")
 
     # -- hang diagnosis ---------------------------------------------------------------------------
-    def _flight_verdict(self, where: Dict[int, str]) -> List[str]:
-        """With torch's flight recorder on in the ranks (TORCH_FR_BUFFER_SIZE), ask every live rank
-        for its record (a thread in the rank answers, even while it waits in a collective) and say
-        what the records show (flight_recorder.verdict); [] when it is off or shows nothing."""
-        if not flight_recorder.recording():
-            return []
-        asked = {}
-        for rank, conn in enumerate(self._recorders):
-            try:
-                conn.send("dump")
-                asked[conn] = rank
-            except (OSError, BrokenPipeError):
-                pass
-        records: Dict[int, Any] = {}
-        deadline = time.monotonic() + FLIGHT_RECORD_WAIT_S
-        while asked and time.monotonic() < deadline:
-            for conn in mp.connection.wait(list(asked), timeout=max(0.0, deadline - time.monotonic())):
-                rank = asked.pop(conn)
-                try:
-                    records[rank] = conn.recv()
-                except (EOFError, OSError, pickle.UnpicklingError):
-                    pass
-        return flight_recorder.verdict(records, where, ranks=range(self.world_size))
-
     def _dump_stacks(self, ranks: List[int]) -> Dict[int, str]:
         for rank in ranks:
             try:
