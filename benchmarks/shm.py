@@ -38,6 +38,7 @@ from torch import nn
 import collectives
 from collectives import cli
 from collectives.cli import command
+from collectives.shm import backend_of
 from collectives.shm.ops import SMALL_BYTES, all_reduce_traffic
 from ddp_from_scratch.resnet import resnet50
 
@@ -79,7 +80,7 @@ def _bandwidth(groups, sizes, n):
         # each buffer was all-reduced 1 + iters times from ones: every element is n ** (1 + iters)
         ok = all(bool((b == float(n) ** (iters + 1)).all()) for b in buffers.values())
         rows.append({"size": numel * 4, "gloo_s": seconds[0], "shm_s": seconds[1], "check": ok,
-                     "shm_path": groups[1]._shm.all_reduce_path(numel * 4),
+                     "shm_path": backend_of(groups[1])._shm.all_reduce_path(numel * 4),
                      "roofline_gbps": aggregate_copy_gbps(trials=1)})  # between sizes: the machine's state drifts
         if dist.get_rank() == 0:
             print(f"[all_reduce] {numel * 4} B done", file=sys.stderr, flush=True)
@@ -110,7 +111,7 @@ def free_all_reduce_group():
     copied into its buckets and back) and this Python ProcessGroup's calls cost without the
     communication: the floor for any backend under torch's DDP (no_sync skips DDP's copies too)."""
     group = dist.new_group(backend="shm")
-    group._shm.all_reduce = lambda flat, op: None
+    backend_of(group)._shm.all_reduce = lambda flat, op: None
     return group
 
 

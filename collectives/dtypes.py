@@ -44,15 +44,9 @@ UNSUPPORTED = {
 SIGN_BIT = -(2**63)
 
 
-# The shm backend hands these to an inner Gloo group, so Gloo's gaps are its gaps there.
-FALLS_BACK = {"shm": ("gloo", {"gather", "scatter", "all_to_all", "send"})}
-
 
 def moves_as_bytes(backend: str, dtype: torch.dtype, collective: str) -> bool:
     """True when the backend cannot move `dtype` in this collective, so the wrapper moves bytes."""
-    inner, which = FALLS_BACK.get(backend, (None, ()))
-    if collective in which:
-        backend = inner
     table = UNSUPPORTED.get(backend)
     if table is None:
         return False
@@ -61,7 +55,10 @@ def moves_as_bytes(backend: str, dtype: torch.dtype, collective: str) -> bool:
 
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor's memory as a 1-d uint8 view (writing into it writes the tensor)."""
-    return tensor.reshape(-1).view(torch.uint8)
+    flat = tensor.reshape(-1)
+    if flat.numel() <= 1 and flat.stride(0) != 1:  # one element under a stride torch calls contiguous anyway
+        flat = flat.as_strided((flat.numel(),), (1,))
+    return flat.view(torch.uint8)
 
 
 def from_bytes(data: torch.Tensor, dtype: torch.dtype, shape) -> torch.Tensor:

@@ -102,6 +102,10 @@ class RankPool:
         if self.alive:
             return self
         self._kill()
+        if self.backend == "shm":  # its C++ bridge, built here once rather than by every rank at once
+            from .shm import native
+
+            native.load()
         _LIVE.add(self)
         import torch.distributed as dist
 

@@ -8,3 +8,11 @@ COLLECTIVES_TEST_BACKEND=shm) to run the suites on another backend.
 import os
 
 os.environ.setdefault("COLLECTIVES_BACKEND", "gloo")
+
+
+def pytest_sessionstart(session):
+    """Build the shm backend's C++ bridge once, before any rank needs it (about 40 s on a fresh
+    machine, then cached): ranks that create shm groups would otherwise each wait for it."""
+    from collectives.shm import native
+
+    native.load()

@@ -108,7 +108,8 @@ def comm_for(group=None) -> Comm:
     """The transport for `group`: shared-memory mailboxes on an shm group, else DistComm."""
     pg = group or dist.group.WORLD
     if str(dist.get_backend(pg)).lower() == "shm":
+        from ..shm import backend_of
         from ..shm.transport import ShmComm
 
-        return ShmComm(pg)
+        return ShmComm(backend_of(pg))
     return DistComm(group)

@@ -7,8 +7,8 @@
 
 On one machine Gloo still goes through TCP. Here the ranks map one segment of shared memory
 (segment.py) and each collective is copies and adds in it (ops.py), waiting for each other
-on futexes (wait.py), behind a Python ProcessGroup that torch's own DDP runs on
-(process_group.py). A rank that dies mid-collective makes the others raise PeerFailure naming
+on futexes (wait.py), behind a torch Backend (process_group.py, with its C++ bridge forward.cpp)
+that torch's DDP, fully_shard, DTensor and the functional collectives run on. A rank that dies mid-collective makes the others raise PeerFailure naming
 it; nothing is left in /dev/shm, however the ranks end. Settings: config.py (ShmConfig, the
 COLLECTIVES_SHM_* variables, read once per group).
 
@@ -22,7 +22,7 @@ attach (cma.py: reading and writing another rank's tensor directly).
 
 import torch.distributed as dist
 
-from .process_group import ProcessGroupShm, create
+from .process_group import ShmBackend, backend_of, create
 from .segment import leftovers, sweep
 from .wait import PeerFailure
 
@@ -37,4 +37,4 @@ def register() -> None:
 
 register()
 
-__all__ = ["BACKEND", "register", "ProcessGroupShm", "PeerFailure", "leftovers", "sweep"]
+__all__ = ["BACKEND", "register", "ShmBackend", "backend_of", "PeerFailure", "leftovers", "sweep"]

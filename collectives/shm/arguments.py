@@ -1,7 +1,7 @@
 """What the shm backend checks in a raw torch.distributed call's arguments before it moves a byte,
 as Gloo checks them: every tensor on the CPU, and outputs that fit their inputs (sizes, list
 lengths, dtypes). Each check returns "" when the arguments are fine, else what is wrong, for
-ProcessGroupShm to refuse the call with (ops.ShmArgumentError, naming the call and the rank).
+ShmBackend to refuse the call with (ops.ShmArgumentError, naming the call and the rank).
 
     why = wrong_sizes(output, input, world_size, "output", "input")   # all_gather_into_tensor
     aliased = overlap(output, input)                                    # reduce_scatter into its own input
@@ -58,4 +58,26 @@ def wrong_list(tensors: List[torch.Tensor], like: torch.Tensor, size: int, name:
         if t.dtype != like.dtype or t.numel() != like.numel():
             return (f"{name}[{q}] is {t.numel()} x {t.dtype}; every one must match the other side's "
                     f"{like.numel()} x {like.dtype}")
+    return ""
+
+
+def wrong_splits(output: torch.Tensor, input: torch.Tensor, out_splits: List[int], in_splits: List[int],
+                 size: int) -> str:
+    """all_to_all_single: rows of the same shape and dtype on both sides, split sizes (one per
+    rank, adding up to the rows) or rows that split evenly over the ranks."""
+    if output.dtype != input.dtype:
+        return f"output is {output.dtype} and input {input.dtype}; they must be the same dtype"
+    if output.dim() == 0 or input.dim() == 0:
+        return "output and input must have at least one dimension (their rows are split over the ranks)"
+    if output.shape[1:] != input.shape[1:]:
+        return f"output rows are {list(output.shape[1:])} and input rows {list(input.shape[1:])}; they must match"
+    for name, t, splits in (("output", output, out_splits), ("input", input, in_splits)):
+        if splits:
+            if len(splits) != size:
+                return f"{name}_split_sizes has {len(splits)} entries; it must have one per rank ({size})"
+            if min(splits) < 0 or sum(splits) != t.shape[0]:
+                return f"{name}_split_sizes {list(splits)} must be >= 0 and add up to {name}'s {t.shape[0]} rows"
+        elif t.shape[0] % size:
+            return (f"{name} has {t.shape[0]} rows, which do not split evenly over {size} ranks; "
+                    f"give {name}_split_sizes")
     return ""

@@ -8,7 +8,7 @@
     COLLECTIVES_SHM_CMA_MIN_KB=16384     all_reduces this large or larger use it, KiB (cma.py)
     COLLECTIVES_SHM_WAIT=futex           how a rank waits at a barrier: futex, yield or spin (wait.py)
 
-    config = ShmConfig.from_env()        # ProcessGroupShm does this once, and hands it down
+    config = ShmConfig.from_env()        # ShmBackend does this once, and hands it down
 
 A value that is not a number (or not one of the choices) is a ValueError naming the variable.
 Measured reasons for the defaults are in docs/shm.md.

@@ -53,7 +53,7 @@ from ..reduce_ops import combine, local_reduce
 from . import cma
 from .config import ShmConfig
 from .segment import CALL_WORDS, Segment
-from .wait import Waiter
+from .wait import PeerFailure, Waiter
 
 SMALL_BYTES = 16 << 10
 # Step 3 in pieces of ShmConfig.piece_bytes (1 MiB): the partial sum of a piece stays in cache
@@ -90,7 +90,8 @@ def all_reduce_traffic(nbytes: int, p: int, path: str = "pieces") -> float:
     return 4 * (p - 1) / p * n + step3
 
 
-KINDS = ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter", "barrier")
+KINDS = ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter", "barrier", "gather", "scatter",
+         "all_to_all", "monitored_barrier")
 OPS = ("", "sum", "product", "min", "max", "band", "bor", "bxor")
 DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
 DTYPE_CODES = {d: i for i, d in enumerate(DTYPES)}
@@ -109,7 +110,7 @@ def _describe(words) -> str:
     """One rank's call from its words: "all_reduce of 3 float32 (sum)", "broadcast of 4 int64 from rank 0"."""
     head, dtype, low, high = words
     kind, op, root = KINDS[(head & 15) - 1], OPS[(head >> 4) & 15], (head >> 8) - 1
-    if kind == "barrier":
+    if kind in ("barrier", "monitored_barrier", "all_to_all"):
         return kind
     if dtype == REFUSED:
         return f"{kind} with arguments that rank refused"
@@ -117,7 +118,7 @@ def _describe(words) -> str:
     if op:
         text += f" ({op})"
     if root >= 0:
-        text += f" {'to' if kind == 'reduce' else 'from'} rank {root}"
+        text += f" {'to' if kind in ('reduce', 'gather') else 'from'} rank {root}"
     return text
 
 
@@ -314,6 +315,26 @@ class ShmCollectives:
             # this rank's piece of every slot: its own first, then the others' in rank order
             pieces = [self._slot(q, flat.dtype, p * k, h).view(p, k)[r] for q in range(p)]
             self._sum_in_pieces(out[a:b], pieces[r], pieces[:r] + pieces[r + 1:], op)
+
+    def monitored_barrier(self, timeout_s: Optional[float], wait_all_ranks: bool) -> None:
+        """A barrier whose timeout (timeout_s, else the group's) names the ranks that did not
+        reach it: the first of them, or all with wait_all_ranks (Gloo's monitoredBarrier)."""
+        self._call("monitored_barrier")
+        self._next_round()
+        saved = self.waiter.timeout_s
+        self.waiter.timeout_s = saved if timeout_s is None else timeout_s
+        try:
+            self._barrier()
+        except PeerFailure as exc:
+            late = [q for q in range(self.size) if q != self.rank and self.segment.steps[q] < self.waiter.step]
+            if not late:
+                raise
+            named = late if wait_all_ranks else late[:1]
+            raise PeerFailure(f"monitored_barrier on rank {self.rank}: rank{'s' if len(named) > 1 else ''} "
+                              f"{', '.join(map(str, named))} did not reach it within {self.waiter.timeout_s:g} s "
+                              f"({exc})") from exc
+        finally:
+            self.waiter.timeout_s = saved
 
     def barrier(self) -> None:
         self._call("barrier")

@@ -3,24 +3,28 @@
     import collectives.shm                      # registers "shm" with torch.distributed
     dist.init_process_group("shm", ...)         # or dist.new_group(ranks, backend="shm")
     torch.nn.parallel.DistributedDataParallel(model)   # torch's own DDP runs on it
+    DeviceMesh.from_group(group, "cpu")         # and DTensor, fully_shard, the functional collectives
 
-ProcessGroupShm subclasses torch's ProcessGroup, so torch calls it for every collective, its
-DDP included. broadcast, all_reduce, reduce, all_gather (list and single-tensor forms),
-reduce_scatter (both forms) and barrier run in shared memory (ops.py; large all_reduces by
-cross-memory attach where the ranks may, cma.py: `group.cma_off_reason` says why not); they run one after
-another on a worker thread, in the order they were issued (the same on every rank), and each
-call returns at once with a Work on a torch Future (ShmWork), so DDP overlaps them with backward
-as it does with Gloo; small calls with nothing queued before them run at once in the calling
-thread, since the hand-off to the worker costs more than they do. Everything else (gather, scatter, all_to_all, send/recv, the coalesced
-forms Gloo has) goes to an inner Gloo group built from the same store, after the shared-memory work
-already issued has finished; the first call of each says so in a warning.
+torch wraps the backend in its own ProcessGroup, as it does Gloo: the group has a name and
+is registered under it, and every caller (Python, DDP's C++ reducer, the functional collectives)
+reaches ShmBackend's method of the same name through a C++ Backend that forwards to it
+(forward.cpp, built on first use: native.py). `backend_of(group)` is the ShmBackend of a group.
+
+Every call runs in shared memory: broadcast, all_reduce, reduce, all_gather, reduce_scatter and
+barrier (ops.py; large all_reduces by cross-memory attach where the ranks may, cma.py:
+`backend_of(group).cma_off_reason` says why not), gather, scatter and all_to_all (routing.py),
+the coalesced forms (one call after another), monitored_barrier, and send/recv through the pair
+mailboxes (point_to_point.py). The collectives run one after another on a worker thread, in the
+order they were issued (the same on every rank), and each returns at once with a torch Future
+that forward.cpp wraps in a Work, so DDP overlaps them with backward as it does with Gloo; small
+calls with nothing queued before them run at once in the calling thread, since the hand-off to
+the worker costs more than they do.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-import warnings
 from datetime import timedelta
 from typing import Callable, List
 
@@ -28,11 +32,14 @@ import torch
 import torch.distributed as dist
 
 from .. import reduce_ops
+from ..dtypes import as_bytes
 from ..errors import CollectiveMismatchError
 from . import cma
 from .config import ShmConfig
-from .arguments import overlap, wrong_devices, wrong_list, wrong_sizes
+from . import native, routing
+from .arguments import overlap, wrong_devices, wrong_list, wrong_sizes, wrong_splits
 from .ops import ShmArgumentError, ShmCollectives
+from .point_to_point import PointToPoint
 from .segment import Segment
 from .wait import Waiter
 
@@ -55,38 +62,16 @@ def _reduced(op: str, size: int, run: Callable[[str], None], result: torch.Tenso
         result.div_(size)
 
 
-class ShmWork(dist.Work):
-    """A Work on a torch Future whose wait() raises the collective's error.
-
-    (torch's own _create_work_from_future makes a Work whose wait() returns True even when the
-    future holds an exception: measured on torch 2.13, a silent failure.)
-    """
-
-    def __init__(self, fut: torch.futures.Future):
-        super().__init__()
-        self._fut = fut
-
-    def wait(self, timeout=None) -> bool:
-        self._fut.wait()  # raises the collective's error, if it had one
-        return True
-
-    def get_future(self) -> torch.futures.Future:
-        return self._fut
-
-    def is_completed(self) -> bool:
-        return self._fut.done()
-
-    def is_success(self) -> bool:
-        return self._fut.done()
-
-
 def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-class ProcessGroupShm(dist.ProcessGroup):
+class ShmBackend:
+    """One rank's side of an shm group: every method torch's Backend has, by the name forward.cpp
+    calls, each returning a torch Future."""
+
     def __init__(self, store, rank: int, size: int, timeout: timedelta):
-        super().__init__(rank, size)
+        self._rank, self._size = rank, size
         self.config = config = ShmConfig.from_env()
         self._segment = Segment.create_or_attach(store, rank, size, config.slot_bytes, timeout=timeout,
                                                  mailbox_bytes=config.mailbox_bytes)
@@ -96,15 +81,17 @@ class ProcessGroupShm(dist.ProcessGroup):
         self.cma_off_reason = cma.probe(self._segment, rank, self._waiter, config.cma)
         if not self.cma_off_reason:
             self._shm.cma = cma.CrossMemory(self._segment, rank, self._waiter)
-        self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("shm-fallback/", store), rank, size, timeout)
-        self._warned: set = set()
+        self._p2p = PointToPoint(self)
         self._queue: "queue.Queue" = queue.Queue()
         self._pending = 0
         self._idle = threading.Condition()
         threading.Thread(target=self._serve, daemon=True, name="shm-collectives").start()
 
-    def getBackendName(self) -> str:
-        return "shm"
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
 
     # -- the worker thread --------------------------------------------------------------------
     def _serve(self) -> None:
@@ -129,7 +116,7 @@ class ProcessGroupShm(dist.ProcessGroup):
             self._waiter.abort()
             fut.set_exception(exc)
 
-    def _submit(self, job: Callable[[], None], value, nbytes: int = 0) -> dist.Work:
+    def _submit(self, job: Callable[[], None], value, nbytes: int = 0) -> torch.futures.Future:
         fut = torch.futures.Future()
         with self._idle:
             inline = self._pending == 0 and nbytes <= self.config.inline_bytes
@@ -140,25 +127,19 @@ class ProcessGroupShm(dist.ProcessGroup):
             self._run(job, fut, value)
         else:
             self._queue.put((job, fut, value))
-        return ShmWork(fut)
+        return fut
 
-    def _refuse(self, kind: str, why: str) -> dist.Work:
+    def _refuse(self, kind: str, why: str) -> torch.futures.Future:
         """A Work that raises ShmArgumentError naming the call, this rank and the argument, after
         meeting the other ranks at the call's first barrier (none of them waits for this one)."""
         reason = f"{kind} on rank {self.rank()} of the shm group: {why}; nothing was moved"
         return self._submit(lambda: self._shm.refuse(kind, reason), None)
 
     def _drain(self) -> None:
+        """Until every call issued so far, collective or point-to-point, has finished."""
         with self._idle:
             self._idle.wait_for(lambda: self._pending == 0)
-
-    def _fallback(self, name: str):
-        if name not in self._warned:
-            self._warned.add(name)
-            warnings.warn(f"the shm backend has no {name} of its own: it goes through an inner Gloo group",
-                          stacklevel=3)
-        self._drain()  # keep the order in which the calls were made
-        return self._gloo
+        self._p2p.drain()
 
     # -- in shared memory ----------------------------------------------------------------------
     def allreduce(self, tensors: List[torch.Tensor], opts=None):
@@ -268,37 +249,174 @@ class ProcessGroupShm(dist.ProcessGroup):
     def barrier(self, opts=None):
         return self._submit(self._shm.barrier, [])
 
-    # -- through the inner Gloo group ------------------------------------------------------------
+    # -- routing: gather, scatter, all_to_all (routing.py) -----------------------------------------
     def gather(self, output_tensors, input_tensors, opts):
-        return self._fallback("gather").gather(output_tensors, input_tensors, opts)
+        root, inp = opts.rootRank, input_tensors[0] if input_tensors else None
+        outs = output_tensors[0] if output_tensors else []
+        why = wrong_devices(output_tensors=outs, input=input_tensors) or (
+            "it takes one input tensor" if len(input_tensors) != 1 else "")
+        if not why and self.rank() == root:
+            why = wrong_list(outs, inp, self.size(), "gather_list")
+        elif not why and outs:
+            why = f"gather_list must be empty on rank {self.rank()}, which is not the destination (rank {root})"
+        if why:
+            return self._refuse("gather", why)
+
+        def job():
+            staged = [t if t.is_contiguous() else t.new_empty(t.shape) for t in outs]
+            routing.gather(self._shm, staged, inp.contiguous(), root)
+            for t, s in zip(outs, staged):
+                if s is not t:
+                    t.copy_(s)
+        return self._submit(job, outs)
 
     def scatter(self, output_tensors, input_tensors, opts):
-        return self._fallback("scatter").scatter(output_tensors, input_tensors, opts)
+        root, out = opts.rootRank, output_tensors[0] if output_tensors else None
+        ins = input_tensors[0] if input_tensors else []
+        why = wrong_devices(output=output_tensors, scatter_list=ins) or (
+            "it takes one output tensor" if len(output_tensors) != 1 else "")
+        if not why and self.rank() == root:
+            why = wrong_list(ins, out, self.size(), "scatter_list")
+        elif not why and ins:
+            why = f"scatter_list must be empty on rank {self.rank()}, which is not the source (rank {root})"
+        if why:
+            return self._refuse("scatter", why)
 
-    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts):
-        return self._fallback("all_to_all").alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)
+        def job():
+            staged = out if out.is_contiguous() else out.new_empty(out.shape)
+            routing.scatter(self._shm, staged, [t.contiguous() for t in ins], root)
+            if staged is not out:
+                out.copy_(staged)
+        return self._submit(job, output_tensors)
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        why = wrong_devices(output=output, input=input) or wrong_splits(
+            output, input, list(output_split_sizes), list(input_split_sizes), self.size())
+        if why:
+            return self._refuse("all_to_all", why)
+        rows = lambda t, splits: list(splits) or [t.shape[0] // self.size()] * self.size()  # noqa: E731
+        row_bytes = lambda t: t[0].numel() * t.element_size() if t.dim() and t.shape[0] else 0  # noqa: E731
+        out_b = [n * row_bytes(output) for n in rows(output, output_split_sizes)]
+        in_b = [n * row_bytes(input) for n in rows(input, input_split_sizes)]
+
+        def job():
+            staged = output if output.is_contiguous() else output.new_empty(output.shape)
+            routing.all_to_all(self._shm, as_bytes(staged), as_bytes(input.contiguous()), out_b, in_b)
+            if staged is not output:
+                output.copy_(staged)
+        return self._submit(job, [output])
 
     alltoall_base = all_to_all_single  # its name before torch 2.13
 
-    def alltoall(self, output_tensors, input_tensors, opts):
-        return self._fallback("all_to_all").alltoall(output_tensors, input_tensors, opts)
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        why = wrong_devices(output_tensor_list=output_tensors, input_tensor_list=input_tensors)
+        for name, ts in (("output_tensor_list", output_tensors), ("input_tensor_list", input_tensors)):
+            if not why and len(ts) != self.size():
+                why = f"{name} has {len(ts)} tensors; it must have one per rank ({self.size()})"
+        dtypes = {t.dtype for t in list(output_tensors) + list(input_tensors)}
+        if not why and len(dtypes) > 1:
+            why = f"the tensors must share one dtype, not {', '.join(sorted(map(str, dtypes)))}"
+        if why:
+            return self._refuse("all_to_all", why)
+        out_b = [t.numel() * t.element_size() for t in output_tensors]
+        in_b = [t.numel() * t.element_size() for t in input_tensors]
 
-    def send(self, tensors, dst, tag):
-        return self._fallback("send").send(tensors, dst, tag)
+        def job():
+            joined_in = torch.cat([as_bytes(t.contiguous()) for t in input_tensors])
+            joined_out = torch.empty(sum(out_b), dtype=torch.uint8)
+            routing.all_to_all(self._shm, joined_out, joined_in, out_b, in_b)
+            at = 0
+            for t, n in zip(output_tensors, out_b):
+                t.copy_(joined_out[at:at + n].view(t.dtype).view(t.shape))
+                at += n
+        return self._submit(job, output_tensors)
 
-    def recv(self, tensors, src, tag):
-        return self._fallback("recv").recv(tensors, src, tag)
+    # -- the coalesced forms: one call after another, in one job -------------------------------
+    def allreduce_coalesced(self, tensors, opts=None):
+        op = _op(opts)
+        why = wrong_devices(tensors=tensors)
+        if not why and len({t.dtype for t in tensors}) > 1:
+            why = "the tensors must share one dtype, as Gloo's allreduce_coalesced requires"
+        if why:
+            return self._refuse("all_reduce", why)
 
-    def recv_anysource(self, tensors, tag):
-        return self._fallback("recv").recv_anysource(tensors, tag)
+        def job():
+            flat = torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.empty(0)
+            _reduced(op, self.size(), lambda o: self._shm.all_reduce(flat, o), flat)
+            at = 0
+            for t in tensors:
+                t.copy_(flat[at:at + t.numel()].view_as(t))
+                at += t.numel()
+        return self._submit(job, tensors, _nbytes(tensors))
 
-    def allreduce_coalesced(self, tensors, opts):
-        return self._fallback("allreduce_coalesced").allreduce_coalesced(tensors, opts)
+    def allgather_coalesced(self, output_lists, input_list, opts=None):
+        # output_lists[q][i]: rank q's input_list[i]; the list form of all_gather, per input
+        if len(output_lists) != self.size() or any(len(outs) != len(input_list) for outs in output_lists):
+            return self._refuse("all_gather", f"output_tensor_lists must hold {self.size()} lists (one per rank) of "
+                                f"{len(input_list)} tensors (one per input)")
+        transposed = [[outs[i] for outs in output_lists] for i in range(len(input_list))]
+        return self.allgather(transposed, input_list, opts)
 
-    def allgather_coalesced(self, output_lists, input_list, opts):
-        return self._fallback("allgather_coalesced").allgather_coalesced(output_lists, input_list, opts)
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        return self._coalesced(self.all_gather_single, outputs, inputs, opts)
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        return self._coalesced(self.reduce_scatter_single, outputs, inputs, opts)
+
+    def _coalesced(self, call, outputs, inputs, opts) -> torch.futures.Future:
+        """Each pair through `call`, in order; one Future for them all, with the first error."""
+        futs = [call(o, i, opts) for o, i in zip(outputs, inputs)]
+
+        def finish(collected):
+            for f in collected.value():
+                f.value()  # raises its error
+            return outputs
+        return torch.futures.collect_all(futs).then(finish)
+
+    # -- barriers --------------------------------------------------------------------------------
+    def monitored_barrier(self, opts=None, wait_all_ranks: bool = False):
+        """A barrier that, after opts.timeout, names the rank (wait_all_ranks: every rank) that did
+        not reach it, as Gloo's does (torch's dist.monitored_barrier refuses every backend but
+        Gloo: call the group's own, `group.monitored_barrier(timeout, wait_all_ranks)`)."""
+        timeout = opts.timeout.total_seconds() if opts is not None and opts.timeout.total_seconds() > 0 else None
+
+        def job():
+            self._shm.monitored_barrier(timeout, wait_all_ranks)
+        return self._submit(job, [])
+
+    # -- point to point (point_to_point.py) ------------------------------------------------------
+    def _message(self, kind: str, tensors, peer: int, tag: int) -> torch.futures.Future:
+        if len(tensors) != 1:
+            why = f"it takes one tensor, not {len(tensors)}"
+        else:
+            why = wrong_devices(tensor=tensors) or ("" if tensors[0].is_contiguous() else "the tensor is not contiguous")
+        if not why and peer == self.rank():
+            why = f"rank {peer} is this rank"
+        if why:
+            fut = torch.futures.Future()
+            fut.set_exception(ShmArgumentError(f"{kind} on rank {self.rank()} of the shm group: {why}"))
+            return fut
+        return self._p2p.post(kind, tensors[0], peer)
+
+    def send(self, tensors, dst: int, tag: int = 0):
+        return self._message("send", tensors, dst, tag)
+
+    def recv(self, tensors, src: int, tag: int = 0):
+        return self._message("recv", tensors, src, tag)
+
+    def recv_anysource(self, tensors, tag: int = 0):
+        return self._message("recv_any", tensors, -1, tag)
+
+def create(store, rank: int, size: int, timeout: timedelta):
+    """The creator torch calls for init_process_group("shm") and new_group(backend="shm"): a C++
+    Backend (forward.cpp) that hands every call to a ShmBackend."""
+    return native.load().ForwardBackend(ShmBackend(store, rank, size, timeout), rank, size, "shm")
 
 
-def create(store, rank: int, size: int, timeout: timedelta) -> ProcessGroupShm:
-    """The creator torch calls for init_process_group("shm") and new_group(backend="shm")."""
-    return ProcessGroupShm(store, rank, size, timeout)
+def backend_of(group=None) -> ShmBackend:
+    """The ShmBackend behind an shm group (default: the world), e.g. to read its cma_off_reason."""
+    group = dist.group.WORLD if group is None else group
+    forward = group._get_backend(torch.device("cpu"))
+    if not hasattr(forward, "impl"):
+        raise ValueError(f"{group} is a {dist.get_backend(group)} group, not an shm group")
+    return forward.impl

@@ -12,7 +12,7 @@ waited for, so two ranks that exchange large messages at once both make progress
 moves it sleeps on the counter that would let the first waited request move (futex), after a
 short spin while every rank has a core, and checks the peers' liveness as the barriers do.
 
-    comm = ShmComm(process_group)       # its segment and waiter; group ranks
+    comm = ShmComm(backend)             # an shm group's ShmBackend: its segment and waiter; group ranks
     A.all_reduce(t, group=shm_group, algorithm="ring")   # uses it
 """
 
@@ -89,10 +89,13 @@ class _Transfer:
 class ShmComm(Comm):
     """The algorithms' transport over an shm group's mailboxes (group ranks)."""
 
-    def __init__(self, process_group):
+    def __init__(self, process_group, drain: bool = True):
+        """process_group: the group's ShmBackend; drain: wait for its calls issued before (the
+        point-to-point engine itself does not)."""
         if process_group._segment.mail is None:
             raise ValueError("shm mailboxes exist for groups of at most 64 ranks")
-        process_group._drain()  # the group's own collectives issued before come first
+        if drain:
+            process_group._drain()  # the group's own calls issued before come first
         self.segment, self.waiter = process_group._segment, process_group._waiter
         self.rank, self.size = process_group.rank(), process_group.size()
         self.messages: List[Message] = []

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 import collectives as C
 from collectives.errors import CollectiveError
-from collectives.shm import cma
+from collectives.shm import backend_of, cma
 
 # on even where ranks outnumber cores (the tests' 3 and 4 ranks on 2 cores); from 1 KiB, in 4 KiB pieces
 SMALL = {"COLLECTIVES_SHM_CMA": "1", "COLLECTIVES_SHM_CMA_MIN_KB": "1", "COLLECTIVES_SHM_PIECE_KB": "4"}
@@ -30,8 +30,8 @@ def small_pieces(monkeypatch):
 
 def _both_paths(env):
     group = dist.new_group(backend="shm")
-    if group._shm.cma is None:
-        return group.cma_off_reason
+    if backend_of(group)._shm.cma is None:
+        return backend_of(group).cma_off_reason
     ops = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX,
            "product": dist.ReduceOp.PRODUCT, "bxor": dist.ReduceOp.BXOR}
     g = torch.Generator().manual_seed(env.rank)
@@ -48,11 +48,11 @@ def _both_paths(env):
         else:
             x = torch.randint(0, 1 << 15, (numel,), generator=g).to(dtype)
         through, direct = x.clone(), x.clone()
-        paths.append(group._shm.all_reduce_path(numel * x.element_size()))
+        paths.append(backend_of(group)._shm.all_reduce_path(numel * x.element_size()))
         dist.all_reduce(direct, op=ops[op], group=group)
-        attach, group._shm.cma = group._shm.cma, None
+        attach, backend_of(group)._shm.cma = backend_of(group)._shm.cma, None
         dist.all_reduce(through, op=ops[op], group=group)
-        group._shm.cma = attach
+        backend_of(group)._shm.cma = attach
         if not torch.equal(direct, through):
             wrong.append(f"{numel} {dtype} {op}")
     return wrong, paths
@@ -91,7 +91,7 @@ def _who_can_attach(env):
         os.environ["COLLECTIVES_SHM_CMA"], cma._READV = saved_var, saved_readv
         t = torch.full((4096,), float(env.rank + 1))
         dist.all_reduce(t, group=group)
-        said.append((group.cma_off_reason, group._shm.cma is not None, t.eq(6.0).all().item()))
+        said.append((backend_of(group).cma_off_reason, backend_of(group)._shm.cma is not None, t.eq(6.0).all().item()))
     return said
 
 
@@ -117,8 +117,8 @@ def test_it_is_on_only_where_every_rank_can_use_it_and_says_why_not(small_pieces
 
 def _dies_while_writing(env):
     group = dist.new_group(backend="shm")
-    if group._shm.cma is None:
-        return group.cma_off_reason
+    if backend_of(group)._shm.cma is None:
+        return backend_of(group).cma_off_reason
     if env.rank == 1:
         def move(self, write, *args):
             if write:
@@ -143,8 +143,8 @@ def _fails_while_others_write(env):
     """Rank 2 fails at its first read; ranks 0 and 1 write slowly. After its error rank 2 puts a
     sentinel in its tensor and watches it: a late write from a peer would change it."""
     group = dist.new_group(backend="shm")
-    if group._shm.cma is None:
-        return group.cma_off_reason
+    if backend_of(group)._shm.cma is None:
+        return backend_of(group).cma_off_reason
     original = cma.CrossMemory.move
 
     def move(self, write, *args):

@@ -1,5 +1,5 @@
 """The shared-memory backend: registered with torch.distributed, right on every collective (also
-in many rounds through a tiny slot), the fallback said once, a dead peer named within the
+in many rounds through a tiny slot), no Gloo under any call, a dead peer named within the
 timeout, nothing left in /dev/shm however the ranks end, and torch's own DDP bitwise equal to
 torch's DDP on Gloo on 2 ranks.
 
@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import collectives as C
 from collectives import shm
+from collectives.shm import backend_of
 from collectives.testing import distributed
 
 from ..algorithms.reference import expected, inputs_for
@@ -30,7 +31,7 @@ from ..collectives.test_launch import assert_all_gone, kill_launcher_script
 
 @distributed(world_size=3, backend="shm")
 def test_torch_distributed_calls_run_on_it(env):
-    assert dist.get_backend() == "shm" and isinstance(dist.group.WORLD, shm.ProcessGroupShm)
+    assert dist.get_backend() == "shm" and isinstance(backend_of(), shm.ShmBackend)
     r, n = env.rank, env.world_size
     for op, red in [(dist.ReduceOp.SUM, "sum"), (dist.ReduceOp.MAX, "max"), (dist.ReduceOp.MIN, "min"),
                     (dist.ReduceOp.PRODUCT, "product"), (dist.ReduceOp.BXOR, "bxor")]:
@@ -147,10 +148,10 @@ class _MemoryBytes(TorchDispatchMode):
 
 def _count_all_reduce_bytes(env, numel):
     group = dist.new_group(backend="shm")
-    group._shm.cma = None  # the copies through the segment: cross-memory attach moves its bytes in the kernel
+    backend_of(group)._shm.cma = None  # the copies through the segment: cross-memory attach moves its bytes in the kernel
     flat = torch.arange(numel, dtype=torch.float32) + env.rank
     with _MemoryBytes() as counted:
-        group._shm.all_reduce(flat, "sum")
+        backend_of(group)._shm.all_reduce(flat, "sum")
     assert torch.equal(flat, (torch.arange(numel, dtype=torch.float32) * env.world_size
                               + sum(range(env.world_size))))
     return counted.read + counted.written, counted.unknown
@@ -171,7 +172,7 @@ def test_the_memory_traffic_model_counts_what_the_all_reduce_does(world_size, mo
     assert [shm.ops.all_reduce_traffic(1.0, p, path) for p in (2, 4) for path in paths] == [4.5, 4.0, 2.0, 5.75, 4.5, 2.0]
 
 
-def _fallback_warns_once(env):
+def _routing_without_warnings(env):
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         for _ in range(3):
@@ -180,11 +181,12 @@ def _fallback_warns_once(env):
     return got.tolist(), said
 
 
-def test_unsupported_calls_go_to_gloo_said_once(dist_run):
-    results = C.run(_fallback_warns_once, 2, backend="shm", timeout=60)
+def test_all_to_all_runs_on_shm_itself(dist_run):
+    """No call goes to an inner Gloo group any more (tests/shm/test_routing.py checks each)."""
+    results = C.run(_routing_without_warnings, 2, backend="shm", timeout=60)
     for r, (got, said) in enumerate(results):
         assert got == [float(r), 10.0 + r]
-        assert said == ["the shm backend has no all_to_all of its own: it goes through an inner Gloo group"], said
+        assert said == [], said
 
 
 def _one_rank_dies(env):

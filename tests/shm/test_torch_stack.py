@@ -1,0 +1,99 @@
+"""torch's own stack on an shm group: the group has a name and torch finds it by it, DeviceMesh
+is built on it, the functional collectives and DTensor run on it, and torch's fully_shard
+trained on it is bitwise fully_shard trained on Gloo (2 ranks, nested units, several steps);
+our sharded steps run on it against fully_shard on it.
+
+    pytest tests/shm/test_torch_stack.py -q
+"""
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+from ddp_from_scratch.models import batch
+from ddp_from_scratch.sharded_parity import _full_params, train_sharded_side_by_side
+from ddp_from_scratch.parity import summarise
+
+from ..ddp.test_zero import STEPS, Nested
+
+
+def _named_and_found(env):
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    shm = dist.new_group(backend="shm")
+    mesh = DeviceMesh.from_group(shm, "cpu")
+    return (shm.group_name, _resolve_process_group(shm.group_name) is shm, dist.get_backend(shm),
+            mesh.get_group() is shm, mesh.size())
+
+
+def test_an_shm_group_has_a_name_torch_finds_it_by(dist_run):
+    for rank, (name, found, backend, same, size) in enumerate(dist_run(_named_and_found, 2)):
+        assert name and found and backend == "shm" and same and size == 2, (rank, name, found, backend, same)
+
+
+def _functional_on_both(env):
+    r, n = env.rank, env.world_size
+    rows = []
+    for backend in ("shm", "gloo"):
+        g = dist.new_group(backend=backend)
+        x = torch.arange(4 * n, dtype=torch.float32) * (r + 1)
+        got = [funcol.all_reduce(x, "sum", g), funcol.all_gather_tensor(x, 0, g),
+               funcol.reduce_scatter_tensor(x, "sum", 0, g), funcol.all_to_all_single(x, None, None, g),
+               funcol.broadcast(x, 1, g), funcol.all_reduce(x, "max", g)]
+        rows.append([funcol.wait_tensor(t).clone() for t in got])
+        mesh = DeviceMesh.from_group(g, "cpu")
+        d = distribute_tensor(torch.arange(12.0).reshape(4, 3), mesh, [Shard(0)])
+        rows[-1] += [d.full_tensor(), d.redistribute(mesh, [Replicate()]).to_local(),
+                     (d @ distribute_tensor(torch.ones(3, 2), mesh, [Replicate()])).full_tensor()]
+    return [torch.equal(a, b) for a, b in zip(*rows)]
+
+
+def test_functional_collectives_and_dtensor_give_glooss_results_on_shm(dist_run):
+    for world_size in (2, 3):
+        for rank, same in enumerate(dist_run(_functional_on_both, world_size)):
+            assert all(same), f"{world_size} ranks, rank {rank}: {same}"
+
+
+def _fully_shard_trained(group, steps):
+    torch.manual_seed(100)
+    model = Nested()
+    mesh = DeviceMesh.from_group(group, device_type="cpu")
+    for unit in (model[1][2], model[1], model):  # units inside units, innermost first
+        fully_shard(unit, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    after = []
+    for step in range(steps):
+        x, y = batch(step, dist.get_rank(), 4, 12)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        after.append({k: v.clone() for k, v in _full_params(model).items()})
+    return after
+
+
+def _fully_shard_both_ways(env, steps):
+    on_shm = _fully_shard_trained(dist.new_group(backend="shm"), steps)
+    on_gloo = _fully_shard_trained(dist.new_group(backend="gloo"), steps)
+    return [[name for name in a if not torch.equal(a[name], b[name])] for a, b in zip(on_shm, on_gloo)], \
+        sorted(on_shm[0])
+
+
+def test_fully_shard_on_shm_is_bitwise_fully_shard_on_gloo(dist_run):
+    for rank, (differing, names) in enumerate(dist_run(_fully_shard_both_ways, 2, args=(4,), timeout=120)):
+        assert len(names) == 8, names  # every parameter of the nested model compared
+        assert differing == [[]] * 4, f"rank {rank}: parameters differing after each step: {differing}"
+
+
+def _ours_against_fully_shard(env):
+    return summarise([train_sharded_side_by_side(env, "fsdp", STEPS, against="torch-fsdp", model=Nested,
+                                                 units=["1", "1.2"]),
+                      train_sharded_side_by_side(env, "zero2", STEPS, against="torch-fsdp")])
+
+
+def test_our_sharded_steps_on_shm_are_bitwise_fully_shard_on_shm(dist_run):
+    for rank, res in enumerate(dist_run(_ours_against_fully_shard, 2, backend="shm", timeout=300)):
+        assert res["bitwise"], f"rank {rank}: {res}"
