@@ -13,10 +13,18 @@ collective answers too) and the failure leads with what the records say:
     records = {rank: dump() for each rank}       # in a rank: this rank's record, as a dict
     print("\\n".join(verdict(records, where)))    # where: {rank: what its stack shows}, optional
 
+Dumps as files, read by this module and by torch's own torchfrtrace: with TORCH_FR_DUMP_TEMP_FILE
+set (torch's setting, a path prefix), a failed run also writes each answering rank's record to
+PREFIX<rank> (a pickled dict, torch's format). Any job's dumps, ours or torchrun's with NCCL or Gloo:
+
+    python -m collectives.flight_recorder DIR [--prefix rank_]     # the verdict, and each rank's last calls
+    python -m torch.distributed.flight_recorder.fr_trace DIR -j     # torch's own reader, on the same files
+
 What it finds, per process group: the ranks that never entered the latest collective the others
 are waiting in (and where they are instead), and the first sequence number at which the ranks
 called different collectives, sizes or dtypes. What it cannot see: a rank that holds Python's
-lock in C code does not answer (it is named as such), and the shm backend records nothing yet.
+lock in C code does not answer (it is named as such). The shm backend keeps its own record in
+torch's format (collectives/shm/recorder.py), merged into the same dump.
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ import pickle
 import time
 from typing import Dict, List, Optional, Sequence
 
-ANSWER_WAIT_S = 3.0  # how long the launcher waits for the ranks' records
+ANSWER_WAIT_S = 5.0  # how long the launcher waits for the ranks' records (3 s was too short on a loaded machine)
 
 
 def recording() -> bool:
@@ -54,7 +62,16 @@ def dump() -> Optional[dict]:
     config = {}
     for pg, name in world.pg_names.items():
         ranks = sorted(world.pg_group_ranks.get(pg, {}))
-        config[name] = {"name": name, "desc": getattr(pg, "group_desc", ""), "ranks": json.dumps(ranks)}
+        desc = getattr(pg, "group_desc", "")
+        config[name] = {"name": name, "desc": desc, "ranks": json.dumps(ranks)}
+        if str(dist.get_backend(pg)).lower() == "shm":  # torch has no hook for it: its own record
+            from .shm import backend_of
+
+            recorder = backend_of(pg).recorder
+            if recorder is not None:
+                pg_id = int(name) if name.isdigit() else 10_000 + len(config)
+                record["entries"] = record.get("entries", []) + recorder.entries(pg_id, (name, desc))
+                record.setdefault("pg_status", {})[str(pg_id)] = dict(recorder.status)
     record["pg_config"] = config
     record["dump_time_ns"] = time.time_ns()
     return record
@@ -82,8 +99,95 @@ def collect(conns: Sequence[multiprocessing.connection.Connection], wait: float 
     return records
 
 
+# torchfrtrace (torch 2.13) refuses any other library name before the ":" of an entry's profiling_name
+TORCHFRTRACE_LIBS = ("nccl", "ncclx", "rccl", "rcclx", "hccl", "mccl", "xccl", "gloo")
+
+
+def _for_torchfrtrace(record: dict) -> dict:
+    """shm's entries under a library name torchfrtrace reads ("gloo:"), the real one kept in
+    each entry's "backend"; everything else as it is."""
+    entries = []
+    for e in record.get("entries", []):
+        lib, _, name = e["profiling_name"].partition(":")
+        if lib not in TORCHFRTRACE_LIBS:
+            e = {**e, "profiling_name": f"gloo:{name}", "backend": lib}
+        entries.append(e)
+    return {**record, "entries": entries}
+
+
+def write(records: Dict[int, dict], prefix: str) -> List[str]:
+    """Each rank's record to PREFIX<rank> (torch's file naming and format, readable by
+    torchfrtrace: see _for_torchfrtrace); the paths written."""
+    paths = []
+    for rank, record in sorted(records.items()):
+        if record:
+            record = _for_torchfrtrace(record)
+            path = f"{prefix}{rank}"
+            with open(path, "wb") as f:
+                pickle.dump(record, f)
+            paths.append(path)
+    return paths
+
+
+def read(directory: str, prefix: Optional[str] = None) -> Dict[int, dict]:
+    """rank -> record from the files PREFIX<rank> in directory (prefix: the one all files share,
+    found as torchfrtrace finds it, when not given)."""
+    import re
+
+    names = sorted(os.listdir(directory))
+    if prefix is None:
+        prefixes = {m.group(1) for n in names if (m := re.fullmatch(r"([\w\-]*?)(\d+)", n))}
+        if len(prefixes) != 1:
+            raise ValueError(f"{directory}: cannot tell the dump files' common prefix (found {sorted(prefixes) or 'none'}); "
+                             "give --prefix")
+        prefix = prefixes.pop()
+    records = {}
+    for name in names:
+        rest = name[len(prefix):] if name.startswith(prefix) else ""
+        if rest.isdigit():
+            with open(os.path.join(directory, name), "rb") as f:
+                records[int(rest)] = pickle.load(f)
+    if not records:
+        raise ValueError(f"{directory}: no dump files named {prefix}<rank>")
+    return records
+
+
+def summary(records: Dict[int, dict], last: int = 3) -> List[str]:
+    """Each rank's last calls per group, one line per rank and group: "rank 0 group 0: #3 all_reduce(4 Float) completed"."""
+    lines = []
+    for rank, record in sorted(records.items()):
+        by_group: Dict[str, list] = {}
+        for e in record.get("entries", []):
+            by_group.setdefault(e["process_group"][0], []).append(e)
+        for name, entries in sorted(by_group.items()):
+            calls = ", ".join(f"#{e['collective_seq_id'] or 'p2p ' + str(e['p2p_seq_id'])} {_describe(e)} "
+                              f"{'completed' if _completed(record, e) or e['state'] == 'completed' else e['state']}"
+                              for e in entries[-last:])
+            lines.append(f"rank {rank} group {name}: {calls}")
+    return lines
+
+
+def main(argv=None) -> int:
+    from .cli import ArgumentParser
+
+    parser = ArgumentParser(prog="python -m collectives.flight_recorder",
+                            description="Read flight-recorder dumps (ours, or torch's from any job) and say what they show.")
+    parser.add_argument("directory", help="the folder of dump files PREFIX<rank>")
+    parser.add_argument("--prefix", default=None, help="the files' common prefix (default: found from the names)")
+    parser.add_argument("--last", type=int, default=3, help="how many of each rank's last calls to list (default 3)")
+    args = parser.parse_args(argv)
+    try:
+        records = read(args.directory, args.prefix)
+    except (OSError, ValueError, pickle.UnpicklingError, EOFError) as exc:
+        parser.error(str(exc))
+    lines = verdict(records)
+    print("\n".join(lines) if lines else f"the records of rank(s) {sorted(records)} show no hang or mismatch")
+    print("\n".join(summary(records, args.last)))
+    return 0
+
+
 def _op(entry: dict) -> str:
-    return entry["profiling_name"].split(":")[-1]
+    return entry["profiling_name"].split(":")[-1].split(" ")[0]
 
 
 def _signature(entry: dict) -> tuple:
@@ -111,7 +215,7 @@ def _groups(records: Dict[int, dict]) -> Dict[str, List[int]]:
 
 
 def verdict(records: Dict[int, Optional[dict]], where: Optional[Dict[int, str]] = None,
-            ranks: Optional[Sequence[int]] = None) -> List[str]:
+            ranks: Optional[Sequence[int]] = None, dead: Optional[Dict[int, str]] = None) -> List[str]:
     """Lines that say what the records show, most telling first; [] when they show nothing wrong.
 
     Args:
@@ -119,19 +223,21 @@ def verdict(records: Dict[int, Optional[dict]], where: Optional[Dict[int, str]] 
         where: rank -> what its Python stack shows now ("in f (prog.py:14)"), for ranks that
             never entered the collective the others wait in.
         ranks: every rank of the job (default: those in records).
+        dead: rank -> how it ended ("exited with code 3"), for ranks known to be gone.
     """
-    where = where or {}
+    where, dead = where or {}, dead or {}
     answered = {r: rec for r, rec in records.items() if rec}
     lines: List[str] = []
     for name, members in sorted(_groups(answered).items()):
-        lines += _group_verdict(name, members, answered, where)
+        lines += _group_verdict(name, members, answered, where, dead)
     silent = sorted(set(ranks if ranks is not None else records) - set(answered))
-    if silent and lines:
+    if silent and lines and not set(silent) <= set(dead):
         lines.append(f"rank(s) {silent} did not answer (dead, or in C code that holds Python's lock)")
     return lines
 
 
-def _group_verdict(name: str, members: List[int], records: Dict[int, dict], where: Dict[int, str]) -> List[str]:
+def _group_verdict(name: str, members: List[int], records: Dict[int, dict], where: Dict[int, str],
+                   dead: Dict[int, str]) -> List[str]:
     entries = {r: {e["collective_seq_id"]: e for e in records[r]["entries"]
                    if e["process_group"][0] == name and not e.get("is_p2p")} for r in members if r in records}
     lines = []
@@ -149,7 +255,16 @@ def _group_verdict(name: str, members: List[int], records: Dict[int, dict], wher
     top = max(entered.values())
     waiting = [r for r in entered if entered[r] == top and not _completed(records[r], entries[r][top])]
     behind = sorted(r for r in entered if entered[r] < top)
-    if waiting and behind:
+    gone = [r for r in members if r in dead and r not in records]
+    if gone:  # a rank died: say what the others were in (Gloo marks the call its error ended as completed)
+        alive = sorted(entered)
+        first = entries[alive[0]][top] if top in entries[alive[0]] else None
+        how = "; ".join(f"rank {r} {dead[r].split(' without ')[0]}" for r in gone)
+        if first is not None:
+            state = "were waiting in" if waiting else "last entered"
+            lines.insert(0, f"rank(s) {gone} died ({how}); rank(s) {sorted(r for r in alive if entered[r] == top)} "
+                            f"{state} {_op(first)} #{top} on group {name} {members}")
+    if waiting and behind and not gone:
         first = entries[waiting[0]][top]
         dumped = records[waiting[0]].get("dump_time_ns") or time.time_ns()
         waited = max(0.0, (dumped - first["time_created_ns"]) / 1e9)
@@ -163,3 +278,7 @@ def _group_verdict(name: str, members: List[int], records: Dict[int, dict], wher
             text += f"; rank {r} {did}" + (f", and is now {now}" if now else "")
         lines.insert(0, text)
     return lines
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -277,6 +277,19 @@ class RankPool:
             summary = summary.replace(" (", f" {where} (", 1) if " (" in summary else f"{summary} {where}"
         return summary, stack
 
+    def _flight_records(self, where: Dict[int, str]) -> List[str]:
+        """What the live ranks' flight records say (a rank that died is named as dead); with
+        TORCH_FR_DUMP_TEMP_FILE set (torch's setting), the records are also written there."""
+        records = flight_recorder.collect(self._recorders)
+        dead = {r: describe_exit(p.exitcode) for r, p in enumerate(self._procs) if p.exitcode is not None}
+        prefix = os.environ.get("TORCH_FR_DUMP_TEMP_FILE")
+        if prefix:
+            try:
+                flight_recorder.write(records, prefix)
+            except OSError as exc:
+                return [f"could not write the records to {prefix}<rank>: {exc}"]
+        return flight_recorder.verdict(records, where, ranks=range(self.world_size), dead=dead)
+
     def _report_failure(self, what: str, timeout: float, failures: Dict[int, str], summaries: Dict[int, str],
                         order: List[int], pending: set) -> None:
         """Raise RankFailure: the first rank that failed on its own leads, then the others that
@@ -305,8 +318,7 @@ class RankPool:
         # A rank whose connection to a dead or failed peer broke failed because of that peer.
         stopped += [r for r in order[1:] if r not in stopped and PEER_LOST.search(failures[r])]
         # A hang: what torch's flight records say, when the ranks keep them (TORCH_FR_BUFFER_SIZE).
-        told = flight_recorder.verdict(flight_recorder.collect(self._recorders), where, ranks=range(self.world_size)) \
-            if pending and flight_recorder.recording() else []
+        told = self._flight_records(where if pending else {}) if flight_recorder.recording() else []
         self._kill()
         failed = [r for r in order if r not in stopped]
         first = order[0]

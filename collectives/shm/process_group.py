@@ -24,6 +24,7 @@ the worker costs more than they do.
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 from datetime import timedelta
 from typing import Callable, List
@@ -40,6 +41,7 @@ from . import native, routing
 from .arguments import overlap, wrong_devices, wrong_list, wrong_sizes, wrong_splits
 from .ops import ShmArgumentError, ShmCollectives
 from .point_to_point import PointToPoint
+from .recorder import Recorder
 from .segment import Segment
 from .wait import Waiter
 
@@ -62,6 +64,21 @@ def _reduced(op: str, size: int, run: Callable[[str], None], result: torch.Tenso
         result.div_(size)
 
 
+# the torch names of the calls, for the flight record
+_OP_NAMES = {"allreduce": "all_reduce", "allreduce_coalesced": "allreduce_coalesced", "broadcast": "broadcast",
+             "reduce": "reduce", "allgather": "all_gather", "all_gather_single": "all_gather_single",
+             "reduce_scatter": "reduce_scatter", "reduce_scatter_single": "reduce_scatter_single", "gather": "gather",
+             "scatter": "scatter", "all_to_all_single": "all_to_all_single", "alltoall": "all_to_all",
+             "barrier": "barrier", "monitored_barrier": "barrier"}  # the names torchfrtrace knows (its COLLECTIVES)
+
+
+def _value_or_error(fut: torch.futures.Future):
+    try:
+        return fut.value()
+    except BaseException as exc:  # noqa: BLE001 - set_exception's value, raised by value()
+        return exc
+
+
 def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -82,6 +99,7 @@ class ShmBackend:
         if not self.cma_off_reason:
             self._shm.cma = cma.CrossMemory(self._segment, rank, self._waiter)
         self._p2p = PointToPoint(self)
+        self.recorder = Recorder.from_env()  # None unless TORCH_FR_BUFFER_SIZE is set
         self._queue: "queue.Queue" = queue.Queue()
         self._pending = 0
         self._idle = threading.Condition()
@@ -116,8 +134,10 @@ class ShmBackend:
             self._waiter.abort()
             fut.set_exception(exc)
 
-    def _submit(self, job: Callable[[], None], value, nbytes: int = 0) -> torch.futures.Future:
+    def _submit(self, job: Callable[[], None], value, nbytes: int = 0, op: str = "") -> torch.futures.Future:
         fut = torch.futures.Future()
+        if self.recorder is not None:  # the flight record (recorder.py): in torch's format
+            job = self._recorded(job, op or _OP_NAMES.get(sys._getframe(1).f_code.co_name, "collective"), value)
         with self._idle:
             inline = self._pending == 0 and nbytes <= self.config.inline_bytes
             if not inline:
@@ -133,7 +153,16 @@ class ShmBackend:
         """A Work that raises ShmArgumentError naming the call, this rank and the argument, after
         meeting the other ranks at the call's first barrier (none of them waits for this one)."""
         reason = f"{kind} on rank {self.rank()} of the shm group: {why}; nothing was moved"
-        return self._submit(lambda: self._shm.refuse(kind, reason), None)
+        return self._submit(lambda: self._shm.refuse(kind, reason), None, op=kind)
+
+    def _recorded(self, job: Callable[[], None], op: str, tensors) -> Callable[[], None]:
+        entry = self.recorder.scheduled(op, tensors, tensors)
+
+        def run():
+            self.recorder.started(entry)
+            job()
+            self.recorder.completed(entry)
+        return run
 
     def _drain(self) -> None:
         """Until every call issued so far, collective or point-to-point, has finished."""
@@ -396,7 +425,15 @@ class ShmBackend:
             fut = torch.futures.Future()
             fut.set_exception(ShmArgumentError(f"{kind} on rank {self.rank()} of the shm group: {why}"))
             return fut
-        return self._p2p.post(kind, tensors[0], peer)
+        fut = self._p2p.post(kind, tensors[0], peer)
+        if self.recorder is not None:
+            # torchfrtrace's form: "send 0->1", "recv 1<-0" (group ranks; from any source: -1)
+            name = f"send {self.rank()}->{peer}" if kind == "send" else f"recv {self.rank()}<-{peer}"
+            entry = self.recorder.scheduled(name, tensors, tensors, p2p=True)
+            self.recorder.started(entry)
+            fut.add_done_callback(lambda f: f.done() and not isinstance(_value_or_error(f), BaseException)
+                                  and self.recorder.completed(entry))
+        return fut
 
     def send(self, tensors, dst: int, tag: int = 0):
         return self._message("send", tensors, dst, tag)

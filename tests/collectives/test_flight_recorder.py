@@ -74,6 +74,121 @@ def test_a_planted_hang_is_named_in_collective_terms(fn, world_size, says, monke
     assert time.monotonic() - start < TIMEOUT_S + 5 + 10  # the timeout, the grace, the records, the spawn
 
 
+@pytest.mark.parametrize("fn, world_size, says", [
+    (_skips_one_all_reduce, 2,
+     "flight recorder: rank(s) [1] never entered all_reduce #4 on group 0 [0, 1] (rank(s) [0] waiting in it for "),
+    (_hang_in_a_subgroup, 3,
+     "flight recorder: rank(s) [1] never entered all_reduce #2 on group 1 [0, 1] (rank(s) [0] waiting in it for "),
+], ids=["a rank skips one collective", "a subgroup hangs, the world is fine"])
+def test_a_planted_hang_on_shm_is_named_from_its_own_record(fn, world_size, says, monkeypatch):
+    """torch records nothing for a Python backend: these verdicts come from shm's own record
+    (collectives/shm/recorder.py) in torch's format. (Two orders are no hang on shm: its call
+    check makes every rank raise at once, naming both calls; tests/shm/test_shm.py.)"""
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "2000")
+    start = time.monotonic()
+    with pytest.raises(C.RankFailure) as info:
+        C.run(fn, world_size=world_size, backend="shm", timeout=TIMEOUT_S)
+    first = str(info.value).splitlines()[0]
+    assert first.startswith(says), str(info.value)
+    assert time.monotonic() - start < TIMEOUT_S + 5 + 10
+
+
+def _records_on_shm(env):
+    from collectives.flight_recorder import dump
+
+    t = torch.ones(4, dtype=torch.float64)
+    for _ in range(3):
+        dist.all_reduce(t)
+    dist.broadcast(torch.ones(2, dtype=torch.int32), 0)
+    if env.rank == 0:
+        dist.send(t, 1)
+    else:
+        dist.recv(t, 0)
+    return dump()
+
+
+def test_shm_records_its_calls_in_torchs_format(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+
+    from collectives.flight_recorder import write
+
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "3")  # the last 3 collectives are kept, and the message
+    records = C.run(_records_on_shm, 2, backend="shm", timeout=30)
+    write(dict(enumerate(records)), str(tmp_path / "rank_"))
+    theirs = subprocess.run([sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", str(tmp_path), "-j"],
+                            capture_output=True, text=True, timeout=120)
+    said = theirs.stdout + theirs.stderr
+    assert theirs.returncode == 0 and said.count("broadcast(input_sizes=[[2]], state=completed)") == 2, said[-3000:]
+    for rank, record in enumerate(records):
+        mine = [e for e in record["entries"] if e["profiling_name"].startswith("shm:")]
+        assert [(e["profiling_name"], e["collective_seq_id"], e["p2p_seq_id"], e["state"]) for e in mine] == [
+            ("shm:all_reduce", 3, 0, "completed"), ("shm:broadcast", 4, 0, "completed"),
+            ("shm:send 0->1" if rank == 0 else "shm:recv 1<-0", 0, 1, "completed")], mine
+        assert mine[0]["input_sizes"] == [[4]] and mine[0]["input_dtypes"] == ["Double"]
+        assert mine[1]["input_dtypes"] == ["Int"] and mine[0]["process_group"][0] == "0"
+        assert any(f["name"] == "_records_on_shm" for f in mine[0]["frames"]), mine[0]["frames"]
+        assert record["pg_status"][str(mine[0]["pg_id"])]["last_completed_collective"] == 4
+
+
+def _one_rank_dies(env):
+    import os
+
+    t = torch.ones(4)
+    for step in range(5):
+        if env.rank == 1 and step == 3:
+            os._exit(3)
+        dist.all_reduce(t)
+
+
+@pytest.mark.parametrize("backend", ["gloo", "shm"])
+def test_a_dead_rank_is_named_with_the_collective_the_others_wait_in(backend, monkeypatch):
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "2000")
+    start = time.monotonic()
+    with pytest.raises(C.RankFailure) as info:
+        C.run(_one_rank_dies, world_size=2, backend=backend, timeout=30)
+    first = str(info.value).splitlines()[0]
+    # Gloo's error ends the call on rank 0 (its record says completed); shm's rank 0 is still in it
+    state = "were waiting in" if backend == "shm" else "last entered"
+    assert first == (f"flight recorder: rank(s) [1] died (rank 1 exited with code 3); rank(s) [0] {state} "
+                     "all_reduce #4 on group 0 [0, 1]"), str(info.value)
+    assert time.monotonic() - start < 30, "waited for the timeout"
+
+
+def test_dumps_are_written_and_read_by_us_and_by_torchfrtrace(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "2000")
+    monkeypatch.setenv("TORCH_FR_DUMP_TEMP_FILE", str(tmp_path / "rank_"))
+    with pytest.raises(C.RankFailure) as info:
+        C.run(_skips_one_all_reduce, world_size=2, timeout=TIMEOUT_S)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank_0", "rank_1"], str(info.value)
+    ours = subprocess.run([sys.executable, "-m", "collectives.flight_recorder", str(tmp_path)],
+                          capture_output=True, text=True, timeout=60)
+    assert ours.returncode == 0, ours.stderr
+    lines = ours.stdout.splitlines()
+    assert lines[0].startswith("rank(s) [1] never entered all_reduce #4 on group 0 [0, 1]"), ours.stdout
+    assert str(info.value).splitlines()[0].startswith("flight recorder: " + lines[0][:60])
+    assert "rank 1 group 0: #1 all_reduce(4 Float) completed, #2 all_reduce(4 Float) completed, " \
+           "#3 all_reduce(4 Float) completed" in lines, ours.stdout
+    theirs = subprocess.run([sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", str(tmp_path), "-j"],
+                            capture_output=True, text=True, timeout=120)
+    said = theirs.stdout + theirs.stderr  # torchfrtrace -j lists every rank's entries (on stderr)
+    assert theirs.returncode == 0, said[-3000:]
+    assert said.count("all_reduce(input_sizes=[[4]], state=scheduled)") == 7, said[-3000:]  # rank 0: 4, rank 1: 3
+
+
+def test_the_reader_says_what_is_wrong_with_its_folder(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "notes.txt").write_text("x")
+    out = subprocess.run([sys.executable, "-m", "collectives.flight_recorder", str(tmp_path)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "cannot tell the dump files' common prefix" in out.stderr, out.stderr
+
+
 def test_without_the_recorder_the_failure_is_as_before(monkeypatch):
     monkeypatch.delenv("TORCH_FR_BUFFER_SIZE", raising=False)
     with pytest.raises(C.RankFailure) as info:
