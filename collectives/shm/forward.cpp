@@ -96,36 +96,56 @@ class ForwardBackend : public c10d::Backend {
   const std::string getBackendName() const override { return name_; }
   py::object impl() const { return impl_; }
 
+  // The error a finished Python Future carries as its value (set_exception), or none. Needs the GIL.
+  static std::exception_ptr python_error(c10::ivalue::Future& done) {
+    if (!done.value().isPyObject()) {
+      return nullptr;
+    }
+    py::object value = torch::jit::toPyObject(done.value());
+    if (!PyExceptionInstance_Check(value.ptr())) {
+      return nullptr;
+    }
+    std::string text =
+        py::str(py::type::of(value).attr("__name__")).cast<std::string>() + ": " + py::str(value).cast<std::string>();
+    return std::make_exception_ptr(PythonError(value.ptr(), text));
+  }
+
   template <typename... Args>
   intrusive_ptr<Work> call(const char* method, c10d::OpType type, Args&&... args) {
     intrusive_ptr<c10::ivalue::Future> inner;
+    std::exception_ptr error;
+    bool done = false;
     {
       py::gil_scoped_acquire gil;
       py::object fut = impl_.attr(method)(std::forward<Args>(args)...);
       inner = py::cast<std::shared_ptr<torch::jit::PythonFutureWrapper>>(fut)->fut;
+      if (inner->completed()) {  // ran in the calling thread (small calls): settle it now, GIL in hand
+        done = true;
+        error = inner->hasError() ? inner->exception_ptr() : python_error(*inner);
+      }
+    }
+    if (done && !error) {
+      return c10::make_intrusive<FutureWork>(inner, type);
     }
     // A Python Future's set_exception stores the exception as its value (torch.futures): here it
     // becomes the error of a C++ Future, which every caller (Python, DDP's reducer) sees as one.
     auto outer = c10::make_intrusive<c10::ivalue::Future>(inner->elementType());
-    inner->addCallback([outer](c10::ivalue::Future& done) {
-      if (done.hasError()) {
-        outer->setError(done.exception_ptr());
-        return;
-      }
-      std::exception_ptr error;
-      if (done.value().isPyObject()) {
-        py::gil_scoped_acquire gil;
-        py::object value = torch::jit::toPyObject(done.value());
-        if (PyExceptionInstance_Check(value.ptr())) {
-          std::string text = py::str(py::type::of(value).attr("__name__")).cast<std::string>() + ": " +
-                             py::str(value).cast<std::string>();
-          error = std::make_exception_ptr(PythonError(value.ptr(), text));
-        }
-      }
-      if (error) {
-        outer->setError(error);
+    if (done) {
+      outer->setError(error);
+      return c10::make_intrusive<FutureWork>(outer, type);
+    }
+    inner->addCallback([outer](c10::ivalue::Future& finished) {
+      std::exception_ptr failed;
+      if (finished.hasError()) {
+        failed = finished.exception_ptr();
       } else {
-        outer->markCompleted(done.value());
+        py::gil_scoped_acquire gil;
+        failed = python_error(finished);
+      }
+      if (failed) {
+        outer->setError(failed);
+      } else {
+        outer->markCompleted(finished.value());
       }
     });
     return c10::make_intrusive<FutureWork>(outer, type);

@@ -18,18 +18,19 @@ from __future__ import annotations
 import collections
 import os
 import threading
+import sys
 import time
-import traceback
 from typing import Dict, List, Optional
 
+MAX_FRAMES = 24
 # torch's names for dtypes in its dumps ("Float", not "float32")
 _DTYPE_NAMES = {"float32": "Float", "float64": "Double", "float16": "Half", "bfloat16": "BFloat16", "int64": "Long",
                 "int32": "Int", "int16": "Short", "int8": "Char", "uint8": "Byte", "bool": "Bool",
                 "complex64": "ComplexFloat", "complex128": "ComplexDouble"}
 
 
-def _dtype_name(t) -> str:
-    name = str(t.dtype).replace("torch.", "")
+def _dtype_name(dtype) -> str:
+    name = str(dtype).replace("torch.", "")
     return _DTYPE_NAMES.get(name, name)
 
 
@@ -38,6 +39,13 @@ def _flat(tensors) -> list:
     for t in tensors or []:
         out += _flat(t) if isinstance(t, (list, tuple)) else [t]
     return out
+
+
+class _Entry:
+    """One call, kept compact: it becomes torch's entry dict only when the record is dumped."""
+
+    __slots__ = ("record_id", "collective_seq_id", "p2p_seq_id", "op_id", "op", "created", "inputs", "outputs",
+                 "state", "started", "completed", "p2p", "frames", "thread")
 
 
 class Recorder:
@@ -57,41 +65,51 @@ class Recorder:
             size = 0
         return cls(size) if size > 0 else None
 
-    def scheduled(self, op: str, inputs, outputs, p2p: bool = False) -> dict:
+    def scheduled(self, op: str, inputs, outputs, p2p: bool = False) -> _Entry:
         """A new entry, in the calling thread (its frames are the caller's)."""
-        inputs, outputs = _flat(inputs), _flat(outputs)
-        frames = [{"name": f.name, "filename": f.filename, "line": f.lineno}
-                  for f in reversed(traceback.extract_stack(limit=24)[:-2])]
+        e = _Entry()
+        frames, f = [], sys._getframe(2)  # the caller's frames, innermost first; names read at dump time
+        while f is not None and len(frames) < MAX_FRAMES:
+            frames.append((f.f_code, f.f_lineno))
+            f = f.f_back
+        e.frames, e.op, e.p2p, e.created = frames, op, p2p, time.time_ns()
+        e.inputs = [(t.shape, t.dtype) for t in _flat(inputs)]
+        e.outputs = e.inputs if outputs is inputs else [(t.shape, t.dtype) for t in _flat(outputs)]
+        e.state, e.started, e.completed, e.thread = "scheduled", None, None, threading.current_thread()
         with self._lock:
             kind = "p2p" if p2p else "collective"
             self.seq[kind] += 1
-            entry = {"record_id": self.seq["collective"] + self.seq["p2p"] - 1, "pg_id": None,
-                     "process_group": None, "thread_name": threading.current_thread().name,
-                     "thread_id": str(threading.get_ident()),
-                     "collective_seq_id": self.seq["collective"] if not p2p else 0,
-                     "p2p_seq_id": self.seq["p2p"] if p2p else 0, "op_id": self.seq[kind],
-                     "profiling_name": f"shm:{op}", "time_created_ns": time.time_ns(),
-                     "input_sizes": [list(t.shape) for t in inputs], "input_dtypes": [_dtype_name(t) for t in inputs],
-                     "output_sizes": [list(t.shape) for t in outputs],
-                     "output_dtypes": [_dtype_name(t) for t in outputs], "state": "scheduled",
-                     "time_discovered_started_ns": None, "time_discovered_completed_ns": None,
-                     "retired": False, "timeout_ms": 0, "is_p2p": p2p, "frames": frames}
-            self._entries.append(entry)
+            e.record_id = self.seq["collective"] + self.seq["p2p"] - 1
+            e.collective_seq_id = 0 if p2p else self.seq["collective"]
+            e.p2p_seq_id = self.seq["p2p"] if p2p else 0
+            e.op_id = self.seq[kind]
+            self._entries.append(e)
             if not p2p:
-                self.status["last_enqueued_collective"] = entry["collective_seq_id"]
-        return entry
+                self.status["last_enqueued_collective"] = e.collective_seq_id
+        return e
 
-    def started(self, entry: dict) -> None:
-        entry["state"], entry["time_discovered_started_ns"] = "started", time.time_ns()
-        if not entry["is_p2p"]:
-            self.status["last_started_collective"] = entry["collective_seq_id"]
+    def started(self, e: _Entry) -> None:
+        e.state, e.started = "started", time.time_ns()
+        if not e.p2p:
+            self.status["last_started_collective"] = e.collective_seq_id
 
-    def completed(self, entry: dict) -> None:
-        entry["state"], entry["time_discovered_completed_ns"] = "completed", time.time_ns()
-        entry["retired"] = True
-        if not entry["is_p2p"]:
-            self.status["last_completed_collective"] = entry["collective_seq_id"]
+    def completed(self, e: _Entry) -> None:
+        e.state, e.completed = "completed", time.time_ns()
+        if not e.p2p:
+            self.status["last_completed_collective"] = e.collective_seq_id
 
     def entries(self, pg_id: int, process_group: tuple) -> List[Dict]:
+        """torch's entry dicts, oldest first."""
         with self._lock:
-            return [{**e, "pg_id": pg_id, "process_group": process_group} for e in self._entries]
+            kept = list(self._entries)
+        return [{"record_id": e.record_id, "pg_id": pg_id, "process_group": process_group,
+                 "thread_name": e.thread.name, "thread_id": str(e.thread.ident),
+                 "collective_seq_id": e.collective_seq_id, "p2p_seq_id": e.p2p_seq_id, "op_id": e.op_id,
+                 "profiling_name": f"shm:{e.op}", "time_created_ns": e.created,
+                 "input_sizes": [list(s) for s, _ in e.inputs], "input_dtypes": [_dtype_name(d) for _, d in e.inputs],
+                 "output_sizes": [list(s) for s, _ in e.outputs],
+                 "output_dtypes": [_dtype_name(d) for _, d in e.outputs], "state": e.state,
+                 "time_discovered_started_ns": e.started, "time_discovered_completed_ns": e.completed,
+                 "retired": e.state == "completed", "timeout_ms": 0, "is_p2p": e.p2p,
+                 "frames": [{"name": c.co_name, "filename": c.co_filename, "line": line} for c, line in e.frames]}
+                for e in kept]
