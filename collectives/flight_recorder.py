@@ -263,7 +263,7 @@ def _group_verdict(name: str, members: List[int], records: Dict[int, dict], wher
         if first is not None:
             state = "were waiting in" if waiting else "last entered"
             lines.insert(0, f"rank(s) {gone} died ({how}); rank(s) {sorted(r for r in alive if entered[r] == top)} "
-                            f"{state} {_op(first)} #{top} on group {name} {members}")
+                            f"{state} {_describe(first)} #{top} on group {name} {members}")
     if waiting and behind and not gone:
         first = entries[waiting[0]][top]
         dumped = records[waiting[0]].get("dump_time_ns") or time.time_ns()

@@ -151,8 +151,28 @@ def test_a_dead_rank_is_named_with_the_collective_the_others_wait_in(backend, mo
     # Gloo's error ends the call on rank 0 (its record says completed); shm's rank 0 is still in it
     state = "were waiting in" if backend == "shm" else "last entered"
     assert first == (f"flight recorder: rank(s) [1] died (rank 1 exited with code 3); rank(s) [0] {state} "
-                     "all_reduce #4 on group 0 [0, 1]"), str(info.value)
+                     "all_reduce(4 Float) #4 on group 0 [0, 1]"), str(info.value)
     assert time.monotonic() - start < 30, "waited for the timeout"
+
+
+def _sizes_differ(env):
+    t = torch.ones(4)
+    for step in range(3):
+        dist.all_reduce(t if not (env.rank == 1 and step == 2) else torch.ones(6))
+
+
+def test_a_size_mismatch_on_gloo_names_the_dead_rank_and_the_survivors_call(monkeypatch):
+    """Gloo aborts a rank on a size mismatch (SIGABRT), taking its record with it: the verdict
+    names it and the call the survivor made at that sequence number, with its size."""
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "2000")
+    with pytest.raises(C.RankFailure) as info:
+        C.run(_sizes_differ, world_size=2, timeout=30)
+    first = str(info.value).splitlines()[0]
+    if first.startswith("flight recorder: rank(s) [0] died"):
+        assert first.endswith("; rank(s) [1] last entered all_reduce(6 Float) #3 on group 0 [0, 1]"), first
+    else:
+        assert first.startswith("flight recorder: rank(s) [1] died (rank 1 died from SIGABRT"), str(info.value)
+        assert first.endswith("; rank(s) [0] last entered all_reduce(4 Float) #3 on group 0 [0, 1]"), first
 
 
 def test_dumps_are_written_and_read_by_us_and_by_torchfrtrace(tmp_path, monkeypatch):
