@@ -35,6 +35,18 @@ def test_an_shm_group_has_a_name_torch_finds_it_by(dist_run):
         assert name and found and backend == "shm" and same and size == 2, (rank, name, found, backend, same)
 
 
+def _device_mesh_on_the_shm_world(env):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (env.world_size,))
+    d = distribute_tensor(torch.arange(8.0).reshape(4, 2), mesh, [Shard(0)])
+    return dist.get_backend(mesh.get_group()), torch.equal(d.full_tensor(), torch.arange(8.0).reshape(4, 2))
+
+
+def test_init_device_mesh_on_an_shm_world_uses_shm(dist_run):
+    assert dist_run(_device_mesh_on_the_shm_world, 2, backend="shm") == [("shm", True)] * 2
+
+
 def _functional_on_both(env):
     r, n = env.rank, env.world_size
     rows = []
