@@ -112,8 +112,13 @@ def build_parser():
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    cli.check_outputs(build_parser(), {"--json": args.json})
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for flag, value, least in (("--world-size", args.world_size, 2), ("--rounds", args.rounds, 2),
+                               ("--iters", args.iters, 1), ("--batch", args.batch, 1)):
+        if value < least:
+            parser.error(f"{flag} must be at least {least}, got {value}")
+    cli.check_outputs(parser, {"--json": args.json})
     raw = collectives.run(measure, args.world_size, backend="gloo",
                           args=(args.rounds, args.iters, args.model, args.batch), timeout=3600)[0]
     summary = summarise(raw)

@@ -380,13 +380,27 @@ def _train(env, config) -> dict:
             if path:
                 _save(path, config, saved, epoch, settings)
         collectives.barrier()
+    digest = weights_sha256(_state(model, opt, config["impl"])["model"])  # sharded: every rank gathers
     return {"impl": config["impl"], "model": config["model"], "world_size": env.world_size, "device": str(env.device),
             "backend": env.backend, "epochs": config["epochs"], "resumed_from_epoch": start_epoch,
             "batch_size_per_rank": config["batch_size"], "amp": config["amp"], "skipped_steps": skipped,
             "deterministic": config["deterministic"],
             "train_seconds": seconds,
             "images_per_second": images / seconds if seconds else None, "test_accuracy": accuracy,
-            "synthetic_data": config["synthetic"]}
+            "synthetic_data": config["synthetic"], "weights_sha256": digest}
+
+
+def weights_sha256(state: dict) -> str:
+    """One digest of every tensor of a model state (names, dtypes, shapes, bytes, in name order):
+    equal digests, bitwise equal weights (how a run on two hosts is compared with one on one)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name in sorted(state):
+        t = state[name].detach().cpu().contiguous()
+        h.update(f"{name} {t.dtype} {tuple(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
 
 
 @command

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks import algorithms, bandwidth, shm, shm_paths
+from benchmarks import algorithms, bandwidth, recorder_cost, shm, shm_paths
 from collectives.algorithms import show
 from ddp_from_scratch import trace
 
@@ -25,6 +25,8 @@ CASES = [
     (shm_paths.main, ["-f", "1"], "-f 1: the step factor must be at least 2"),
     (algorithms.main, ["-f", "1"], "-f 1: the step factor must be at least 2"),
     (algorithms.main, ["--world-size", "0"], "--world-size must be at least 1, got 0"),
+    (recorder_cost.main, ["--rounds", "1"], "--rounds must be at least 2, got 1"),
+    (recorder_cost.main, ["--world-size", "1"], "--world-size must be at least 2, got 1"),
 ]
 
 

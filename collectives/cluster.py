@@ -1,0 +1,269 @@
+"""A cluster on one machine: test hosts as network namespaces on a bridge, for multi-node runs
+that cross a real network interface (and a shaped link) without a second machine.
+
+    python -m collectives.cluster up --nodes 2 [--link 1gbit] [--delay 100ms --loss 1%]
+    python -m collectives.cluster run node1 -- python -m benchmarks.bandwidth ...
+    python -m collectives.cluster status
+    python -m collectives.cluster down          # idempotent; also after a crash or a half-made `up`
+
+Each host `nodeK` is a namespace `cpc-nodeK` with one interface, eth0, at 10.77.0.(K+1)/24 on the
+bridge `cpcbr0`; the bridge has no address, so nothing is routed off the machine and the hosts
+reach only each other. Inside a host, /etc/hosts (bind-mounted by `ip netns exec` from
+/etc/netns/cpc-nodeK/hosts) names every host, and a command runs with the host's name as its
+hostname (a UTS namespace of its own), so torchrun's master address (its hostname) is right on
+every host and Gloo, which binds to the address its hostname resolves to, uses eth0 without
+GLOO_SOCKET_IFNAME. `--link RATE` shapes each host's egress with a token bucket (tc tbf);
+`--delay` and `--loss` need the kernel's netem (CONFIG_NET_SCH_NETEM), refused in one line where
+it is missing. Needs root and iproute2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import List, Optional
+
+from .cli import ArgumentParser
+
+PREFIX = "cpc-"
+BRIDGE = "cpcbr0"
+SUBNET = "10.77.0"
+STATE_DIR = os.environ.get("COLLECTIVES_CLUSTER_DIR", "/run/collectives-cluster")
+
+
+class ClusterError(RuntimeError):
+    """What stops the cluster command, in one line."""
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    out = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if check and out.returncode:
+        raise ClusterError(f"ip {' '.join(args)}: {out.stderr.strip() or out.stdout.strip()}")
+    return out
+
+
+def address(node: int) -> str:
+    return f"{SUBNET}.{node + 1}"
+
+
+def namespace(host: str) -> str:
+    return PREFIX + host
+
+
+def _state_path() -> str:
+    return os.path.join(STATE_DIR, "state.json")
+
+
+def load_state() -> Optional[dict]:
+    try:
+        with open(_state_path()) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _save_state(state: dict) -> None:
+    os.makedirs(STATE_DIR, exist_ok=True)
+    with open(_state_path(), "w") as f:
+        json.dump(state, f, indent=1)
+
+
+def check_can_run() -> None:
+    """Root, iproute2 and network namespaces, or a ClusterError saying which is missing."""
+    if os.geteuid() != 0:
+        raise ClusterError(f"collectives.cluster needs root to make network namespaces (this is uid {os.geteuid()})")
+    try:
+        _ip("-V")
+    except FileNotFoundError:
+        raise ClusterError("collectives.cluster needs iproute2's `ip` (apt-get install iproute2)") from None
+    probe = PREFIX + "probe"
+    out = _ip("netns", "add", probe, check=False)
+    if out.returncode:
+        raise ClusterError(f"this machine cannot make network namespaces: {out.stderr.strip()}")
+    _ip("netns", "del", probe, check=False)
+
+
+def netem_available() -> bool:
+    """Whether the kernel has tc's netem (delay, loss): tried on a throwaway namespace's lo."""
+    probe = PREFIX + "netem-probe"
+    _ip("netns", "add", probe, check=False)
+    try:
+        out = subprocess.run(["ip", "netns", "exec", probe, "tc", "qdisc", "add", "dev", "lo", "root", "netem",
+                              "delay", "1ms"], capture_output=True, text=True)
+        return out.returncode == 0
+    finally:
+        _ip("netns", "del", probe, check=False)
+
+
+def shape(host: str, rate: Optional[str] = None, delay: Optional[str] = None, loss: Optional[str] = None) -> List[str]:
+    """Shape a host's egress on eth0 (replacing what was there); the tc commands run."""
+    ns = namespace(host)
+    subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", "eth0", "root"], capture_output=True)
+    commands = []
+    if delay or loss:
+        netem = ["netem"] + (["delay", delay] if delay else []) + (["loss", loss] if loss else [])
+        if rate:
+            netem += ["rate", rate]
+        commands.append(["tc", "qdisc", "add", "dev", "eth0", "root", *netem])
+    elif rate:  # a token bucket: at most RATE, a burst of 64 KiB, 50 ms of queue before dropping
+        commands.append(["tc", "qdisc", "add", "dev", "eth0", "root", "tbf", "rate", rate, "burst", "64kb",
+                         "latency", "50ms"])
+    for cmd in commands:
+        out = subprocess.run(["ip", "netns", "exec", ns, *cmd], capture_output=True, text=True)
+        if out.returncode:
+            raise ClusterError(f"{host}: {' '.join(cmd)}: {out.stderr.strip()}")
+    return [" ".join(c) for c in commands]
+
+
+def up(nodes: int, rate: Optional[str] = None, delay: Optional[str] = None, loss: Optional[str] = None) -> dict:
+    check_can_run()
+    if not 1 <= nodes <= 200:
+        raise ClusterError(f"--nodes must be 1-200, got {nodes}")
+    if (delay or loss) and not netem_available():
+        raise ClusterError("--delay and --loss need the kernel's netem qdisc, which this kernel lacks "
+                           "(CONFIG_NET_SCH_NETEM is not set); --link RATE (tc tbf) works without it")
+    down()  # whatever an earlier cluster or a half-made `up` left
+    state = {"nodes": [], "bridge": BRIDGE, "link": {"rate": rate, "delay": delay, "loss": loss},
+             "machine_hostname": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    _save_state(state)  # first, so that `down` finds a half-made cluster
+    _ip("link", "add", BRIDGE, "type", "bridge")
+    _ip("link", "set", BRIDGE, "up")
+    hosts = [f"node{k}" for k in range(nodes)]
+    for k, host in enumerate(hosts):
+        ns, veth = namespace(host), f"cpcv{k}"
+        _ip("netns", "add", ns)
+        state["nodes"].append({"name": host, "namespace": ns, "address": address(k), "veth": veth})
+        _save_state(state)
+        _ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+        _ip("link", "set", veth, "master", BRIDGE)
+        _ip("link", "set", veth, "up")
+        _ip("-n", ns, "addr", "add", f"{address(k)}/24", "dev", "eth0")
+        _ip("-n", ns, "link", "set", "eth0", "up")
+        _ip("-n", ns, "link", "set", "lo", "up")
+        os.makedirs(f"/etc/netns/{ns}", exist_ok=True)
+        with open(f"/etc/netns/{ns}/hosts", "w") as f:
+            f.write("127.0.0.1 localhost\n")
+            f.writelines(f"{address(j)} {h}\n" for j, h in enumerate(hosts))
+        if rate or delay or loss:
+            state["nodes"][-1]["tc"] = shape(host, rate, delay, loss)
+    _save_state(state)
+    return state
+
+
+def _namespaces() -> List[str]:
+    out = _ip("netns", "list", check=False).stdout
+    return [line.split()[0] for line in out.splitlines() if line.startswith(PREFIX)]
+
+
+def down() -> List[str]:
+    """Stop every process in the hosts, remove them, the bridge, their /etc/netns files and the
+    state; whatever exists of them (no state needed). What was removed."""
+    removed = []
+    names = _namespaces()
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        pids = [int(p) for ns in names for p in _ip("netns", "pids", ns, check=False).stdout.split()]
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        if pids and sig == signal.SIGTERM:
+            deadline = time.monotonic() + 3
+            while time.monotonic() < deadline and any(os.path.exists(f"/proc/{p}") for p in pids):
+                time.sleep(0.05)
+        if pids:
+            removed.append(f"{len(pids)} process(es) ({sig.name})")
+    for ns in names:
+        _ip("netns", "del", ns, check=False)
+        removed.append(ns)
+        try:
+            os.remove(f"/etc/netns/{ns}/hosts")
+            os.rmdir(f"/etc/netns/{ns}")
+        except OSError:
+            pass
+    if _ip("link", "show", BRIDGE, check=False).returncode == 0:
+        _ip("link", "del", BRIDGE, check=False)
+        removed.append(BRIDGE)
+    try:
+        os.remove(_state_path())
+    except OSError:
+        pass
+    return removed
+
+
+def run_on(host: str, command: List[str], env: Optional[dict] = None, **kwargs) -> subprocess.CompletedProcess:
+    """Run a command on a host (in its namespace), as subprocess.run does."""
+    if namespace(host) not in _namespaces():
+        raise ClusterError(f"no host {host!r}: `python -m collectives.cluster status` lists them")
+    return subprocess.run(host_command(host, command), env=env, **kwargs)
+
+
+def host_command(host: str, command: List[str]) -> List[str]:
+    """The argv that runs `command` on a host: in its network namespace, and in a UTS namespace of
+    its own whose hostname is the host's name (torchrun publishes its hostname as the master
+    address; Gloo binds to the address its hostname resolves to)."""
+    return ["ip", "netns", "exec", namespace(host), "unshare", "--uts", "--", "sh", "-c", 'hostname "$0" && exec "$@"',
+            host, *command]
+
+
+def status() -> str:
+    state, names = load_state(), _namespaces()
+    if not state and not names:
+        return "no cluster (python -m collectives.cluster up --nodes 2)"
+    lines = []
+    link = (state or {}).get("link", {})
+    shaped = ", ".join(f"{k} {v}" for k, v in link.items() if v) or "not shaped"
+    lines.append(f"{len(names)} host(s) on bridge {BRIDGE}, links {shaped}")
+    for node in (state or {}).get("nodes", []):
+        there = "up" if node["namespace"] in names else "MISSING"
+        lines.append(f"  {node['name']}  {node['address']}  namespace {node['namespace']}  {there}")
+    stray = sorted(set(names) - {n["namespace"] for n in (state or {}).get("nodes", [])})
+    if stray:
+        lines.append(f"  not in the state file: {', '.join(stray)} (`down` removes them)")
+    return "\n".join(lines)
+
+
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="python -m collectives.cluster", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("up", help="make N hosts on a bridge")
+    p.add_argument("--nodes", type=int, default=2, help="how many hosts (default 2)")
+    p.add_argument("--link", default=None, help="each host's egress rate, tc's units: 1gbit, 100mbit")
+    p.add_argument("--delay", default=None, help="added one-way delay, e.g. 100ms (needs netem)")
+    p.add_argument("--loss", default=None, help="packet loss, e.g. 1%% (needs netem)")
+    p = sub.add_parser("run", help="run a command on a host: run node1 -- CMD ...")
+    p.add_argument("host")
+    p.add_argument("cmd", nargs="+", help="the command (after --)")
+    sub.add_parser("status", help="the hosts, their addresses and links")
+    sub.add_parser("down", help="remove everything `up` made (idempotent)")
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "up":
+            state = up(args.nodes, args.link, args.delay, args.loss)
+            print(status())
+            print(f"run a command on a host: python -m collectives.cluster run {state['nodes'][0]['name']} -- CMD")
+        elif args.command == "run":
+            return run_on(args.host, args.cmd).returncode
+        elif args.command == "status":
+            print(status())
+        else:
+            removed = down()
+            print("removed: " + ", ".join(removed) if removed else "nothing to remove")
+    except ClusterError as exc:
+        print(f"{parser.prog}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,138 @@
+"""Across hosts for real: `collectives.cluster` makes network-namespace hosts on a bridge, and
+torchrun runs the training CLI and the bandwidth benchmark on two of them. Our bucketed DDP and
+torch's DDP on 2 hosts x 2 ranks end with weights bitwise equal to 4 ranks on one host.
+
+Runs where this process is root and can make network namespaces (CI on this project's machines
+can); skipped with the reason elsewhere.
+
+    pytest tests/multinode -q
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from collectives import cluster
+
+try:
+    cluster.check_can_run()
+    WHY_NOT = ""
+except (cluster.ClusterError, FileNotFoundError) as exc:
+    WHY_NOT = str(exc)
+pytestmark = pytest.mark.skipif(bool(WHY_NOT), reason=f"no test hosts here: {WHY_NOT}")
+
+TRAIN = ["-m", "ddp_from_scratch.train", "--model", "small", "--synthetic", "--train-size", "256", "--test-size", "64",
+         "--batch-size", "16"]
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    cluster.up(2)
+    yield ["node0", "node1"]
+    cluster.down()
+
+
+def _torchrun_on_both(hosts, program, rdzv_id, nproc=2, timeout=240):
+    """torchrun on every host at once (c10d rendezvous on node0); each host's output."""
+    procs = [subprocess.Popen(cluster.host_command(h, [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(hosts)), "--nproc-per-node", str(nproc),
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", "node0:29500", "--rdzv-id", rdzv_id, *program]),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for h in hosts]
+    outs = []
+    for p in procs:
+        out, _ = p.communicate(timeout=timeout)
+        assert p.returncode == 0, out[-3000:]
+        outs.append(out)
+    return outs
+
+
+def _summary(text):
+    return json.loads(next(line for line in text.splitlines() if line.startswith("{\"impl\"")))
+
+
+def test_the_hosts_reach_each_other_and_nothing_else(hosts):
+    server = subprocess.Popen(cluster.host_command("node0", [sys.executable, "-c", (
+        "import socket; s = socket.socket(); s.bind(('10.77.0.1', 29611)); s.listen(); c, a = s.accept(); "
+        "print(a[0], c.recv(5).decode(), socket.gethostname())")]), stdout=subprocess.PIPE, text=True)
+    time.sleep(1.5)
+    client = cluster.run_on("node1", [sys.executable, "-c", (
+        "import socket; s = socket.create_connection(('node0', 29611), timeout=10); s.sendall(b'hello')")],
+        capture_output=True, text=True, timeout=30)
+    assert client.returncode == 0, client.stderr
+    assert server.communicate(timeout=30)[0].split() == ["10.77.0.2", "hello", "node0"]
+    routes = cluster.run_on("node1", ["ip", "route"], capture_output=True, text=True).stdout
+    assert routes.strip().splitlines() == ["10.77.0.0/24 dev eth0 proto kernel scope link src 10.77.0.2"], routes
+    bridge = subprocess.run(["ip", "-4", "addr", "show", cluster.BRIDGE], capture_output=True, text=True).stdout
+    assert "inet " not in bridge, bridge  # no address on the machine's side: nothing is routed off it
+
+
+@pytest.mark.parametrize("impl", ["bucketed", "torch"])
+def test_training_on_two_hosts_is_bitwise_four_ranks_on_one(hosts, impl):
+    one = subprocess.run([sys.executable, *TRAIN, "--impl", impl, "--nproc", "4"], capture_output=True, text=True,
+                         timeout=300)
+    assert one.returncode == 0, one.stderr[-3000:]
+    out = _torchrun_on_both(hosts, [*TRAIN, "--impl", impl], rdzv_id=f"train-{impl}")
+    two = _summary(out[0] if "weights_sha256" in out[0] else out[1])
+    alone = _summary(one.stdout)
+    assert two["world_size"] == alone["world_size"] == 4
+    assert two["weights_sha256"] == alone["weights_sha256"], (two, alone)
+
+
+def test_the_bandwidth_benchmark_runs_across_hosts(hosts):
+    out = _torchrun_on_both(hosts, ["-m", "benchmarks.bandwidth", "-c", "all_reduce", "-b", "1K", "-e", "64K"],
+                            rdzv_id="bandwidth", nproc=1)
+    text = out[0] + out[1]
+    assert "# Out of bounds values : 0 OK" in text, text[-3000:]
+
+
+def test_down_removes_a_half_made_cluster_and_is_idempotent():
+    subprocess.run(["ip", "netns", "add", cluster.PREFIX + "node9"], check=True)  # as if `up` died early
+    assert "node9" in cluster.status() or "cpc-node9" in cluster.status()
+    removed = cluster.down()
+    assert cluster.PREFIX + "node9" in removed
+    assert cluster.down() == [] and cluster.status().startswith("no cluster")
+
+
+def test_what_cannot_be_done_is_said_in_one_line(monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(cluster.ClusterError, match=r"needs root to make network namespaces \(this is uid 1000\)"):
+        cluster.check_can_run()
+    monkeypatch.undo()
+    if not cluster.netem_available():
+        out = subprocess.run([sys.executable, "-m", "collectives.cluster", "up", "--delay", "100ms"],
+                             capture_output=True, text=True)
+        assert out.returncode == 1 and out.stderr.strip().endswith("--link RATE (tc tbf) works without it"), out.stderr
+        assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_a_shaped_link_carries_at_most_its_rate(hosts):
+    """--link RATE (tc tbf on the sender's eth0): 8 MB from node1 to node0 at 80 Mbit/s take at
+    least 0.8 s; unshaped, the same bytes go several times faster."""
+    def send_seconds():
+        server = subprocess.Popen(cluster.host_command("node0", [sys.executable, "-c", (
+            "import socket; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
+            "s.bind(('10.77.0.1', 29612)); s.listen(); c, a = s.accept(); n = 0\n"
+            "while True:\n    b = c.recv(1 << 20)\n    n += len(b)\n    if not b: break\nprint(n)")]),
+            stdout=subprocess.PIPE, text=True)
+        time.sleep(1.5)
+        client = cluster.run_on("node1", [sys.executable, "-c", (
+            "import socket, time; s = socket.create_connection(('node0', 29612), timeout=30); t = time.perf_counter(); "
+            "s.sendall(bytes(8 << 20)); s.shutdown(socket.SHUT_WR); s.recv(1); print(time.perf_counter() - t)")],
+            capture_output=True, text=True, timeout=60)
+        assert client.returncode == 0, client.stderr
+        assert server.communicate(timeout=30)[0].strip() == str(8 << 20)
+        return float(client.stdout)
+
+    free = send_seconds()
+    cluster.shape("node1", rate="80mbit")
+    try:
+        shaped = send_seconds()
+    finally:
+        cluster.shape("node1")  # unshaped again
+    line_seconds = (8 << 20) * 8 / 80e6  # 0.84 s at the line rate
+    assert shaped >= 0.9 * line_seconds, (shaped, line_seconds)
+    assert shaped > 2 * free, (shaped, free)
