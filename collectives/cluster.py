@@ -1,7 +1,7 @@
 """A cluster on one machine: test hosts as network namespaces on a bridge, for multi-node runs
 that cross a real network interface (and a shaped link) without a second machine.
 
-    python -m collectives.cluster up --nodes 2 [--link 1gbit] [--delay 100ms --loss 1%]
+    python -m collectives.cluster up --nodes 2 [--link 1gbit] [--delay 100ms --loss 1%] [--slurm]
     python -m collectives.cluster run node1 -- python -m benchmarks.bandwidth ...
     python -m collectives.cluster status
     python -m collectives.cluster down          # idempotent; also after a crash or a half-made `up`
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -28,6 +29,7 @@ import sys
 import time
 from typing import List, Optional
 
+from . import slurm_cluster
 from .cli import ArgumentParser
 
 PREFIX = "cpc-"
@@ -120,8 +122,11 @@ def shape(host: str, rate: Optional[str] = None, delay: Optional[str] = None, lo
     return [" ".join(c) for c in commands]
 
 
-def up(nodes: int, rate: Optional[str] = None, delay: Optional[str] = None, loss: Optional[str] = None) -> dict:
+def up(nodes: int, rate: Optional[str] = None, delay: Optional[str] = None, loss: Optional[str] = None,
+       slurm: bool = False) -> dict:
     check_can_run()
+    if slurm and slurm_cluster.missing():
+        raise ClusterError(f"--slurm needs {', '.join(slurm_cluster.missing())}: {slurm_cluster.APT}")
     if not 1 <= nodes <= 200:
         raise ClusterError(f"--nodes must be 1-200, got {nodes}")
     if (delay or loss) and not netem_available():
@@ -152,7 +157,34 @@ def up(nodes: int, rate: Optional[str] = None, delay: Optional[str] = None, loss
         if rate or delay or loss:
             state["nodes"][-1]["tc"] = shape(host, rate, delay, loss)
     _save_state(state)
+    if slurm:
+        _start_slurm(state, hosts)
     return state
+
+
+def _start_slurm(state: dict, hosts: List[str]) -> None:
+    """munged on the machine, slurmctld on the first host, a slurmd on each (slurm_cluster.py)."""
+    conf = slurm_cluster.write_config(STATE_DIR, state["nodes"], os.cpu_count() or 1)
+    state["slurm"] = {"conf": conf, "pids": []}
+    try:
+        was_running = subprocess.run(["pgrep", "-x", "munged"], capture_output=True).returncode == 0
+        munged = slurm_cluster.start_munged()
+        state["slurm"]["munged"] = None if was_running else munged
+        _save_state(state)
+        logs = slurm_cluster.config_dir(STATE_DIR)
+        for host, argv in [(hosts[0], ["slurmctld", "-D"])] + [(h, ["slurmd", "-D", "-N", h]) for h in hosts]:
+            with open(os.path.join(logs, f"{argv[0]}-{host}.out"), "w") as out:
+                proc = subprocess.Popen(host_command(host, argv), stdout=out, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
+            state["slurm"]["pids"].append(proc.pid)
+            _save_state(state)
+            if argv[0] == "slurmctld":
+                time.sleep(2)  # its port open before the slurmds register
+        state["slurm"]["sinfo"] = slurm_cluster.wait_idle(
+            lambda argv, **kw: run_on(hosts[0], argv, **kw), hosts)
+        _save_state(state)
+    except slurm_cluster.SlurmError as exc:
+        raise ClusterError(f"{exc} (logs: {slurm_cluster.config_dir(STATE_DIR)})") from None
 
 
 def _namespaces() -> List[str]:
@@ -160,11 +192,23 @@ def _namespaces() -> List[str]:
     return [line.split()[0] for line in out.splitlines() if line.startswith(PREFIX)]
 
 
+def _veths() -> List[str]:
+    out = _ip("-o", "link", "show", check=False).stdout
+    return [name for line in out.splitlines() if (name := line.split(":")[1].strip().split("@")[0]).startswith("cpcv")]
+
+
 def down() -> List[str]:
     """Stop every process in the hosts, remove them, the bridge, their /etc/netns files and the
     state; whatever exists of them (no state needed). What was removed."""
     removed = []
     names = _namespaces()
+    munged = ((load_state() or {}).get("slurm") or {}).get("munged")
+    if munged:  # started by `up --slurm`, outside the hosts
+        try:
+            os.kill(munged, signal.SIGTERM)
+            removed.append(f"munged (pid {munged})")
+        except ProcessLookupError:
+            pass
     for sig in (signal.SIGTERM, signal.SIGKILL):
         pids = [int(p) for ns in names for p in _ip("netns", "pids", ns, check=False).stdout.split()]
         for pid in pids:
@@ -186,6 +230,13 @@ def down() -> List[str]:
             os.rmdir(f"/etc/netns/{ns}")
         except OSError:
             pass
+    # a namespace goes away in the kernel's own time, and its veth's other end with it: delete
+    # those ends by name and wait, so that an `up` right after finds no name taken
+    deadline = time.monotonic() + 10
+    while (veths := _veths()) and time.monotonic() < deadline:
+        for veth in veths:
+            _ip("link", "del", veth, check=False)
+        time.sleep(0.05)
     if _ip("link", "show", BRIDGE, check=False).returncode == 0:
         _ip("link", "del", BRIDGE, check=False)
         removed.append(BRIDGE)
@@ -193,6 +244,7 @@ def down() -> List[str]:
         os.remove(_state_path())
     except OSError:
         pass
+    shutil.rmtree(slurm_cluster.config_dir(STATE_DIR), ignore_errors=True)
     return removed
 
 
@@ -207,8 +259,10 @@ def host_command(host: str, command: List[str]) -> List[str]:
     """The argv that runs `command` on a host: in its network namespace, and in a UTS namespace of
     its own whose hostname is the host's name (torchrun publishes its hostname as the master
     address; Gloo binds to the address its hostname resolves to)."""
-    return ["ip", "netns", "exec", namespace(host), "unshare", "--uts", "--", "sh", "-c", 'hostname "$0" && exec "$@"',
-            host, *command]
+    conf = ((load_state() or {}).get("slurm") or {}).get("conf")
+    env = ["env", f"SLURM_CONF={conf}"] if conf else []  # the cluster's SLURM, for sbatch, srun, sinfo
+    return ["ip", "netns", "exec", namespace(host), *env, "unshare", "--uts", "--", "sh", "-c",
+            'hostname "$0" && exec "$@"', host, *command]
 
 
 def status() -> str:
@@ -236,6 +290,7 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--link", default=None, help="each host's egress rate, tc's units: 1gbit, 100mbit")
     p.add_argument("--delay", default=None, help="added one-way delay, e.g. 100ms (needs netem)")
     p.add_argument("--loss", default=None, help="packet loss, e.g. 1%% (needs netem)")
+    p.add_argument("--slurm", action="store_true", help="also a SLURM cluster on the hosts (slurm-wlm and munge)")
     p = sub.add_parser("run", help="run a command on a host: run node1 -- CMD ...")
     p.add_argument("host")
     p.add_argument("cmd", nargs="+", help="the command (after --)")
@@ -249,7 +304,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "up":
-            state = up(args.nodes, args.link, args.delay, args.loss)
+            state = up(args.nodes, args.link, args.delay, args.loss, slurm=args.slurm)
             print(status())
             print(f"run a command on a host: python -m collectives.cluster run {state['nodes'][0]['name']} -- CMD")
         elif args.command == "run":

@@ -74,7 +74,10 @@ def run_or_join(fn: Callable, world_size: int, **run_kwargs) -> Any:
         fn: a module-level function taking the rank's DistEnv and then `args`.
         world_size: ranks to spawn when not started by torchrun or srun (ignored under them).
         run_kwargs: `run`'s keyword arguments (backend, args, timeout, threads); under
-            torchrun/srun only backend and args apply (the launcher owns the rest).
+            torchrun/srun backend and args apply, and each rank uses OMP_NUM_THREADS torch
+            threads when it is set (torchrun sets 1), else 1 as spawned ranks do: srun sets
+            nothing, and a rank with every core's threads sums in another order (measured: a
+            2-host srun training differed in its last bits from the same run spawned on one host).
 
     Returns:
         Rank 0's result in the process that should report it (the spawning process, or rank 0
@@ -82,6 +85,9 @@ def run_or_join(fn: Callable, world_size: int, **run_kwargs) -> Any:
     """
     if read_env(os.environ)["master_addr"] is None:
         return run(fn, world_size, **run_kwargs)[0]
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 1))
     env = init_from_env(backend=run_kwargs.get("backend"))
     result = fn(env, *run_kwargs.get("args", ()))
     shutdown()

@@ -35,7 +35,7 @@ LAYERS = [
       "collectives.rank_report", "collectives.reaper", "collectives.flight_recorder",
       "collectives.testing", "collectives"]),
     ("from-scratch algorithms", ["collectives.algorithms", "collectives.algorithms.*"]),
-    ("programs on the collectives", ["collectives.demo", "collectives.cluster"]),
+    ("programs on the collectives", ["collectives.demo", "collectives.slurm_cluster", "collectives.cluster"]),
     ("data parallel: parts", ["ddp_from_scratch.timeline", "ddp_from_scratch.models", "ddp_from_scratch.resnet",
                               "ddp_from_scratch.cifar10", "ddp_from_scratch.unused", "ddp_from_scratch.bucket",
                               "ddp_from_scratch.memory", "ddp_from_scratch.parity"]),

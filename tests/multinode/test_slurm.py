@@ -1,0 +1,109 @@
+"""A real SLURM cluster on the test hosts (`collectives.cluster up --slurm`): sbatch of the
+shipped job script trains bitwise equal to the same 4 ranks spawned on one host, srun runs the
+bandwidth benchmark across the hosts, and scancel leaves nothing behind on either host.
+
+Runs where this process is root with network namespaces and Debian's slurm-wlm and munge are
+installed (apt-get install -y slurm-wlm munge); skipped with the reason elsewhere.
+
+    pytest tests/multinode/test_slurm.py -q
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from collectives import cluster, slurm_cluster
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+try:
+    cluster.check_can_run()
+    WHY_NOT = f"--slurm needs {', '.join(slurm_cluster.missing())}: {slurm_cluster.APT}" \
+        if slurm_cluster.missing() else ""
+except (cluster.ClusterError, FileNotFoundError) as exc:
+    WHY_NOT = f"no test hosts here: {exc}"
+pytestmark = pytest.mark.skipif(bool(WHY_NOT), reason=WHY_NOT)
+
+TRAIN = ["--model", "small", "--synthetic", "--train-size", "256", "--test-size", "64", "--batch-size", "16",
+         "--impl", "bucketed"]
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    cluster.up(2, slurm=True)
+    yield
+    cluster.down()
+
+
+def _on_node0(argv, timeout=120):
+    out = cluster.run_on("node0", argv, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    return out.stdout
+
+
+def _wait_gone(job, timeout=180):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not _on_node0(["squeue", "-h", "-j", job, "-o", "%T"]).strip():
+            return
+        time.sleep(1)
+    raise AssertionError(f"job {job} still in squeue after {timeout} s")
+
+
+def test_sbatch_of_the_shipped_script_is_bitwise_one_host(slurm, tmp_path):
+    alone = subprocess.run([sys.executable, "-m", "ddp_from_scratch.train", *TRAIN, "--nproc", "4"],
+                           capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert alone.returncode == 0, alone.stderr[-2000:]
+    said = _on_node0(["sbatch", "--parsable", f"--output={tmp_path}/train-%j.out", f"--chdir={ROOT}",
+                      "docs/slurm/train.sbatch", *TRAIN])
+    job = said.strip().split(";")[0]
+    _wait_gone(job)
+    text = (tmp_path / f"train-{job}.out").read_text()
+    summary = json.loads(next(line for line in text.splitlines() if line.startswith('{"impl"')))
+    expected = json.loads(alone.stdout.strip().splitlines()[-1])
+    assert summary["world_size"] == 4 and summary["weights_sha256"] == expected["weights_sha256"], (summary, expected)
+
+
+def test_srun_runs_the_bandwidth_benchmark_across_the_hosts(slurm):
+    out = _on_node0(["srun", "-N2", "--ntasks-per-node=1", f"--chdir={ROOT}", sys.executable, "-m",
+                     "benchmarks.bandwidth", "-c", "all_reduce", "-b", "1K", "-e", "64K"], timeout=180)
+    assert "# Out of bounds values : 0 OK" in out, out[-2000:]
+
+
+def _cmdline(pid) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline") as f:
+            return f.read().replace("\0", " ")
+    except OSError:
+        return ""
+
+
+def test_scancel_leaves_nothing_on_either_host(slurm, tmp_path):
+    before = set(os.listdir("/dev/shm"))
+    said = _on_node0(["sbatch", "--parsable", f"--output={tmp_path}/long-%j.out", f"--chdir={ROOT}",
+                      "docs/slurm/train.sbatch", "--model", "small", "--synthetic", "--epochs", "100",
+                      "--batch-size", "8"])
+    job = said.strip().split(";")[0]
+    log, deadline = tmp_path / f"long-{job}.out", time.monotonic() + 120
+    while time.monotonic() < deadline and not (log.exists() and "step" in log.read_text(errors="replace")):
+        time.sleep(0.5)  # until the ranks train
+    assert _on_node0(["squeue", "-h", "-j", job, "-o", "%T"]).strip() == "RUNNING"
+    _on_node0(["scancel", job])
+    cancelled = time.monotonic()
+    ours = re.compile(r"ddp_from_scratch|collectives")
+    def ours_on(host):
+        pids = subprocess.run(["ip", "netns", "pids", cluster.namespace(host)], capture_output=True, text=True)
+        return [p for p in pids.stdout.split() if ours.search(_cmdline(p))]
+
+    left = None
+    while time.monotonic() - cancelled < 30:
+        left = {h: ours_on(h) for h in ("node0", "node1")}
+        if not any(left.values()):
+            break
+        time.sleep(0.5)
+    assert not any(left.values()), f"still running {time.monotonic() - cancelled:.0f} s after scancel: {left}"
+    assert set(os.listdir("/dev/shm")) <= before, set(os.listdir("/dev/shm")) - before
