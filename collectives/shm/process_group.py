@@ -279,17 +279,23 @@ class ShmBackend:
         return self._submit(self._shm.barrier, [])
 
     # -- routing: gather, scatter, all_to_all (routing.py) -----------------------------------------
-    def gather(self, output_tensors, input_tensors, opts):
-        root, inp = opts.rootRank, input_tensors[0] if input_tensors else None
-        outs = output_tensors[0] if output_tensors else []
-        why = wrong_devices(output_tensors=outs, input=input_tensors) or (
-            "it takes one input tensor" if len(input_tensors) != 1 else "")
+    def _wrong_rooted(self, kind: str, one, one_name: str, listed, list_name: str, root: int, role: str) -> str:
+        """What gather and scatter check alike: one tensor on every rank, and a list of one per
+        rank like it at the root (`role`: "destination" or "source") and none elsewhere."""
+        why = wrong_devices(**{one_name: one, list_name: listed}) or (
+            f"it takes one {one_name} tensor" if len(one) != 1 else "")
         if not why and self.rank() == root:
-            why = wrong_list(outs, inp, self.size(), "gather_list")
-        elif not why and outs:
-            why = f"gather_list must be empty on rank {self.rank()}, which is not the destination (rank {root})"
+            return wrong_list(listed, one[0], self.size(), list_name)
+        if not why and listed:
+            return f"{list_name} must be empty on rank {self.rank()}, which is not the {role} (rank {root})"
+        return why
+
+    def gather(self, output_tensors, input_tensors, opts):
+        root, outs = opts.rootRank, output_tensors[0] if output_tensors else []
+        why = self._wrong_rooted("gather", input_tensors, "input", outs, "gather_list", root, "destination")
         if why:
             return self._refuse("gather", why)
+        inp = input_tensors[0]
 
         def job():
             staged = [t if t.is_contiguous() else t.new_empty(t.shape) for t in outs]
@@ -300,16 +306,11 @@ class ShmBackend:
         return self._submit(job, outs)
 
     def scatter(self, output_tensors, input_tensors, opts):
-        root, out = opts.rootRank, output_tensors[0] if output_tensors else None
-        ins = input_tensors[0] if input_tensors else []
-        why = wrong_devices(output=output_tensors, scatter_list=ins) or (
-            "it takes one output tensor" if len(output_tensors) != 1 else "")
-        if not why and self.rank() == root:
-            why = wrong_list(ins, out, self.size(), "scatter_list")
-        elif not why and ins:
-            why = f"scatter_list must be empty on rank {self.rank()}, which is not the source (rank {root})"
+        root, ins = opts.rootRank, input_tensors[0] if input_tensors else []
+        why = self._wrong_rooted("scatter", output_tensors, "output", ins, "scatter_list", root, "source")
         if why:
             return self._refuse("scatter", why)
+        out = output_tensors[0]
 
         def job():
             staged = out if out.is_contiguous() else out.new_empty(out.shape)

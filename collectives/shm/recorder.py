@@ -16,22 +16,20 @@ the times and the caller's Python frames.
 from __future__ import annotations
 
 import collections
+import functools
 import os
 import threading
 import sys
 import time
 from typing import Dict, List, Optional
 
+import torch
+
 MAX_FRAMES = 24
-# torch's names for dtypes in its dumps ("Float", not "float32")
-_DTYPE_NAMES = {"float32": "Float", "float64": "Double", "float16": "Half", "bfloat16": "BFloat16", "int64": "Long",
-                "int32": "Int", "int16": "Short", "int8": "Char", "uint8": "Byte", "bool": "Bool",
-                "complex64": "ComplexFloat", "complex128": "ComplexDouble"}
-
-
+@functools.lru_cache(maxsize=None)
 def _dtype_name(dtype) -> str:
-    name = str(dtype).replace("torch.", "")
-    return _DTYPE_NAMES.get(name, name)
+    """torch's name for a dtype in its dumps ("Float", "BFloat16", "Long"): its tensor type's."""
+    return torch.empty(0, dtype=dtype).type().replace("torch.", "").removesuffix("Tensor")
 
 
 def _flat(tensors) -> list:

@@ -15,6 +15,7 @@ import torch.distributed._functional_collectives as funcol
 
 from collectives.errors import CollectiveMismatchError
 from collectives.shm import backend_of
+from ddp_from_scratch.parity import same_bits
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int8,
           torch.uint8, torch.bool, torch.complex64]
@@ -73,12 +74,6 @@ def _expected(r, n, dtype, d):
                            *[_make((2, 3), dtype, seed=400 + q + r) for q in range(n)]]}
 
 
-def _same(a, b) -> bool:
-    """Bit for bit, for every dtype (torch.equal has no kernel for some of them)."""
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8),
-                                                                     b.reshape(-1).view(torch.uint8))
-
-
 def _both(env):
     """Every routing call on shm and on Gloo (where Gloo carries the dtype), same inputs."""
     shm, gloo = dist.new_group(backend="shm"), dist.new_group(backend="gloo")
@@ -89,8 +84,8 @@ def _both(env):
         on_gloo = _calls(env, gloo, dtype, d) if gloo_can else None
         want = _expected(env.rank, env.world_size, dtype, d)
         for key in on_shm:
-            rows.append((str(dtype), key, [_same(a, b) for a, b in zip(on_shm[key], want[key])],
-                         None if on_gloo is None else [_same(a, b) for a, b in zip(on_shm[key], on_gloo[key])]))
+            rows.append((str(dtype), key, [same_bits(a, b) for a, b in zip(on_shm[key], want[key])],
+                         None if on_gloo is None else [same_bits(a, b) for a, b in zip(on_shm[key], on_gloo[key])]))
     return rows
 
 
