@@ -5,12 +5,18 @@
     python -m ddp_from_scratch.train --impl torch --nproc 2 --data ./data --epochs 1 --batch-size 128
     torchrun --nproc_per_node=4 -m ddp_from_scratch.train --impl bucketed --data ./data --amp
     srun -N2 --ntasks-per-node=4 python -m ddp_from_scratch.train --impl bucketed --data ./data
+    torchrun --nnodes 1:2 --nproc-per-node 2 --max-restarts 2 --rdzv-backend c10d --rdzv-endpoint node0:29500 \
+        -m ddp_from_scratch.train --checkpoint ckpt --checkpoint-every 20 --auto-resume --data ./data
 
 Each epoch: a DistributedSampler shard per rank (shuffled by seed and epoch), the augmentation
 fixed by (seed, epoch, sample), SGD with momentum 0.9, progress with images/s and the time left
 on rank 0 (stderr), test accuracy reduced over ranks, and an atomic checkpoint (written to a
-temporary file, then renamed). `--resume` continues from the checkpoint and ends with the same
-parameters as an uninterrupted run; the checkpoint records the settings that decide the result
+temporary file, then renamed), also every K steps with `--checkpoint-every K`. `--resume`
+continues from the checkpoint (within an epoch too: the steps done are skipped, the rest of the
+epoch's shuffle is the same) and ends with the same parameters as an uninterrupted run;
+`--auto-resume` does so when a checkpoint exists, so that workers torchrun's elastic agent
+restarts with the same arguments go on where the group stopped; `--stop-at-step N` ends early at
+step N with a checkpoint (a run split over short jobs); the checkpoint records the settings that decide the result
 (world size, impl, model, batch size, seed, ...) and a resume with other ones is refused, naming
 them. Every argument, the dataset files and the checkpoint are checked before any rank starts.
 The last line on stdout is a JSON summary; with --synthetic every output says that the data was
@@ -77,7 +83,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="deterministic kernels (cuDNN's deterministic mode, torch.use_deterministic_algorithms with "
                         "warnings): on CUDA, runs otherwise differ in the losses' 3rd decimal from the 2nd step")
     p.add_argument("--checkpoint", default=None, help="folder for checkpoint.pt, written each epoch")
+    p.add_argument("--checkpoint-every", type=int, default=None, metavar="K",
+                   help="also write the checkpoint every K steps within an epoch (a restart loses at most K steps)")
+    p.add_argument("--stop-at-step", type=int, default=None, metavar="N",
+                   help="stop after global step N (counting every epoch's steps), writing the checkpoint: to split "
+                        "a run over jobs shorter than it; --resume goes on from there")
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint/checkpoint.pt")
+    p.add_argument("--auto-resume", action="store_true",
+                   help="continue from --checkpoint/checkpoint.pt when it exists, else start: for workers that "
+                        "torchrun --max-restarts restarts with the same arguments")
     p.add_argument("--json", default=None, help="also write the summary to this file")
     return p
 
@@ -112,8 +126,17 @@ def load_checkpoint(path: str, map_location="cpu") -> dict:
 
 
 def check_resume(state: dict, settings: dict, path: str, epochs: int) -> None:
-    """Refuse a resume whose settings differ from the checkpoint's, naming each difference."""
+    """Refuse a resume whose settings differ from the checkpoint's, naming each difference. A
+    worker restarted by torchrun's elastic agent on another number of ranks (a host left or
+    joined) is told that in one line: the global batch would change, so the result would too."""
     saved = state["settings"]
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if restarts and saved.get("world_size") != settings["world_size"]:
+        raise CheckpointError(
+            f"torchrun restarted this job (restart {restarts}) on {settings['world_size']} ranks, but {path} was "
+            f"written by {saved.get('world_size')} ranks: a host left or joined the job (--nnodes MIN:MAX), and "
+            "resuming on another number of ranks would change the global batch and so the result; bring the "
+            "job back to its hosts, or start a new --checkpoint folder")
     differ = [f"{k} {saved.get(k)!r} in the checkpoint, {settings[k]!r} now" for k in RESUME_KEYS if saved.get(k) != settings[k]]
     if differ:
         raise CheckpointError(f"--resume: {path} was written with other settings: {'; '.join(differ)}. Resume with the "
@@ -130,7 +153,8 @@ def run_settings(config: dict, world_size: int) -> dict:
 def validate(args, parser, world_size: int, local_ranks: Optional[int] = None) -> None:
     """Refuse every bad argument, dataset and checkpoint before any rank starts (parser.error: exit 2).
     `local_ranks`: the ranks on this machine, which share its memory (default: world_size)."""
-    for name, minimum in (("nproc", 1), ("batch_size", 1), ("epochs", 1), ("train_size", 1), ("test_size", 1)):
+    for name, minimum in (("nproc", 1), ("batch_size", 1), ("epochs", 1), ("train_size", 1), ("test_size", 1),
+                          ("checkpoint_every", 1), ("stop_at_step", 1)):
         value = getattr(args, name)
         if value is not None and value < minimum:
             parser.error(f"--{name.replace('_', '-')} must be at least {minimum}, got {value}")
@@ -161,8 +185,12 @@ def validate(args, parser, world_size: int, local_ranks: Optional[int] = None) -
     if images // world_size // args.batch_size == 0:
         parser.error(f"{images} training images make no full step of {args.batch_size} per rank on {world_size} "
                      f"rank(s): use at least {per_step} images (--train-size) or a smaller --batch-size")
-    if args.resume and not args.checkpoint:
-        parser.error("--resume needs --checkpoint FOLDER (the folder the interrupted run wrote checkpoint.pt to)")
+    for flag, given in (("--resume", args.resume), ("--auto-resume", args.auto_resume),
+                        ("--checkpoint-every", args.checkpoint_every), ("--stop-at-step", args.stop_at_step)):
+        if given and not args.checkpoint:
+            parser.error(f"{flag} needs --checkpoint FOLDER (the folder checkpoint.pt is written to)")
+    if args.resume and args.auto_resume:
+        parser.error("--resume and --auto-resume: give one (--auto-resume also starts when there is no checkpoint)")
     if args.checkpoint:
         if os.path.exists(args.checkpoint) and not os.path.isdir(args.checkpoint):
             parser.error(f"--checkpoint {args.checkpoint} is a file; it must be a folder (checkpoint.pt is written in it)")
@@ -171,8 +199,8 @@ def validate(args, parser, world_size: int, local_ranks: Optional[int] = None) -
         except OSError as exc:
             parser.error(f"--checkpoint {args.checkpoint}: cannot write there ({exc.strerror or exc})")
         cli.check_outputs(parser, {"--checkpoint": os.path.join(args.checkpoint, "checkpoint.pt")})
-        if args.resume:
-            path = os.path.join(args.checkpoint, "checkpoint.pt")
+        path = os.path.join(args.checkpoint, "checkpoint.pt")
+        if args.resume or (args.auto_resume and os.path.exists(path)):
             try:
                 check_resume(load_checkpoint(path), run_settings(vars(args), world_size), path, args.epochs)
             except CheckpointError as exc:
@@ -301,11 +329,11 @@ class _Progress:
         self.tag = " [synthetic data]" if config["synthetic"] else ""
         self.clear = "\033[K" if sys.stderr.isatty() else ""  # the rest of a longer earlier progress line
 
-    def step(self, epoch: int, step: int, steps: int, loss, epoch_start: float, skipped: int) -> None:
+    def step(self, epoch: int, step: int, steps: int, first: int, loss, epoch_start: float, skipped: int) -> None:
         self.steps_done += 1
         if self.env.rank != 0:
             return
-        done = (step + 1) * self.config["batch_size"] * self.env.world_size
+        done = (step + 1 - first) * self.config["batch_size"] * self.env.world_size
         now = time.perf_counter()
         left = eta(self.steps_done, self.steps_to_do, now - self.run_start)
         skips = f", {skipped} steps skipped by GradScaler (inf/NaN gradients)" if skipped else ""
@@ -314,11 +342,13 @@ class _Progress:
               file=sys.stderr, flush=True)
 
 
-def _train_epoch(env, config, model, opt, loader, scaler, epoch: int, progress: _Progress, skipped: int) -> int:
-    """One epoch of steps; the number of steps GradScaler has skipped so far."""
+def _train_epoch(env, config, model, opt, loader, scaler, epoch: int, first: int, steps: int, progress: _Progress,
+                 skipped: int, save) -> int:
+    """Steps `first`.. of one epoch of `steps` (`loader` starts at step `first`); `save(step)` after
+    every --checkpoint-every steps but the epoch's last. The number of steps GradScaler has skipped so far."""
     amp_dtype = torch.float16 if env.device.type == "cuda" else torch.bfloat16
-    start = time.perf_counter()
-    for step, (x, y) in enumerate(loader):
+    start, every = time.perf_counter(), config["checkpoint_every"]
+    for step, (x, y) in enumerate(loader, start=first):
         x, y = x.to(env.device), y.to(env.device)
         opt.zero_grad()
         with torch.autocast(env.device.type, dtype=amp_dtype, enabled=config["amp"]):
@@ -328,17 +358,20 @@ def _train_epoch(env, config, model, opt, loader, scaler, epoch: int, progress: 
         else:
             loss.backward()
             opt.step()
-        progress.step(epoch, step, len(loader), loss, start, skipped)
+        progress.step(epoch, step, steps, first, loss, start, skipped)
+        if every and (step + 1) % every == 0 and step + 1 < steps:
+            save(step + 1)
     return skipped
 
 
-def _save(path: str, config, saved: dict, epoch: int, settings: dict) -> None:
+def _save(path: str, config, saved: dict, epochs_done: int, settings: dict, step: int = 0) -> None:
     """Rank 0 writes the checkpoint atomically: a crash, or a write that fails (a full disk), leaves
-    the previous one whole and no .tmp behind."""
+    the previous one whole and no .tmp behind. `epochs_done` whole epochs and `step` steps of the next."""
     os.makedirs(config["checkpoint"], exist_ok=True)
     tmp = path + ".tmp"
     try:
-        torch.save({**saved, "epoch": epoch + 1, "synthetic": config["synthetic"], "settings": settings}, tmp)
+        torch.save({**saved, "epoch": epochs_done, "step": step, "synthetic": config["synthetic"],
+                    "settings": settings}, tmp)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -352,37 +385,62 @@ def _train(env, config) -> dict:
     model, opt = _build(env, config)
     scaler = torch.amp.GradScaler("cuda") if config["amp"] and env.device.type == "cuda" else None
     path = os.path.join(config["checkpoint"], "checkpoint.pt") if config["checkpoint"] else None
-    start_epoch = 0
+    start_epoch = start_step = 0
     settings = run_settings(config, env.world_size)
-    if config["resume"]:
+    if config["resume"] or (config["auto_resume"] and os.path.exists(path)):
         state = load_checkpoint(path, map_location=env.device)
         check_resume(state, settings, path, config["epochs"])  # under torchrun, the first place it can be checked
         _load(model, opt, state, config["impl"])
-        start_epoch = state["epoch"]
+        start_epoch, start_step = state["epoch"], state.get("step", 0)
     sampler = DistributedSampler(train_set, num_replicas=env.world_size, rank=env.rank, shuffle=True,
                                  seed=config["seed"], drop_last=True)
-    loader = DataLoader(train_set, batch_size=config["batch_size"], sampler=sampler, drop_last=True)
-    progress = _Progress(env, config, (config["epochs"] - start_epoch) * len(loader))
-    images, seconds, accuracy, skipped = 0, 0.0, None, 0
+    steps = len(sampler) // config["batch_size"]
+    end = min(config["epochs"] * steps, config["stop_at_step"] or config["epochs"] * steps)
+    progress = _Progress(env, config, max(0, end - start_epoch * steps - start_step))
+
+    def save(epochs_done: int, step: int = 0) -> None:
+        saved = _state(model, opt, config["impl"])  # sharded: every rank takes part in gathering
+        if env.rank == 0:
+            _save(path, config, saved, epochs_done, settings, step)
+
+    images, seconds, accuracy, skipped, stopped_at = 0, 0.0, None, 0, None
     for epoch in range(start_epoch, config["epochs"]):
         sampler.set_epoch(epoch)  # a new shuffle each epoch (every rank the same permutation, disjoint shards)
         (train_set.dataset if isinstance(train_set, torch.utils.data.Subset) else train_set).set_epoch(epoch)
+        first = start_step if epoch == start_epoch else 0  # a resume within an epoch skips the steps done
+        last = min(steps, config["stop_at_step"] - epoch * steps) if config["stop_at_step"] else steps
+        if last <= first:  # --stop-at-step at or before where this run starts
+            stopped_at = epoch * steps + first
+            break
+        loader = DataLoader(train_set, batch_size=config["batch_size"],
+                            sampler=list(sampler)[first * config["batch_size"]:last * config["batch_size"]])
         start = time.perf_counter()
-        skipped = _train_epoch(env, config, model, opt, loader, scaler, epoch, progress, skipped)
+        skipped = _train_epoch(env, config, model, opt, loader, scaler, epoch, first, steps, progress, skipped,
+                               lambda step, epoch=epoch: save(epoch, step))
         epoch_seconds = time.perf_counter() - start
         images += len(loader) * config["batch_size"] * env.world_size
         seconds += epoch_seconds
+        if last < steps:  # --stop-at-step within this epoch
+            save(epoch, last)
+            stopped_at = epoch * steps + last
+            if env.rank == 0:
+                print(f"\nstopped at step {stopped_at} (--stop-at-step); --resume goes on from {path}",
+                      file=sys.stderr, flush=True)
+            break
         accuracy = _evaluate(model, test_set, env, config["batch_size"])
-        saved = _state(model, opt, config["impl"]) if path else None  # sharded: every rank takes part in gathering
         if env.rank == 0:
             print(f"\nepoch {epoch + 1}: {epoch_seconds:.1f} s, test accuracy {accuracy:.4f}{progress.tag}",
                   file=sys.stderr, flush=True)
-            if path:
-                _save(path, config, saved, epoch, settings)
+        if path:
+            save(epoch + 1)
         collectives.barrier()
+        if config["stop_at_step"] and (epoch + 1) * steps >= config["stop_at_step"] and epoch + 1 < config["epochs"]:
+            stopped_at = (epoch + 1) * steps
+            break
     digest = weights_sha256(_state(model, opt, config["impl"])["model"])  # sharded: every rank gathers
     return {"impl": config["impl"], "model": config["model"], "world_size": env.world_size, "device": str(env.device),
             "backend": env.backend, "epochs": config["epochs"], "resumed_from_epoch": start_epoch,
+            "resumed_from_step": start_step, "stopped_at_step": stopped_at, "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
             "batch_size_per_rank": config["batch_size"], "amp": config["amp"], "skipped_steps": skipped,
             "deterministic": config["deterministic"],
             "train_seconds": seconds,

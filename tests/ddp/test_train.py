@@ -37,6 +37,47 @@ def test_resume_ends_where_an_uninterrupted_run_ends(tmp_path, capsys):
         assert torch.equal(a["model"][key], b["model"][key]), key
 
 
+def test_a_run_split_mid_epoch_ends_bitwise_where_an_uninterrupted_one_ends(tmp_path, capsys):
+    """4 steps an epoch: stopped at step 3 (inside epoch 1), resumed to step 6 (inside epoch 2),
+    then --auto-resume to the end; the whole run writes a checkpoint every 3 steps on the way.
+    A resume that restarted the epoch, or skipped the wrong samples, ends elsewhere."""
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    assert train.main(COMMON + ["--epochs", "2", "--checkpoint", str(whole), "--checkpoint-every", "3"]) == 0
+    assert train.main(COMMON + ["--epochs", "2", "--checkpoint", str(split), "--stop-at-step", "3"]) == 0
+    assert (_final(split)["epoch"], _final(split)["step"]) == (0, 3)
+    assert train.main(COMMON + ["--epochs", "2", "--checkpoint", str(split), "--stop-at-step", "6", "--resume"]) == 0
+    assert (_final(split)["epoch"], _final(split)["step"]) == (1, 2)
+    assert train.main(COMMON + ["--epochs", "2", "--checkpoint", str(split), "--auto-resume"]) == 0
+    summaries = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [(s["resumed_from_epoch"], s["resumed_from_step"], s["stopped_at_step"]) for s in summaries] == [
+        (0, 0, None), (0, 0, 3), (0, 3, 6), (1, 2, None)]
+    assert summaries[0]["weights_sha256"] == summaries[-1]["weights_sha256"]
+    assert summaries[1]["weights_sha256"] != summaries[0]["weights_sha256"]  # the stopped run had not finished
+    a, b = _final(whole), _final(split)
+    assert (a["epoch"], a["step"]) == (b["epoch"], b["step"]) == (2, 0)
+    for key in a["model"]:
+        assert torch.equal(a["model"][key], b["model"][key]), key
+
+
+def test_auto_resume_without_a_checkpoint_starts(tmp_path, capsys):
+    assert train.main(COMMON + ["--epochs", "1", "--checkpoint", str(tmp_path / "new"), "--auto-resume"]) == 0
+    summary = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert (summary["resumed_from_epoch"], summary["resumed_from_step"]) == (0, 0)
+
+
+def test_an_elastic_restart_on_fewer_ranks_is_one_line_saying_so(tmp_path, monkeypatch, capsys):
+    """torchrun --nnodes 1:2 went on with one host after the other left: the restarted worker
+    must not train on (another global batch) and must say why in one line."""
+    _checkpoint(tmp_path / "ckpt")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    with pytest.raises(SystemExit):
+        train.main(COMMON[2:] + ["--nproc", "1", "--batch-size", "8", "--epochs", "2", "--checkpoint",
+                                 str(tmp_path / "ckpt"), "--auto-resume"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "torchrun restarted this job (restart 1) on 1 ranks" in err[-1], err
+    assert "written by 2 ranks: a host left or joined" in err[-1]
+
+
 def test_missing_dataset_is_a_clear_message(tmp_path, capsys):
     with pytest.raises(SystemExit) as info:
         train.main(["--data", str(tmp_path)])
@@ -102,6 +143,11 @@ def test_a_step_gradscaler_skips_is_reported_and_leaves_the_weights(factor, step
     (["--train-size", "0"], "--train-size must be at least 1, got 0"),  # once meant "all 50,000"
     (["--train-size", "10"], "10 training images make no full step of 32 per rank on 2 rank(s)"),  # once trained nothing
     (["--resume"], "--resume needs --checkpoint FOLDER"),  # once "no checkpoint at None"
+    (["--auto-resume"], "--auto-resume needs --checkpoint FOLDER"),
+    (["--checkpoint-every", "2"], "--checkpoint-every needs --checkpoint FOLDER"),
+    (["--checkpoint-every", "0", "--checkpoint", "x"], "--checkpoint-every must be at least 1, got 0"),
+    (["--stop-at-step", "3"], "--stop-at-step needs --checkpoint FOLDER"),
+    (["--resume", "--auto-resume", "--checkpoint", "x"], "--resume and --auto-resume: give one"),
     (["--lr", "-1"], "--lr must be a positive number"),
     (["--bucket-cap-mb", "0"], "--bucket-cap-mb must be a positive number of MiB"),
     (["--impl", "fsdp", "--bucket-cap-mb", "5"], "--bucket-cap-mb applies to --impl torch, bucketed, zero1, zero2, zero2-bucketed, not fsdp"),
@@ -251,6 +297,6 @@ def test_a_checkpoint_that_cannot_be_written_leaves_the_previous_one_and_no_tmp(
     before = path.read_bytes()
     config = {"checkpoint": str(folder), "synthetic": True}
     with pytest.raises(Exception):
-        train._save(str(path), config, {"model": {"w": lambda: 0}}, 1, {})
+        train._save(str(path), config, {"model": {"w": lambda: 0}}, 1, {}, step=2)
     assert path.read_bytes() == before
     assert sorted(p.name for p in folder.iterdir()) == ["checkpoint.pt"]
