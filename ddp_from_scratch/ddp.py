@@ -108,6 +108,21 @@ class DistributedDataParallel(DataParallelBase):
         """{"initial": text, "rebuilt": text (after the rebuild)}: the layout before and after."""
         return {when: bucketing.describe(layout, self.params, self.names) for when, layout in self.layout_history.items()}
 
+    def bucket_layout_state(self) -> Optional[list]:
+        """The rebuilt layout (parameter indices per bucket), None before the rebuild. A checkpoint
+        keeps it: a resumed run that bucketed afresh would reduce its first step in the one
+        initial bucket, and a ring all_reduce on 3 or more ranks rounds by offset, so its bits
+        would differ from the uninterrupted run's (2 ranks add a + b either way)."""
+        return None if self._ready_order is not None else self.layout_history.get("rebuilt")
+
+    def load_bucket_layout_state(self, layout: Optional[list]) -> None:
+        """Bucket as `bucket_layout_state()` gave (None: keep the initial layout and rebuild)."""
+        if layout is None:
+            return
+        self._set_layout([list(b) for b in layout])
+        self._ready_order = None
+        self.layout_history["rebuilt"] = [b.param_indices for b in self.buckets]
+
     # -- 1. forward ---------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
         will_sync = self._syncing and torch.is_grad_enabled()

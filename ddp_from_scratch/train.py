@@ -253,7 +253,8 @@ def _state(model, opt, impl: str) -> dict:
         return {"model": model_state, "optimizer": opt_state}
     if impl in SHARDED_IMPLS:
         return {"model": model.full_model_state(), "optimizer": opt.full_state_dict()}
-    return {"model": model.module.state_dict(), "optimizer": opt.state_dict()}
+    buckets = model.bucket_layout_state() if hasattr(model, "bucket_layout_state") else None  # ours: see ddp.py
+    return {"model": model.module.state_dict(), "optimizer": opt.state_dict(), "buckets": buckets}
 
 
 def _load(model, opt, state: dict, impl: str) -> None:
@@ -268,6 +269,8 @@ def _load(model, opt, state: dict, impl: str) -> None:
     else:
         model.module.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
+        if hasattr(model, "load_bucket_layout_state"):
+            model.load_bucket_layout_state(state.get("buckets"))
 
 
 def scaled_step(scaler, loss, opt) -> bool:

@@ -37,17 +37,22 @@ def test_resume_ends_where_an_uninterrupted_run_ends(tmp_path, capsys):
         assert torch.equal(a["model"][key], b["model"][key]), key
 
 
-def test_a_run_split_mid_epoch_ends_bitwise_where_an_uninterrupted_one_ends(tmp_path, capsys):
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_a_run_split_mid_epoch_ends_bitwise_where_an_uninterrupted_one_ends(nproc, tmp_path, capsys):
     """4 steps an epoch: stopped at step 3 (inside epoch 1), resumed to step 6 (inside epoch 2),
     then --auto-resume to the end; the whole run writes a checkpoint every 3 steps on the way.
-    A resume that restarted the epoch, or skipped the wrong samples, ends elsewhere."""
+    A resume that restarted the epoch, or skipped the wrong samples, ends elsewhere; so does one
+    whose first step reduced in the initial bucket instead of the rebuilt ones at 3 ranks (a ring
+    all_reduce rounds by offset; 2 ranks cannot tell)."""
     whole, split = tmp_path / "whole", tmp_path / "split"
-    assert train.main(COMMON + ["--epochs", "2", "--checkpoint", str(whole), "--checkpoint-every", "3"]) == 0
-    assert train.main(COMMON + ["--epochs", "2", "--checkpoint", str(split), "--stop-at-step", "3"]) == 0
+    ranks = ["--nproc", str(nproc), "--train-size", str(32 * nproc)]
+    assert train.main(COMMON + ranks + ["--epochs", "2", "--checkpoint", str(whole), "--checkpoint-every", "3"]) == 0
+    assert train.main(COMMON + ranks + ["--epochs", "2", "--checkpoint", str(split), "--stop-at-step", "3"]) == 0
     assert (_final(split)["epoch"], _final(split)["step"]) == (0, 3)
-    assert train.main(COMMON + ["--epochs", "2", "--checkpoint", str(split), "--stop-at-step", "6", "--resume"]) == 0
+    assert train.main(COMMON + ranks + ["--epochs", "2", "--checkpoint", str(split), "--stop-at-step", "6",
+                                        "--resume"]) == 0
     assert (_final(split)["epoch"], _final(split)["step"]) == (1, 2)
-    assert train.main(COMMON + ["--epochs", "2", "--checkpoint", str(split), "--auto-resume"]) == 0
+    assert train.main(COMMON + ranks + ["--epochs", "2", "--checkpoint", str(split), "--auto-resume"]) == 0
     summaries = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     assert [(s["resumed_from_epoch"], s["resumed_from_step"], s["stopped_at_step"]) for s in summaries] == [
         (0, 0, None), (0, 0, 3), (0, 3, 6), (1, 2, None)]
