@@ -185,11 +185,34 @@ def init_from_env(
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout,
                                     **device_id_for(backend, device))
         else:
-            dist.init_process_group(
-                backend, init_method=f"tcp://{info['master_addr']}:{info['master_port']}", rank=info["rank"],
-                world_size=info["world_size"], timeout=timeout, **device_id_for(backend, device),
-            )
+            try:
+                dist.init_process_group(
+                    backend, init_method=f"tcp://{info['master_addr']}:{info['master_port']}", rank=info["rank"],
+                    world_size=info["world_size"], timeout=timeout, **device_id_for(backend, device),
+                )
+            except RuntimeError as exc:
+                why = shared_store_restart(os.environ if environ is None else environ)
+                if why:
+                    raise RuntimeError(f"rank {info['rank']}: init_process_group failed ({str(exc).splitlines()[0]}); "
+                                       f"{why}") from exc
+                raise
     return DistEnv(info["rank"], info["world_size"], info["local_rank"], device, backend)
+
+
+def shared_store_restart(environ: Mapping[str, str]) -> str:
+    """Why a rank restarted by torchrun's elastic agent could not connect, or "" when it was not.
+
+    torch 2.13's c10d rendezvous shares the agent's TCPStore with the workers
+    (TORCHELASTIC_USE_AGENT_STORE=True); after a restart the new ranks can read the keys of the
+    attempt before, so Gloo connects to ports of dead ranks ("Connection refused"; NCCL likewise:
+    pytorch/pytorch#135712). Measured on two namespace hosts: the restarted group failed in 2 runs
+    of 3 with the shared store (and once more with a PrefixStore per restart count: the agents count
+    restarts apart) and resumed bitwise with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1."""
+    if environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        return ""
+    return ("this is restart " + environ["TORCHELASTIC_RESTART_COUNT"] + " under torchrun, whose shared rendezvous "
+            "store still holds the previous attempt's addresses: start torchrun with "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment")
 
 
 def shutdown() -> None:
