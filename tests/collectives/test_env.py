@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from collectives.env import first_slurm_host, pick_backend, read_env
+from collectives.env import first_slurm_host, pick_backend, read_env, shared_store_restart
 
 
 def test_torchrun_variables():
@@ -129,3 +129,16 @@ def test_slurm_like_program(tmp_path):
     for r, (code, stdout, stderr) in enumerate(results):
         assert code == 0, f"rank {r} exited with {code}: {stderr}"
         assert f"rank={r} world=2 local={r} backend=gloo sum=3" in stdout
+
+
+@pytest.mark.parametrize("environ, says", [
+    ({"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "2"}, True),
+    ({"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0"}, False),  # a first attempt
+    ({"TORCHELASTIC_USE_AGENT_STORE": "False", "TORCHELASTIC_RESTART_COUNT": "1"}, False),  # not shared
+    ({}, False),  # not under torchrun
+])
+def test_a_failed_connect_after_a_restart_on_the_shared_store_names_the_setting(environ, says):
+    why = shared_store_restart(environ)
+    assert bool(why) == says
+    if says:
+        assert "restart 2" in why and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in why
