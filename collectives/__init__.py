@@ -18,7 +18,7 @@ small all_gather per call so that ranks that disagree are told instead of hangin
 from .checked_mode import checked, is_checked
 from .checks import NotInGroup
 from .env import DistEnv, init_from_env, shutdown
-from .errors import CollectiveError, CollectiveMismatchError, RankFailure
+from .errors import BackendFailure, CollectiveError, CollectiveMismatchError, RankFailure
 from .groups import Mesh2D, global_rank, group_rank, new_group, split
 from .launch import run, run_or_join
 from .ops import (
@@ -32,5 +32,5 @@ __all__ = [
     "broadcast", "all_reduce", "reduce", "all_gather", "reduce_scatter", "gather", "scatter", "all_to_all",
     "barrier", "Work", "checked", "is_checked",
     "new_group", "split", "Mesh2D", "group_rank", "global_rank", "NotInGroup",
-    "CollectiveError", "CollectiveMismatchError", "RankFailure",
+    "BackendFailure", "CollectiveError", "CollectiveMismatchError", "RankFailure",
 ]

@@ -20,6 +20,44 @@ class CollectiveMismatchError(CollectiveError):
     """
 
 
+class BackendFailure(RuntimeError):
+    """A collective that passed every check failed inside the backend: a peer died, the network
+    went away, or the peers did not come within the process group's timeout.
+
+    The message leads with this rank, its host and the collective, then torch's own words (Gloo
+    says only "Timed out waiting 10000ms for recv operation", naming none of them).
+
+    Attributes: rank, host, collective.
+    """
+
+    def __init__(self, message: str, rank: Optional[int], host: str, collective: str):
+        super().__init__(message)
+        self.rank, self.host, self.collective = rank, host, collective
+
+
+def backend_failure(collective: str, exc: BaseException, group=None) -> Optional[BackendFailure]:
+    """`exc` named with this rank, host and `collective` when it came from the backend (torch's
+    DistError, or Gloo's and NCCL's RuntimeErrors); None for anything else (our own checks)."""
+    import socket
+
+    import torch.distributed as dist
+
+    if isinstance(exc, (CollectiveError, BackendFailure)) or not isinstance(exc, RuntimeError):
+        return None
+    text = str(exc)
+    if not (isinstance(exc, dist.DistError) or "gloo" in text.lower() or "nccl" in text.lower()):
+        return None
+    rank = size = backend = None
+    try:
+        rank, size, backend = dist.get_rank(), dist.get_world_size(group), dist.get_backend(group)
+    except (RuntimeError, ValueError):  # the group is gone: name what is known
+        pass
+    host = socket.gethostname()
+    over = f" over {size} ranks ({backend})" if size is not None else ""
+    return BackendFailure(f"rank {rank} on host {host}: {collective}{over} failed in the backend: {text}",
+                          rank, host, collective)
+
+
 class RankFailure(RuntimeError):
     """One or more ranks raised, died or hung; every rank has been stopped.
 

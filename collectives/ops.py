@@ -18,6 +18,7 @@ outside it overwritten), so the wrappers hand it a contiguous copy and copy the 
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, List, Optional
 
 import torch
@@ -26,7 +27,7 @@ import torch.distributed as dist
 from . import checked_mode as _checked
 from . import compat, reduce_ops
 from .checks import CPU_BACKENDS, GroupInfo, check_divisible, check_root, check_tensor, check_writable, resolve_group
-from .errors import CollectiveError, CollectiveMismatchError
+from .errors import CollectiveError, CollectiveMismatchError, backend_failure
 from .dtypes import arithmetic_wire, as_bytes, from_bytes, moves_as_bytes, reduction_wire
 from .exchange import check_same_root, describe_rows, exchange, raise_if_any_failed
 
@@ -38,11 +39,18 @@ class Work:
 
     def __init__(self, works: List, finish: Callable[[], object]):
         self._works, self._finish, self._done, self._result = works, finish, False, None
+        self.collective, self.group = "collective", None  # set by _names_failures
 
     def wait(self):
         if not self._done:
-            for work in self._works:
-                work.wait()
+            try:
+                for work in self._works:
+                    work.wait()
+            except RuntimeError as exc:
+                named = backend_failure(self.collective, exc, self.group)
+                if named is None:
+                    raise
+                raise named from exc
             self._result, self._done = self._finish(), True
         return self._result
 
@@ -59,6 +67,27 @@ def _finish(work, finish: Callable[[], object], async_op: bool):
     if not async_op:
         return finish()  # a synchronous torch call has already completed
     return Work([work] if work is not None else [], finish)
+
+
+def _names_failures(fn):
+    """A backend failure inside `fn` (or its Work's wait) becomes a BackendFailure naming this
+    rank, its host and the collective; our own checks' errors pass as they are."""
+    collective = fn.__name__
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        try:
+            result = fn(*args, **kwargs)
+        except RuntimeError as exc:
+            named = backend_failure(collective, exc, kwargs.get("group"))
+            if named is None:
+                raise
+            raise named from exc
+        if type(result) is Work:
+            result.collective, result.group = collective, kwargs.get("group")
+        return result
+
+    return wrapped
 
 
 _NO_TENSOR = object()  # barrier has no tensor; None is a tensor argument that is missing
@@ -132,6 +161,7 @@ def _copy_back(tensor: torch.Tensor, sent: torch.Tensor, back=None) -> torch.Ten
     return tensor
 
 
+@_names_failures
 def broadcast(tensor: torch.Tensor, src: int = 0, group: Group = None, async_op: bool = False):
     """Copy `src`'s tensor into every rank's tensor (in place). Returns the tensor.
 
@@ -173,6 +203,7 @@ def _all_reduce_fast(tensor, op, group, async_op):
     return Work([work], lambda: tensor) if async_op else tensor
 
 
+@_names_failures
 def all_reduce(tensor: torch.Tensor, op="sum", group: Group = None, async_op: bool = False):
     """Reduce `tensor` over the group with `op`; every rank gets the result in place.
 
@@ -199,6 +230,7 @@ def all_reduce(tensor: torch.Tensor, op="sum", group: Group = None, async_op: bo
     return _finish(work, lambda: _copy_back(tensor, sent, back), async_op)
 
 
+@_names_failures
 def reduce(tensor: torch.Tensor, dst: int = 0, op="sum", group: Group = None, async_op: bool = False):
     """Reduce `tensor` over the group into `dst`'s tensor. Returns the tensor on every rank;
     only dst's holds the result (the backend may use the others' as scratch space).
@@ -270,6 +302,7 @@ def _padded(tensor: torch.Tensor, length: int) -> torch.Tensor:
     return out
 
 
+@_names_failures
 def all_gather(tensor: torch.Tensor, group: Group = None, async_op: bool = False):
     """Every rank's tensor concatenated on dim 0, in group-rank order. Dim 0 may differ between
     ranks (trailing dims and dtype may not); a 0-d tensor counts as one row.
@@ -301,6 +334,7 @@ def all_gather(tensor: torch.Tensor, group: Group = None, async_op: bool = False
     return _finish(work, result, async_op)
 
 
+@_names_failures
 def gather(tensor: torch.Tensor, dst: int = 0, group: Group = None, async_op: bool = False):
     """On `dst`, every rank's tensor concatenated on dim 0 in group-rank order (dim 0 may differ);
     None on the other ranks.
@@ -328,6 +362,7 @@ def gather(tensor: torch.Tensor, dst: int = 0, group: Group = None, async_op: bo
     return _finish(work, result, async_op)
 
 
+@_names_failures
 def reduce_scatter(tensor: torch.Tensor, op="sum", group: Group = None, async_op: bool = False):
     """Reduce `tensor` over the group and return this rank's chunk of dim 0 (dim 0 / group size rows).
 
@@ -350,6 +385,7 @@ def reduce_scatter(tensor: torch.Tensor, op="sum", group: Group = None, async_op
     return _finish(work, lambda: (out if back is None else back(out)).to(tensor.device), async_op)
 
 
+@_names_failures
 def scatter(tensor: Optional[torch.Tensor], src: int = 0, group: Group = None, async_op: bool = False):
     """Split `src`'s tensor into group-size chunks along dim 0; return this rank's chunk.
 
@@ -397,6 +433,7 @@ def scatter(tensor: Optional[torch.Tensor], src: int = 0, group: Group = None, a
     return _finish(work, lambda: out.to(result_device), async_op)
 
 
+@_names_failures
 def all_to_all(tensor: torch.Tensor, group: Group = None, async_op: bool = False):
     """Chunk j of dim 0 goes to group rank j; the result's chunk i came from group rank i.
 
@@ -413,6 +450,7 @@ def all_to_all(tensor: torch.Tensor, group: Group = None, async_op: bool = False
     return _finish(work, lambda: out.to(tensor.device), async_op)
 
 
+@_names_failures
 def barrier(group: Group = None, async_op: bool = False):
     """Wait until every rank of the group has reached this call.
 

@@ -461,3 +461,32 @@ def test_a_result_the_launcher_cannot_unpickle_is_a_rank_failure():
     headline = str(info.value).splitlines()[0]
     assert "returned a only_in_the_rank.Result that this process cannot unpickle (ModuleNotFoundError" in headline
     assert "instances of a class this process can import" in str(info.value)
+
+
+def _peer_gone_mid_collective(env, out, async_op):
+    if env.rank == 1:
+        time.sleep(0.5)
+        os._exit(3)
+    try:
+        work = C.all_reduce(torch.ones(1 << 16), async_op=async_op)
+        if async_op:
+            work.wait()
+    except C.BackendFailure as exc:
+        (out / "caught").write_text(f"{exc.rank}|{exc.host}|{exc.collective}|{exc}")
+    time.sleep(600)  # the launcher stops this rank once it sees rank 1 gone
+
+
+@pytest.mark.parametrize("async_op", [False, True])
+def test_a_peer_gone_mid_collective_is_a_backend_failure_naming_rank_host_and_collective(async_op, tmp_path):
+    """Gloo's own words ("Connection closed by peer", or after a timeout "Timed out waiting
+    10000ms for recv operation") name no rank, host or collective; the wrappers add them, in
+    the call and in Work.wait()."""
+    import socket
+
+    with pytest.raises(C.RankFailure):
+        C.run(_peer_gone_mid_collective, world_size=2, args=(tmp_path, async_op), timeout=60)
+    rank, host, collective, message = (tmp_path / "caught").read_text().split("|", 3)
+    assert (rank, host, collective) == ("0", socket.gethostname(), "all_reduce")
+    assert message.startswith(f"rank 0 on host {socket.gethostname()}: all_reduce over 2 ranks (gloo) failed in the "
+                              "backend: "), message
+    assert "gloo" in message.lower()  # torch's own words follow
