@@ -19,6 +19,7 @@ outside it overwritten), so the wrappers hand it a contiguous copy and copy the 
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Callable, List, Optional
 
 import torch
@@ -73,18 +74,22 @@ def _names_failures(fn):
     """A backend failure inside `fn` (or its Work's wait) becomes a BackendFailure naming this
     rank, its host and the collective; our own checks' errors pass as they are."""
     collective = fn.__name__
+    at = list(inspect.signature(fn).parameters).index("group")  # group given by position too
+
+    def group_of(args, kwargs):
+        return kwargs["group"] if "group" in kwargs else (args[at] if len(args) > at else None)
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
         try:
             result = fn(*args, **kwargs)
         except RuntimeError as exc:
-            named = backend_failure(collective, exc, kwargs.get("group"))
+            named = backend_failure(collective, exc, group_of(args, kwargs))
             if named is None:
                 raise
             raise named from exc
         if type(result) is Work:
-            result.collective, result.group = collective, kwargs.get("group")
+            result.collective, result.group = collective, group_of(args, kwargs)
         return result
 
     return wrapped
