@@ -27,7 +27,7 @@ import socket
 import subprocess
 import sys
 import time
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 from . import slurm_cluster
 from .cli import ArgumentParser
@@ -253,6 +253,18 @@ def run_on(host: str, command: List[str], env: Optional[dict] = None, **kwargs) 
     if namespace(host) not in _namespaces():
         raise ClusterError(f"no host {host!r}: `python -m collectives.cluster status` lists them")
     return subprocess.run(host_command(host, command), env=env, **kwargs)
+
+
+def processes(host: str) -> Dict[int, List[str]]:
+    """pid -> argv of every process running in `host` now (`ip netns pids`, /proc/PID/cmdline)."""
+    found = {}
+    for pid in map(int, _ip("netns", "pids", namespace(host), check=False).stdout.split()):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                found[pid] = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+        except OSError:  # ended meanwhile
+            pass
+    return found
 
 
 def host_command(host: str, command: List[str]) -> List[str]:

@@ -18,22 +18,12 @@ import pytest
 
 from collectives import cluster
 
-try:
-    cluster.check_can_run()
-    WHY_NOT = ""
-except (cluster.ClusterError, FileNotFoundError) as exc:
-    WHY_NOT = str(exc)
-pytestmark = pytest.mark.skipif(bool(WHY_NOT), reason=f"no test hosts here: {WHY_NOT}")
+from . import needs_hosts
+
+pytestmark = needs_hosts
 
 TRAIN = ["-m", "ddp_from_scratch.train", "--model", "small", "--synthetic", "--train-size", "256", "--test-size", "64",
          "--batch-size", "16"]
-
-
-@pytest.fixture(scope="module")
-def hosts():
-    cluster.up(2)
-    yield ["node0", "node1"]
-    cluster.down()
 
 
 def _torchrun_on_both(hosts, program, rdzv_id, nproc=2, timeout=240):

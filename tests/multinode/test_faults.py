@@ -19,16 +19,12 @@ import sys
 import textwrap
 import time
 
-import pytest
 
 from collectives import cluster
 
-try:
-    cluster.check_can_run()
-    WHY_NOT = ""
-except (cluster.ClusterError, FileNotFoundError) as exc:
-    WHY_NOT = str(exc)
-pytestmark = pytest.mark.skipif(bool(WHY_NOT), reason=f"no test hosts here: {WHY_NOT}")
+from . import needs_hosts
+
+pytestmark = needs_hosts
 
 TIMEOUT_S = 10
 PROGRAM = textwrap.dedent(f"""
@@ -51,25 +47,9 @@ PROGRAM = textwrap.dedent(f"""
 """)
 
 
-@pytest.fixture(scope="module")
-def hosts():
-    cluster.up(2)
-    yield ["node0", "node1"]
-    cluster.down()
-
-
 def _ranks(host, program):
-    out = subprocess.run(["ip", "netns", "pids", cluster.namespace(host)], capture_output=True, text=True).stdout
-    found = []
-    for pid in map(int, out.split()):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-        except FileNotFoundError:
-            continue
-        if program.encode() in argv and b"torch.distributed.run" not in argv:
-            found.append(pid)
-    return found
+    return [pid for pid, argv in cluster.processes(host).items()
+            if program in argv and "torch.distributed.run" not in argv]
 
 
 def _start(hosts, tmp_path, rdzv_id):
@@ -135,10 +115,8 @@ def test_a_host_that_disappears_fails_the_other_naming_it(hosts, tmp_path):
     try:
         subprocess.run(["ip", "link", "delete", "cpcv1"], check=True)
         gone_at = time.time()
-        pids = subprocess.run(["ip", "netns", "pids", cluster.namespace("node1")], capture_output=True,
-                              text=True).stdout.split()
-        for pid in pids:
-            os.kill(int(pid), signal.SIGKILL)
+        for pid in cluster.processes("node1"):
+            os.kill(pid, signal.SIGKILL)
         subprocess.run(["ip", "netns", "delete", cluster.namespace("node1")], check=True)
         out0 = procs[0].communicate(timeout=TIMEOUT_S + 30)[0]
         failed_at, message = _failure(tmp_path, 0)

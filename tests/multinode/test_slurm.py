@@ -19,13 +19,13 @@ import pytest
 
 from collectives import cluster, slurm_cluster
 
+from . import WHY_NOT as HOSTS_WHY_NOT
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-try:
-    cluster.check_can_run()
-    WHY_NOT = f"--slurm needs {', '.join(slurm_cluster.missing())}: {slurm_cluster.APT}" \
-        if slurm_cluster.missing() else ""
-except (cluster.ClusterError, FileNotFoundError) as exc:
-    WHY_NOT = f"no test hosts here: {exc}"
+if HOSTS_WHY_NOT:
+    WHY_NOT = f"no test hosts here: {HOSTS_WHY_NOT}"
+else:
+    WHY_NOT = f"--slurm needs {', '.join(slurm_cluster.missing())}: {slurm_cluster.APT}" if slurm_cluster.missing() else ""
 pytestmark = pytest.mark.skipif(bool(WHY_NOT), reason=WHY_NOT)
 
 TRAIN = ["--model", "small", "--synthetic", "--train-size", "256", "--test-size", "64", "--batch-size", "16",
@@ -74,14 +74,6 @@ def test_srun_runs_the_bandwidth_benchmark_across_the_hosts(slurm):
     assert "# Out of bounds values : 0 OK" in out, out[-2000:]
 
 
-def _cmdline(pid) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline") as f:
-            return f.read().replace("\0", " ")
-    except OSError:
-        return ""
-
-
 def test_scancel_leaves_nothing_on_either_host(slurm, tmp_path):
     before = set(os.listdir("/dev/shm"))
     said = _on_node0(["sbatch", "--parsable", f"--output={tmp_path}/long-%j.out", f"--chdir={ROOT}",
@@ -96,8 +88,7 @@ def test_scancel_leaves_nothing_on_either_host(slurm, tmp_path):
     cancelled = time.monotonic()
     ours = re.compile(r"ddp_from_scratch|collectives")
     def ours_on(host):
-        pids = subprocess.run(["ip", "netns", "pids", cluster.namespace(host)], capture_output=True, text=True)
-        return [p for p in pids.stdout.split() if ours.search(_cmdline(p))]
+        return [pid for pid, argv in cluster.processes(host).items() if ours.search(" ".join(argv))]
 
     left = None
     while time.monotonic() - cancelled < 30:
