@@ -36,10 +36,8 @@ import contextlib
 import json
 import math
 import os
-import pickle
 import sys
 import time
-import zipfile
 from typing import Optional
 
 import torch
@@ -52,10 +50,12 @@ from collectives.cli import command, eta
 from collectives.env import read_env
 
 from . import cifar10
+from .checkpoint import (CheckpointError, check_resume, gather_state, load_checkpoint, load_state, run_settings, save,
+                         weights_sha256)
 from .models import MODELS, check_batch_fits
-from .wrap import IMPLS, STAGES, wrap
+from .wrap import IMPLS, SHARDED_IMPLS, STAGES, wrap
 
-SHARDED_IMPLS = [n for n, s in STAGES.items() if s.sharded]  # ours and torch-fsdp, from the one registry
+CIFAR_TRAIN_SIZE = 50_000
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,60 +94,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "torchrun --max-restarts restarts with the same arguments")
     p.add_argument("--json", default=None, help="also write the summary to this file")
     return p
-
-
-# The settings that decide a run's result: a checkpoint records them and --resume must match.
-RESUME_KEYS = ("world_size", "impl", "model", "batch_size", "seed", "lr", "synthetic", "train_size", "amp",
-               "bucket_cap_mb")
-CIFAR_TRAIN_SIZE = 50_000
-
-
-class CheckpointError(ValueError):
-    """The checkpoint is missing, damaged, or was written by a run with other settings."""
-
-
-def load_checkpoint(path: str, map_location="cpu") -> dict:
-    """The checkpoint at `path`; a damaged file is a CheckpointError naming it, in one line."""
-    if not os.path.isfile(path):
-        raise CheckpointError(f"--resume: there is no checkpoint at {path}")
-    if os.path.getsize(path) == 0:
-        raise CheckpointError(f"{path} is damaged (empty file); delete it or point --checkpoint elsewhere")
-    try:
-        state = torch.load(path, map_location=map_location, weights_only=True)
-    except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError, OSError) as exc:
-        # torch's own messages here are long and suggest weights_only=False, which would not help
-        why = "truncated" if isinstance(exc, EOFError) or "central directory" in str(exc) else (
-            f"not a torch checkpoint: {type(exc).__name__}")
-        raise CheckpointError(f"{path} is damaged ({why}); delete it or point --checkpoint elsewhere") from None
-    missing = [k for k in ("model", "optimizer", "epoch", "settings") if not isinstance(state, dict) or k not in state]
-    if missing:
-        raise CheckpointError(f"{path} is not a checkpoint of this program (no {', '.join(missing)} in it)")
-    return state
-
-
-def check_resume(state: dict, settings: dict, path: str, epochs: int) -> None:
-    """Refuse a resume whose settings differ from the checkpoint's, naming each difference. A
-    worker restarted by torchrun's elastic agent on another number of ranks (a host left or
-    joined) is told that in one line: the global batch would change, so the result would too."""
-    saved = state["settings"]
-    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-    if restarts and saved.get("world_size") != settings["world_size"]:
-        raise CheckpointError(
-            f"torchrun restarted this job (restart {restarts}) on {settings['world_size']} ranks, but {path} was "
-            f"written by {saved.get('world_size')} ranks: a host left or joined the job (--nnodes MIN:MAX), and "
-            "resuming on another number of ranks would change the global batch and so the result; bring the "
-            "job back to its hosts, or start a new --checkpoint folder")
-    differ = [f"{k} {saved.get(k)!r} in the checkpoint, {settings[k]!r} now" for k in RESUME_KEYS if saved.get(k) != settings[k]]
-    if differ:
-        raise CheckpointError(f"--resume: {path} was written with other settings: {'; '.join(differ)}. Resume with the "
-                              "checkpoint's settings, or start a new --checkpoint folder")
-    if state["epoch"] >= epochs:
-        raise CheckpointError(f"--resume: {path} has already trained {state['epoch']} of --epochs {epochs}; "
-                              "raise --epochs to train further")
-
-
-def run_settings(config: dict, world_size: int) -> dict:
-    return {**{k: config[k] for k in RESUME_KEYS if k != "world_size"}, "world_size": world_size}
 
 
 def validate(args, parser, world_size: int, local_ranks: Optional[int] = None) -> None:
@@ -244,35 +190,6 @@ def _sharded(net, config):
     return model, model.optimizer(torch.optim.SGD, lr=config["lr"], momentum=0.9)
 
 
-def _state(model, opt, impl: str) -> dict:
-    """{"model", "optimizer"} to save: whole tensors for the sharded steps (gathered: call on every rank)."""
-    if impl == "torch-fsdp":
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-        model_state, opt_state = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
-        return {"model": model_state, "optimizer": opt_state}
-    if impl in SHARDED_IMPLS:
-        return {"model": model.full_model_state(), "optimizer": opt.full_state_dict()}
-    buckets = model.bucket_layout_state() if hasattr(model, "bucket_layout_state") else None  # ours: see ddp.py
-    return {"model": model.module.state_dict(), "optimizer": opt.state_dict(), "buckets": buckets}
-
-
-def _load(model, opt, state: dict, impl: str) -> None:
-    if impl == "torch-fsdp":
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
-        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                       options=StateDictOptions(full_state_dict=True))
-    elif impl in SHARDED_IMPLS:
-        model.load_full_model_state(state["model"])
-        opt.load_full_state_dict(state["optimizer"])
-    else:
-        model.module.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        if hasattr(model, "load_bucket_layout_state"):
-            model.load_bucket_layout_state(state.get("buckets"))
-
-
 def scaled_step(scaler, loss, opt) -> bool:
     """Backward and an optimizer step through a GradScaler (fp16 on CUDA). False when the scaler
     skipped the step: a gradient held inf or NaN, so it left the weights as they were and halved
@@ -346,8 +263,8 @@ class _Progress:
 
 
 def _train_epoch(env, config, model, opt, loader, scaler, epoch: int, first: int, steps: int, progress: _Progress,
-                 skipped: int, save) -> int:
-    """Steps `first`.. of one epoch of `steps` (`loader` starts at step `first`); `save(step)` after
+                 skipped: int, checkpoint) -> int:
+    """Steps `first`.. of one epoch of `steps` (`loader` starts at step `first`); `checkpoint(step)` after
     every --checkpoint-every steps but the epoch's last. The number of steps GradScaler has skipped so far."""
     amp_dtype = torch.float16 if env.device.type == "cuda" else torch.bfloat16
     start, every = time.perf_counter(), config["checkpoint_every"]
@@ -363,23 +280,8 @@ def _train_epoch(env, config, model, opt, loader, scaler, epoch: int, first: int
             opt.step()
         progress.step(epoch, step, steps, first, loss, start, skipped)
         if every and (step + 1) % every == 0 and step + 1 < steps:
-            save(step + 1)
+            checkpoint(step + 1)
     return skipped
-
-
-def _save(path: str, config, saved: dict, epochs_done: int, settings: dict, step: int = 0) -> None:
-    """Rank 0 writes the checkpoint atomically: a crash, or a write that fails (a full disk), leaves
-    the previous one whole and no .tmp behind. `epochs_done` whole epochs and `step` steps of the next."""
-    os.makedirs(config["checkpoint"], exist_ok=True)
-    tmp = path + ".tmp"
-    try:
-        torch.save({**saved, "epoch": epochs_done, "step": step, "synthetic": config["synthetic"],
-                    "settings": settings}, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(tmp)
-        raise
 
 
 def _train(env, config) -> dict:
@@ -393,20 +295,23 @@ def _train(env, config) -> dict:
     if config["resume"] or (config["auto_resume"] and os.path.exists(path)):
         state = load_checkpoint(path, map_location=env.device)
         check_resume(state, settings, path, config["epochs"])  # under torchrun, the first place it can be checked
-        _load(model, opt, state, config["impl"])
+        load_state(model, opt, state, config["impl"])
         start_epoch, start_step = state["epoch"], state.get("step", 0)
     sampler = DistributedSampler(train_set, num_replicas=env.world_size, rank=env.rank, shuffle=True,
                                  seed=config["seed"], drop_last=True)
     steps = len(sampler) // config["batch_size"]
-    end = min(config["epochs"] * steps, config["stop_at_step"] or config["epochs"] * steps)
+    end = min(config["epochs"] * steps, config["stop_at_step"]) if config["stop_at_step"] else config["epochs"] * steps
     progress = _Progress(env, config, max(0, end - start_epoch * steps - start_step))
 
-    def save(epochs_done: int, step: int = 0) -> None:
-        saved = _state(model, opt, config["impl"])  # sharded: every rank takes part in gathering
+    def checkpoint(epochs_done: int, step: int = 0) -> dict:
+        saved = gather_state(model, opt, config["impl"])  # sharded: every rank takes part in gathering
         if env.rank == 0:
-            _save(path, config, saved, epochs_done, settings, step)
+            save(path, config, saved, epochs_done, settings, step)
+        return saved
 
-    images, seconds, accuracy, skipped, stopped_at = 0, 0.0, None, 0, None
+    # the state of the last checkpoint written here, which the summary's digest reuses when no step
+    # came after it (a sharded model is gathered once at the end, not twice)
+    images, seconds, accuracy, skipped, stopped_at, latest = 0, 0.0, None, 0, None, None
     for epoch in range(start_epoch, config["epochs"]):
         sampler.set_epoch(epoch)  # a new shuffle each epoch (every rank the same permutation, disjoint shards)
         (train_set.dataset if isinstance(train_set, torch.utils.data.Subset) else train_set).set_epoch(epoch)
@@ -419,12 +324,12 @@ def _train(env, config) -> dict:
                             sampler=list(sampler)[first * config["batch_size"]:last * config["batch_size"]])
         start = time.perf_counter()
         skipped = _train_epoch(env, config, model, opt, loader, scaler, epoch, first, steps, progress, skipped,
-                               lambda step, epoch=epoch: save(epoch, step))
+                               lambda step, epoch=epoch: checkpoint(epoch, step))
         epoch_seconds = time.perf_counter() - start
         images += len(loader) * config["batch_size"] * env.world_size
         seconds += epoch_seconds
         if last < steps:  # --stop-at-step within this epoch
-            save(epoch, last)
+            latest = checkpoint(epoch, last)
             stopped_at = epoch * steps + last
             if env.rank == 0:
                 print(f"\nstopped at step {stopped_at} (--stop-at-step); --resume goes on from {path}",
@@ -435,33 +340,20 @@ def _train(env, config) -> dict:
             print(f"\nepoch {epoch + 1}: {epoch_seconds:.1f} s, test accuracy {accuracy:.4f}{progress.tag}",
                   file=sys.stderr, flush=True)
         if path:
-            save(epoch + 1)
+            latest = checkpoint(epoch + 1)
         collectives.barrier()
         if config["stop_at_step"] and (epoch + 1) * steps >= config["stop_at_step"] and epoch + 1 < config["epochs"]:
             stopped_at = (epoch + 1) * steps
             break
-    digest = weights_sha256(_state(model, opt, config["impl"])["model"])  # sharded: every rank gathers
+    digest = weights_sha256((latest or gather_state(model, opt, config["impl"]))["model"])  # sharded: every rank gathers
     return {"impl": config["impl"], "model": config["model"], "world_size": env.world_size, "device": str(env.device),
             "backend": env.backend, "epochs": config["epochs"], "resumed_from_epoch": start_epoch,
-            "resumed_from_step": start_step, "stopped_at_step": stopped_at, "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
+            "resumed_from_step": start_step, "stopped_at_step": stopped_at,
             "batch_size_per_rank": config["batch_size"], "amp": config["amp"], "skipped_steps": skipped,
             "deterministic": config["deterministic"],
             "train_seconds": seconds,
             "images_per_second": images / seconds if seconds else None, "test_accuracy": accuracy,
             "synthetic_data": config["synthetic"], "weights_sha256": digest}
-
-
-def weights_sha256(state: dict) -> str:
-    """One digest of every tensor of a model state (names, dtypes, shapes, bytes, in name order):
-    equal digests, bitwise equal weights (how a run on two hosts is compared with one on one)."""
-    import hashlib
-
-    h = hashlib.sha256()
-    for name in sorted(state):
-        t = state[name].detach().cpu().contiguous()
-        h.update(f"{name} {t.dtype} {tuple(t.shape)}".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
 
 
 @command

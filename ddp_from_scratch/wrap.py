@@ -104,6 +104,7 @@ STAGES: Dict[str, Stage] = {s.name: s for s in [
 IMPLS: List[str] = [n for n, s in STAGES.items() if not s.sharded]  # torch, naive, flat, bucketed
 WRAPPERS = {n: s.build for n, s in STAGES.items() if not s.sharded and s.ours}  # ours, replicated
 SHARDED: List[str] = [n for n, s in STAGES.items() if s.sharded and s.ours]  # zero1, zero2, zero2-bucketed, fsdp
+SHARDED_IMPLS: List[str] = [n for n, s in STAGES.items() if s.sharded]  # ours and torch-fsdp
 
 
 def wrap(model: nn.Module, impl: Union[str, type], **kwargs) -> nn.Module:

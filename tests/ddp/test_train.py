@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from ddp_from_scratch import train
+from ddp_from_scratch import checkpoint, train
 
 COMMON = ["--nproc", "2", "--model", "small", "--synthetic", "--train-size", "64", "--test-size", "32",
           "--batch-size", "8", "--lr", "0.05"]
@@ -302,6 +302,6 @@ def test_a_checkpoint_that_cannot_be_written_leaves_the_previous_one_and_no_tmp(
     before = path.read_bytes()
     config = {"checkpoint": str(folder), "synthetic": True}
     with pytest.raises(Exception):
-        train._save(str(path), config, {"model": {"w": lambda: 0}}, 1, {}, step=2)
+        checkpoint.save(str(path), config, {"model": {"w": lambda: 0}}, 1, {}, step=2)
     assert path.read_bytes() == before
     assert sorted(p.name for p in folder.iterdir()) == ["checkpoint.pt"]
