@@ -13,6 +13,7 @@ This file sits below all three, so the algorithms and the backends never import 
 from __future__ import annotations
 
 import dataclasses
+from typing import List
 
 import torch
 
@@ -48,6 +49,12 @@ class Comm:
     def reduce(self, dst: torch.Tensor, src: torch.Tensor, op: str) -> None:
         """dst = dst op src, elementwise, on this rank (in dst's dtype, as the backends do)."""
         local_reduce(dst, src, op)
+
+    def hosts(self) -> List[int]:
+        """The host of each rank, as indices 0, 1, ... in order of first appearance (the
+        hierarchical algorithms group ranks by it). A transport within one machine (the shm
+        mailboxes) has every rank on host 0; DistComm asks the ranks, the simulator its topology."""
+        return [0] * self.size
 
     def workspace(self, like: torch.Tensor, numel: int, slot: str = "algorithm") -> torch.Tensor:
         """Scratch space of `numel` elements like `like`. Algorithms use the default slot; the

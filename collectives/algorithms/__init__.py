@@ -10,11 +10,13 @@ halving, Rabenseifner, Bruck, pairwise exchange, written once and run on real ra
 
 Each family is one module whose docstring draws it and gives its cost: ring.py, recursive.py
 (recursive doubling and halving, Rabenseifner), tree.py (binomial trees, NCCL's double binary
-tree), chain.py (pipelined chain, scatter + all-gather), pairwise.py, bruck.py. They are written
-against the point-to-point interface only (collectives/p2p.py: Comm); comm.DistComm runs them on
-torch.distributed (any backend, any group; an shm group's mailboxes, shm/transport.py),
-sim.Simulator on a virtual clock (cost.CostModel). Every element count works (chunks need not be
-equal), every world size (recursive ones fold the extra ranks), every op the wrappers take.
+tree), chain.py (pipelined chain, scatter + all-gather), pairwise.py, bruck.py, hierarchical.py
+(within each host, then across hosts, then within). They are written against the point-to-point
+interface only (collectives/p2p.py: Comm); comm.DistComm runs them on torch.distributed (any
+backend, any group; an shm group's mailboxes, shm/transport.py), sim.Simulator on a virtual
+clock (cost.CostModel, or topology.Topology: which host each rank is on and the links within and
+between hosts). Every element count works (chunks need not be equal), every world size
+(recursive ones fold the extra ranks), every op the wrappers take.
 
 Words: a *chunk* is one rank's piece of a buffer (collectives/chunks.py: the first numel % size
 chunks one element longer); a *step* is one yield of an algorithm (the messages posted between
@@ -33,16 +35,17 @@ import torch.distributed as dist
 from .. import reduce_ops
 from ..checks import check_root, check_tensor, resolve_group
 from ..errors import CollectiveError
-from . import bruck, chain, pairwise, recursive, ring, tree
+from . import bruck, chain, hierarchical, pairwise, recursive, ring, tree
 from .comm import DistComm, comm_for, run_on_ranks
 from .cost import CostModel, choose
 from ..chunks import bounds
 from .sim import SimResult, Simulator
+from .topology import Topology
 
 ALGORITHMS: Dict[str, Dict[str, Callable]] = {
     "all_reduce": {"ring": ring.all_reduce, "recursive_doubling": recursive.all_reduce_doubling,
                    "rabenseifner": recursive.all_reduce_rabenseifner, "binomial": tree.all_reduce_binomial,
-                   "double_binary_tree": tree.all_reduce_double_tree},
+                   "double_binary_tree": tree.all_reduce_double_tree, "hierarchical": hierarchical.all_reduce},
     "reduce_scatter": {"ring": ring.reduce_scatter, "recursive_halving": recursive.reduce_scatter_halving,
                        "pairwise": pairwise.reduce_scatter_pairwise},
     "all_gather": {"ring": ring.all_gather, "recursive_doubling": recursive.all_gather_doubling,
@@ -144,7 +147,8 @@ def simulate(collective: str, algorithm: str, inputs: Sequence[torch.Tensor], op
     Args:
         inputs: one flat tensor per rank (all_gather/gather: its own part; others: the buffer).
         op, root: as for the collective (root is a rank of the simulated world).
-        model: the cost model (default: CostModel.load()).
+        model: the cost model (default: CostModel.load()), or a Topology (which host each
+            rank is on, a model within hosts and one between them).
         watch: watch(buffer) is kept for each rank after every step (result.snapshots): the
             working buffer (all_to_all: the receive buffer), e.g. trace.chunk_sets.
         kwargs: the algorithm's own options (pieces=...).
@@ -154,9 +158,12 @@ def simulate(collective: str, algorithm: str, inputs: Sequence[torch.Tensor], op
     """
     size = len(inputs)
     nbytes = inputs[0].numel() * inputs[0].element_size() * (size if collective in ("all_gather", "gather") else 1)
+    if algorithm == "auto" and isinstance(model, Topology):
+        raise CollectiveError("simulate: 'auto' chooses by one cost model's closed forms; with a Topology, name the "
+                              "algorithm (or simulate each and compare their result.time)")
     _, generator = algorithm_for(collective, algorithm, nbytes, size, model)
     bufs = [_buffers(collective, x, r, size) for r, x in enumerate(inputs)]
-    sim = Simulator(size, model or CostModel.load())
+    sim = Simulator(size, model if model is not None else CostModel.load())
     seen = None if watch is None else (lambda r: watch(bufs[r][1] if collective == "all_to_all" else bufs[r][0]))
     result = sim.run(generator, [_args(collective, b, e, op, root) for b, e in bufs], watch=seen, **kwargs)
     return [_output(collective, b, e, r, size, root) for r, (b, e) in enumerate(bufs)], result
@@ -266,5 +273,5 @@ def all_to_all(tensor: torch.Tensor, group=None, algorithm: str = "auto", out=No
     return out.view_as(tensor)
 
 
-__all__ = ["ALGORITHMS", "CostModel", "DistComm", "Simulator", "simulate", "comm_for", "algorithm_for", "all_reduce", "reduce", "broadcast",
+__all__ = ["ALGORITHMS", "CostModel", "DistComm", "Simulator", "Topology", "simulate", "comm_for", "algorithm_for", "all_reduce", "reduce", "broadcast",
            "reduce_scatter", "all_gather", "gather", "scatter", "all_to_all"]

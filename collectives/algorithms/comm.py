@@ -24,6 +24,7 @@ generator to the end on the calling rank. The simulator (sim.py) is the other en
 
 from __future__ import annotations
 
+import socket
 import time
 from typing import Iterator, List, Optional
 
@@ -32,6 +33,9 @@ import torch.distributed as dist
 
 from ..dtypes import as_bytes, moves_as_bytes
 from ..p2p import Comm, Message, process_workspace
+
+
+_hosts_of = {}  # process group -> host index of each of its ranks (DistComm.hosts)
 
 
 class _DistRequest:
@@ -82,6 +86,17 @@ class DistComm(Comm):
 
     def workspace(self, like, numel, slot="algorithm"):
         return process_workspace(like, numel, slot)
+
+    def hosts(self) -> List[int]:
+        """Every rank's host (by hostname), gathered once per group and kept: a collective on
+        the group, so every rank of it must ask at the same point (an algorithm's first step)."""
+        pg = self.group or dist.group.WORLD
+        if pg not in _hosts_of:
+            names = [None] * self.size
+            dist.all_gather_object(names, socket.gethostname(), group=self.group)
+            index = {}
+            _hosts_of[pg] = [index.setdefault(name, len(index)) for name in names]
+        return list(_hosts_of[pg])
 
     def recv(self, tensor, peer, chunk=None):
         return self._post(dist.irecv, tensor, peer, peer, self.rank, chunk)

@@ -139,6 +139,9 @@ COSTS: Dict[str, Dict[str, Callable]] = {
         "rabenseifner": _rabenseifner,
         "binomial": lambda p, n, a, b, g: 2 * _lg(p) * (a + n * b) + _lg(p) * n * g,
         "double_binary_tree": _double_tree,
+        # on one host (all this model knows): a binomial reduce then broadcast; on several, the
+        # two-level model is the simulator's (topology.py, hierarchical.py's docstring)
+        "hierarchical": lambda p, n, a, b, g: 2 * _lg(p) * (a + n * b) + _lg(p) * n * g,
     },
     "reduce_scatter": {
         "ring": lambda p, n, a, b, g: (p - 1) * a + (p - 1) / p * n * (b + g),

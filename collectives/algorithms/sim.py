@@ -8,7 +8,13 @@ the data really moves and the result can be checked; only time is modelled (alph
   receives one at a time: full duplex, one port);
 - comm.reduce(dst, src) costs its rank gamma * bytes of dst.
 
+Given a topology.Topology instead of one model, a message costs the alpha and beta of its link
+(within a host or between hosts), and a message between hosts also waits for its hosts' network
+ports (one each way per host, shared by the host's ranks); comm.hosts() tells the algorithms
+which host each rank is on.
+
     sim = Simulator(64, CostModel(alpha=5e-6, beta=1e-10, gamma=2e-10))
+    sim = Simulator(4, Topology.two_level(2, 2, intra=fast, inter=slow))     # two hosts of 2 ranks
     result = sim.run(ring.all_reduce, [(buf_of(r), "sum") for r in range(64)])
     result.time, result.messages            # seconds, and every message (step, src, dst, bytes, chunk, start, end)
 
@@ -26,6 +32,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Sequence
 
 from ..p2p import Comm, Message
 from ..reduce_ops import local_reduce
+from .topology import Topology
 
 
 class SimulationError(RuntimeError):
@@ -69,9 +76,12 @@ class SimComm(Comm):
     def reduce(self, dst, src, op):
         local_reduce(dst, src, op)
         start = self.sim.clock[self.rank]
-        self.sim.clock[self.rank] = start + self.sim.model.gamma * dst.numel() * dst.element_size()
+        self.sim.clock[self.rank] = start + self.sim.topology.gamma * dst.numel() * dst.element_size()
         self.sim.computes.append(Compute(self.rank, self.step, dst.numel() * dst.element_size(), start,
                                          self.sim.clock[self.rank]))
+
+    def hosts(self):
+        return list(self.sim.topology.hosts)
 
 
 class SimResult(NamedTuple):
@@ -84,9 +94,16 @@ class SimResult(NamedTuple):
 
 
 class Simulator:
-    """`size` simulated ranks under a cost model (cost.CostModel: alpha, beta, gamma)."""
+    """`size` simulated ranks under a cost model (cost.CostModel: alpha, beta, gamma), or a
+    topology.Topology (a model within hosts, another between them)."""
 
     def __init__(self, size: int, model):
+        if isinstance(model, Topology):
+            if model.size != size:
+                raise ValueError(f"the topology places {model.size} ranks, the simulator has {size}")
+            self.topology = model
+        else:
+            self.topology = Topology.flat(size, model)
         self.size, self.model = size, model
 
     def _post(self, kind, rank, peer, tensor, chunk):
@@ -126,6 +143,8 @@ class Simulator:
         self.computes: List[Compute] = []
         self._messages: List[Message] = []
         self._out_free, self._in_free = [0.0] * p, [0.0] * p  # when each rank's link is free to send, to receive
+        hosts = max(self.topology.hosts) + 1
+        self._nic_out, self._nic_in = [0.0] * hosts, [0.0] * hosts  # the same for each host's network port
         self._gens = [algorithm(self.comms[r], *per_rank_args[r], **kwargs) for r in range(p)]
         self._waiting: List[Optional[list]] = [None] * p
         self._returns: List[object] = [None] * p
@@ -178,8 +197,14 @@ class Simulator:
                                   f"{recv.tensor.numel() * recv.tensor.element_size()} bytes of {recv.tensor.dtype} "
                                   f"(chunk {recv.chunk}, step {recv.step})")
         start = max(ready, self._out_free[src], self._in_free[dst])
-        end = start + self.model.alpha + self.model.beta * nbytes
+        crosses = self.topology.crosses(src, dst)
+        if crosses:
+            out_host, in_host = self.topology.hosts[src], self.topology.hosts[dst]
+            start = max(start, self._nic_out[out_host], self._nic_in[in_host])
+        end = start + self.topology.seconds(src, dst, nbytes)
         self._out_free[src] = self._in_free[dst] = end
+        if crosses:
+            self._nic_out[out_host] = self._nic_in[in_host] = end
         recv.tensor.copy_(send.tensor)
         send.done = recv.done = True
         send.end = recv.end = end

@@ -121,6 +121,30 @@ def test_eight_ranks(dist_run):
     assert all(all(r) for r in dist_run(_large_world, 8, timeout=120))
 
 
+def _hierarchical_hosts(env):
+    """hierarchical on real ranks: the hosts discovered (one machine: all host 0), and layouts
+    imposed with hosts=[...] (ranks of a host apart, hosts of different sizes) against the
+    closed form; a host list of another length refused on every rank, the group still usable."""
+    n, r = env.world_size, env.rank
+    inputs = inputs_for("all_reduce", n, 37, torch.int64, seed=5)
+    want = expected("all_reduce", inputs)[r]
+    wrong = [] if A.DistComm().hosts() == [0] * n else [f"hosts discovered: {A.DistComm().hosts()}"]
+    for hosts in ([0, 1, 0, 1], [1, 1, 1, 0], [0, 2, 2, 5]):
+        got = A.all_reduce(inputs[r].clone(), algorithm="hierarchical", hosts=hosts)
+        if not torch.equal(got, want):
+            wrong.append(f"hosts={hosts}: {got} != {want}")
+    with pytest.raises(CollectiveError, match="must give a host index"):
+        A.all_reduce(torch.ones(3), algorithm="hierarchical", hosts=[0, 1])
+    if collectives.all_reduce(torch.ones(2)).tolist() != [4.0, 4.0]:
+        wrong.append("the group was not usable after the refused call")
+    return wrong
+
+
+def test_hierarchical_with_hosts_discovered_and_imposed(dist_run):
+    for wrong in dist_run(_hierarchical_hosts, 4):
+        assert not wrong, wrong
+
+
 def _bad_calls(env):
     with pytest.raises(CollectiveError, match="unknown algorithm 'spiral'; one of ring"):
         A.all_reduce(torch.ones(3), algorithm="spiral")
