@@ -11,6 +11,15 @@ call by call, every output checked once on exact data (#wrong); then each algori
 ratio to the backend's (below 1: faster) and the closed-form prediction from the fitted model
 (cost.py). "auto" is scored against the measurements: how often its predicted-cheapest choice
 was the measured-fastest algorithm, and its regret, t(auto's choice) / t(fastest) - 1.
+
+Across hosts (torchrun or srun on several machines; the ranks' hostnames tell), give the rate of
+the link between them with --link: the predictions are then the simulator's on a two-level
+topology (algorithms/topology.py: the fitted model within a host, the link's rate between
+hosts), and the report says how far each measured time is from its prediction from 1 MiB:
+
+    python -m collectives.cluster up --nodes 2 --link 1gbit
+    python -m collectives.cluster run node0 -- torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d \
+        --rdzv-endpoint node0:29500 -m benchmarks.algorithms -c all_reduce -b 1M -e 64M --link 1gbit   # and node1
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ from tabulate import tabulate
 import collectives
 import collectives.algorithms as A
 from collectives.algorithms.cost import CostModel, choose
+from collectives.algorithms.topology import Topology, link_beta
 from collectives import cli
 from collectives.cli import command, eta_by_size
 
@@ -60,12 +70,34 @@ def _time_alternating(runs, iters: int):
     return [statistics.median(row.tolist()) for row in times]
 
 
+def topology_of(hosts, model: CostModel, link):
+    """The two-level topology of these ranks (None on one host: the closed forms apply)."""
+    if len(set(hosts)) == 1:
+        return None
+    if link is None:
+        raise SystemExit(f"benchmarks.algorithms: the ranks are on {len(set(hosts))} hosts; give --link RATE (the "
+                         "rate of the link between them, e.g. 1gbit) so that the predictions can model it")
+    inter = CostModel(model.alpha, link_beta(link), model.gamma, f"link {link} between hosts")
+    return Topology.of_hosts(hosts, model, inter)
+
+
+def predict(collective: str, algorithm: str, count: int, n: int, dtype, model: CostModel, topology) -> float:
+    """Predicted seconds for `count` elements (the buffer_count) on n ranks: the closed form on
+    one host; on several, the simulated time on the topology (root 0, as the cases use)."""
+    if topology is None:
+        return model.predict(collective, algorithm, count * dtype.itemsize, n)
+    inputs = [torch.zeros(count // n if collective == "all_gather" else count, dtype=dtype) for _ in range(n)]
+    return A.simulate(collective, algorithm, inputs, model=topology)[1].time
+
+
 def race(env, config: dict) -> dict:
     dtype, n, r = DTYPES["float32"], env.world_size, env.rank
     sizes = size_list(config["minbytes"], config["maxbytes"], config["stepfactor"])
     if sizes[-1] != config["maxbytes"]:
         sizes.append(config["maxbytes"])
     model = CostModel.load()
+    hosts = A.DistComm().hosts()
+    topology = topology_of(hosts, model, config.get("link"))
     rows, timed = [], []  # timed: (bytes, seconds) per size done, for the time left
     for c_index, collective in enumerate(config["collective"]):
         names = list(A.ALGORITHMS[collective])
@@ -78,18 +110,22 @@ def race(env, config: dict) -> dict:
                                         _iterations(count * dtype.itemsize))
             wrong = [count_wrong(backend, "cpu")] + [count_wrong(case, "cpu") for case in ours.values()]
             size = count * dtype.itemsize
+            # only rank 0 reports (simulating the others' too would only delay the next size)
+            predicted = {a: predict(collective, a, count, n, dtype, model, topology) if r == 0 else None for a in names}
             rows.append({
                 "collective": collective, "size": size, "backend_s": seconds[0], "backend_wrong": wrong[0],
-                "algorithms": {a: {"s": t, "wrong": w, "predicted_s": model.predict(collective, a, size, n)}
+                "algorithms": {a: {"s": t, "wrong": w, "predicted_s": predicted[a]}
                                for a, t, w in zip(names, seconds[1:], wrong[1:])},
-                "auto": choose(collective, size, n, model),
+                # across hosts, the algorithm the simulator predicts fastest
+                "auto": choose(collective, size, n, model) if topology is None or r else min(names, key=predicted.get),
             })
             del backend, ours
             timed.append((nbytes, time.perf_counter() - started))
             if r == 0:
                 left = eta_by_size(timed, sizes[k + 1:] + sizes * (len(config["collective"]) - c_index - 1))
                 print(f"[{collective}] {size} B done ({k + 1}/{len(sizes)}) {left}", file=sys.stderr, flush=True)
-    return {"rows": rows, "world_size": n, "backend": env.backend, "model": model.__dict__}
+    return {"rows": rows, "world_size": n, "backend": env.backend, "model": model.__dict__, "hosts": hosts,
+            "link": config.get("link") if topology is not None else None}
 
 
 def _us(seconds: float) -> str:
@@ -111,8 +147,10 @@ def report(result: dict) -> str:
             fastest = min(names, key=lambda a: row["algorithms"][a]["s"])
             cells += [fastest, row["auto"]]
             table.append(cells)
+        where = (f"the simulator's prediction ({len(set(result['hosts']))} hosts linked at {result['link']})"
+                 if result.get("link") else "the cost model's prediction")
         lines.append(f"\n{collective}, {n} ranks: microseconds per call, (ratio to {result['backend']}'s own; below 1 "
-                     "is faster), ~ the cost model's prediction")
+                     f"is faster), ~ {where}")
         lines.append(tabulate(table, headers=["bytes", result["backend"]] + names + ["fastest", "auto chose"],
                               disable_numparse=True))
     return "\n".join(lines)
@@ -128,6 +166,38 @@ def auto_score(result: dict) -> dict:
         regrets.append(times[row["auto"]] / best - 1)
     return {"cases": len(regrets), "fastest_chosen": hits, "median_regret": statistics.median(regrets),
             "worst_regret": max(regrets)}
+
+
+def prediction_errors(result: dict, from_bytes: int = 1 << 20, within: float = 0.2) -> str:
+    """Each algorithm's measured time against its prediction, from `from_bytes`: measured /
+    predicted - 1 at every size, and how many are within `within`."""
+    lines, hits, total = [], 0, 0
+    for collective in dict.fromkeys(row["collective"] for row in result["rows"]):
+        rows = [row for row in result["rows"] if row["collective"] == collective and row["size"] >= from_bytes]
+        for a in (rows[0]["algorithms"] if rows else ()):
+            errors = [row["algorithms"][a]["s"] / row["algorithms"][a]["predicted_s"] - 1 for row in rows]
+            hits += sum(abs(e) <= within for e in errors)
+            total += len(errors)
+            lines.append(f"  {collective} {a}: " + ", ".join(f"{e:+.0%}" for e in errors))
+    head = (f"measured / predicted - 1 from {from_bytes >> 20} MiB, size by size: {hits} of {total} within "
+            f"{within:.0%}")
+    return "\n".join([head] + lines)
+
+
+def busbw(result: dict) -> str:
+    """all_reduce's bus bandwidth (nccl-tests: 2(p-1)/p n / t) of the backend and the fastest
+    algorithm at each size, against the link's rate when there is one."""
+    n = result["world_size"]
+    rows = [row for row in result["rows"] if row["collective"] == "all_reduce"]
+    if not rows:
+        return ""
+    factor = 2 * (n - 1) / n
+    out = ["all_reduce busbw, GB/s (2(p-1)/p n / t)" + (f"; the link: {result['link']}" if result.get("link") else "")]
+    for row in rows:
+        best = min(row["algorithms"], key=lambda a: row["algorithms"][a]["s"])
+        out.append(f"  {row['size']:>10} B  {result['backend']} {factor * row['size'] / row['backend_s'] / 1e9:.3f}"
+                   f"  {best} {factor * row['size'] / row['algorithms'][best]['s'] / 1e9:.3f}")
+    return "\n".join(out)
 
 
 def goals(result: dict) -> str:
@@ -207,7 +277,10 @@ def main(argv=None) -> int:
     parser.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("8"), help="smallest size, bytes (K/M/G)")
     parser.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("64M"), help="largest size, bytes")
     parser.add_argument("-f", "--stepfactor", type=int, default=4, help="multiply the size by this each step")
-    parser.add_argument("--world-size", type=int, default=2, help="ranks to spawn")
+    parser.add_argument("--world-size", type=int, default=2, help="ranks to spawn (ignored under torchrun/srun)")
+    parser.add_argument("--link", metavar="RATE", default=None,
+                        help="across hosts: the rate of the link between them in tc's units (1gbit, 100mbit), for "
+                             "the two-level predictions")
     parser.add_argument("--json", metavar="FILE", help="write every measurement as JSON")
     parser.add_argument("--plot", metavar="FILE.png", help="time against size, measured and predicted")
     parser.add_argument("--replot", metavar="RUN.json", nargs="+",
@@ -224,8 +297,15 @@ def main(argv=None) -> int:
         plot(runs, args.plot)
         return 0
     cli.check_outputs(parser, {"--json": args.json, "--plot": args.plot})
-    config = {k: getattr(args, k) for k in ("collective", "minbytes", "maxbytes", "stepfactor")}
-    result = collectives.run(race, args.world_size, args=(config,), timeout=6 * 3600)[0]
+    if args.link is not None:
+        try:
+            link_beta(args.link)
+        except ValueError as exc:
+            parser.error(f"--link: {exc}")
+    config = {k: getattr(args, k) for k in ("collective", "minbytes", "maxbytes", "stepfactor", "link")}
+    result = collectives.run_or_join(race, args.world_size, args=(config,), timeout=6 * 3600)
+    if result is None:  # a torchrun/srun rank other than 0: rank 0 reports
+        return 0
     score = auto_score(result)
     print(f"# python -m benchmarks.algorithms {' '.join(argv)}")
     print(f"# {datetime.date.today().isoformat()}, torch {torch.__version__}, {os.cpu_count()} cpus; cost model: "
@@ -234,7 +314,10 @@ def main(argv=None) -> int:
     print(report(result))
     print(f"\nauto chose the measured-fastest algorithm in {score['fastest_chosen']} of {score['cases']} cases; regret "
           f"(its time over the fastest's, minus 1): median {score['median_regret']:.2f}, worst {score['worst_regret']:.2f}")
-    print(goals(result))
+    print(prediction_errors(result))
+    print(busbw(result))
+    if not result.get("link"):
+        print(goals(result))
     wrong = sum(row["backend_wrong"] + sum(m["wrong"] for m in row["algorithms"].values()) for row in result["rows"])
     print(f"# wrong elements in all checks: {wrong}")
     if args.json:
