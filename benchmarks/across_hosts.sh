@@ -1,26 +1,41 @@
 #!/usr/bin/env bash
-# all_reduce busbw across two namespace hosts (torchrun, 1 rank per host, Gloo) with each host's
-# link shaped to RATE by tc tbf, or not shaped ("none"); nccl-tests' convention: a ring
-# all_reduce's busbw approaches the link's bandwidth. Needs root (collectives.cluster).
+# Across two namespace hosts (collectives.cluster; needs root), each host's link shaped to RATE by
+# tc tbf, or not shaped ("none"):
+#  1. all_reduce busbw, torchrun 2 hosts x 1 rank, Gloo (nccl-tests' convention: a ring
+#     all_reduce's busbw approaches the link's bandwidth);
+#  2. on a shaped link, the algorithms race on 2 hosts x 2 ranks (every from-scratch all_reduce,
+#     hierarchical among them, against Gloo's), each time beside the simulator's prediction on the
+#     two-level topology (the fitted model within a host, RATE between hosts).
 #
-#     bash benchmarks/across_hosts.sh 1gbit none          # writes benchmarks/results/across-hosts_*.{json,txt}
+#     bash benchmarks/across_hosts.sh 1gbit 4gbit none    # writes benchmarks/results/across-hosts_*, algorithms-race_*2hosts*
 set -euo pipefail
 cd "$(dirname "$0")/.."
 day=$(date +%F)
+torchrun_on_both() {  # nproc-per-node, rdzv-id, program args...: torchrun on node0 and node1 at once
+  local nproc=$1 id=$2; shift 2
+  for h in node0 node1; do
+    python -m collectives.cluster run "$h" -- python -m torch.distributed.run --nnodes 2 --nproc-per-node "$nproc" \
+      --rdzv-backend c10d --rdzv-endpoint node0:29500 --rdzv-id "$id" "$@" > "/tmp/across-$h.txt" 2>&1 &
+  done
+  wait
+}
 for rate in "${@:-1gbit none}"; do
   python -m collectives.cluster down >/dev/null
   if [ "$rate" = none ]; then python -m collectives.cluster up --nodes 2 >/dev/null
   else python -m collectives.cluster up --nodes 2 --link "$rate" >/dev/null; fi
+  up="python -m collectives.cluster up --nodes 2$( [ "$rate" = none ] || echo " --link $rate" )"
   out="benchmarks/results/across-hosts_gloo-cpu-2core_2hosts-link-${rate}_${day}"
-  for h in node0 node1; do
-    python -m collectives.cluster run "$h" -- python -m torch.distributed.run --nnodes 2 --nproc-per-node 1 \
-      --rdzv-backend c10d --rdzv-endpoint node0:29500 --rdzv-id "bw-$rate" \
-      -m benchmarks.bandwidth -c all_reduce -b 64K -e 64M -n 10 -w 3 --json "$out.json" > "/tmp/across-$h.txt" 2>&1 &
-  done
-  wait
-  { echo "# python -m collectives.cluster up --nodes 2 $( [ "$rate" = none ] || echo "--link $rate" ); torchrun 2 hosts x 1 rank:"
+  torchrun_on_both 1 "bw-$rate" -m benchmarks.bandwidth -c all_reduce -b 64K -e 64M -n 10 -w 3 --json "$out.json"
+  { echo "# $up; torchrun 2 hosts x 1 rank:"
     echo "# python -m benchmarks.bandwidth -c all_reduce -b 64K -e 64M -n 10 -w 3   ($(date -u +%FT%TZ), this machine: 2-core VM)"
     grep -v "hostname of the client\|^\*\|OMP_NUM_THREADS\|^$\|^\[all_reduce\]" /tmp/across-node0.txt; } > "$out.txt"
   cat "$out.txt"
+  [ "$rate" = none ] && continue  # the race's predictions need the link's rate
+  race="benchmarks/results/algorithms-race_gloo-cpu-2core_2hosts-x2ranks-link-${rate}_${day}"
+  torchrun_on_both 2 "race-$rate" -m benchmarks.algorithms -c all_reduce -b 1M -e 64M -f 2 --link "$rate" \
+    --json "$race.json"
+  { echo "# $up; torchrun 2 hosts x 2 ranks ($(date -u +%FT%TZ), this machine: 2-core VM):"
+    grep -v "hostname of the client\|^\*\|OMP_NUM_THREADS\|^\[all_reduce\]" /tmp/across-node0.txt; } > "$race.txt"
+  cat "$race.txt"
 done
 python -m collectives.cluster down >/dev/null

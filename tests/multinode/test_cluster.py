@@ -15,8 +15,12 @@ import sys
 import time
 
 import pytest
+import torch
 
+import collectives.algorithms as A
 from collectives import cluster
+from collectives.algorithms.cost import CostModel
+from collectives.algorithms.topology import Topology, link_beta
 
 from . import needs_hosts
 
@@ -77,6 +81,25 @@ def test_the_bandwidth_benchmark_runs_across_hosts(hosts):
                             rdzv_id="bandwidth", nproc=1)
     text = out[0] + out[1]
     assert "# Out of bounds values : 0 OK" in text, text[-3000:]
+
+
+def test_the_algorithms_race_across_hosts_predicts_with_the_two_level_topology(hosts, tmp_path):
+    """2 hosts x 2 ranks: the ranks find their hosts by hostname, every algorithm (hierarchical
+    among them) gives exact results across the hosts, and each prediction is the simulator's on
+    the topology the ranks found (the fitted model within a host, --link between hosts)."""
+    race = tmp_path / "race.json"
+    _torchrun_on_both(hosts, ["-m", "benchmarks.algorithms", "-c", "all_reduce", "-b", "256K", "-e", "256K",
+                              "--link", "1gbit", "--json", str(race)], rdzv_id="race")
+    run = json.loads(race.read_text())
+    assert run["hosts"] == [0, 0, 1, 1] and run["link"] == "1gbit" and run["world_size"] == 4
+    model = CostModel(**{k: run["model"][k] for k in ("alpha", "beta", "gamma")})
+    topology = Topology.of_hosts([0, 0, 1, 1], model, CostModel(model.alpha, link_beta("1gbit"), model.gamma))
+    (row,) = run["rows"]
+    assert row["backend_wrong"] == 0 and "hierarchical" in row["algorithms"]
+    for name, m in row["algorithms"].items():
+        assert m["wrong"] == 0, name
+        simulated = A.simulate("all_reduce", name, [torch.zeros(row["size"] // 4)] * 4, model=topology)[1].time
+        assert m["predicted_s"] == pytest.approx(simulated, rel=1e-9), name
 
 
 def test_down_removes_a_half_made_cluster_and_is_idempotent(hosts):
