@@ -19,7 +19,8 @@ torchrun_on_both() {  # nproc-per-node, rdzv-id, program args...: torchrun on no
   done
   wait
 }
-for rate in "${@:-1gbit none}"; do
+rates=("$@"); [ $# -gt 0 ] || rates=(1gbit none)
+for rate in "${rates[@]}"; do
   python -m collectives.cluster down >/dev/null
   if [ "$rate" = none ]; then python -m collectives.cluster up --nodes 2 >/dev/null
   else python -m collectives.cluster up --nodes 2 --link "$rate" >/dev/null; fi

@@ -31,6 +31,7 @@ from typing import Dict, List, Optional
 
 from . import slurm_cluster
 from .cli import ArgumentParser
+from .rates import link_rate
 
 PREFIX = "cpc-"
 BRIDGE = "cpcbr0"
@@ -102,6 +103,17 @@ def netem_available() -> bool:
         _ip("netns", "del", probe, check=False)
 
 
+BURST_SECONDS = 0.004  # a token bucket holds 4 ms of the rate (the kernel's tick at HZ=250)
+
+
+def burst(rate: str) -> int:
+    """Bytes a token bucket at `rate` may send at once: BURST_SECONDS of the rate, at least
+    64 KiB. Measured across two hosts, torchrun 2 x 1 rank, Gloo all_reduce of 4-32 MiB: at
+    4gbit a 64 KiB bucket let through 0.24-0.28 GB/s (about half the rate), 512 KiB or 2 MiB
+    0.47-0.49 (94-98%); at 1gbit 64 KiB gave 0.11-0.12, as did 128 KiB."""
+    return max(64 << 10, int(link_rate(rate) / 8 * BURST_SECONDS))
+
+
 def shape(host: str, rate: Optional[str] = None, delay: Optional[str] = None, loss: Optional[str] = None) -> List[str]:
     """Shape a host's egress on eth0 (replacing what was there); the tc commands run."""
     ns = namespace(host)
@@ -112,8 +124,8 @@ def shape(host: str, rate: Optional[str] = None, delay: Optional[str] = None, lo
         if rate:
             netem += ["rate", rate]
         commands.append(["tc", "qdisc", "add", "dev", "eth0", "root", *netem])
-    elif rate:  # a token bucket: at most RATE, a burst of 64 KiB, 50 ms of queue before dropping
-        commands.append(["tc", "qdisc", "add", "dev", "eth0", "root", "tbf", "rate", rate, "burst", "64kb",
+    elif rate:  # a token bucket: at most RATE, burst(RATE) at once, 50 ms of queue before dropping
+        commands.append(["tc", "qdisc", "add", "dev", "eth0", "root", "tbf", "rate", rate, "burst", f"{burst(rate)}b",
                          "latency", "50ms"])
     for cmd in commands:
         out = subprocess.run(["ip", "netns", "exec", ns, *cmd], capture_output=True, text=True)
@@ -129,6 +141,11 @@ def up(nodes: int, rate: Optional[str] = None, delay: Optional[str] = None, loss
         raise ClusterError(f"--slurm needs {', '.join(slurm_cluster.missing())}: {slurm_cluster.APT}")
     if not 1 <= nodes <= 200:
         raise ClusterError(f"--nodes must be 1-200, got {nodes}")
+    if rate:
+        try:
+            link_rate(rate)
+        except ValueError as exc:
+            raise ClusterError(f"--link: {exc}") from None
     if (delay or loss) and not netem_available():
         raise ClusterError("--delay and --loss need the kernel's netem qdisc, which this kernel lacks "
                            "(CONFIG_NET_SCH_NETEM is not set); --link RATE (tc tbf) works without it")

@@ -20,22 +20,12 @@ of 1514 that the shaper counts (the Ethernet header too), so payload moves at 14
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Sequence, Tuple
 
+from ..rates import link_rate
 from .cost import CostModel
 
 PAYLOAD_PER_FRAME = 1448 / 1514  # TCP payload per Ethernet frame at MTU 1500 (timestamps on)
-_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
-
-
-def link_rate(rate: str) -> float:
-    """Bits per second of a rate in tc's units: "1gbit", "100mbit", "2.5gbit", "800kbit"."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)bit\s*", rate.lower())
-    if not match or float(match.group(1)) <= 0:
-        raise ValueError(f"link rate {rate!r} is not one: a positive number and a unit, as tc writes them "
-                         "(100mbit, 1gbit, 2.5gbit)")
-    return float(match.group(1)) * _UNITS[match.group(2)]
 
 
 def link_beta(rate: str) -> float:

@@ -116,11 +116,21 @@ def test_what_cannot_be_done_is_said_in_one_line(monkeypatch):
     with pytest.raises(cluster.ClusterError, match=r"needs root to make network namespaces \(this is uid 1000\)"):
         cluster.check_can_run()
     monkeypatch.undo()
+    out = subprocess.run([sys.executable, "-m", "collectives.cluster", "up", "--link", "fast"], capture_output=True, text=True)
+    assert out.returncode == 1 and out.stderr.strip() == (
+        "python -m collectives.cluster: --link: link rate 'fast' is not one: a positive number and a unit, "
+        "as tc writes them (100mbit, 1gbit, 2.5gbit)"), out.stderr
     if not cluster.netem_available():
         out = subprocess.run([sys.executable, "-m", "collectives.cluster", "up", "--delay", "100ms"],
                              capture_output=True, text=True)
         assert out.returncode == 1 and out.stderr.strip().endswith("--link RATE (tc tbf) works without it"), out.stderr
         assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_the_token_bucket_holds_4_ms_of_the_rate_and_at_least_64_kib():
+    """A 64 KiB bucket let a 4gbit link carry about half its rate (cluster.burst's docstring)."""
+    assert cluster.burst("4gbit") == 2_000_000 and cluster.burst("1gbit") == 500_000
+    assert cluster.burst("80mbit") == cluster.burst("1kbit") == 64 << 10
 
 
 def test_a_shaped_link_carries_at_most_its_rate(hosts):
