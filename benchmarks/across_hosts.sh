@@ -7,7 +7,11 @@
 #     hierarchical among them, against Gloo's), each time beside the simulator's prediction on the
 #     two-level topology (the fitted model within a host, RATE between hosts).
 #
+#  3. with delay=D or loss=P: node1's egress delayed by D or a share P of it dropped (the cluster's
+#     user-space wire, collectives/wire.py), the all_reduce benchmark from 8 bytes to 4 MiB.
+#
 #     bash benchmarks/across_hosts.sh 1gbit 4gbit none    # writes benchmarks/results/across-hosts_*, algorithms-race_*2hosts*
+#     bash benchmarks/across_hosts.sh delay=100ms loss=1%
 set -euo pipefail
 cd "$(dirname "$0")/.."
 day=$(date +%F)
@@ -22,6 +26,19 @@ torchrun_on_both() {  # nproc-per-node, rdzv-id, program args...: torchrun on no
 rates=("$@"); [ $# -gt 0 ] || rates=(1gbit none)
 for rate in "${rates[@]}"; do
   python -m collectives.cluster down >/dev/null
+  case "$rate" in delay=*|loss=*)  # a slow or lossy link on node1
+    flag=${rate%%=*} value=${rate#*=}
+    up="python -m collectives.cluster up --nodes 2 --$flag $value --impair node1"
+    $up >/dev/null
+    out="benchmarks/results/across-hosts_gloo-cpu-2core_2hosts-node1-${flag}-${value/\%/pct}_${day}"
+    torchrun_on_both 1 "bw-$flag" -m benchmarks.bandwidth -c all_reduce -b 8 -e 4M -f 8 -n 5 -w 1 --json "$out.json"
+    { echo "# $up; torchrun 2 hosts x 1 rank:"
+      echo "# python -m benchmarks.bandwidth -c all_reduce -b 8 -e 4M -f 8 -n 5 -w 1   ($(date -u +%FT%TZ), this machine: 2-core VM)"
+      grep -v "hostname of the client\|^\*\|OMP_NUM_THREADS\|^$\|^\[all_reduce\]" /tmp/across-node0.txt
+      sleep 1.2; echo "# node1's wire: $(python -m collectives.cluster status | grep 'wire pid' | sed 's/^ *//')"; } > "$out.txt"
+    cat "$out.txt"
+    continue;;
+  esac
   if [ "$rate" = none ]; then python -m collectives.cluster up --nodes 2 >/dev/null
   else python -m collectives.cluster up --nodes 2 --link "$rate" >/dev/null; fi
   up="python -m collectives.cluster up --nodes 2$( [ "$rate" = none ] || echo " --link $rate" )"

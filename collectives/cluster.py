@@ -1,7 +1,7 @@
 """A cluster on one machine: test hosts as network namespaces on a bridge, for multi-node runs
 that cross a real network interface (and a shaped link) without a second machine.
 
-    python -m collectives.cluster up --nodes 2 [--link 1gbit] [--delay 100ms --loss 1%] [--slurm]
+    python -m collectives.cluster up --nodes 2 [--link 1gbit] [--delay 100ms --loss 1% [--impair node1]] [--slurm]
     python -m collectives.cluster run node1 -- python -m benchmarks.bandwidth ...
     python -m collectives.cluster status
     python -m collectives.cluster down          # idempotent; also after a crash or a half-made `up`
@@ -12,9 +12,10 @@ reach only each other. Inside a host, /etc/hosts (bind-mounted by `ip netns exec
 /etc/netns/cpc-nodeK/hosts) names every host, and a command runs with the host's name as its
 hostname (a UTS namespace of its own), so torchrun's master address (its hostname) is right on
 every host and Gloo, which binds to the address its hostname resolves to, uses eth0 without
-GLOO_SOCKET_IFNAME. `--link RATE` shapes each host's egress with a token bucket (tc tbf);
-`--delay` and `--loss` need the kernel's netem (CONFIG_NET_SCH_NETEM), refused in one line where
-it is missing. Needs root and iproute2.
+GLOO_SOCKET_IFNAME. `--link RATE` shapes each host's egress with a token bucket (tc tbf).
+`--delay` and `--loss` do to an impaired host's egress what tc netem would, in user space
+(collectives/wire.py: the kernels this is tested on are built without netem): that host's eth0 is
+one end of a wire process instead of a veth. Needs root, iproute2 and, for a wire, /dev/net/tun.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import select
 import signal
 import socket
 import subprocess
@@ -29,7 +31,7 @@ import sys
 import time
 from typing import Dict, List, Optional
 
-from . import slurm_cluster
+from . import slurm_cluster, wire
 from .cli import ArgumentParser
 from .rates import link_rate
 
@@ -91,18 +93,6 @@ def check_can_run() -> None:
     _ip("netns", "del", probe, check=False)
 
 
-def netem_available() -> bool:
-    """Whether the kernel has tc's netem (delay, loss): tried on a throwaway namespace's lo."""
-    probe = PREFIX + "netem-probe"
-    _ip("netns", "add", probe, check=False)
-    try:
-        out = subprocess.run(["ip", "netns", "exec", probe, "tc", "qdisc", "add", "dev", "lo", "root", "netem",
-                              "delay", "1ms"], capture_output=True, text=True)
-        return out.returncode == 0
-    finally:
-        _ip("netns", "del", probe, check=False)
-
-
 BURST_SECONDS = 0.004  # a token bucket holds 4 ms of the rate (the kernel's tick at HZ=250)
 
 
@@ -114,17 +104,12 @@ def burst(rate: str) -> int:
     return max(64 << 10, int(link_rate(rate) / 8 * BURST_SECONDS))
 
 
-def shape(host: str, rate: Optional[str] = None, delay: Optional[str] = None, loss: Optional[str] = None) -> List[str]:
-    """Shape a host's egress on eth0 (replacing what was there); the tc commands run."""
+def shape(host: str, rate: Optional[str] = None) -> List[str]:
+    """Shape a host's egress on eth0 to `rate` (replacing what was there); the tc commands run."""
     ns = namespace(host)
     subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", "eth0", "root"], capture_output=True)
     commands = []
-    if delay or loss:
-        netem = ["netem"] + (["delay", delay] if delay else []) + (["loss", loss] if loss else [])
-        if rate:
-            netem += ["rate", rate]
-        commands.append(["tc", "qdisc", "add", "dev", "eth0", "root", *netem])
-    elif rate:  # a token bucket: at most RATE, burst(RATE) at once, 50 ms of queue before dropping
+    if rate:  # a token bucket: at most RATE, burst(RATE) at once, 50 ms of queue before dropping
         commands.append(["tc", "qdisc", "add", "dev", "eth0", "root", "tbf", "rate", rate, "burst", f"{burst(rate)}b",
                          "latency", "50ms"])
     for cmd in commands:
@@ -135,33 +120,50 @@ def shape(host: str, rate: Optional[str] = None, delay: Optional[str] = None, lo
 
 
 def up(nodes: int, rate: Optional[str] = None, delay: Optional[str] = None, loss: Optional[str] = None,
-       slurm: bool = False) -> dict:
+       slurm: bool = False, impair: Optional[List[str]] = None) -> dict:
+    """Make `nodes` hosts on the bridge. `rate` shapes every host's egress (tc tbf); `delay` and
+    `loss` impair the egress of the hosts named in `impair` (default: every host) through a wire."""
     check_can_run()
     if slurm and slurm_cluster.missing():
         raise ClusterError(f"--slurm needs {', '.join(slurm_cluster.missing())}: {slurm_cluster.APT}")
     if not 1 <= nodes <= 200:
         raise ClusterError(f"--nodes must be 1-200, got {nodes}")
-    if rate:
+    hosts = [f"node{k}" for k in range(nodes)]
+    for flag, value, parse in (("link", rate, link_rate), ("delay", delay, wire.parse_delay),
+                               ("loss", loss, wire.parse_loss)):
         try:
-            link_rate(rate)
+            if value:
+                parse(value)
         except ValueError as exc:
-            raise ClusterError(f"--link: {exc}") from None
-    if (delay or loss) and not netem_available():
-        raise ClusterError("--delay and --loss need the kernel's netem qdisc, which this kernel lacks "
-                           "(CONFIG_NET_SCH_NETEM is not set); --link RATE (tc tbf) works without it")
+            raise ClusterError(f"--{flag}: {exc}") from None
+    if impair is not None and not (delay or loss):
+        raise ClusterError("--impair names the hosts that --delay and --loss apply to; give one of them")
+    if delay or loss:
+        unknown = sorted(set(impair or []) - set(hosts))
+        if unknown:
+            raise ClusterError(f"--impair: no host {', '.join(unknown)} among {', '.join(hosts)}")
+        if not os.path.exists("/dev/net/tun"):
+            raise ClusterError("--delay and --loss need /dev/net/tun (a TAP device for the wire); "
+                               "--link RATE (tc tbf) works without it")
+    impaired = set(hosts if impair is None else impair) if (delay or loss) else set()
     down()  # whatever an earlier cluster or a half-made `up` left
     state = {"nodes": [], "bridge": BRIDGE, "link": {"rate": rate, "delay": delay, "loss": loss},
-             "machine_hostname": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+             "impaired": sorted(impaired), "machine_hostname": socket.gethostname(),
+             "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     _save_state(state)  # first, so that `down` finds a half-made cluster
     _ip("link", "add", BRIDGE, "type", "bridge")
     _ip("link", "set", BRIDGE, "up")
-    hosts = [f"node{k}" for k in range(nodes)]
     for k, host in enumerate(hosts):
         ns, veth = namespace(host), f"cpcv{k}"
         _ip("netns", "add", ns)
         state["nodes"].append({"name": host, "namespace": ns, "address": address(k), "veth": veth})
         _save_state(state)
-        _ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+        if host in impaired:  # eth0 is one end of a wire, cpcvK the other
+            state["nodes"][-1]["wire"] = _start_wire(k, delay, loss)
+            _save_state(state)
+            _ip("link", "set", f"cpcw{k}", "netns", ns, "name", "eth0")
+        else:
+            _ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
         _ip("link", "set", veth, "master", BRIDGE)
         _ip("link", "set", veth, "up")
         _ip("-n", ns, "addr", "add", f"{address(k)}/24", "dev", "eth0")
@@ -171,12 +173,63 @@ def up(nodes: int, rate: Optional[str] = None, delay: Optional[str] = None, loss
         with open(f"/etc/netns/{ns}/hosts", "w") as f:
             f.write("127.0.0.1 localhost\n")
             f.writelines(f"{address(j)} {h}\n" for j, h in enumerate(hosts))
-        if rate or delay or loss:
-            state["nodes"][-1]["tc"] = shape(host, rate, delay, loss)
+        if rate:
+            state["nodes"][-1]["tc"] = shape(host, rate)
     _save_state(state)
     if slurm:
         _start_slurm(state, hosts)
     return state
+
+
+def wire_stats_path(k: int) -> str:
+    return os.path.join(STATE_DIR, f"wire-node{k}.json")
+
+
+def _start_wire(k: int, delay: Optional[str], loss: Optional[str]) -> dict:
+    """Start node k's wire (collectives/wire.py) and wait until its TAP devices exist."""
+    log = os.path.join(STATE_DIR, f"wire-node{k}.log")
+    argv = [sys.executable, "-I", "-S", os.path.abspath(wire.__file__), "--host-end", f"cpcw{k}",
+            "--bridge-end", f"cpcv{k}", "--delay", delay or "0ms", "--loss", loss or "0%", "--stats", wire_stats_path(k)]
+    with open(log, "w") as err:
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
+    ready = select.select([proc.stdout], [], [], 30)[0] and proc.stdout.readline().strip() == "ready"
+    proc.stdout.close()
+    if not ready:
+        proc.kill()
+        with open(log) as f:
+            raise ClusterError(f"node{k}'s wire did not start: {f.read().strip() or 'no word in 30 s'}")
+    return {"pid": proc.pid, "argv": argv[1:], "stats": wire_stats_path(k), "log": log}
+
+
+def _listdir(path: str) -> List[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def _running(pid: int) -> bool:
+    """Whether pid runs (a zombie does not: `up`'s own wires are its children until it exits)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _wires() -> List[int]:
+    """pids of every wire process of a cluster (by its command line: also after a lost state)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    argv = f.read().split(b"\0")
+            except OSError:
+                continue
+            if any(a.endswith(b"collectives/wire.py") for a in argv) and any(a.startswith(b"cpcv") for a in argv):
+                pids.append(int(entry))
+    return pids
 
 
 def _start_slurm(state: dict, hosts: List[str]) -> None:
@@ -211,7 +264,7 @@ def _namespaces() -> List[str]:
 
 def _veths() -> List[str]:
     out = _ip("-o", "link", "show", check=False).stdout
-    return [name for line in out.splitlines() if (name := line.split(":")[1].strip().split("@")[0]).startswith("cpcv")]
+    return [name for line in out.splitlines() if (name := line.split(":")[1].strip().split("@")[0]).startswith(("cpcv", "cpcw"))]
 
 
 def down() -> List[str]:
@@ -235,10 +288,21 @@ def down() -> List[str]:
                 pass
         if pids and sig == signal.SIGTERM:
             deadline = time.monotonic() + 3
-            while time.monotonic() < deadline and any(os.path.exists(f"/proc/{p}") for p in pids):
+            while time.monotonic() < deadline and any(_running(p) for p in pids):
                 time.sleep(0.05)
         if pids:
             removed.append(f"{len(pids)} process(es) ({sig.name})")
+    wires = _wires()  # outside the hosts: their TAP devices go with them
+    for pid in wires:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(_running(p) for p in wires):
+        time.sleep(0.05)
+    if wires:
+        removed.append(f"{len(wires)} wire(s)")
     for ns in names:
         _ip("netns", "del", ns, check=False)
         removed.append(ns)
@@ -257,10 +321,11 @@ def down() -> List[str]:
     if _ip("link", "show", BRIDGE, check=False).returncode == 0:
         _ip("link", "del", BRIDGE, check=False)
         removed.append(BRIDGE)
-    try:
-        os.remove(_state_path())
-    except OSError:
-        pass
+    for name in [_state_path()] + [os.path.join(STATE_DIR, n) for n in _listdir(STATE_DIR) if n.startswith("wire-")]:
+        try:
+            os.remove(name)
+        except OSError:
+            pass
     shutil.rmtree(slurm_cluster.config_dir(STATE_DIR), ignore_errors=True)
     return removed
 
@@ -301,14 +366,32 @@ def status() -> str:
     lines = []
     link = (state or {}).get("link", {})
     shaped = ", ".join(f"{k} {v}" for k, v in link.items() if v) or "not shaped"
+    impaired = (state or {}).get("impaired")
+    if impaired:
+        shaped += f" (delay and loss on {', '.join(impaired)})"
     lines.append(f"{len(names)} host(s) on bridge {BRIDGE}, links {shaped}")
     for node in (state or {}).get("nodes", []):
         there = "up" if node["namespace"] in names else "MISSING"
         lines.append(f"  {node['name']}  {node['address']}  namespace {node['namespace']}  {there}")
+        if node.get("wire"):
+            lines.append("    " + _wire_line(node["wire"]))
     stray = sorted(set(names) - {n["namespace"] for n in (state or {}).get("nodes", [])})
     if stray:
         lines.append(f"  not in the state file: {', '.join(stray)} (`down` removes them)")
     return "\n".join(lines)
+
+
+def _wire_line(node_wire: dict) -> str:
+    """One line on a host's wire: alive or not, what it carried and dropped (its stats file)."""
+    alive = node_wire["pid"] in _wires()
+    try:
+        with open(node_wire["stats"]) as f:
+            st = json.load(f)
+        counts = (f"{st['from_host']} frames sent, {st['dropped']} dropped ({st['dropped'] / max(1, st['from_host']):.1%}), "
+                  f"{st['overflow']} over the queue, {st['to_host']} received")
+    except (OSError, ValueError, KeyError):
+        counts = "no counts yet"
+    return f"wire pid {node_wire['pid']} {'running' if alive else 'GONE (the link is down)'}: {counts}"
 
 
 def build_parser() -> ArgumentParser:
@@ -317,8 +400,11 @@ def build_parser() -> ArgumentParser:
     p = sub.add_parser("up", help="make N hosts on a bridge")
     p.add_argument("--nodes", type=int, default=2, help="how many hosts (default 2)")
     p.add_argument("--link", default=None, help="each host's egress rate, tc's units: 1gbit, 100mbit")
-    p.add_argument("--delay", default=None, help="added one-way delay, e.g. 100ms (needs netem)")
-    p.add_argument("--loss", default=None, help="packet loss, e.g. 1%% (needs netem)")
+    p.add_argument("--delay", default=None, help="added to an impaired host's egress, e.g. 100ms (netem's "
+                   "delay, by a user-space wire: collectives/wire.py)")
+    p.add_argument("--loss", default=None, help="share of an impaired host's egress frames dropped, e.g. 1%%")
+    p.add_argument("--impair", default=None, help="the hosts --delay and --loss apply to, e.g. node1 or "
+                   "node0,node1 (default: every host)")
     p.add_argument("--slurm", action="store_true", help="also a SLURM cluster on the hosts (slurm-wlm and munge)")
     p = sub.add_parser("run", help="run a command on a host: run node1 -- CMD ...")
     p.add_argument("host")
@@ -333,7 +419,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "up":
-            state = up(args.nodes, args.link, args.delay, args.loss, slurm=args.slurm)
+            impair = [h for h in args.impair.split(",") if h] if args.impair is not None else None
+            state = up(args.nodes, args.link, args.delay, args.loss, slurm=args.slurm, impair=impair)
             print(status())
             print(f"run a command on a host: python -m collectives.cluster run {state['nodes'][0]['name']} -- CMD")
         elif args.command == "run":

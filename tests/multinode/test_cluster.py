@@ -22,26 +22,12 @@ from collectives import cluster
 from collectives.algorithms.cost import CostModel
 from collectives.algorithms.topology import Topology, link_beta
 
-from . import needs_hosts
+from . import needs_hosts, torchrun_on_hosts as _torchrun_on_both
 
 pytestmark = needs_hosts
 
 TRAIN = ["-m", "ddp_from_scratch.train", "--model", "small", "--synthetic", "--train-size", "256", "--test-size", "64",
          "--batch-size", "16"]
-
-
-def _torchrun_on_both(hosts, program, rdzv_id, nproc=2, timeout=240):
-    """torchrun on every host at once (c10d rendezvous on node0); each host's output."""
-    procs = [subprocess.Popen(cluster.host_command(h, [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(hosts)), "--nproc-per-node", str(nproc),
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", "node0:29500", "--rdzv-id", rdzv_id, *program]),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for h in hosts]
-    outs = []
-    for p in procs:
-        out, _ = p.communicate(timeout=timeout)
-        assert p.returncode == 0, out[-3000:]
-        outs.append(out)
-    return outs
 
 
 def _summary(text):
@@ -111,20 +97,21 @@ def test_down_removes_a_half_made_cluster_and_is_idempotent(hosts):
     cluster.up(len(hosts))  # the module's hosts again, for the tests after this one
 
 
-def test_what_cannot_be_done_is_said_in_one_line(monkeypatch):
+def test_what_cannot_be_done_is_said_in_one_line(monkeypatch, capsys):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     with pytest.raises(cluster.ClusterError, match=r"needs root to make network namespaces \(this is uid 1000\)"):
         cluster.check_can_run()
     monkeypatch.undo()
-    out = subprocess.run([sys.executable, "-m", "collectives.cluster", "up", "--link", "fast"], capture_output=True, text=True)
-    assert out.returncode == 1 and out.stderr.strip() == (
-        "python -m collectives.cluster: --link: link rate 'fast' is not one: a positive number and a unit, "
-        "as tc writes them (100mbit, 1gbit, 2.5gbit)"), out.stderr
-    if not cluster.netem_available():
-        out = subprocess.run([sys.executable, "-m", "collectives.cluster", "up", "--delay", "100ms"],
-                             capture_output=True, text=True)
-        assert out.returncode == 1 and out.stderr.strip().endswith("--link RATE (tc tbf) works without it"), out.stderr
-        assert len(out.stderr.strip().splitlines()) == 1
+    for args, line in [
+        (["--link", "fast"], "--link: link rate 'fast' is not one: a positive number and a unit, as tc writes them "
+                             "(100mbit, 1gbit, 2.5gbit)"),
+        (["--delay", "fast"], "--delay: delay 'fast' is not one: a number and a unit, as tc writes them "
+                              "(100ms, 1s, 250us)"),
+        (["--loss", "2x"], "--loss: loss '2x' is not one: a percentage from 0 to 100 (1%, 0.5%)"),
+        (["--delay", "1ms", "--impair", "node7"], "--impair: no host node7 among node0, node1"),
+        (["--impair", "node1"], "--impair names the hosts that --delay and --loss apply to; give one of them")]:
+        assert cluster.main(["up", *args]) == 1, args
+        assert capsys.readouterr().err == f"python -m collectives.cluster: {line}\n", args
 
 
 def test_the_token_bucket_holds_4_ms_of_the_rate_and_at_least_64_kib():

@@ -6,8 +6,8 @@ a loop; then node1's link goes down (`ip link set cpcv1 down`, the host side of 
 rank must end with a BackendFailure naming its rank, its host and the collective within the
 timeout plus 5 s, and no rank may be left on either host. node1's torchrun agent, which cannot
 reach the rendezvous store on node0 while the link is down, stays until the link is back (then
-ends, exit 1, ~2 s later): torch's agent, measured and checked here. (tc netem's delay and loss
-cannot be tried: this machine's kernel has no netem.)
+ends, exit 1, ~2 s later): torch's agent, measured and checked here. (A slow or lossy link:
+test_delay_and_loss.py.)
 
     pytest tests/multinode/test_faults.py -q
 """
