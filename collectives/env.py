@@ -26,6 +26,8 @@ from typing import Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from .agent_watch import watch_agent
+
 DEFAULT_PG_TIMEOUT = datetime.timedelta(minutes=10)
 
 
@@ -196,6 +198,7 @@ def init_from_env(
                     raise RuntimeError(f"rank {info['rank']}: init_process_group failed ({str(exc).splitlines()[0]}); "
                                        f"{why}") from exc
                 raise
+            watch_agent(info["rank"], os.environ if environ is None else environ)  # under torchrun only
     return DistEnv(info["rank"], info["world_size"], info["local_rank"], device, backend)
 
 

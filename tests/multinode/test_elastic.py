@@ -10,6 +10,10 @@ training CLI with a checkpoint every 8 steps and --auto-resume.
 - The second host gone (its agent and workers SIGKILLed): measured, torch scales the job down
   to the first host (2 ranks) after ~45 s and restarts it; our side refuses to resume a 4-rank
   checkpoint on 2 ranks in one line, the agent uses up --max-restarts and exits 1.
+- Only the second host's agent SIGKILLed (its workers left running, as torchrun starts them in
+  sessions of their own): nothing restarts, the run finishes bitwise as the uninterrupted one,
+  each orphaned worker says in one line that its agent is gone (collectives/agent_watch.py), and
+  the first host's torchrun waits at torch's exit barrier for the dead agent.
 
     pytest tests/multinode/test_elastic.py -q
 """
@@ -21,6 +25,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 
 from collectives import cluster
 
@@ -71,9 +76,15 @@ def _summary(outs):
     return json.loads(next(line for line in text.splitlines() if line.startswith("{\"impl\"")))
 
 
-def test_a_worker_killed_on_host_2_restarts_the_group_and_ends_bitwise(hosts, tmp_path):
+@pytest.fixture(scope="module")
+def uninterrupted():
+    """The summary of the same training on 4 ranks spawned on one host, never interrupted."""
     one = subprocess.run([sys.executable, *TRAIN, "--nproc", "4"], capture_output=True, text=True, timeout=300)
     assert one.returncode == 0, one.stderr[-3000:]
+    return json.loads(one.stdout.splitlines()[-1])
+
+
+def test_a_worker_killed_on_host_2_restarts_the_group_and_ends_bitwise(hosts, tmp_path, uninterrupted):
     procs = _elastic(hosts, tmp_path / "ckpt", "elastic-worker")
     try:
         step = _wait_for_checkpoint_step(tmp_path / "ckpt", 16, procs)
@@ -85,7 +96,7 @@ def test_a_worker_killed_on_host_2_restarts_the_group_and_ends_bitwise(hosts, tm
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
     assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outs)
-    resumed, alone = _summary(outs), json.loads(one.stdout.splitlines()[-1])
+    resumed, alone = _summary(outs), uninterrupted
     # the resume itself shows the restart: TORCHELASTIC_RESTART_COUNT is each agent's own count, 0
     # on an agent that restarted for the other host (a membership change, which torch does not count)
     assert resumed["world_size"] == 4
@@ -111,3 +122,29 @@ def test_a_host_gone_scales_down_and_our_side_says_so_in_one_line(hosts, tmp_pat
                             for line in refusals), out[-3000:]
     assert "Traceback" not in "\n".join(refusals)
     assert not _pids("node0", agent=False) and not _pids("node0", agent=True)
+
+
+def test_only_a_hosts_agent_killed_the_run_finishes_and_its_workers_say_so(hosts, tmp_path, uninterrupted):
+    procs = _elastic(hosts, tmp_path / "ckpt", "elastic-agent")
+    try:
+        _wait_for_checkpoint_step(tmp_path / "ckpt", 16, procs)
+        [agent] = _pids("node1", agent=True)
+        os.kill(agent, signal.SIGKILL)
+        node1 = procs[1].communicate(timeout=300)[0]  # ends when node1's workers, which hold the pipe, end
+        deadline = time.monotonic() + 120
+        while _pids("node0", agent=False) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _pids("node0", agent=False), "node0's workers did not finish"
+        time.sleep(5)
+        waiting = procs[0].poll() is None  # torch's exit barrier: it waits for node1's agent (300 s)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    node0 = procs[0].communicate()[0]
+    assert waiting, node0[-3000:]
+    said = [line for line in node1.splitlines() if f"this host's torchrun agent (pid {agent}) is gone" in line]
+    assert len(said) == 2 and all(line.startswith("rank ") and " on host node1: " in line for line in said), node1[-3000:]
+    finished, alone = _summary([node0, node1]), uninterrupted
+    assert finished["world_size"] == 4 and finished["resumed_from_step"] == 0, finished  # never restarted
+    assert finished["weights_sha256"] == alone["weights_sha256"]
