@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import select
 import signal
 import socket
 import subprocess
@@ -181,24 +180,19 @@ def up(nodes: int, rate: Optional[str] = None, delay: Optional[str] = None, loss
     return state
 
 
-def wire_stats_path(k: int) -> str:
-    return os.path.join(STATE_DIR, f"wire-node{k}.json")
-
-
 def _start_wire(k: int, delay: Optional[str], loss: Optional[str]) -> dict:
-    """Start node k's wire (collectives/wire.py) and wait until its TAP devices exist."""
-    log = os.path.join(STATE_DIR, f"wire-node{k}.log")
-    argv = [sys.executable, "-I", "-S", os.path.abspath(wire.__file__), "--host-end", f"cpcw{k}",
-            "--bridge-end", f"cpcv{k}", "--delay", delay or "0ms", "--loss", loss or "0%", "--stats", wire_stats_path(k)]
-    with open(log, "w") as err:
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
-    ready = select.select([proc.stdout], [], [], 30)[0] and proc.stdout.readline().strip() == "ready"
-    proc.stdout.close()
-    if not ready:
-        proc.kill()
-        with open(log) as f:
-            raise ClusterError(f"node{k}'s wire did not start: {f.read().strip() or 'no word in 30 s'}")
-    return {"pid": proc.pid, "argv": argv[1:], "stats": wire_stats_path(k), "log": log}
+    """Start node k's wire (collectives/wire.py): TAP devices cpcwK (for the host) and cpcvK."""
+    try:
+        return wire.start(f"cpcw{k}", f"cpcv{k}", delay or "0ms", loss or "0%",
+                          stats=os.path.join(STATE_DIR, f"wire-node{k}.json"),
+                          log=os.path.join(STATE_DIR, f"wire-node{k}.log"))
+    except wire.WireError as exc:
+        raise ClusterError(f"node{k}'s {exc}") from None
+
+
+def _wires() -> List[int]:
+    """pids of every wire process of a cluster (by command line: also after a lost state)."""
+    return wire.find(bridge_prefix="cpcv")
 
 
 def _listdir(path: str) -> List[str]:
@@ -215,21 +209,6 @@ def _running(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
-
-
-def _wires() -> List[int]:
-    """pids of every wire process of a cluster (by its command line: also after a lost state)."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    argv = f.read().split(b"\0")
-            except OSError:
-                continue
-            if any(a.endswith(b"collectives/wire.py") for a in argv) and any(a.startswith(b"cpcv") for a in argv):
-                pids.append(int(entry))
-    return pids
 
 
 def _start_slurm(state: dict, hosts: List[str]) -> None:
@@ -374,24 +353,11 @@ def status() -> str:
         there = "up" if node["namespace"] in names else "MISSING"
         lines.append(f"  {node['name']}  {node['address']}  namespace {node['namespace']}  {there}")
         if node.get("wire"):
-            lines.append("    " + _wire_line(node["wire"]))
+            lines.append("    " + wire.describe(node["wire"], node["wire"]["pid"] in _wires()))
     stray = sorted(set(names) - {n["namespace"] for n in (state or {}).get("nodes", [])})
     if stray:
         lines.append(f"  not in the state file: {', '.join(stray)} (`down` removes them)")
     return "\n".join(lines)
-
-
-def _wire_line(node_wire: dict) -> str:
-    """One line on a host's wire: alive or not, what it carried and dropped (its stats file)."""
-    alive = node_wire["pid"] in _wires()
-    try:
-        with open(node_wire["stats"]) as f:
-            st = json.load(f)
-        counts = (f"{st['from_host']} frames sent, {st['dropped']} dropped ({st['dropped'] / max(1, st['from_host']):.1%}), "
-                  f"{st['overflow']} over the queue, {st['to_host']} received")
-    except (OSError, ValueError, KeyError):
-        counts = "no counts yet"
-    return f"wire pid {node_wire['pid']} {'running' if alive else 'GONE (the link is down)'}: {counts}"
 
 
 def build_parser() -> ArgumentParser:

@@ -15,7 +15,9 @@ and dropped to --stats (JSON), which `cluster status` shows.
 It is Python, so it carries what one core copies through it (measured in docs/multi-node.md), far
 below a veth; with a link rate as well, tc tbf on the host's eth0 shapes what enters the wire.
 
-It imports nothing but the standard library (it starts as `python -I -S .../wire.py`, in 0.1 s
+The cluster's side is here too: `start()` launches a wire and waits for "ready", `find()` finds
+running wires by command line (also after a lost state), `describe()` is `status`'s line. It
+imports nothing but the standard library (it starts as `python -I -S .../wire.py`, in 0.1 s
 rather than torch's 2). Run by hand (as root), e.g. to look at it:
 
     python collectives/wire.py --host-end cpcw1 --bridge-end cpcv1 --delay 100ms --loss 1%
@@ -32,10 +34,11 @@ import re
 import select
 import signal
 import struct
+import subprocess
 import sys
 import time
 from collections import deque
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, List, Optional
 
 
 LIMIT = 20000  # frames waiting in the delay queue (netem's default is 1000)
@@ -129,6 +132,54 @@ def write_stats(path: str, stats: dict) -> None:
     with open(path + ".tmp", "w") as f:
         json.dump(stats, f)
     os.replace(path + ".tmp", path)
+
+
+class WireError(RuntimeError):
+    """A wire that did not start, in one line."""
+
+
+def start(host_end: str, bridge_end: str, delay: str, loss: str, stats: str, log: str, timeout: float = 30) -> dict:
+    """Start a wire in a session of its own and wait until its two TAP devices exist; what to
+    find it by later (pid, argv, stats and log files)."""
+    argv = [sys.executable, "-I", "-S", os.path.abspath(__file__), "--host-end", host_end, "--bridge-end", bridge_end,
+            "--delay", delay, "--loss", loss, "--stats", stats]
+    with open(log, "w") as err:
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
+    ready = select.select([proc.stdout], [], [], timeout)[0] and proc.stdout.readline().strip() == "ready"
+    proc.stdout.close()
+    if not ready:
+        proc.kill()
+        with open(log) as f:
+            raise WireError(f"wire did not start: {f.read().strip() or f'no word in {timeout:g} s'}")
+    return {"pid": proc.pid, "argv": argv[1:], "stats": stats, "log": log}
+
+
+def find(bridge_prefix: str) -> List[int]:
+    """pids of the wires whose bridge end's name starts with bridge_prefix (by command line)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    argv = f.read().split(b"\0")
+            except OSError:
+                continue
+            bridge = argv[argv.index(b"--bridge-end") + 1] if b"--bridge-end" in argv[:-1] else b""
+            if any(a.endswith(b"collectives/wire.py") for a in argv) and bridge.startswith(bridge_prefix.encode()):
+                pids.append(int(entry))
+    return pids
+
+
+def describe(started: dict, alive: bool) -> str:
+    """One line on a wire that start() returned: alive or not, what it carried and dropped."""
+    try:
+        with open(started["stats"]) as f:
+            st = json.load(f)
+        counts = (f"{st['from_host']} frames sent, {st['dropped']} dropped ({st['dropped'] / max(1, st['from_host']):.1%}), "
+                  f"{st['overflow']} over the queue, {st['to_host']} received")
+    except (OSError, ValueError, KeyError):
+        counts = "no counts yet"
+    return f"wire pid {started['pid']} {'running' if alive else 'GONE (the link is down)'}: {counts}"
 
 
 def build_parser() -> argparse.ArgumentParser:

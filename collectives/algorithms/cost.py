@@ -113,6 +113,11 @@ def best_pieces(algorithm: str, p: int, nbytes: float, a: float, b: float, g: fl
     return min(range(1, MAX_PIECES + 1), key=lambda k: PIPELINED[algorithm](p, nbytes, a, b, g, k))
 
 
+def _binomial_all_reduce(p, n, a, b, g):
+    """A binomial reduce then a binomial broadcast: 2 lg p messages of n, lg p reductions."""
+    return 2 * _lg(p) * (a + n * b) + _lg(p) * n * g
+
+
 def _double_tree(p, n, a, b, g):
     return _double_tree_k(p, n, a, b, g, best_pieces("double_binary_tree", p, n, a, b, g))
 
@@ -137,11 +142,11 @@ COSTS: Dict[str, Dict[str, Callable]] = {
         "ring": lambda p, n, a, b, g: 2 * (p - 1) * a + 2 * (p - 1) / p * n * b + (p - 1) / p * n * g,
         "recursive_doubling": _rd_all_reduce,
         "rabenseifner": _rabenseifner,
-        "binomial": lambda p, n, a, b, g: 2 * _lg(p) * (a + n * b) + _lg(p) * n * g,
+        "binomial": _binomial_all_reduce,
         "double_binary_tree": _double_tree,
         # on one host (all this model knows): a binomial reduce then broadcast; on several, the
         # two-level model is the simulator's (topology.py, hierarchical.py's docstring)
-        "hierarchical": lambda p, n, a, b, g: 2 * _lg(p) * (a + n * b) + _lg(p) * n * g,
+        "hierarchical": _binomial_all_reduce,
     },
     "reduce_scatter": {
         "ring": lambda p, n, a, b, g: (p - 1) * a + (p - 1) / p * n * (b + g),
