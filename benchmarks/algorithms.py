@@ -15,7 +15,9 @@ was the measured-fastest algorithm, and its regret, t(auto's choice) / t(fastest
 Across hosts (torchrun or srun on several machines; the ranks' hostnames tell), give the rate of
 the link between them with --link: the predictions are then the simulator's on a two-level
 topology (algorithms/topology.py: the fitted model within a host, the link's rate between
-hosts), and the report says how far each measured time is from its prediction from 1 MiB:
+hosts, through the token bucket that shapes it: --burst, by default the cluster's), and the
+report says how far each measured time is from its prediction from 1 MiB. Each timed call then
+starts after the bucket has had time to fill (the simulator starts with it full):
 
     python -m collectives.cluster up --nodes 2 --link 1gbit
     python -m collectives.cluster run node0 -- torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d \
@@ -27,6 +29,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import socket
 import statistics
 import sys
 import time
@@ -38,7 +41,7 @@ from tabulate import tabulate
 import collectives
 import collectives.algorithms as A
 from collectives.algorithms.cost import CostModel, choose
-from collectives.algorithms.topology import Topology, link_beta
+from collectives.algorithms.topology import PAYLOAD_PER_FRAME, Topology, link_beta, link_burst
 from collectives import cli
 from collectives.cli import command, eta_by_size
 
@@ -55,14 +58,17 @@ def _iterations(nbytes: int) -> int:
     return 25 if nbytes <= 1 << 20 else 9 if nbytes <= 16 << 20 else 5 if nbytes <= 64 << 20 else 3
 
 
-def _time_alternating(runs, iters: int):
-    """Median of the slowest rank's seconds per call, for each run, alternated call by call."""
+def _time_alternating(runs, iters: int, idle: float = 0.0):
+    """Median of the slowest rank's seconds per call, for each run, alternated call by call;
+    each call starts `idle` seconds after a barrier (for a shaped link's bucket to refill)."""
     for run in runs:  # warm-up
         run()
     times = torch.zeros(len(runs), iters, dtype=torch.float64)
     for i in range(iters):
         for k, run in enumerate(runs):
             dist.barrier()
+            if idle:
+                time.sleep(idle)
             start = time.perf_counter()
             run()
             times[k, i] = time.perf_counter() - start
@@ -70,15 +76,41 @@ def _time_alternating(runs, iters: int):
     return [statistics.median(row.tolist()) for row in times]
 
 
-def topology_of(hosts, model: CostModel, link):
-    """The two-level topology of these ranks (None on one host: the closed forms apply)."""
+def cpu_share() -> float:
+    """Ranks per core on this rank's machine, at least 1: ranks that share one kernel (the same
+    boot_id: the cluster's namespace hosts are one machine) share its cores. A collective."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            machine = f.read().strip()
+    except OSError:
+        machine = socket.gethostname()
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, machine)
+    return max(1.0, everyone.count(machine) / len(os.sched_getaffinity(0)))
+
+
+def topology_of(hosts, model: CostModel, link, burst=None, share: float = 1.0):
+    """The two-level topology of these ranks (None on one host: the closed forms apply): the
+    model within a host, and between hosts the link's rate through a token bucket of `burst`
+    bytes (None: the cluster's bucket at that rate); alpha, beta and gamma scaled for `share`
+    ranks per core (CostModel.sharing; the link's rate is not CPU time)."""
     if len(set(hosts)) == 1:
         return None
     if link is None:
         raise SystemExit(f"benchmarks.algorithms: the ranks are on {len(set(hosts))} hosts; give --link RATE (the "
                          "rate of the link between them, e.g. 1gbit) so that the predictions can model it")
-    inter = CostModel(model.alpha, link_beta(link), model.gamma, f"link {link} between hosts")
-    return Topology.of_hosts(hosts, model, inter)
+    intra = model.sharing(share)
+    inter = CostModel(intra.alpha, link_beta(link), intra.gamma, f"link {link} between hosts")
+    burst = link_burst(link) if burst is None else burst * PAYLOAD_PER_FRAME
+    return Topology.of_hosts(hosts, intra, inter, burst)
+
+
+def refill_seconds(topology) -> float:
+    """How long a call waits after the barrier, across hosts: long enough for an emptied token
+    bucket to fill again (1 ms more), so every call starts with it full, as the simulator does."""
+    if topology is None or not topology.burst:
+        return 0.0
+    return topology.burst * topology.inter.beta + 0.001
 
 
 def predict(collective: str, algorithm: str, count: int, n: int, dtype, model: CostModel, topology) -> float:
@@ -97,7 +129,8 @@ def race(env, config: dict) -> dict:
         sizes.append(config["maxbytes"])
     model = CostModel.load()
     hosts = A.DistComm().hosts()
-    topology = topology_of(hosts, model, config.get("link"))
+    share = cpu_share() if len(set(hosts)) > 1 else 1.0
+    topology = topology_of(hosts, model, config.get("link"), config.get("burst"), share)
     rows, timed = [], []  # timed: (bytes, seconds) per size done, for the time left
     for c_index, collective in enumerate(config["collective"]):
         names = list(A.ALGORITHMS[collective])
@@ -107,7 +140,7 @@ def race(env, config: dict) -> dict:
             backend = make_case(collective, BACKEND_SIDE[collective], count, n, r, "sum", dtype, torch.device("cpu"))
             ours = {a: make_algorithm_case(collective, a, count, n, r, "sum", dtype, torch.device("cpu"))[1:] for a in names}
             seconds = _time_alternating([backend[0]] + [case[0] for case in ours.values()],
-                                        _iterations(count * dtype.itemsize))
+                                        _iterations(count * dtype.itemsize), refill_seconds(topology))
             wrong = [count_wrong(backend, "cpu")] + [count_wrong(case, "cpu") for case in ours.values()]
             size = count * dtype.itemsize
             # only rank 0 reports (simulating the others' too would only delay the next size)
@@ -125,7 +158,19 @@ def race(env, config: dict) -> dict:
                 left = eta_by_size(timed, sizes[k + 1:] + sizes * (len(config["collective"]) - c_index - 1))
                 print(f"[{collective}] {size} B done ({k + 1}/{len(sizes)}) {left}", file=sys.stderr, flush=True)
     return {"rows": rows, "world_size": n, "backend": env.backend, "model": model.__dict__, "hosts": hosts,
-            "link": config.get("link") if topology is not None else None}
+            "link": config.get("link") if topology is not None else None,
+            "burst": topology.burst if topology is not None else None, "cpu_share": share}
+
+
+def _link_details(result: dict) -> str:
+    """How the prediction modelled the link's bucket and the shared cores (runs since 2026-11-25)."""
+    parts = []
+    if result.get("burst") is not None:
+        parts.append(f"through a {result['burst'] / 1e3:.0f} KB bucket, full at each call's start" if result["burst"]
+                     else "without a bucket")
+    if result.get("cpu_share", 1) > 1:
+        parts.append(f"{result['cpu_share']:g} ranks per core: alpha, beta, gamma x{result['cpu_share']:g}")
+    return "".join(f"; {p}" for p in parts)
 
 
 def _us(seconds: float) -> str:
@@ -147,8 +192,8 @@ def report(result: dict) -> str:
             fastest = min(names, key=lambda a: row["algorithms"][a]["s"])
             cells += [fastest, row["auto"]]
             table.append(cells)
-        where = (f"the simulator's prediction ({len(set(result['hosts']))} hosts linked at {result['link']})"
-                 if result.get("link") else "the cost model's prediction")
+        where = (f"the simulator's prediction ({len(set(result['hosts']))} hosts linked at {result['link']}"
+                 f"{_link_details(result)})" if result.get("link") else "the cost model's prediction")
         lines.append(f"\n{collective}, {n} ranks: microseconds per call, (ratio to {result['backend']}'s own; below 1 "
                      f"is faster), ~ {where}")
         lines.append(tabulate(table, headers=["bytes", result["backend"]] + names + ["fastest", "auto chose"],
@@ -282,6 +327,9 @@ def main(argv=None) -> int:
     parser.add_argument("--link", metavar="RATE", default=None,
                         help="across hosts: the rate of the link between them in tc's units (1gbit, 100mbit), for "
                              "the two-level predictions")
+    parser.add_argument("--burst", type=parse_size, default=None, metavar="BYTES",
+                        help="with --link: the bytes the link's token bucket lets through at once (tc tbf's burst; "
+                             "default: the cluster's bucket at that rate, 4 ms of it); 0 for a link without one")
     parser.add_argument("--json", metavar="FILE", help="write every measurement as JSON")
     parser.add_argument("--plot", metavar="FILE.png", help="time against size, measured and predicted")
     parser.add_argument("--replot", metavar="RUN.json", nargs="+",
@@ -303,7 +351,9 @@ def main(argv=None) -> int:
             link_beta(args.link)
         except ValueError as exc:
             parser.error(f"--link: {exc}")
-    config = {k: getattr(args, k) for k in ("collective", "minbytes", "maxbytes", "stepfactor", "link")}
+    elif args.burst is not None:
+        parser.error("--burst is the bucket of the link that --link names; give --link too")
+    config = {k: getattr(args, k) for k in ("collective", "minbytes", "maxbytes", "stepfactor", "link", "burst")}
     result = collectives.run_or_join(race, args.world_size, args=(config,), timeout=6 * 3600)
     if result is None:  # a torchrun/srun rank other than 0: rank 0 reports
         return 0

@@ -32,7 +32,7 @@ from typing import Dict, List, Optional
 
 from . import slurm_cluster, wire
 from .cli import ArgumentParser
-from .rates import link_rate
+from .rates import burst, link_rate
 
 PREFIX = "cpc-"
 BRIDGE = "cpcbr0"
@@ -90,17 +90,6 @@ def check_can_run() -> None:
     if out.returncode:
         raise ClusterError(f"this machine cannot make network namespaces: {out.stderr.strip()}")
     _ip("netns", "del", probe, check=False)
-
-
-BURST_SECONDS = 0.004  # a token bucket holds 4 ms of the rate (the kernel's tick at HZ=250)
-
-
-def burst(rate: str) -> int:
-    """Bytes a token bucket at `rate` may send at once: BURST_SECONDS of the rate, at least
-    64 KiB. Measured across two hosts, torchrun 2 x 1 rank, Gloo all_reduce of 4-32 MiB: at
-    4gbit a 64 KiB bucket let through 0.24-0.28 GB/s (about half the rate), 512 KiB or 2 MiB
-    0.47-0.49 (94-98%); at 1gbit 64 KiB gave 0.11-0.12, as did 128 KiB."""
-    return max(64 << 10, int(link_rate(rate) / 8 * BURST_SECONDS))
 
 
 def shape(host: str, rate: Optional[str] = None) -> List[str]:

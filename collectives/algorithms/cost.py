@@ -54,6 +54,15 @@ class CostModel:
             raise ValueError(f"cost model {path}: alpha, beta and gamma must be finite and not negative, got {values}")
         return cls(*values, data.get("source", path))
 
+    def sharing(self, share: float) -> "CostModel":
+        """This model for ranks that each get 1/share of a core (more ranks than cores on one
+        machine): alpha, beta and gamma all times `share`, for on a machine like this one every
+        one of them is CPU time (Python per message, copies through loopback TCP, the add)."""
+        if share == 1:
+            return self
+        return CostModel(self.alpha * share, self.beta * share, self.gamma * share,
+                         f"{self.source}, x{share:g} for {share:g} ranks per core")
+
     def save(self, path: str, **extra) -> None:
         with open(path, "w") as f:
             json.dump({**dataclasses.asdict(self), **extra}, f, indent=1)

@@ -2,6 +2,7 @@
 
     python -m collectives.algorithms.fit                       # 2 ranks, writes the package's model.json
     python -m collectives.algorithms.fit --out my-machine.json --json raw.json
+    python -m collectives.algorithms.fit --world-size 4 --out four.json     # 4 ranks sharing the cores
 
 alpha and beta come from two ranks exchanging n bytes at once through comm.DistComm, the very
 sends and receives the algorithms use (so alpha includes Python's cost per message), because
@@ -15,6 +16,11 @@ on 1 to 64 MiB by plain least squares, so the largest sizes decide it: the large
 the ones that cost, and they run from memory, not cache (on the development machine 16 MiB
 reduced 2.5x faster per byte than 64 MiB). The table
 printed compares each measured time with the fitted line.
+
+With --world-size 4 (or more) the ranks exchange in pairs, every pair at once, and all reduce at
+once, each time taken on the slowest rank: the model for that many ranks sharing this machine's
+cores, which is what they do in the race on 4 ranks (on this 2-core machine a message then costs
+far more than with 2).
 """
 
 from __future__ import annotations
@@ -40,11 +46,19 @@ SIZES = [8 << k for k in range(0, 24, 2)]  # 8 B to 32 MiB
 REDUCE_SIZES = [1 << 20, 4 << 20, 16 << 20, 64 << 20]
 
 
+def _slowest(times: List[float]) -> List[float]:
+    """Each repetition's time on the slowest rank."""
+    t = torch.tensor(times, dtype=torch.float64)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return t.tolist()
+
+
 def _exchange(env, sizes: List[int], repeats: int) -> List[Tuple[int, float]]:
-    """Both ranks send n bytes to each other at once (as in every step of the algorithms):
-    the median time of one exchange."""
+    """Ranks in pairs (0-1, 2-3, ...), every pair at once, both ranks of a pair sending n bytes
+    to each other at once (as in every step of the algorithms): the median over repetitions of
+    the slowest rank's time for one exchange."""
     comm = DistComm()
-    peer = 1 - comm.rank
+    peer = comm.rank ^ 1
     out = []
     for nbytes in sizes:
         mine = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
@@ -58,21 +72,27 @@ def _exchange(env, sizes: List[int], repeats: int) -> List[Tuple[int, float]]:
             got.wait()
             if i >= 2:
                 times.append(time.perf_counter() - start)
-        out.append((mine.numel() * 4, statistics.median(times)))
+        out.append((mine.numel() * 4, statistics.median(_slowest(times))))
     return out
 
 
-def _reduce_times(sizes: List[int], repeats: int) -> List[Tuple[int, float]]:
+def _reduce_times(env, sizes: List[int], repeats: int) -> List[Tuple[int, float]]:
+    """dst += src on every rank at once: the median of the slowest rank's time."""
     out = []
     for nbytes in sizes:
         dst, src = torch.ones(max(1, nbytes // 4)), torch.ones(max(1, nbytes // 4))
         times = []
         for _ in range(repeats + 2):
+            torch.distributed.barrier()
             start = time.perf_counter()
             local_reduce(dst, src, "sum")
             times.append(time.perf_counter() - start)
-        out.append((dst.numel() * 4, statistics.median(times[2:])))
+        out.append((dst.numel() * 4, statistics.median(_slowest(times[2:]))))
     return out
+
+
+def _measure(env, sizes, reduce_sizes, repeats):
+    return _exchange(env, sizes, repeats), _reduce_times(env, reduce_sizes, repeats)
 
 
 def fit_line(points: List[Tuple[int, float]], relative: bool = True) -> Tuple[float, float]:
@@ -94,17 +114,23 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=DEFAULT_PATH, help="where to save the model (default: the package's model.json)")
     parser.add_argument("--json", default=None, help="also write every measurement here")
     parser.add_argument("--repeats", type=int, default=30, help="timed repetitions per size (medians are kept)")
+    parser.add_argument("--world-size", type=int, default=2,
+                        help="ranks, in pairs exchanging at once (an even number): as many as the ranks that will "
+                             "share this machine's cores when the model is used (the race's 4: --world-size 4)")
     args = parser.parse_args(argv)
     cli.check_outputs(parser, {"--out": args.out, "--json": args.json})
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
-    print("exchanges between 2 ranks ...", file=sys.stderr, flush=True)
-    pings = run(_exchange, 2, args=(SIZES, args.repeats), timeout=3600)[0]
+    if args.world_size < 2 or args.world_size % 2:
+        parser.error(f"--world-size must be an even number of ranks (they exchange in pairs), got {args.world_size}")
+    print(f"exchanges in pairs of {args.world_size} ranks, then local reductions on all at once ...",
+          file=sys.stderr, flush=True)
+    pings, reduces = run(_measure, args.world_size, args=(SIZES, REDUCE_SIZES, args.repeats), timeout=3600)[0]
     alpha, beta = fit_line(pings)
-    print("local reductions ...", file=sys.stderr, flush=True)
-    reduces = _reduce_times(REDUCE_SIZES, args.repeats)
     _, gamma = fit_line(reduces, relative=False)
-    source = f"python -m collectives.algorithms.fit, {datetime.date.today().isoformat()}, torch {torch.__version__}"
+    ranks = "" if args.world_size == 2 else f", {args.world_size} ranks in pairs"
+    source = (f"python -m collectives.algorithms.fit{'' if args.world_size == 2 else f' --world-size {args.world_size}'}"
+              f", {datetime.date.today().isoformat()}, torch {torch.__version__}{ranks}")
     model = CostModel(max(alpha, 0.0), beta, gamma, source)
     print(f"{'bytes':>10} {'exchange us':>11} {'fit us':>9}")
     for n, t in pings:

@@ -10,7 +10,8 @@ the data really moves and the result can be checked; only time is modelled (alph
 
 Given a topology.Topology instead of one model, a message costs the alpha and beta of its link
 (within a host or between hosts), and a message between hosts also waits for its hosts' network
-ports (one each way per host, shared by the host's ranks); comm.hosts() tells the algorithms
+ports (one each way per host, shared by the host's ranks), and, where the topology has a
+burst, goes through its host's token bucket (topology.py); comm.hosts() tells the algorithms
 which host each rank is on.
 
     sim = Simulator(64, CostModel(alpha=5e-6, beta=1e-10, gamma=2e-10))
@@ -145,6 +146,7 @@ class Simulator:
         self._out_free, self._in_free = [0.0] * p, [0.0] * p  # when each rank's link is free to send, to receive
         hosts = max(self.topology.hosts) + 1
         self._nic_out, self._nic_in = [0.0] * hosts, [0.0] * hosts  # the same for each host's network port
+        self._tokens = [self.topology.burst] * hosts  # each host's token bucket on its way out, at _nic_out's time
         self._gens = [algorithm(self.comms[r], *per_rank_args[r], **kwargs) for r in range(p)]
         self._waiting: List[Optional[list]] = [None] * p
         self._returns: List[object] = [None] * p
@@ -201,7 +203,12 @@ class Simulator:
         if crosses:
             out_host, in_host = self.topology.hosts[src], self.topology.hosts[dst]
             start = max(start, self._nic_out[out_host], self._nic_in[in_host])
-        end = start + self.topology.seconds(src, dst, nbytes)
+        if crosses and self.topology.burst:
+            tokens = self.topology.refill(self._tokens[out_host], start - self._nic_out[out_host])
+            seconds, self._tokens[out_host] = self.topology.through_bucket(tokens, nbytes)
+        else:
+            seconds = self.topology.seconds(src, dst, nbytes)
+        end = start + seconds
         self._out_free[src] = self._in_free[dst] = end
         if crosses:
             self._nic_out[out_host] = self._nic_in[in_host] = end

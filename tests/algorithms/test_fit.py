@@ -38,3 +38,13 @@ def test_relative_error_lets_the_small_sizes_pin_alpha():
     assert a_rel == pytest.approx(alpha, rel=0.05) and b_rel == pytest.approx(beta, rel=0.05)
     assert abs(a_abs - alpha) > 10 * abs(a_rel - alpha)  # the large sizes' noise swamps alpha
     assert b_abs == pytest.approx(beta, rel=0.05)  # and gamma's plain fit still recovers a slope
+
+
+@pytest.mark.parametrize("size", ["3", "0", "1"])
+def test_the_ranks_exchange_in_pairs_so_an_odd_world_is_refused(size, tmp_path, capsys):
+    from collectives.algorithms import fit
+    with pytest.raises(SystemExit):
+        fit.main(["--world-size", size, "--out", str(tmp_path / "m.json")])
+    assert f"--world-size must be an even number of ranks (they exchange in pairs), got {size}" in \
+        capsys.readouterr().err
+    assert not (tmp_path / "m.json").exists()

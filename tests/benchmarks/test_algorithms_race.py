@@ -13,7 +13,7 @@ import torch
 import collectives.algorithms as A
 from benchmarks import algorithms
 from collectives.algorithms.cost import CostModel
-from collectives.algorithms.topology import Topology, link_beta
+from collectives.algorithms.topology import PAYLOAD_PER_FRAME, Topology, link_beta, link_burst
 
 MODEL = CostModel(alpha=1e-4, beta=5e-10, gamma=4e-11, source="test")
 
@@ -40,6 +40,28 @@ def test_one_host_keeps_the_closed_forms_and_several_need_the_link():
     topo = algorithms.topology_of([0, 0, 1, 1], MODEL, "1gbit")
     assert topo.hosts == (0, 0, 1, 1) and topo.intra == MODEL
     assert topo.inter.beta == link_beta("1gbit") and topo.inter.alpha == MODEL.alpha
+    assert topo.burst == link_burst("1gbit")  # the cluster's bucket unless --burst says otherwise
+    # each call waits for the bucket to fill: burst bytes at the link's rate, and 1 ms more
+    assert algorithms.refill_seconds(topo) == pytest.approx(link_burst("1gbit") * link_beta("1gbit") + 0.001)
+    assert algorithms.refill_seconds(None) == 0.0
+
+
+def test_burst_and_shared_cores_in_the_topology():
+    """--burst 0 is a link without a bucket (no wait before calls); 2 ranks per core double every
+    CPU cost (alpha, beta and gamma within a host, alpha and gamma across) but not the link's rate."""
+    bare = algorithms.topology_of([0, 0, 1, 1], MODEL, "1gbit", burst=0)
+    assert bare.burst == 0 and algorithms.refill_seconds(bare) == 0.0
+    assert algorithms.topology_of([0, 1], MODEL, "1gbit", burst=1000).burst == pytest.approx(1000 * PAYLOAD_PER_FRAME)
+    shared = algorithms.topology_of([0, 0, 1, 1], MODEL, "1gbit", share=2)
+    assert shared.intra == MODEL.sharing(2)
+    assert (shared.inter.alpha, shared.inter.beta, shared.inter.gamma) == (2 * MODEL.alpha, link_beta("1gbit"),
+                                                                           2 * MODEL.gamma)
+
+
+def test_burst_needs_the_link(capsys):
+    with pytest.raises(SystemExit):
+        algorithms.main(["--burst", "64K"])
+    assert "--burst is the bucket of the link that --link names; give --link too" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("collective", ["all_reduce", "all_gather", "reduce_scatter", "broadcast"])

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import collectives.algorithms as A
-from collectives import cluster
+from collectives import cluster, rates
 from collectives.algorithms.cost import CostModel
 from collectives.algorithms.topology import Topology, link_beta
 
@@ -115,9 +115,9 @@ def test_what_cannot_be_done_is_said_in_one_line(monkeypatch, capsys):
 
 
 def test_the_token_bucket_holds_4_ms_of_the_rate_and_at_least_64_kib():
-    """A 64 KiB bucket let a 4gbit link carry about half its rate (cluster.burst's docstring)."""
-    assert cluster.burst("4gbit") == 2_000_000 and cluster.burst("1gbit") == 500_000
-    assert cluster.burst("80mbit") == cluster.burst("1kbit") == 64 << 10
+    """A 64 KiB bucket let a 4gbit link carry about half its rate (rates.burst's docstring)."""
+    assert rates.burst("4gbit") == 2_000_000 and rates.burst("1gbit") == 500_000
+    assert rates.burst("80mbit") == rates.burst("1kbit") == 64 << 10
 
 
 def test_a_shaped_link_carries_at_most_its_rate(hosts):
