@@ -5,12 +5,14 @@
 #     all_reduce's busbw approaches the link's bandwidth);
 #  2. on a shaped link, the algorithms race on 2 hosts x 2 ranks (every from-scratch all_reduce,
 #     hierarchical among them, against Gloo's), each time beside the simulator's prediction on the
-#     two-level topology (the fitted model within a host, RATE between hosts).
+#     two-level topology (the fitted model within a host, RATE through the link's token bucket
+#     between hosts, CPU costs scaled for ranks sharing cores); `python -m benchmarks.race_ablation
+#     benchmarks/results/algorithms-race_*2hosts*.json` then shows what each part of that model buys.
 #
 #  3. with delay=D or loss=P: node1's egress delayed by D or a share P of it dropped (the cluster's
 #     user-space wire, collectives/wire.py), the all_reduce benchmark from 8 bytes to 4 MiB.
 #
-#     bash benchmarks/across_hosts.sh 1gbit 4gbit none    # writes benchmarks/results/across-hosts_*, algorithms-race_*2hosts*
+#     bash benchmarks/across_hosts.sh 500mbit 1gbit 2gbit 4gbit none    # writes benchmarks/results/across-hosts_*, algorithms-race_*2hosts*
 #     bash benchmarks/across_hosts.sh delay=100ms loss=1%
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -1,0 +1,81 @@
+"""What each part of the two-level model buys: a race across hosts re-predicted with and without
+the link's token bucket and with and without the shared cores, against the same measurements.
+
+    python -m benchmarks.race_ablation benchmarks/results/algorithms-race_gloo-cpu-2core_2hosts-x2ranks-link-*_2026-11-24.json
+
+For each saved run of `python -m benchmarks.algorithms --link RATE` across hosts (its JSON), the
+simulator predicts every algorithm at every size four ways: the link's rate alone, or through the
+bucket the run used (its "burst"); every rank with a core of its own, or the run's ranks per core
+(its "cpu_share", CostModel.sharing). It prints how many predictions from 1 MiB fall within 20% of
+the measured time, and the worst miss, for each. The last column is the model the race itself
+used: its predictions are checked to be the ones the run saved.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+import collectives.algorithms as A
+from collectives import cli
+from collectives.algorithms.cost import CostModel
+from collectives.algorithms.topology import Topology, link_beta
+
+VARIANTS = [("rate alone", False, False), ("bucket", True, False), ("shared cores", False, True),
+            ("bucket + shared cores", True, True)]
+
+
+def score(run: dict, bucket: bool, shared: bool, tolerance: float = 0.2):
+    """(predictions within tolerance, of how many, the worst measured/predicted - 1) from 1 MiB."""
+    model = CostModel(**{k: run["model"][k] for k in ("alpha", "beta", "gamma")})
+    intra = model.sharing(run.get("cpu_share", 1.0)) if shared else model
+    inter = CostModel(intra.alpha, link_beta(run["link"]), intra.gamma)
+    topology = Topology.of_hosts(run["hosts"], intra, inter, run.get("burst") or 0.0 if bucket else 0.0)
+    n, within, worst = run["world_size"], 0, 0.0
+    cases = [(row, a, m) for row in run["rows"] if row["size"] >= 1 << 20 for a, m in row["algorithms"].items()]
+    for row, algorithm, measured in cases:
+        inputs = [torch.zeros(row["size"] // 4, dtype=torch.float32) for _ in range(n)]
+        predicted = A.simulate(row["collective"], algorithm, inputs, model=topology)[1].time
+        if bucket and shared and abs(predicted - measured["predicted_s"]) > 1e-9 * predicted:
+            raise ValueError(f"{algorithm} at {row['size']} B: the run saved the prediction {measured['predicted_s']} s, "
+                             f"its model now gives {predicted} s (another cost model or simulator)")
+        error = measured["s"] / predicted - 1
+        within += abs(error) <= tolerance
+        worst = max(worst, error, key=abs)
+    return within, len(cases), worst
+
+
+@cli.command
+def main(argv=None) -> int:
+    parser = cli.ArgumentParser(prog="python -m benchmarks.race_ablation", description=__doc__.split("\n\n")[0])
+    parser.add_argument("runs", nargs="+", metavar="RUN.json", help="races across hosts (benchmarks.algorithms --json)")
+    args = parser.parse_args(argv)
+    runs = []
+    for path in args.runs:
+        try:
+            with open(path) as f:
+                run = json.load(f)
+        except (OSError, ValueError) as exc:
+            parser.error(f"{path}: {exc}")
+        if not run.get("link") or "burst" not in run:
+            parser.error(f"{path}: not a race across hosts with the link's bucket recorded (benchmarks.algorithms "
+                         "--link; runs before 2026-11-24's bucket model did not record it)")
+        runs.append((path, run))
+    print("predictions from 1 MiB within 20% of the measured time (worst measured/predicted - 1)")
+    print(f"{'link':>8}  " + "  ".join(f"{name:>22}" for name, _, _ in VARIANTS))
+    for path, run in runs:
+        cells = []
+        for _, bucket, shared in VARIANTS:
+            try:
+                within, total, worst = score(run, bucket, shared)
+            except ValueError as exc:
+                parser.error(f"{path}: {exc}")
+            cells.append(f"{within:>3} of {total} ({worst * 100:+.0f}%)")
+        print(f"{run['link']:>8}  " + "  ".join(f"{c:>22}" for c in cells))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
