@@ -20,7 +20,7 @@ import torch
 import collectives.algorithms as A
 from collectives import cluster, rates
 from collectives.algorithms.cost import CostModel
-from collectives.algorithms.topology import Topology, link_beta
+from collectives.algorithms.topology import Topology, link_beta, link_burst
 
 from . import needs_hosts, torchrun_on_hosts as _torchrun_on_both
 
@@ -72,14 +72,19 @@ def test_the_bandwidth_benchmark_runs_across_hosts(hosts):
 def test_the_algorithms_race_across_hosts_predicts_with_the_two_level_topology(hosts, tmp_path):
     """2 hosts x 2 ranks: the ranks find their hosts by hostname, every algorithm (hierarchical
     among them) gives exact results across the hosts, and each prediction is the simulator's on
-    the topology the ranks found (the fitted model within a host, --link between hosts)."""
+    the topology the ranks found (the fitted model within a host, --link between hosts through
+    the cluster's token bucket, every CPU cost scaled for the 4 ranks on this machine's cores:
+    the namespace hosts share one kernel, so its boot_id counts all 4)."""
     race = tmp_path / "race.json"
     _torchrun_on_both(hosts, ["-m", "benchmarks.algorithms", "-c", "all_reduce", "-b", "256K", "-e", "256K",
                               "--link", "1gbit", "--json", str(race)], rdzv_id="race")
     run = json.loads(race.read_text())
     assert run["hosts"] == [0, 0, 1, 1] and run["link"] == "1gbit" and run["world_size"] == 4
-    model = CostModel(**{k: run["model"][k] for k in ("alpha", "beta", "gamma")})
-    topology = Topology.of_hosts([0, 0, 1, 1], model, CostModel(model.alpha, link_beta("1gbit"), model.gamma))
+    share = max(1.0, 4 / len(os.sched_getaffinity(0)))
+    assert run["cpu_share"] == share and run["burst"] == link_burst("1gbit")
+    intra = CostModel(**{k: run["model"][k] for k in ("alpha", "beta", "gamma")}).sharing(share)
+    topology = Topology.of_hosts([0, 0, 1, 1], intra, CostModel(intra.alpha, link_beta("1gbit"), intra.gamma),
+                                 link_burst("1gbit"))
     (row,) = run["rows"]
     assert row["backend_wrong"] == 0 and "hierarchical" in row["algorithms"]
     for name, m in row["algorithms"].items():
