@@ -163,7 +163,7 @@ def race(env, config: dict) -> dict:
 
 
 def _link_details(result: dict) -> str:
-    """How the prediction modelled the link's bucket and the shared cores (runs since 2026-11-25)."""
+    """How the prediction modelled the link's bucket and the shared cores (recorded by runs from 2026-11-24 evening on)."""
     parts = []
     if result.get("burst") is not None:
         parts.append(f"through a {result['burst'] / 1e3:.0f} KB bucket, full at each call's start" if result["burst"]
