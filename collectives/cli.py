@@ -22,6 +22,7 @@ Checks every program makes before its work, each a usage error (exit 2) naming t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import importlib.util
 import json
@@ -108,7 +109,9 @@ def check_outputs(parser, outputs) -> None:
             parser.error(f"{flag} {path}: cannot write there ({exc.strerror or exc})")
         finally:
             if not existed and os.path.exists(path):
-                os.remove(path)
+                # every rank of a torchrun or srun job checks the same path: another may remove it first
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(path)
         stat = os.statvfs(folder)
         if stat.f_bavail * stat.f_frsize < MIN_FREE_BYTES:
             parser.error(f"{flag} {path}: the disk is full ({stat.f_bavail * stat.f_frsize} bytes free in {folder})")

@@ -112,6 +112,24 @@ def test_the_check_neither_truncates_an_existing_output_nor_leaves_a_new_one(tmp
     assert old.read_text() == "earlier results" and not new.exists()
 
 
+def test_another_rank_removing_the_probe_first_is_not_an_error(tmp_path, monkeypatch):
+    """Every rank of a torchrun job on hosts that share a folder checks the same --json path:
+    one may remove the probe file between another's creating and removing it (seen in CI: a
+    FileNotFoundError on node1's rank in tests/multinode/test_delay_and_loss.py)."""
+    import argparse
+
+    real_remove = os.remove
+
+    def removed_first(path):  # the other rank wins the race
+        real_remove(path)
+        real_remove(path)
+
+    monkeypatch.setattr(cli.os, "remove", removed_first)
+    path = tmp_path / "both.json"
+    cli.check_outputs(argparse.ArgumentParser(), {"--json": str(path)})
+    assert not path.exists()
+
+
 def test_a_png_without_matplotlib_is_refused_before_measuring(tmp_path, capsys, monkeypatch, no_spawning):
     real = cli.importlib.util.find_spec
     monkeypatch.setattr(cli.importlib.util, "find_spec", lambda name: None if name == "matplotlib" else real(name))
