@@ -86,14 +86,15 @@ def cpu_share() -> float:
         machine = socket.gethostname()
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, machine)
-    return max(1.0, everyone.count(machine) / len(os.sched_getaffinity(0)))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1.0, everyone.count(machine) / cores)
 
 
 def topology_of(hosts, model: CostModel, link, burst=None, share: float = 1.0):
     """The two-level topology of these ranks (None on one host: the closed forms apply): the
     model within a host, and between hosts the link's rate through a token bucket of `burst`
-    bytes (None: the cluster's bucket at that rate); alpha, beta and gamma scaled for `share`
-    ranks per core (CostModel.sharing; the link's rate is not CPU time)."""
+    bytes of payload (None: the cluster's bucket at that rate); alpha, beta and gamma scaled for
+    `share` ranks per core (CostModel.sharing; the link's rate is not CPU time)."""
     if len(set(hosts)) == 1:
         return None
     if link is None:
@@ -101,8 +102,7 @@ def topology_of(hosts, model: CostModel, link, burst=None, share: float = 1.0):
                          "rate of the link between them, e.g. 1gbit) so that the predictions can model it")
     intra = model.sharing(share)
     inter = CostModel(intra.alpha, link_beta(link), intra.gamma, f"link {link} between hosts")
-    burst = link_burst(link) if burst is None else burst * PAYLOAD_PER_FRAME
-    return Topology.of_hosts(hosts, intra, inter, burst)
+    return Topology.of_hosts(hosts, intra, inter, link_burst(link) if burst is None else burst)
 
 
 def refill_seconds(topology) -> float:
@@ -163,7 +163,7 @@ def race(env, config: dict) -> dict:
 
 
 def _link_details(result: dict) -> str:
-    """How the prediction modelled the link's bucket and the shared cores (recorded by runs from 2026-11-24 evening on)."""
+    """How the prediction modelled the link's bucket and the shared cores (where the run recorded them)."""
     parts = []
     if result.get("burst") is not None:
         parts.append(f"through a {result['burst'] / 1e3:.0f} KB bucket, full at each call's start" if result["burst"]
@@ -353,7 +353,8 @@ def main(argv=None) -> int:
             parser.error(f"--link: {exc}")
     elif args.burst is not None:
         parser.error("--burst is the bucket of the link that --link names; give --link too")
-    config = {k: getattr(args, k) for k in ("collective", "minbytes", "maxbytes", "stepfactor", "link", "burst")}
+    config = {k: getattr(args, k) for k in ("collective", "minbytes", "maxbytes", "stepfactor", "link")}
+    config["burst"] = None if args.burst is None else args.burst * PAYLOAD_PER_FRAME  # tc counts frames' bytes
     result = collectives.run_or_join(race, args.world_size, args=(config,), timeout=6 * 3600)
     if result is None:  # a torchrun/srun rank other than 0: rank 0 reports
         return 0

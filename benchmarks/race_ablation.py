@@ -16,12 +16,12 @@ from __future__ import annotations
 import json
 import sys
 
-import torch
-
-import collectives.algorithms as A
 from collectives import cli
 from collectives.algorithms.cost import CostModel
-from collectives.algorithms.topology import Topology, link_beta
+
+from .algorithms import predict, topology_of
+from .bandwidth import DTYPES
+from .cases import buffer_count
 
 VARIANTS = [("rate alone", False, False), ("bucket", True, False), ("shared cores", False, True),
             ("bucket + shared cores", True, True)]
@@ -30,14 +30,13 @@ VARIANTS = [("rate alone", False, False), ("bucket", True, False), ("shared core
 def score(run: dict, bucket: bool, shared: bool, tolerance: float = 0.2):
     """(predictions within tolerance, of how many, the worst measured/predicted - 1) from 1 MiB."""
     model = CostModel(**{k: run["model"][k] for k in ("alpha", "beta", "gamma")})
-    intra = model.sharing(run.get("cpu_share", 1.0)) if shared else model
-    inter = CostModel(intra.alpha, link_beta(run["link"]), intra.gamma)
-    topology = Topology.of_hosts(run["hosts"], intra, inter, run.get("burst") or 0.0 if bucket else 0.0)
-    n, within, worst = run["world_size"], 0, 0.0
+    topology = topology_of(run["hosts"], model, run["link"], run["burst"] if bucket else 0.0,
+                           run.get("cpu_share", 1.0) if shared else 1.0)
+    dtype, within, worst = DTYPES["float32"], 0, 0.0  # the race's dtype
     cases = [(row, a, m) for row in run["rows"] if row["size"] >= 1 << 20 for a, m in row["algorithms"].items()]
     for row, algorithm, measured in cases:
-        inputs = [torch.zeros(row["size"] // 4, dtype=torch.float32) for _ in range(n)]
-        predicted = A.simulate(row["collective"], algorithm, inputs, model=topology)[1].time
+        count = buffer_count(row["collective"], row["size"], run["world_size"], dtype.itemsize)
+        predicted = predict(row["collective"], algorithm, count, run["world_size"], dtype, model, topology)
         if bucket and shared and abs(predicted - measured["predicted_s"]) > 1e-9 * predicted:
             raise ValueError(f"{algorithm} at {row['size']} B: the run saved the prediction {measured['predicted_s']} s, "
                              f"its model now gives {predicted} s (another cost model or simulator)")

@@ -53,7 +53,7 @@ def _slowest(times: List[float]) -> List[float]:
     return t.tolist()
 
 
-def _exchange(env, sizes: List[int], repeats: int) -> List[Tuple[int, float]]:
+def _exchange(sizes: List[int], repeats: int) -> List[Tuple[int, float]]:
     """Ranks in pairs (0-1, 2-3, ...), every pair at once, both ranks of a pair sending n bytes
     to each other at once (as in every step of the algorithms): the median over repetitions of
     the slowest rank's time for one exchange."""
@@ -76,7 +76,7 @@ def _exchange(env, sizes: List[int], repeats: int) -> List[Tuple[int, float]]:
     return out
 
 
-def _reduce_times(env, sizes: List[int], repeats: int) -> List[Tuple[int, float]]:
+def _reduce_times(sizes: List[int], repeats: int) -> List[Tuple[int, float]]:
     """dst += src on every rank at once: the median of the slowest rank's time."""
     out = []
     for nbytes in sizes:
@@ -92,7 +92,7 @@ def _reduce_times(env, sizes: List[int], repeats: int) -> List[Tuple[int, float]
 
 
 def _measure(env, sizes, reduce_sizes, repeats):
-    return _exchange(env, sizes, repeats), _reduce_times(env, reduce_sizes, repeats)
+    return _exchange(sizes, repeats), _reduce_times(reduce_sizes, repeats)
 
 
 def fit_line(points: List[Tuple[int, float]], relative: bool = True) -> Tuple[float, float]:
@@ -128,9 +128,8 @@ def main(argv=None) -> int:
     pings, reduces = run(_measure, args.world_size, args=(SIZES, REDUCE_SIZES, args.repeats), timeout=3600)[0]
     alpha, beta = fit_line(pings)
     _, gamma = fit_line(reduces, relative=False)
-    ranks = "" if args.world_size == 2 else f", {args.world_size} ranks in pairs"
-    source = (f"python -m collectives.algorithms.fit{'' if args.world_size == 2 else f' --world-size {args.world_size}'}"
-              f", {datetime.date.today().isoformat()}, torch {torch.__version__}{ranks}")
+    flag = "" if args.world_size == 2 else f" --world-size {args.world_size}"
+    source = f"python -m collectives.algorithms.fit{flag}, {datetime.date.today().isoformat()}, torch {torch.__version__}"
     model = CostModel(max(alpha, 0.0), beta, gamma, source)
     print(f"{'bytes':>10} {'exchange us':>11} {'fit us':>9}")
     for n, t in pings:

@@ -51,11 +51,21 @@ def test_burst_and_shared_cores_in_the_topology():
     CPU cost (alpha, beta and gamma within a host, alpha and gamma across) but not the link's rate."""
     bare = algorithms.topology_of([0, 0, 1, 1], MODEL, "1gbit", burst=0)
     assert bare.burst == 0 and algorithms.refill_seconds(bare) == 0.0
-    assert algorithms.topology_of([0, 1], MODEL, "1gbit", burst=1000).burst == pytest.approx(1000 * PAYLOAD_PER_FRAME)
+    assert algorithms.topology_of([0, 1], MODEL, "1gbit", burst=1000).burst == 1000
     shared = algorithms.topology_of([0, 0, 1, 1], MODEL, "1gbit", share=2)
     assert shared.intra == MODEL.sharing(2)
     assert (shared.inter.alpha, shared.inter.beta, shared.inter.gamma) == (2 * MODEL.alpha, link_beta("1gbit"),
                                                                            2 * MODEL.gamma)
+
+
+def test_burst_is_given_in_frames_bytes_and_kept_in_payload_bytes(monkeypatch):
+    """--burst is tc tbf's burst, which counts whole frames; the race models payload."""
+    seen = {}
+    monkeypatch.setattr(algorithms.collectives, "run_or_join", lambda fn, n, args, timeout: seen.update(args[0]))
+    assert algorithms.main(["-c", "all_reduce", "--link", "1gbit", "--burst", "1000"]) == 0
+    assert seen["burst"] == pytest.approx(1000 * PAYLOAD_PER_FRAME) and seen["link"] == "1gbit"
+    algorithms.main(["-c", "all_reduce", "--link", "1gbit"])
+    assert seen["burst"] is None  # topology_of then takes the cluster's bucket
 
 
 def test_burst_needs_the_link(capsys):
