@@ -9,8 +9,8 @@
     if __name__ == "__main__":
         print(collectives.run(hello, world_size=3))   # [6.0, 6.0, 6.0]
 
-`fn` receives the rank's `DistEnv` first, then `args`. It must be defined at module level (the
-ranks are spawned, so they import it). For programs started by torchrun or srun, use
+`fn` receives the rank's `DistEnv` first, then `args`. It must be defined at module level (each
+rank imports the launcher's main module and unpickles `fn` by name). For programs started by torchrun or srun, use
 `collectives.init_from_env()` instead, or `run_or_join`, which does whichever fits:
 
     result = collectives.run_or_join(main_body, world_size=args.nproc, args=(config,))
@@ -36,6 +36,7 @@ def run(
     args: Sequence[Any] = (),
     timeout: float = 300.0,
     threads: int = 1,
+    start_method: Optional[str] = None,
 ) -> List[Any]:
     """Spawn `world_size` ranks, run `fn(env, *args)` on each, return the results in rank order.
 
@@ -47,6 +48,11 @@ def run(
         timeout: seconds the function may run on the ranks; after that every rank's Python stack
             is dumped into the error and all ranks are killed.
         threads: torch threads per rank.
+        start_method: "forkserver" (the default where the platform has it: each rank is forked
+            from a server that imported torch once, so ranks start in tens of milliseconds) or
+            "spawn" (each rank a fresh interpreter that imports torch itself, about a second);
+            COLLECTIVES_START_METHOD sets it for a whole program. Either way a rank starts with
+            the launcher's environment, stdout and stderr as they are at the call.
 
     Raises:
         RankFailure: a rank raised, died or hung; the message leads with the rank that failed
@@ -56,7 +62,7 @@ def run(
             rank starts).
     """
     check_call(fn, args, timeout)
-    pool = RankPool(world_size, backend=backend, threads=threads)
+    pool = RankPool(world_size, backend=backend, threads=threads, start_method=start_method)
     done = False
     try:  # not `with pool`, which starts the ranks: submit pickles (fn, args) first, refusing what cannot go
         result = pool.submit(fn, args=args, timeout=timeout)

@@ -1,7 +1,8 @@
 """A pool of spawned ranks that stay alive and run one function after another.
 
-Spawning ranks costs seconds (each imports torch); sending a function to ranks that are already
-up costs milliseconds. `collectives.run` uses a pool for one call; `collectives.testing` keeps
+Starting ranks costs tens of milliseconds each when they are forked from the fork server, which
+imported torch once (about a second a rank with start_method="spawn", each importing torch
+itself); sending a function to ranks that are already up costs less than a millisecond. `collectives.run` uses a pool for one call; `collectives.testing` keeps
 pools alive across tests. Either way, if any rank raises, dies (signal, os._exit, Gloo's
 SIGABRT) or is still running at the timeout, every rank is stopped with anything it started,
 and the caller gets one `RankFailure` that leads with the rank that failed first and why.
@@ -12,9 +13,10 @@ and the caller gets one `RankFailure` that leads with the rank that failed first
 Nothing outlives the pool, whatever ends it:
 - The ranks join through a TCP store that this process hosts on a free port (no fixed port, no
   rendezvous file to leave behind in /tmp).
-- A reaper process (reaper.py), started before the ranks, kills every process that carries this
-  pool's mark in its environment (the ranks and all they start, a grandchild in a session of its
-  own included) when the pool closes or this process ends in any way, SIGKILL included. It needs
+- A reaper process (reaper.py), started before the ranks and told their pids, kills the ranks,
+  their process groups and every process that carries this pool's mark in its environment (all
+  they start, a grandchild in a session of its own included) when the pool closes or this process
+  ends in any way, SIGKILL included. It needs
   nothing from the ranks, so a rank stuck in a C call that holds Python's lock goes too.
 - Each rank also watches a "lifeline" pipe whose only writer is this process, and kills its own
   process group when it reads end-of-file: the quick path, and the one that covers a rank forked
@@ -27,17 +29,22 @@ What each rank runs is rank_main.py; this file is the parent's side.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import math
 import multiprocessing as mp
 import multiprocessing.connection
+import multiprocessing.forkserver
 import multiprocessing.resource_tracker
+import multiprocessing.spawn
 import multiprocessing.util  # registers its exit handler now, so that ours (below) runs before it
 import os
 import pickle
+import runpy
 import select
 import signal
 import sys
+import threading
 import time
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -62,12 +69,16 @@ class RankPool:
         backend: "gloo", "nccl" or "shm"; None picks NCCL only with one GPU per rank, else Gloo.
         threads: torch threads per rank (1 by default: ranks share the machine's cores).
         start_timeout: seconds to wait for every rank to import torch and join the group.
-        setup: a module-level function each rank calls first, before importing torch (the
+        setup: a module-level function each rank calls first, before its first task (the
             pytest harness installs assertion rewriting this way).
+        start_method: "forkserver" (each rank forked from a server that imported torch once:
+            tens of milliseconds a rank) or "spawn" (a fresh interpreter a rank: about a second
+            each, importing torch); None: COLLECTIVES_START_METHOD if set, else forkserver where
+            the platform has it (see rank_context).
     """
 
     def __init__(self, world_size: int, backend: Optional[str] = None, threads: int = 1, start_timeout: float = 120.0,
-                 setup: Optional[Callable[[], None]] = None):
+                 setup: Optional[Callable[[], None]] = None, start_method: Optional[str] = None):
         _check_world_size(world_size)
         if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 0):
             raise ValueError(f"threads must be a non-negative int (0: torch's default), got {threads!r}")
@@ -79,6 +90,7 @@ class RankPool:
         self.threads = threads
         self.start_timeout = start_timeout
         self.setup = setup
+        self.start_method = start_method_for(start_method)
         self._procs: List[mp.process.BaseProcess] = []
         self._conns: List[mp.connection.Connection] = []
         self._stacks: List[mp.connection.Connection] = []
@@ -112,11 +124,13 @@ class RankPool:
         # The rendezvous: a TCP store on a free port of this process, gone when this process is.
         self._store = dist.TCPStore("127.0.0.1", 0, self.world_size, True, wait_for_workers=False,
                                     timeout=datetime.timedelta(seconds=self.start_timeout))
-        ctx = mp.get_context("spawn")
+        ctx = rank_context(self.start_method)
         lifeline_reader, self._lifeline = ctx.Pipe(duplex=False)
         # multiprocessing's resource tracker serves this process beyond the pool: start it unmarked
         # (it exits by itself once every process holding its pipe, the ranks included, is gone).
         multiprocessing.resource_tracker.ensure_running()
+        if self.start_method == "forkserver":  # started (once) before the mark is set: no pool's mark is its
+            multiprocessing.forkserver.ensure_running()
         self._reaper = Reaper()
         os.environ[self._reaper.mark] = "1"  # the spawned ranks inherit it, and pass it to all they start
         try:
@@ -127,11 +141,12 @@ class RankPool:
                 proc = ctx.Process(
                     target=_rank_main,
                     args=(rank, self.world_size, self.backend, self._store.port, child, stack_writer, lifeline_reader,
-                          os.getpid(), self.threads, self.setup, recorder_child),
+                          self.threads, self.setup, recorder_child),
                     daemon=False,  # a rank may start processes of its own (DataLoader workers); see _LIVE
                     name=f"rank{rank}",
                 )
-                proc.start()
+                with _started_as_if_spawned(self.start_method):
+                    proc.start()
                 child.close()
                 stack_writer.close()
                 recorder_child.close()
@@ -139,6 +154,7 @@ class RankPool:
                 self._procs.append(proc)
                 self._conns.append(parent)
                 self._stacks.append(stack_reader)
+                self._reaper.watch(proc.pid)  # a forked rank does not carry the mark: name it
         finally:
             del os.environ[self._reaper.mark]
             lifeline_reader.close()
@@ -375,6 +391,76 @@ class RankPool:
             if all(raw.values()):
                 time.sleep(0.05)  # let the last threads' frames arrive
         return {rank: clean_stack(text.decode(errors="replace")) for rank, text in raw.items() if text}
+
+
+START_METHODS = ("forkserver", "spawn")
+# What the fork server imports once, before it forks any rank: the seconds each spawned rank
+# would spend importing them itself.
+PRELOAD = ["torch", "torch.distributed"]
+
+
+def start_method_for(start_method: Optional[str] = None) -> str:
+    """The start method a pool uses: the one asked for, else COLLECTIVES_START_METHOD, else
+    forkserver where multiprocessing has it (Linux, macOS), else spawn."""
+    chosen = start_method or os.environ.get("COLLECTIVES_START_METHOD") or (
+        "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn")
+    if chosen not in START_METHODS:
+        where = "start_method" if start_method else "COLLECTIVES_START_METHOD"
+        raise ValueError(f"{where} must be one of {', '.join(START_METHODS)}, got {chosen!r}")
+    return chosen
+
+
+def rank_context(start_method: str):
+    """multiprocessing's context that starts the ranks.
+
+    forkserver: multiprocessing starts one server process per launcher, which imports torch
+    once; each rank is a fork of it, so a rank starts without importing torch again. The server
+    has no threads and has initialised nothing (no process group, no CUDA), which is what makes
+    forking it safe; it exits when the launcher does. spawn: each rank is a fresh interpreter.
+    With either, a rank imports the launcher's main module first (so a script calls run() under
+    `if __name__ == "__main__":`) and takes the launcher's environment as it was at the start.
+    """
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+AS_SPAWNED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "as_spawned.py")
+_PREPARING = threading.Lock()
+
+
+class _AsSpawned:
+    """Unpickled first in a forked rank (it leads multiprocessing's preparation data), this runs
+    as_spawned.py there with the launcher's environment, stdout and stderr as they are now."""
+
+    def __init__(self, environ: Dict[str, str]):
+        self.environ = environ
+
+    def __reduce__(self):
+        from multiprocessing.reduction import DupFd  # descriptors passed along with the rank's own
+
+        return runpy.run_path, (AS_SPAWNED, {"environ": self.environ, "std_fds": [DupFd(1), DupFd(2)]})
+
+
+@contextlib.contextmanager
+def _started_as_if_spawned(start_method: str):
+    """While a rank starts: multiprocessing's preparation data (what a new rank unpickles before
+    it imports the launcher's main module) leads with _AsSpawned. Spawned ranks need nothing."""
+    if start_method != "forkserver":
+        yield
+        return
+    with _PREPARING:
+        original = mp.spawn.get_preparation_data
+
+        def preparation_data(name):
+            return {"collectives_as_spawned": _AsSpawned(dict(os.environ)), **original(name)}
+
+        mp.spawn.get_preparation_data = preparation_data
+        try:
+            yield
+        finally:
+            mp.spawn.get_preparation_data = original
 
 
 def _not_while_a_rank_imports_main() -> None:

@@ -1,8 +1,11 @@
-"""What each spawned rank of a RankPool (pool.py) runs, from spawn to exit.
+"""What each rank of a RankPool (pool.py) runs, from its start to its exit.
 
-    mp.get_context("spawn").Process(target=_rank_main, args=(rank, world_size, backend, store_port,
-                                                             conn, stack_writer, lifeline, parent_pid,
-                                                             threads, setup, recorder))
+    ctx.Process(target=_rank_main, args=(rank, world_size, backend, store_port, conn, stack_writer,
+                                         lifeline, threads, setup, recorder))
+
+`ctx` is multiprocessing's forkserver (a server that imported torch once forks each rank) or its
+spawn context (each rank a fresh interpreter); see pool.rank_context. A forked rank has already
+taken the launcher's environment, stdout and stderr when this runs (as_spawned.py).
 
 A rank puts itself in a process group of its own (so it and everything it starts can be killed
 together), watches the parent's lifeline pipe in a daemon thread (end-of-file: the parent is
@@ -36,15 +39,22 @@ def _kill_own_group(*_):
     os.killpg(os.getpgrp(), signal.SIGKILL)  # this rank and every process it started
 
 
+def _parent_gone(lifeline, wait: float) -> bool:
+    """Whether the launcher has ended: its lifeline pipe, of which it holds the only writer and
+    never writes, reads end-of-file (select says "ready")."""
+    try:
+        ready, _, _ = select.select([lifeline.fileno()], [], [], wait)
+    except (OSError, ValueError):
+        return True
+    return bool(ready)
+
+
 def _watch_parent(lifeline, parent_pid: int) -> None:
-    """Runs in a daemon thread of each rank: when the parent is gone, take the rank down."""
-    fd = lifeline.fileno()
+    """Runs in a daemon thread of each rank: when the parent is gone, take the rank down.
+    `parent_pid` is the rank's parent process when it started (the launcher, or the fork server,
+    which exits with the launcher): a rank re-parented elsewhere has lost it too."""
     while True:
-        try:
-            ready, _, _ = select.select([fd], [], [], PARENT_POLL_S)
-        except (OSError, ValueError):
-            ready = [fd]
-        if ready or os.getppid() != parent_pid:  # the only writer closed: the parent has ended
+        if _parent_gone(lifeline, PARENT_POLL_S) or os.getppid() != parent_pid:
             _kill_own_group()
 
 
@@ -68,14 +78,13 @@ def _answer_flight_record_requests(recorder) -> None:
             return
 
 
-def _rank_main(rank, world_size, backend, store_port, conn, stack_writer, lifeline, parent_pid, threads, setup,
-               recorder):
-    """Body of one spawned rank: join the group, then run what the parent sends until None."""
-    compile_cache_outside_tmp()  # before torch's optimizers import torch._dynamo
+def _rank_main(rank, world_size, backend, store_port, conn, stack_writer, lifeline, threads, setup, recorder):
+    """Body of one rank: join the group, then run what the parent sends until None."""
     os.setpgid(0, 0)  # own process group, so the rank and its children can be killed together
+    compile_cache_outside_tmp()  # before torch's optimizers import torch._dynamo
     signal.signal(signal.SIGTERM, _kill_own_group)
-    threading.Thread(target=_watch_parent, args=(lifeline, parent_pid), daemon=True, name="parent-watch").start()
-    if os.getppid() != parent_pid:  # the parent died while this rank was starting
+    threading.Thread(target=_watch_parent, args=(lifeline, os.getppid()), daemon=True, name="parent-watch").start()
+    if _parent_gone(lifeline, 0):  # the launcher died while this rank was starting
         _kill_own_group()
     faulthandler.register(signal.SIGUSR1, file=stack_writer.fileno(), all_threads=True)
     faulthandler.enable(file=stack_writer.fileno(), all_threads=True)  # then the signal kills the rank as before

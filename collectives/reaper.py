@@ -2,19 +2,28 @@
 however the pool ends, without asking any rank to do it.
 
     python -I -S collectives/reaper.py MARK     # stdin: a pipe whose only writer is the launcher
+                                                # (the ranks' pids, one a line)
 
 The launcher (pool.py) starts the reaper first, then starts its ranks with `MARK=1` in their
-environment. Every process a rank starts inherits that environment: DataLoader workers, a
-`subprocess` child, a grandchild that left for a session of its own (`start_new_session=True`),
-a nested pool's ranks. When the reaper's stdin reads end-of-file (the launcher closed the pool,
-or died in any way, SIGKILL included) it SIGKILLs every process whose environment, as
-`/proc/PID/environ` shows it, holds the mark, and scans again until a scan finds none.
+environment, and writes each rank's pid to the reaper's stdin, one a line. Every process a rank
+starts inherits that environment: DataLoader workers, a `subprocess` child, a grandchild that
+left for a session of its own (`start_new_session=True`), a nested pool's ranks. When the
+reaper's stdin reads end-of-file (the launcher closed the pool, or died in any way, SIGKILL
+included) it SIGKILLs every process whose environment, as `/proc/PID/environ` shows it, holds the
+mark, and every process in a rank's process group (each rank leads one), and scans again until a
+scan finds none.
+
+Why the pids as well: `/proc/PID/environ` is the environment a process was *exec'd* with. A rank
+forked from the fork server (pool.rank_context) and whatever it forks without exec (DataLoader
+workers) show the server's, which has no mark; they stay in the rank's process group, and what
+they exec carries the mark again.
 
 Why not something inside the ranks: a rank's watcher thread needs the rank's interpreter, and a
 rank in one long C call that holds Python's global lock never runs it; a process group misses a
 grandchild in a session of its own; PR_SET_PDEATHSIG kills only the rank, and fires when the
 *thread* that started it exits. The mark is Jenkins' ProcessTreeKiller idea (it marks builds with
-BUILD_ID). What escapes it: a process that starts a child with an empty environment (`env -i`).
+BUILD_ID). What escapes it: a process that starts a child with an empty environment (`env -i`), and, with
+forked ranks, a process a rank forks without exec that then leaves the rank's process group.
 Needs /proc (Linux); elsewhere the reaper exits at once and the ranks' process groups are all
 that is killed.
 
@@ -49,13 +58,31 @@ def marked(mark: bytes):
     return found
 
 
-def sweep(mark: bytes, give_up_after: float = 10.0) -> int:
-    """SIGKILL every marked process until a scan finds none (and, once something was killed, a
-    second scan SETTLE_S later finds none too); returns how many were killed."""
+def in_groups(groups):
+    """Pids of the processes whose process group is one of `groups` (a set of process group ids)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                pgrp = int(f.read().rsplit(")", 1)[1].split()[2])
+        except (OSError, IndexError, ValueError):
+            continue
+        if pgrp in groups:
+            found.append(int(entry))
+    return found
+
+
+def sweep(mark: bytes, ranks=(), give_up_after: float = 10.0) -> int:
+    """SIGKILL every marked process, and every rank in `ranks` with its process group, until a
+    scan finds none (and, once something was killed, a second scan SETTLE_S later finds none too);
+    returns how many were killed."""
     killed, settled = set(), False
+    ranks = set(ranks) - {os.getpid()}
     deadline = time.monotonic() + give_up_after
     while time.monotonic() < deadline:
-        pids = marked(mark)
+        pids = sorted(set(marked(mark)) | (set(in_groups(ranks)) | {p for p in ranks if _exists(p)}) - {os.getpid()})
         for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -73,6 +100,15 @@ def sweep(mark: bytes, give_up_after: float = 10.0) -> int:
     return len(killed)
 
 
+def _exists(pid: int) -> bool:
+    """A process with this pid is there and not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 class Reaper:
     """The launcher's handle: `Reaper()` starts the process; put `reaper.mark` in the environment
     of what it must clean up after; `reaper.sweep_now()` closes the pipe and waits for the sweep."""
@@ -82,6 +118,15 @@ class Reaper:
         env = {k: v for k, v in os.environ.items() if not k.startswith(MARK_PREFIX)}  # the reaper is nobody's target
         self._proc = subprocess.Popen([sys.executable, "-I", "-S", os.path.abspath(__file__), self.mark],
                                       stdin=subprocess.PIPE, env=env, start_new_session=True)
+
+    def watch(self, pid: int) -> None:
+        """Kill this rank, and its process group, too when the sweep comes."""
+        if self._proc.stdin and not self._proc.stdin.closed:
+            try:
+                self._proc.stdin.write(f"{pid}\n".encode())
+                self._proc.stdin.flush()
+            except (BrokenPipeError, OSError):  # the reaper is gone: the ranks' own lifelines remain
+                pass
 
     def sweep_now(self, timeout: float = 15.0) -> None:
         if self._proc.stdin and not self._proc.stdin.closed:
@@ -101,9 +146,11 @@ def main(argv) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the launcher; the reaper cleans up after it
     if not os.path.isdir("/proc"):
         return 0
-    while sys.stdin.buffer.read(4096):  # the launcher writes nothing; end-of-file is the signal
-        pass
-    sweep(f"{argv[1]}=1".encode())
+    ranks = set()
+    for line in sys.stdin.buffer:  # the ranks' pids; end-of-file is the signal
+        if line.strip().isdigit():
+            ranks.add(int(line))
+    sweep(f"{argv[1]}=1".encode(), ranks)
     return 0
 
 

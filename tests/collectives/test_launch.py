@@ -29,8 +29,59 @@ def _who(env, k):
     return env.rank, env.world_size, env.backend, str(env.device), torch.get_num_threads(), t.item() * k
 
 
-def test_results_come_back_in_rank_order():
-    assert C.run(_who, world_size=3, args=(2,)) == [(r, 3, "gloo", "cpu", 1, 12.0) for r in range(3)]
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_results_come_back_in_rank_order(start_method):
+    assert C.run(_who, world_size=3, args=(2,), start_method=start_method) == [
+        (r, 3, "gloo", "cpu", 1, 12.0) for r in range(3)]
+
+
+IMPORTED_WITH = os.environ.get("COLLECTIVES_TEST_SET_LATE")  # read as a rank imports this module
+
+
+def _as_a_spawned_rank_sees_it(env):
+    import tempfile
+
+    import numpy as np
+
+    print(f"rank {env.rank} to stdout", flush=True)
+    print(f"rank {env.rank} to stderr", file=sys.stderr, flush=True)
+    return IMPORTED_WITH, os.environ.get("COLLECTIVES_TEST_SET_LATE"), tempfile.gettempdir(), int(np.random.randint(1 << 30))
+
+
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_a_rank_starts_with_the_launchers_environment_and_output_as_they_are_now(start_method, monkeypatch, tmp_path):
+    """A forked rank would have the fork server's environment and output, from when the server
+    started (before the changes below): the variable set now, seen at import and after; the
+    temporary folder from TMPDIR now; output where this process's stdout and stderr go now;
+    numpy's global random state drawn afresh in each rank, as in a fresh interpreter."""
+    C.run(_who, world_size=1, args=(1,), start_method=start_method)  # the server is up before the changes
+    monkeypatch.setenv("COLLECTIVES_TEST_SET_LATE", "now")
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    saved = os.dup(1), os.dup(2)
+    files = [open(tmp_path / name, "wb") for name in ("out", "err")]
+    try:
+        for fd, f in zip((1, 2), files):
+            os.dup2(f.fileno(), fd)
+        got = C.run(_as_a_spawned_rank_sees_it, world_size=2, start_method=start_method)
+    finally:
+        for fd, old in zip((1, 2), saved):
+            os.dup2(old, fd)
+            os.close(old)
+        for f in files:
+            f.close()
+    assert [g[:3] for g in got] == [("now", "now", str(tmp_path))] * 2, got
+    assert got[0][3] != got[1][3], "both ranks drew the same numpy random numbers"
+    out, err = (tmp_path / "out").read_text(), (tmp_path / "err").read_text()
+    assert "rank 0 to stdout" in out and "rank 1 to stdout" in out, out
+    assert "rank 0 to stderr" in err and "rank 1 to stderr" in err, err
+
+
+def test_a_start_method_that_does_not_exist_is_refused(monkeypatch):
+    with pytest.raises(ValueError, match="start_method must be one of forkserver, spawn, got 'fork'"):
+        C.run(_who, world_size=1, args=(1,), start_method="fork")
+    monkeypatch.setenv("COLLECTIVES_START_METHOD", "thread")
+    with pytest.raises(ValueError, match="COLLECTIVES_START_METHOD must be one of forkserver, spawn, got 'thread'"):
+        C.run(_who, world_size=1, args=(1,))
 
 
 def _fail(env, how, pid_dir):
@@ -192,7 +243,7 @@ def start_and_kill(argv, sig, ready, tmp_path, env=None):
     return below, tmp
 
 
-def kill_launcher_script(source: str, sig, tmp_path, ranks: int = 2):
+def kill_launcher_script(source: str, sig, tmp_path, ranks: int = 2, env=None):
     """Run `source` as `python launcher.py PID_DIR`; once each of its `ranks` ranks has written
     PID_DIR/rankN.pid, kill the launcher with `sig`. Returns (the processes below it, pid_dir, tmp)."""
     script = tmp_path / "launcher.py"
@@ -204,13 +255,14 @@ def kill_launcher_script(source: str, sig, tmp_path, ranks: int = 2):
         files = list(pid_dir.glob("*.pid"))
         return len(files) == ranks and all(p.read_text() for p in files)
 
-    below, tmp = start_and_kill([sys.executable, str(script), str(pid_dir)], sig, ready, tmp_path)
+    below, tmp = start_and_kill([sys.executable, str(script), str(pid_dir)], sig, ready, tmp_path, env=env)
     return below, pid_dir, tmp
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
-def test_ranks_die_with_a_killed_launcher(sig, tmp_path):
-    below, pid_dir, tmp = kill_launcher_script(LAUNCHER, sig, tmp_path)
+@pytest.mark.parametrize("sig, start_method", [(signal.SIGKILL, "forkserver"), (signal.SIGTERM, "forkserver"),
+                                               (signal.SIGKILL, "spawn")])
+def test_ranks_die_with_a_killed_launcher(sig, start_method, tmp_path):
+    below, pid_dir, tmp = kill_launcher_script(LAUNCHER, sig, tmp_path, env={"COLLECTIVES_START_METHOD": start_method})
     ranks_and_children = _pids_in(pid_dir)
     assert set(ranks_and_children) <= set(below)
     assert len(below) >= 5  # 2 ranks, their 2 children, multiprocessing's resource tracker
@@ -239,10 +291,15 @@ STUCK_LAUNCHER = textwrap.dedent("""
 """)
 
 
-def test_nothing_outlives_a_killed_launcher_even_a_rank_that_holds_the_gil_or_a_detached_grandchild(tmp_path):
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_nothing_outlives_a_killed_launcher_even_a_rank_that_holds_the_gil_or_a_detached_grandchild(start_method,
+                                                                                                    tmp_path):
     """Seen surviving a SIGKILLed launcher before the reaper: a rank stuck in a GIL-holding call,
-    the grandchild in its own session, and the launcher's resource tracker (kept alive by them)."""
-    below, pid_dir, _ = kill_launcher_script(STUCK_LAUNCHER, signal.SIGKILL, tmp_path)
+    the grandchild in its own session, and the launcher's resource tracker (kept alive by them).
+    A spawned rank carries the reaper's mark in its environment; a forked one is named to the
+    reaper by its pid."""
+    below, pid_dir, _ = kill_launcher_script(STUCK_LAUNCHER, signal.SIGKILL, tmp_path,
+                                             env={"COLLECTIVES_START_METHOD": start_method})
     pids = _pids_in(pid_dir)
     assert len(pids) == 3 and set(pids) <= set(below)
     assert os.getsid(pids[2]) == pids[2]  # the grandchild really did leave the rank's session

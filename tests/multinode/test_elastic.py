@@ -7,9 +7,12 @@ training CLI with a checkpoint every 8 steps and --auto-resume.
   2.13's default (the agent's rendezvous store shared with the workers) the restarted ranks read
   the previous attempt's Gloo addresses and could not connect in 2 runs of 3 here
   (pytorch/pytorch#135712); collectives.env then says so in one line.
-- The second host gone (its agent and workers SIGKILLed): measured, torch scales the job down
-  to the first host (2 ranks) after ~45 s and restarts it; our side refuses to resume a 4-rank
-  checkpoint on 2 ranks in one line, the agent uses up --max-restarts and exits 1.
+- The second host gone (its agent and workers SIGKILLed): torch scales the job down to the
+  first host (2 ranks) once the dead host's keep-alive lapses and the round's last call ends, and
+  restarts it; our side refuses to resume a 4-rank checkpoint on 2 ranks in one line, the agent
+  uses up --max-restarts and exits 1. With torch's defaults that takes ~90 s (a 15 s keep-alive,
+  then a 30 s last call in each of the three rounds on one host); the test shortens both
+  (FAST_RENDEZVOUS), which changes when torch scales down, not what it does.
 - Only the second host's agent SIGKILLed (its workers left running, as torchrun starts them in
   sessions of their own): nothing restarts, the run finishes bitwise as the uninterrupted one,
   each orphaned worker says in one line that its agent is gone (collectives/agent_watch.py), and
@@ -36,6 +39,12 @@ pytestmark = needs_hosts
 # 4 ranks x 16 images: 128 steps an epoch, ~4 s here; long enough to kill a worker mid-epoch
 TRAIN = ["-m", "ddp_from_scratch.train", "--model", "small", "--synthetic", "--train-size", "8192", "--test-size", "64",
          "--batch-size", "16", "--epochs", "2"]
+
+
+# The host-gone test's rendezvous: a host is dead after 3 missed 1 s keep-alives (torch: 3 x 5 s),
+# and a round with fewer than --nnodes' maximum closes 10 s after the minimum joined (torch: 30 s).
+# 10 s is the margin for node1's agent to join the first round after node0's, both started together.
+FAST_RENDEZVOUS = ("--rdzv-conf", "keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=10")
 
 
 def _elastic(hosts, folder, rdzv_id, extra=()):
@@ -106,7 +115,7 @@ def test_a_worker_killed_on_host_2_restarts_the_group_and_ends_bitwise(hosts, tm
 
 
 def test_a_host_gone_scales_down_and_our_side_says_so_in_one_line(hosts, tmp_path):
-    procs = _elastic(hosts, tmp_path / "ckpt", "elastic-host")
+    procs = _elastic(hosts, tmp_path / "ckpt", "elastic-host", FAST_RENDEZVOUS)
     try:
         _wait_for_checkpoint_step(tmp_path / "ckpt", 16, procs)
         for pid in _pids("node1", agent=True) + _pids("node1", agent=False):

@@ -1,0 +1,29 @@
+"""Make a rank forked from the fork server start as a spawned rank would: run by path, first thing
+in the rank, before multiprocessing imports the launcher's main module or this package.
+
+    runpy.run_path(".../collectives/as_spawned.py", {"environ": {...}, "std_fds": [DupFd, DupFd]})
+
+A spawned rank is a fresh interpreter exec'd by the launcher as the launcher is at that moment:
+its environment, its stdout and stderr. A fork of the fork server (pool.rank_context) has the
+server's instead, from when the server started: a variable set since (monkeypatch.setenv,
+os.environ[...] = ... before collectives.run) would be missing where a module reads it at import,
+and output would go where the launcher's output went back then (pytest captures per test).
+The launcher puts `Start(environ)` first in multiprocessing's preparation data, which the rank
+unpickles before anything else; unpickling runs this file with the launcher's environment and
+its stdout and stderr as descriptors, and this file puts them in place. (The server imports
+torch and nothing else, so no random state or cached temporary folder is shared by the forks:
+numpy's global random state and tempfile's folder are made in each rank on first use, as in a
+fresh interpreter; tests/collectives/test_launch.py checks both.)
+
+Stdlib only, so that running it imports nothing that reads the environment too early.
+"""
+
+import os
+
+if os.environ != environ:  # noqa: F821 - given by the caller (runpy's init_globals)
+    os.environ.clear()
+    os.environ.update(environ)  # noqa: F821
+for _target, _fd in zip((1, 2), (fd.detach() for fd in std_fds)):  # noqa: F821
+    if _fd != _target:
+        os.dup2(_fd, _target)
+        os.close(_fd)
