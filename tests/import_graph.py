@@ -32,7 +32,7 @@ LAYERS = [
     ("checks, environment, wrappers, launcher",
      ["collectives.checks", "collectives.checked_mode", "collectives.env", "collectives.exchange",
       "collectives.groups", "collectives.ops", "collectives.launch", "collectives.pool", "collectives.rank_main",
-      "collectives.rank_report", "collectives.reaper", "collectives.flight_recorder",
+      "collectives.rank_report", "collectives.reaper", "collectives.as_spawned", "collectives.flight_recorder",
       "collectives.testing", "collectives"]),
     ("from-scratch algorithms", ["collectives.algorithms", "collectives.algorithms.*"]),
     ("programs on the collectives", ["collectives.demo", "collectives.slurm_cluster", "collectives.wire",

@@ -39,8 +39,10 @@ def slurm():
     cluster.down()
 
 
-def _on_node0(argv, timeout=120):
-    out = cluster.run_on("node0", argv, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+def _on_node0(argv, timeout=120, path=None):
+    # the job scripts run $PYTHON: this interpreter, whether or not its venv is on PATH
+    env = {**os.environ, "PYTHON": sys.executable, **({"PATH": path} if path else {})}
+    out = cluster.run_on("node0", argv, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     return out.stdout
 
@@ -58,8 +60,14 @@ def test_sbatch_of_the_shipped_script_is_bitwise_one_host(slurm, tmp_path):
     alone = subprocess.run([sys.executable, "-m", "ddp_from_scratch.train", *TRAIN, "--nproc", "4"],
                            capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert alone.returncode == 0, alone.stderr[-2000:]
+    # a `python` first on PATH that is not this interpreter (as when the tests run as venv/bin/python
+    # without the venv activated): the job must not use it
+    other = tmp_path / "bin"
+    other.mkdir()
+    (other / "python").write_text("#!/bin/sh\necho 'the python on PATH ran' >&2\nexit 3\n")
+    (other / "python").chmod(0o755)
     said = _on_node0(["sbatch", "--parsable", f"--output={tmp_path}/train-%j.out", f"--chdir={ROOT}",
-                      "docs/slurm/train.sbatch", *TRAIN])
+                      "docs/slurm/train.sbatch", *TRAIN], path=f"{other}:{os.environ['PATH']}")
     job = said.strip().split(";")[0]
     _wait_gone(job)
     text = (tmp_path / f"train-{job}.out").read_text()
