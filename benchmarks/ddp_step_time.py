@@ -1,6 +1,7 @@
 """Training step time: torch's DDP against our naive, flat and bucketed wrappers, side by side.
 
     python -m benchmarks.ddp_step_time                        # ResNet-50, batch 32 per rank, 2 ranks
+    python -m benchmarks.ddp_step_time --model small --rounds 3 --caps --skip-table   # a quick look
     python -m benchmarks.ddp_step_time --json benchmarks/results/ddp-step-time.json --rounds 21
 
 In each round every variant does one full training step (zero_grad, forward, backward, SGD step)
@@ -35,7 +36,7 @@ from torch import nn
 import collectives
 from collectives import cli
 from collectives.cli import command
-from ddp_from_scratch.resnet import resnet50
+from ddp_from_scratch.models import MODELS
 from ddp_from_scratch.wrap import wrap
 
 
@@ -46,14 +47,18 @@ MAIN_VARIANTS = {"torch": ("torch", ("torch", None)), "control": ("torch again (
                  "no_timeline": ("bucketed, timeline=False", ("bucketed", None, False))}
 
 
-def _make(kind: str, cap: Optional[float], timeline: bool = True):
+# branchy is left out: a head no rank uses needs find_unused_parameters, which these variants do not set
+MODEL_NAMES = {"resnet50": "ResNet-50", "small": "the small CNN (ddp_from_scratch.models.SmallNet)"}
+
+
+def _make(model: str, kind: str, cap: Optional[float], timeline: bool = True):
     torch.manual_seed(0)
-    return wrap(resnet50(num_classes=10), kind, bucket_cap_mb=cap, timeline=None if timeline else False)
+    return wrap(MODELS[model](), kind, bucket_cap_mb=cap, timeline=None if timeline else False)
 
 
-def _steps(env, variants, rounds: int, batch: int, amp: bool):
+def _steps(env, model, variants, rounds: int, batch: int, amp: bool):
     """{variant label: [slowest-rank seconds per step, one per round]}, variants alternated step by step."""
-    return alternate_steps(env, {label: _make(*spec) for label, spec in variants.items()}, rounds, batch, amp)
+    return alternate_steps(env, {label: _make(model, *spec) for label, spec in variants.items()}, rounds, batch, amp)
 
 
 def alternate_steps(env, models: Dict[str, nn.Module], rounds: int, batch: int, amp: bool = False,
@@ -103,9 +108,9 @@ def summarise(times: Dict[str, List[float]], reference: str) -> Dict[str, Dict[s
     return out
 
 
-def _run(world_size, variants, rounds, batch, amp=False):
+def _run(model, world_size, variants, rounds, batch, amp=False):
     print(f"  {world_size} rank(s): {', '.join(variants)}{' (amp)' if amp else ''} ...", file=sys.stderr, flush=True)
-    return collectives.run(_steps, world_size, args=(variants, rounds, batch, amp), timeout=7200)[0]
+    return collectives.run(_steps, world_size, args=(model, variants, rounds, batch, amp), timeout=7200)[0]
 
 
 def _ratio(entry) -> str:
@@ -115,6 +120,7 @@ def _ratio(entry) -> str:
 @command
 def main(argv=None) -> int:
     parser = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=list(MODEL_NAMES), default="resnet50", help="the model trained (default resnet50)")
     parser.add_argument("--rounds", type=int, default=11, help="timed steps per variant (alternated)")
     parser.add_argument("--batch-size", type=int, default=32, help="images per rank per step")
     parser.add_argument("--caps", type=float, nargs="*", default=[1, 5, 25, 100],
@@ -130,17 +136,17 @@ def main(argv=None) -> int:
            "'/ torch' is the median of the per-round ratios, with quartiles")
 
     main_variants = dict(v for k, v in MAIN_VARIANTS.items() if k == "torch" or k in args.variants)
-    med = summarise(_run(2, main_variants, args.rounds, args.batch_size), "torch")
+    med = summarise(_run(args.model, 2, main_variants, args.rounds, args.batch_size), "torch")
     report["comparison"] = med
     rows = [[label, f"{e['median_s']:.3f}", _ratio(e)] for label, e in med.items()]
-    print(f"ResNet-50, batch {args.batch_size} per rank, 2 Gloo ranks with one thread each, slowest rank, "
+    print(f"{MODEL_NAMES[args.model]}, batch {args.batch_size} per rank, 2 Gloo ranks with one thread each, slowest rank, "
           f"default bucket_cap_mb (synthetic data); {how}")
     print(tabulate(rows, headers=["variant", "s / step", "/ torch"]))
     print("'torch again' is a second, identical torch DDP: its ratio shows how far noise alone moves a ratio.")
 
     sweep = {}
     for cap in args.caps:
-        sweep[cap] = summarise(_run(2, {"torch": ("torch", cap), "bucketed": ("bucketed", cap)}, args.rounds,
+        sweep[cap] = summarise(_run(args.model, 2, {"torch": ("torch", cap), "bucketed": ("bucketed", cap)}, args.rounds,
                                     args.batch_size), "torch")
     if sweep:
         report["bucket_cap_sweep"] = {f"{cap:g}": v for cap, v in sweep.items()}
@@ -151,11 +157,11 @@ def main(argv=None) -> int:
 
     if not args.skip_table:
         pair = {"torch": ("torch", None), "bucketed": ("bucketed", None)}
-        table = {"one process": summarise(_run(1, pair, args.rounds, args.batch_size), "torch"),
+        table = {"one process": summarise(_run(args.model, 1, pair, args.rounds, args.batch_size), "torch"),
                  "DDP, 2 ranks": ({k: med[k] for k in pair} if "bucketed" in med else
-                                  summarise(_run(2, pair, args.rounds, args.batch_size), "torch")),
-                 "DDP, 4 ranks": summarise(_run(4, pair, args.rounds, args.batch_size), "torch"),
-                 "DDP, 2 ranks + AMP (bf16)": summarise(_run(2, pair, args.rounds, args.batch_size, amp=True), "torch")}
+                                  summarise(_run(args.model, 2, pair, args.rounds, args.batch_size), "torch")),
+                 "DDP, 4 ranks": summarise(_run(args.model, 4, pair, args.rounds, args.batch_size), "torch"),
+                 "DDP, 2 ranks + AMP (bf16)": summarise(_run(args.model, 2, pair, args.rounds, args.batch_size, amp=True), "torch")}
         report["seeds_table"] = table
         print("\nthe seeds' table, per step (images per step = batch x ranks); 2 CPU cores shared by all ranks")
         print(tabulate([[cfg, f"{t['torch']['median_s']:.3f}", f"{t['bucketed']['median_s']:.3f}", _ratio(t["bucketed"])]

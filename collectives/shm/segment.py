@@ -80,12 +80,18 @@ def sweep() -> int:
     return removed
 
 
-def leftovers() -> list:
-    """This package's entries in /dev/shm (the tests count them)."""
+def leftovers(pids=None) -> list:
+    """This package's entries in /dev/shm (the tests count them); with `pids`, only those that
+    these processes created (a segment's name carries its creator's pid), so that a test is not
+    confused by segments of other runs on the machine."""
     try:
-        return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(PREFIX))
+        names = sorted(n for n in os.listdir(SHM_DIR) if n.startswith(PREFIX))
     except OSError:
         return []
+    if pids is None:
+        return names
+    made_by = {f"{PREFIX}-{pid}-" for pid in pids}
+    return [n for n in names if n[: n.rindex("-") + 1] in made_by]
 
 
 class Segment:

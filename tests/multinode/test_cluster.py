@@ -51,13 +51,10 @@ def test_the_hosts_reach_each_other_and_nothing_else(hosts):
 
 
 @pytest.mark.parametrize("impl", ["bucketed", "torch"])
-def test_training_on_two_hosts_is_bitwise_four_ranks_on_one(hosts, impl):
-    one = subprocess.run([sys.executable, *TRAIN, "--impl", impl, "--nproc", "4"], capture_output=True, text=True,
-                         timeout=300)
-    assert one.returncode == 0, one.stderr[-3000:]
+def test_training_on_two_hosts_is_bitwise_four_ranks_on_one(hosts, impl, one_host):
     out = _torchrun_on_both(hosts, [*TRAIN, "--impl", impl], rdzv_id=f"train-{impl}")
     two = _summary(out[0] if "weights_sha256" in out[0] else out[1])
-    alone = _summary(one.stdout)
+    alone = one_host([*TRAIN[2:], "--impl", impl])
     assert two["world_size"] == alone["world_size"] == 4
     assert two["weights_sha256"] == alone["weights_sha256"], (two, alone)
 

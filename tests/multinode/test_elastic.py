@@ -10,9 +10,10 @@ training CLI with a checkpoint every 8 steps and --auto-resume.
 - The second host gone (its agent and workers SIGKILLed): torch scales the job down to the
   first host (2 ranks) once the dead host's keep-alive lapses and the round's last call ends, and
   restarts it; our side refuses to resume a 4-rank checkpoint on 2 ranks in one line, the agent
-  uses up --max-restarts and exits 1. With torch's defaults that takes ~90 s (a 15 s keep-alive,
-  then a 30 s last call in each of the three rounds on one host); the test shortens both
-  (FAST_RENDEZVOUS), which changes when torch scales down, not what it does.
+  uses up --max-restarts (1 here: the restart that scales down) and exits 1. With torch's
+  defaults and --max-restarts 2 that took ~90 s (a 15 s keep-alive, then a 30 s last call in each
+  round on one host); the test shortens both (FAST_RENDEZVOUS), which changes when torch scales
+  down, not what it does.
 - Only the second host's agent SIGKILLed (its workers left running, as torchrun starts them in
   sessions of their own): nothing restarts, the run finishes bitwise as the uninterrupted one,
   each orphaned worker says in one line that its agent is gone (collectives/agent_watch.py), and
@@ -36,9 +37,10 @@ from . import needs_hosts
 
 pytestmark = needs_hosts
 
-# 4 ranks x 16 images: 128 steps an epoch, ~4 s here; long enough to kill a worker mid-epoch
-TRAIN = ["-m", "ddp_from_scratch.train", "--model", "small", "--synthetic", "--train-size", "8192", "--test-size", "64",
-         "--batch-size", "16", "--epochs", "2"]
+# 4 ranks x 4 images: 128 steps an epoch, ~3.5 s here; long enough to kill a worker mid-epoch (the
+# kill comes at step 16 or soon after), and a quarter of the arithmetic of 16 images a step
+TRAIN = ["-m", "ddp_from_scratch.train", "--model", "small", "--synthetic", "--train-size", "2048", "--test-size", "64",
+         "--batch-size", "4", "--epochs", "2"]
 
 
 # The host-gone test's rendezvous: a host is dead after 3 missed 1 s keep-alives (torch: 3 x 5 s),
@@ -47,11 +49,11 @@ TRAIN = ["-m", "ddp_from_scratch.train", "--model", "small", "--synthetic", "--t
 FAST_RENDEZVOUS = ("--rdzv-conf", "keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=10")
 
 
-def _elastic(hosts, folder, rdzv_id, extra=()):
+def _elastic(hosts, folder, rdzv_id, extra=(), max_restarts=2):
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     return [subprocess.Popen(cluster.host_command(h, [
         sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "2",
-        "--max-restarts", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "node0:29500", "--rdzv-id", rdzv_id,
+        "--max-restarts", str(max_restarts), "--rdzv-backend", "c10d", "--rdzv-endpoint", "node0:29500", "--rdzv-id", rdzv_id,
         *extra, *TRAIN, "--checkpoint", str(folder), "--checkpoint-every", "8", "--auto-resume"]),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env) for h in hosts]
 
@@ -85,12 +87,10 @@ def _summary(outs):
     return json.loads(next(line for line in text.splitlines() if line.startswith("{\"impl\"")))
 
 
-@pytest.fixture(scope="module")
-def uninterrupted():
-    """The summary of the same training on 4 ranks spawned on one host, never interrupted."""
-    one = subprocess.run([sys.executable, *TRAIN, "--nproc", "4"], capture_output=True, text=True, timeout=300)
-    assert one.returncode == 0, one.stderr[-3000:]
-    return json.loads(one.stdout.splitlines()[-1])
+@pytest.fixture
+def uninterrupted(one_host):
+    """The summary of the same training on 4 ranks started on one host, never interrupted."""
+    return one_host(TRAIN[2:])
 
 
 def test_a_worker_killed_on_host_2_restarts_the_group_and_ends_bitwise(hosts, tmp_path, uninterrupted):
@@ -115,7 +115,9 @@ def test_a_worker_killed_on_host_2_restarts_the_group_and_ends_bitwise(hosts, tm
 
 
 def test_a_host_gone_scales_down_and_our_side_says_so_in_one_line(hosts, tmp_path):
-    procs = _elastic(hosts, tmp_path / "ckpt", "elastic-host", FAST_RENDEZVOUS)
+    # one restart is the one that scales down (the dead host does not join its round); a second
+    # would only repeat the refusal after another last call
+    procs = _elastic(hosts, tmp_path / "ckpt", "elastic-host", FAST_RENDEZVOUS, max_restarts=1)
     try:
         _wait_for_checkpoint_step(tmp_path / "ckpt", 16, procs)
         for pid in _pids("node1", agent=True) + _pids("node1", agent=False):
