@@ -30,7 +30,10 @@ def test_the_readme_and_docs_have_examples():
         f"examples lost (or the pattern no longer finds them): {sorted(pages)}, {len(BLOCKS)} blocks"
 
 
-@pytest.mark.parametrize("index", range(len(BLOCKS)), ids=[f"{page}-{i}" for i, (page, _) in enumerate(BLOCKS)])
+# The README's first example (the front door) runs in the quick run; every other one is slow:
+# each is a fresh interpreter that starts ranks, a few seconds apiece.
+@pytest.mark.parametrize("index", [pytest.param(i, marks=() if i == 0 else pytest.mark.slow) for i in range(len(BLOCKS))],
+                         ids=[f"{page}-{i}" for i, (page, _) in enumerate(BLOCKS)])
 def test_readme_example_runs_as_pasted(index, tmp_path):
     page, block = BLOCKS[index]
     if "@distributed" in block:

@@ -5,9 +5,12 @@
 
 import json
 
+import pytest
+
 from benchmarks import ddp_step_time
 
 
+@pytest.mark.slow
 def test_step_time_benchmark_smoke(tmp_path, capsys):
     """The small model: what is checked is the program's path through every variant, which does
     not depend on the model (ResNet-50's path through the wrappers: tests/ddp/test_parity.py)."""

@@ -97,6 +97,7 @@ def test_plain_python_program_leaves_nothing_in_tmp(tmp_path):
     assert list(tmp.iterdir()) == []  # no rendezvous folder left behind (there used to be one per run)
 
 
+@pytest.mark.slow
 def test_torchrun_program(tmp_path):
     (tmp_path / "prog.py").write_text(PROGRAM)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(tmp_path / "prog.py")]

@@ -52,6 +52,7 @@ def _hang_in_a_subgroup(env):
         time.sleep(600)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fn, world_size, says", [
     (_skips_one_all_reduce, 2,
      "flight recorder: rank(s) [1] never entered all_reduce #4 on group 0 [0, 1] (rank(s) [0] waiting in it for "),
@@ -74,6 +75,7 @@ def test_a_planted_hang_is_named_in_collective_terms(fn, world_size, says, monke
     assert time.monotonic() - start < TIMEOUT_S + 5 + 10  # the timeout, the grace, the records, the spawn
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fn, world_size, says", [
     (_skips_one_all_reduce, 2,
      "flight recorder: rank(s) [1] never entered all_reduce #4 on group 0 [0, 1] (rank(s) [0] waiting in it for "),
@@ -175,6 +177,7 @@ def test_a_size_mismatch_on_gloo_names_the_dead_rank_and_the_survivors_call(monk
         assert first.endswith("; rank(s) [0] last entered all_reduce(4 Float) #3 on group 0 [0, 1]"), first
 
 
+@pytest.mark.slow
 def test_dumps_are_written_and_read_by_us_and_by_torchfrtrace(tmp_path, monkeypatch):
     import subprocess
     import sys
@@ -209,6 +212,7 @@ def test_the_reader_says_what_is_wrong_with_its_folder(tmp_path):
     assert out.returncode == 2 and "cannot tell the dump files' common prefix" in out.stderr, out.stderr
 
 
+@pytest.mark.slow
 def test_without_the_recorder_the_failure_is_as_before(monkeypatch):
     monkeypatch.delenv("TORCH_FR_BUFFER_SIZE", raising=False)
     with pytest.raises(C.RankFailure) as info:

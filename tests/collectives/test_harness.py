@@ -54,6 +54,7 @@ def test_a_failed_assert_shows_its_values_and_the_users_frames_only():
     assert not [f for f in ("pool.py", "rank_main.py", "testing.py") if f in message], message
 
 
+@pytest.mark.slow
 def test_a_hang_dumps_every_ranks_stack():
     with pytest.raises(C.RankFailure) as info:
         run_on_ranks(_sleeps, 2, timeout=1.5)

@@ -128,6 +128,7 @@ def _pids_in(pid_dir):
     return pids
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "how, headline, fragments",
     [
@@ -165,6 +166,7 @@ def _segfault_in_a_thread(env):
     time.sleep(600)
 
 
+@pytest.mark.slow
 def test_a_crash_in_another_thread_is_placed_in_that_thread():
     """The summary names where the signal hit (faulthandler's current thread), not where the main
     thread was waiting for it."""
@@ -259,6 +261,7 @@ def kill_launcher_script(source: str, sig, tmp_path, ranks: int = 2, env=None):
     return below, pid_dir, tmp
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig, start_method", [(signal.SIGKILL, "forkserver"), (signal.SIGTERM, "forkserver"),
                                                (signal.SIGKILL, "spawn")])
 def test_ranks_die_with_a_killed_launcher(sig, start_method, tmp_path):
@@ -291,6 +294,7 @@ STUCK_LAUNCHER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
 def test_nothing_outlives_a_killed_launcher_even_a_rank_that_holds_the_gil_or_a_detached_grandchild(start_method,
                                                                                                     tmp_path):
@@ -322,6 +326,7 @@ def test_a_function_the_ranks_cannot_import_is_refused_clearly():
         C.run(lambda env: env.rank, world_size=2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
 def test_training_stops_with_a_killed_launcher(sig, tmp_path):
     """`timeout 15 python -m ddp_from_scratch.train ...` once left both ranks training and writing
@@ -337,6 +342,7 @@ def test_training_stops_with_a_killed_launcher(sig, tmp_path):
     assert not (ckpt / "checkpoint.pt").exists(), "a rank went on training and wrote a checkpoint"
 
 
+@pytest.mark.slow
 def test_ctrl_c_ends_the_progress_line_without_a_traceback(tmp_path):
     """SIGINT (Ctrl-C) to the launcher: 'interrupted' on its own line, exit code 130, no
     traceback glued onto the progress line, and every rank gone."""
@@ -432,11 +438,13 @@ def _load_with_workers(env):
     return [batch[0].tolist() for batch in loader]
 
 
+@pytest.mark.slow
 def test_a_rank_may_start_processes_of_its_own():
     for batches in C.run(_load_with_workers, world_size=2, timeout=120):
         assert batches == [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0, 6.0, 7.0]]
 
 
+@pytest.mark.slow
 def test_a_program_that_leaves_its_pool_open_still_exits(tmp_path):
     """Ranks are not daemons (so they may have children), and multiprocessing joins such processes
     at exit; a pool left open must be killed first, or the program waits for ranks that wait for it."""
@@ -455,6 +463,7 @@ def _run_nested(env):
     return C.run(_inner, world_size=1, timeout=120)
 
 
+@pytest.mark.slow
 def test_a_rank_may_run_a_pool_of_its_own():
     """A nested run (a daemonic rank may not have children); its rank is gone once it returns."""
     [[inner_pid]] = C.run(_run_nested, world_size=1, timeout=180)
@@ -533,6 +542,7 @@ def _peer_gone_mid_collective(env, out, async_op):
     time.sleep(600)  # the launcher stops this rank once it sees rank 1 gone
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("async_op", [False, True])
 def test_a_peer_gone_mid_collective_is_a_backend_failure_naming_rank_host_and_collective(async_op, tmp_path):
     """Gloo's own words ("Connection closed by peer", or after a timeout "Timed out waiting

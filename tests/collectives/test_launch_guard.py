@@ -6,7 +6,10 @@
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.slow
 def test_missing_main_guard_is_explained(tmp_path):
     script = tmp_path / "unguarded.py"
     script.write_text("import collectives\n\ndef f(env):\n    return env.rank\n\nprint(collectives.run(f, world_size=2))\n")

@@ -100,6 +100,7 @@ def test_disagreements_that_abort_a_rank(fn, headline):
     assert headline in str(info.value).splitlines()[0], str(info.value)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fn, waiting_in", [
     (_different_collectives, "waiting in "),
     (_different_src, "waiting in broadcast"),

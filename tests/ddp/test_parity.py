@@ -249,6 +249,7 @@ def test_resnet50_bucketed_is_bitwise_equal_to_torch_ddp_on_two_ranks(dist_run):
     assert_bitwise(dist_run(train_side_by_side, 2, args=("bucketed", 2, "resnet50", 2, 32)), "ResNet-50, 2 ranks")
 
 
+@pytest.mark.slow
 def test_resnet50_bucketed_is_bitwise_equal_to_torch_ddp_on_four_ranks(dist_run):
     assert_bitwise(dist_run(train_side_by_side, 4, args=("bucketed", 2, "resnet50", 2, 32)), "ResNet-50, 4 ranks")
 

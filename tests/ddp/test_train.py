@@ -24,6 +24,7 @@ def _final(folder):
     return torch.load(folder / "checkpoint.pt", weights_only=True)
 
 
+@pytest.mark.slow
 def test_resume_ends_where_an_uninterrupted_run_ends(tmp_path, capsys):
     whole, split = tmp_path / "whole", tmp_path / "split"
     assert train.main(COMMON + ["--epochs", "3", "--checkpoint", str(whole)]) == 0
@@ -37,6 +38,7 @@ def test_resume_ends_where_an_uninterrupted_run_ends(tmp_path, capsys):
         assert torch.equal(a["model"][key], b["model"][key]), key
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc", [2, 3])
 def test_a_run_split_mid_epoch_ends_bitwise_where_an_uninterrupted_one_ends(nproc, tmp_path, capsys):
     """4 steps an epoch: stopped at step 3 (inside epoch 1), resumed to step 6 (inside epoch 2),
@@ -251,6 +253,7 @@ def test_each_epoch_reshuffles_and_the_shards_stay_disjoint(dist_run):
 
 
 # -- the sharded steps --------------------------------------------------------------------------
+@pytest.mark.slow
 def test_fsdp_resume_ends_where_an_uninterrupted_run_ends(tmp_path, capsys):
     whole, split = tmp_path / "whole", tmp_path / "split"
     fsdp = COMMON + ["--impl", "fsdp"]

@@ -234,6 +234,7 @@ def _one_rank_late(env, wait_all):
     return "passed"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("wait_all", [False, True])
 def test_monitored_barrier_names_the_ranks_that_did_not_come(wait_all):
     import collectives as C

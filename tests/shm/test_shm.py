@@ -159,6 +159,7 @@ def _count_all_reduce_bytes(env, numel):
     return counted.read + counted.written, counted.unknown
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_the_memory_traffic_model_counts_what_the_all_reduce_does(world_size, monkeypatch):
     """all_reduce_traffic(path="whole") is what the ops read and write, counted op by op (12 KiB
@@ -228,6 +229,7 @@ LAUNCHER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
 def test_nothing_is_left_in_dev_shm_when_everything_is_killed(sig, tmp_path):
     below, _, _ = kill_launcher_script(LAUNCHER, sig, tmp_path)
@@ -325,6 +327,7 @@ def test_ranks_that_disagree_all_get_a_named_error_and_the_group_stays_usable(mo
                 assert call in message, (case, call, message)
 
 
+@pytest.mark.slow
 def test_the_collectives_suite_passes_on_shm(tmp_path):
     """The wrappers' correctness suite, run again with shm as the backend of every pool."""
     import subprocess
