@@ -1,4 +1,5 @@
 import json
+import os
 import subprocess
 import sys
 
@@ -7,9 +8,17 @@ import pytest
 from collectives import cluster
 
 
+def in_the_hosts_group(request) -> None:
+    """Under pytest-xdist, a test that brings the hosts up must be in the one group that has them
+    (see pytest_collection_modifyitems below): two workers' clusters would tear each other down."""
+    if os.environ.get("PYTEST_XDIST_WORKER") and not request.node.nodeid.endswith("@hosts"):
+        pytest.fail(f"{request.node.nodeid} runs outside the 'hosts' xdist group: run the suite with --dist loadgroup")
+
+
 @pytest.fixture(scope="module")
-def hosts():
+def hosts(request):
     """Two test hosts, node0 and node1, for the tests of one module; removed after them."""
+    in_the_hosts_group(request)
     cluster.up(2)
     yield ["node0", "node1"]
     cluster.down()
@@ -34,6 +43,7 @@ def one_host():
     return summary
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the group marks (pytest 9.2 calls it first otherwise)
 def pytest_collection_modifyitems(config, items):
     """The test hosts are one set per machine (node0, node1, ...): under pytest-xdist every test
     that uses them runs in one worker, one after another (the suite runs with `--dist loadgroup`).

@@ -19,6 +19,7 @@ import pytest
 from collectives import cluster, slurm_cluster
 
 from . import WHY_NOT as HOSTS_WHY_NOT
+from .conftest import in_the_hosts_group
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if HOSTS_WHY_NOT:
@@ -32,7 +33,8 @@ TRAIN = ["--model", "small", "--synthetic", "--train-size", "256", "--test-size"
 
 
 @pytest.fixture(scope="module")
-def slurm():
+def slurm(request):
+    in_the_hosts_group(request)
     cluster.up(2, slurm=True)
     yield
     cluster.down()
