@@ -11,8 +11,11 @@ from collectives import cluster
 def in_the_hosts_group(request) -> None:
     """Under pytest-xdist, a test that brings the hosts up must be in the one group that has them
     (see pytest_collection_modifyitems below): two workers' clusters would tear each other down."""
-    if os.environ.get("PYTEST_XDIST_WORKER") and not request.node.nodeid.endswith("@hosts"):
-        pytest.fail(f"{request.node.nodeid} runs outside the 'hosts' xdist group: run the suite with --dist loadgroup")
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    outside = [i.nodeid for i in request.session.items if i.path == request.path and not i.nodeid.endswith("@hosts")]
+    if outside:
+        pytest.fail(f"{outside[0]} runs outside the 'hosts' xdist group: run the suite with --dist loadgroup")
 
 
 @pytest.fixture(scope="module")
