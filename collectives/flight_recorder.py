@@ -161,7 +161,7 @@ def summary(records: Dict[int, dict], last: int = 3) -> List[str]:
             by_group.setdefault(e["process_group"][0], []).append(e)
         for name, entries in sorted(by_group.items()):
             calls = ", ".join(f"#{e['collective_seq_id'] or 'p2p ' + str(e['p2p_seq_id'])} {_describe(e)} "
-                              f"{'completed' if _completed(record, e) or e['state'] == 'completed' else e['state']}"
+                              f"{'completed' if _finished(records, rank, e) else e.get('state') or 'not completed'}"
                               for e in entries[-last:])
             lines.append(f"rank {rank} group {name}: {calls}")
     return lines
@@ -200,8 +200,29 @@ def _describe(entry: dict) -> str:
 
 
 def _completed(record: dict, entry: dict) -> bool:
+    """What this rank's own record says (the pg status, or the entry's state)."""
     status = record.get("pg_status", {}).get(str(entry["pg_id"]), {})
-    return entry["collective_seq_id"] <= status.get("last_completed_collective", -1)
+    return entry["collective_seq_id"] <= status.get("last_completed_collective", -1) or entry.get("state") == "completed"
+
+
+def _finished(records: Dict[int, dict], rank: int, entry: dict) -> bool:
+    """Whether collective `entry` of `rank` has finished, from every rank's record: its own says
+    so, or every other member of the group that answered shows the same collective completed.
+    A rank marks a call completed some time after it returns, later on a loaded machine (seen:
+    a rank asleep in user code after its call, its record still saying "scheduled" 5 s later);
+    the others' records settle it whatever the load."""
+    if _completed(records[rank], entry):
+        return True
+    group, seq = entry["process_group"][0], entry["collective_seq_id"]
+    others = [r for r in _groups(records).get(group, []) if r != rank and records.get(r)]
+    if not seq or not others:
+        return False
+    for r in others:
+        same = [e for e in records[r].get("entries", []) if e["process_group"][0] == group
+                and e["collective_seq_id"] == seq and not e.get("is_p2p")]
+        if not same or not _completed(records[r], same[0]):
+            return False
+    return True
 
 
 def _groups(records: Dict[int, dict]) -> Dict[str, List[int]]:
@@ -272,7 +293,7 @@ def _group_verdict(name: str, members: List[int], records: Dict[int, dict], wher
                 f"(rank(s) {sorted(waiting)} waiting in it for {waited:.1f} s)")
         for r in behind:
             last = entries[r].get(entered[r])
-            did = (f"last entered {_op(last)} #{entered[r]} ({'completed' if _completed(records[r], last) else 'not completed'})"
+            did = (f"last entered {_op(last)} #{entered[r]} ({'completed' if _finished(records, r, last) else 'not completed'})"
                    if last else "entered no collective on it")
             now = where.get(r)
             text += f"; rank {r} {did}" + (f", and is now {now}" if now else "")

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import collectives as C
-from collectives.flight_recorder import verdict
+from collectives.flight_recorder import summary, verdict
 
 TIMEOUT_S = 3.0
 
@@ -244,6 +244,22 @@ def test_the_rank_that_never_entered_is_named_with_where_it_is():
     lines = verdict({0: waiting, 1: behind, 2: waiting}, where={1: "in step (train.py:88)"})
     assert lines == ["rank(s) [1] never entered all_reduce #3 on group 0 [0, 1, 2] (rank(s) [0, 2] waiting in it for "
                      "20.0 s); rank 1 last entered all_reduce #2 (completed), and is now in step (train.py:88)"]
+
+
+@pytest.mark.parametrize("others_done, said", [(True, "completed"), (False, "not completed")])
+def test_a_call_is_completed_when_every_other_member_shows_it_completed(others_done, said):
+    """A loaded machine: rank 1 returned from #2 and sleeps in user code, but its record still says
+    #2 is only scheduled; ranks 0 and 2 completed #2 and wait in #3. The verdict and the summary
+    read completion from every rank's record, so the load cannot change their words. Where
+    another member has not completed #2 either, #2 is not completed."""
+    waiting = _record([_entry(s, created=10 * 10**9) for s in (1, 2, 3)], {"0": 2})
+    unsure = _record([_entry(s, created=10 * 10**9) for s in (1, 2, 3)], {"0": 2 if others_done else 1})
+    behind = _record([_entry(1), _entry(2)], {"0": 1})
+    records = {0: waiting, 1: behind, 2: unsure}
+    lines = verdict(records, where={1: "in step (train.py:88)"})
+    assert lines[0].endswith(f"rank 1 last entered all_reduce #2 ({said}), and is now in step (train.py:88)"), lines
+    line = next(x for x in summary(records) if x.startswith("rank 1 group 0:"))
+    assert line.endswith(f"#2 all_reduce(4 Float) {said}"), line
 
 
 def test_the_first_call_that_differs_is_named_not_the_later_ones():
