@@ -7,7 +7,8 @@ run (bitwise what an uninterrupted run gives), and the other host's torchrun the
 exit barrier (exit_barrier_timeout, 300 s) for the dead agent. Nothing in torch says any of this.
 
 `init_from_env()` calls `watch_agent()` in every worker torchrun starts: a daemon thread that
-sees within a second that the worker's parent changed and writes to stderr
+sees within a second that the worker's parent changed (and the worker looks once more as it
+exits, so a worker that ends sooner still says it) and writes to stderr
 
     rank 2 on host node1: this host's torchrun agent (pid 4242) is gone: this worker goes on ...
 
@@ -16,6 +17,7 @@ No thread outside torchrun (TORCHELASTIC_RUN_ID unset).
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 import sys
@@ -37,12 +39,22 @@ def watch_agent(rank: int, environ: Optional[Mapping[str, str]] = None, interval
     if "TORCHELASTIC_RUN_ID" not in environ:
         return None
     agent = os.getppid()
+    said = threading.Lock()  # held once the line is out: said once, by the thread or at exit
+
+    def say_if_gone() -> bool:
+        if os.getppid() == agent:
+            return False
+        if said.acquire(blocking=False):
+            print(agent_gone_line(rank, socket.gethostname(), agent), file=stream or sys.stderr, flush=True)
+        return True
 
     def watch():
-        while os.getppid() == agent:
+        while not say_if_gone():
             time.sleep(interval)
-        print(agent_gone_line(rank, socket.gethostname(), agent), file=stream or sys.stderr, flush=True)
 
+    # A worker that ends within `interval` of its agent's death (a loaded machine, a short run) would
+    # end before the thread looks again, without a word: look once more on the way out.
+    atexit.register(say_if_gone)
     thread = threading.Thread(target=watch, name="collectives-agent-watch", daemon=True)
     thread.start()
     return thread

@@ -21,6 +21,16 @@ WORKER = textwrap.dedent("""
     print(os.getpid(), os.getppid(), flush=True)
     time.sleep(30)
 """)
+# A worker that ends soon after its agent died, before its watch looks again (60 s apart here).
+SHORT_WORKER = textwrap.dedent("""
+    import os, time
+    from collectives.agent_watch import watch_agent
+    assert watch_agent(2, interval=60) is not None
+    parent = os.getppid()
+    print(os.getpid(), parent, flush=True)
+    while os.getppid() == parent:
+        time.sleep(0.02)
+""")
 AGENT = textwrap.dedent("""
     import os, subprocess, sys, time
     env = {**os.environ, "TORCHELASTIC_RUN_ID": "job"}
@@ -30,9 +40,17 @@ AGENT = textwrap.dedent("""
 """)
 
 
-def _start(tmp_path):
+def _running(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _start(tmp_path, worker=WORKER):
     out, err = tmp_path / "out", tmp_path / "err"
-    agent = subprocess.Popen([sys.executable, "-c", AGENT, WORKER, str(out), str(err)])
+    agent = subprocess.Popen([sys.executable, "-c", AGENT, worker, str(out), str(err)])
     deadline = time.monotonic() + 30
     while not (out.exists() and out.read_text().strip()):
         assert time.monotonic() < deadline, "the worker did not start"
@@ -58,6 +76,17 @@ def test_a_worker_whose_agent_is_killed_says_so_in_one_line(tmp_path):
                                    "is gone: this worker goes on")
     finally:
         os.kill(worker, signal.SIGKILL)
+
+
+def test_a_worker_that_ends_before_its_watch_looks_again_still_says_so_once(tmp_path):
+    agent, worker, err = _start(tmp_path, SHORT_WORKER)
+    agent.kill()
+    agent.wait()
+    deadline = time.monotonic() + 10
+    while _running(worker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _running(worker), "the worker did not end once its agent was gone"
+    assert err.read_text().splitlines() == [agent_watch.agent_gone_line(2, os.uname().nodename, agent.pid)]
 
 
 def test_without_torchrun_there_is_no_watch():
