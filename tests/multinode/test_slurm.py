@@ -84,7 +84,7 @@ def test_scancel_leaves_nothing_on_either_host(slurm, tmp_path):
     before = set(os.listdir("/dev/shm"))
     said = _on_node0(["sbatch", "--parsable", f"--output={tmp_path}/long-%j.out", f"--chdir={ROOT}",
                       "docs/slurm/train.sbatch", "--model", "small", "--synthetic", "--epochs", "100",
-                      "--batch-size", "8"])
+                      "--batch-size", "8", "--train-size", "4096"])  # not 50,000 made-up images per rank first
     job = said.strip().split(";")[0]
     log, deadline = tmp_path / f"long-{job}.out", time.monotonic() + 120
     while time.monotonic() < deadline and not (log.exists() and "step" in log.read_text(errors="replace")):
