@@ -10,7 +10,7 @@
 //
 // Built on first import by torch.utils.cpp_extension (collectives/shm/native.py).
 
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>  // not torch/extension.h: the whole C++ API, a third of the build time
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 #include <torch/csrc/jit/python/pybind_utils.h>

@@ -1,7 +1,7 @@
 """The shm backend's one piece of C++ (forward.cpp), built on first use and cached.
 
     from collectives.shm import native
-    native.load()        # builds once (about 40 s on 2 cores), then imports in milliseconds
+    native.load()        # builds once (about 20 s on 2 cores), then imports in milliseconds
 
 torch registers a group's backend for a device as a C++ `c10d::Backend`; that is how a group gets
 its name, how DeviceMesh, DTensor and the functional collectives find it, and how torch's C++
@@ -53,7 +53,7 @@ def load():
 
         build_dir = cpp_extension._get_build_directory(NAME, verbose=False)
         if not os.path.exists(os.path.join(build_dir, NAME + ".so")):
-            print(f"collectives.shm: building the backend's C++ bridge to torch once (about 40 s) in {build_dir}",
+            print(f"collectives.shm: building the backend's C++ bridge to torch once (about 20 s) in {build_dir}",
                   file=sys.stderr, flush=True)
         try:
             _module = cpp_extension.load(NAME, [SOURCE], extra_cflags=["-O2"], verbose=False)
