@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+import weakref
 from typing import Optional, Tuple
 
 import torch
@@ -20,20 +21,27 @@ from .errors import CollectiveError
 CPU_BACKENDS = ("gloo", "shm")  # the common case the checks let straight through
 
 
-@dataclasses.dataclass
 class GroupInfo:
     """The group a collective runs on, seen from this rank.
 
     `ranks` are global ranks; `group_rank` is this rank's index in `ranks`; `calls` counts the
-    collectives this rank has started on the group.
+    collectives this rank has started on the group. The group itself is held weakly: this cache
+    must not keep a group alive after destroy_process_group (a Gloo group kept alive keeps its
+    worker threads running into interpreter shutdown, where they can abort the process).
     """
 
-    group: dist.ProcessGroup
-    ranks: Tuple[int, ...]
-    group_rank: int
-    global_rank: int
-    backend: str
-    calls: int = 0
+    __slots__ = ("_group", "ranks", "group_rank", "global_rank", "backend", "calls")
+
+    def __init__(self, group: Optional[dist.ProcessGroup], ranks: Tuple[int, ...], group_rank: int, global_rank: int,
+                 backend: str, calls: int = 0):
+        self._group = None if group is None else weakref.ref(group)
+        self.ranks, self.group_rank, self.global_rank, self.backend, self.calls = \
+            ranks, group_rank, global_rank, backend, calls
+
+    @property
+    def group(self) -> Optional[dist.ProcessGroup]:
+        """The process group (None once it has been destroyed and dropped)."""
+        return None if self._group is None else self._group()
 
     @property
     def size(self) -> int:
@@ -45,8 +53,13 @@ class GroupInfo:
         self.calls += 1
         return self.calls
 
+    def __repr__(self) -> str:
+        return (f"GroupInfo(ranks={self.ranks}, group_rank={self.group_rank}, global_rank={self.global_rank}, "
+                f"backend={self.backend!r}, calls={self.calls})")
 
-_group_cache: dict = {}
+
+# group -> its GroupInfo, for as long as the group lives (weak: see GroupInfo)
+_group_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import socket
 import time
+import weakref
 from typing import Iterator, List, Optional
 
 import torch
@@ -42,7 +43,9 @@ from ..dtypes import as_bytes, moves_as_bytes
 from ..p2p import Comm, Message, process_workspace
 
 
-_hosts_of = {}  # process group -> host index of each of its ranks (DistComm.hosts)
+# process group -> host index of each of its ranks (DistComm.hosts); weak, so that it keeps no
+# group alive after destroy_process_group (see collectives.checks.GroupInfo)
+_hosts_of: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class _DistRequest:
