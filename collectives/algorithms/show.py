@@ -17,6 +17,8 @@ import argparse
 import importlib
 import sys
 
+import torch
+
 from .. import cli
 from ..cli import command
 from . import ALGORITHMS, simulate
@@ -66,7 +68,10 @@ def main(argv=None) -> int:
     per_rank = args.bytes // 8 // (p if args.collective in ("all_gather", "gather") else 1)
     if args.collective == "all_to_all":
         per_rank = max(p, per_rank - per_rank % p)
-    inputs = origin_inputs(args.collective, p, max(per_rank, 1), args.root)
+    if args.no_table:  # any data will do; origin_inputs' 2**r names at most 62 ranks
+        inputs = [torch.full((max(per_rank, 1),), r + 1, dtype=torch.int64) for r in range(p)]
+    else:
+        inputs = origin_inputs(args.collective, p, max(per_rank, 1), args.root)
     watch = None if args.no_table else chunk_sets(p)
     outs, result = simulate(args.collective, args.algorithm, inputs, op="sum", root=args.root, model=model, watch=watch)
     nbytes = inputs[0].numel() * 8 * (p if args.collective in ("all_gather", "gather") else 1)

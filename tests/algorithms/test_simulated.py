@@ -157,3 +157,16 @@ def test_fold():
     assert [fold.virtual(r) for r in range(6)] == [-1, 0, -1, 1, 2, 3]
     assert [fold.real(v) for v in range(4)] == [1, 3, 4, 5] and fold.members(1) == [2, 3]
     assert bounds(10, 4) == [(0, 3), (3, 6), (6, 8), (8, 10)] and bounds(2, 3) == [(0, 1), (1, 2), (2, 2)]
+
+
+def test_show_without_a_table_simulates_past_62_ranks(capsys):
+    """The step table names ranks by the bits of an int64 (62 at most); without it, show takes
+    the simulator's full range: a 100-rank ring all_reduce is 2(p-1) steps of p messages."""
+    from collectives.algorithms import show
+    assert show.main(["all_reduce", "-n", "100", "--no-table", "-a", "ring", "--bytes", "8000"]) == 0
+    out = capsys.readouterr().out
+    assert "all_reduce, algorithm ring, 100 simulated ranks" in out, out
+    assert f"{2 * 99 * 100} messages in {2 * 99} step(s)" in out, out
+    with pytest.raises(SystemExit) as info:
+        show.main(["all_reduce", "-n", "63"])
+    assert info.value.code == 2 and "use --no-table above 62 ranks" in capsys.readouterr().err
