@@ -176,6 +176,8 @@ def main(argv=None) -> int:
     parser.add_argument("--prefix", default=None, help="the files' common prefix (default: found from the names)")
     parser.add_argument("--last", type=int, default=3, help="how many of each rank's last calls to list (default 3)")
     args = parser.parse_args(argv)
+    if args.last < 1:
+        parser.error(f"--last must be at least 1, got {args.last}")
     try:
         records = read(args.directory, args.prefix)
     except (OSError, ValueError, pickle.UnpicklingError, EOFError) as exc:

@@ -49,7 +49,6 @@ import time
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from . import flight_recorder
 from .errors import RankFailure
 from .rank_main import _rank_main
 from .rank_report import PEER_LOST, clean_stack, describe_exit, short, where_it_was
@@ -296,6 +295,8 @@ class RankPool:
     def _flight_records(self, where: Dict[int, str]) -> List[str]:
         """What the live ranks' flight records say (a rank that died is named as dead); with
         TORCH_FR_DUMP_TEMP_FILE set (torch's setting), the records are also written there."""
+        from . import flight_recorder  # here, not at the top: `python -m collectives.flight_recorder`
+        # imports this package first, and runpy warns when the module it runs is already imported
         records = flight_recorder.collect(self._recorders)
         dead = {r: describe_exit(p.exitcode) for r, p in enumerate(self._procs) if p.exitcode is not None}
         prefix = os.environ.get("TORCH_FR_DUMP_TEMP_FILE")
@@ -334,7 +335,8 @@ class RankPool:
         # A rank whose connection to a dead or failed peer broke failed because of that peer.
         stopped += [r for r in order[1:] if r not in stopped and PEER_LOST.search(failures[r])]
         # A hang: what torch's flight records say, when the ranks keep them (TORCH_FR_BUFFER_SIZE).
-        told = self._flight_records(where if pending else {}) if flight_recorder.recording() else []
+        from .flight_recorder import recording
+        told = self._flight_records(where if pending else {}) if recording() else []
         self._kill()
         failed = [r for r in order if r not in stopped]
         first = order[0]

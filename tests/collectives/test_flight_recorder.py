@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 import collectives as C
+from collectives import flight_recorder
 from collectives.flight_recorder import summary, verdict
 
 TIMEOUT_S = 3.0
@@ -212,6 +213,10 @@ def test_the_reader_says_what_is_wrong_with_its_folder(tmp_path):
     out = subprocess.run([sys.executable, "-m", "collectives.flight_recorder", str(tmp_path)],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "cannot tell the dump files' common prefix" in out.stderr, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr  # one line: no runpy warning before it
+    with pytest.raises(SystemExit) as info:
+        flight_recorder.main([str(tmp_path), "--last", "0"])
+    assert info.value.code == 2
 
 
 @pytest.mark.slow
