@@ -52,15 +52,14 @@ def main(argv=None) -> int:
     parser.add_argument("runs", nargs="+", metavar="RUN.json", help="races across hosts (benchmarks.algorithms --json)")
     args = parser.parse_args(argv)
     runs = []
+    what = "race across hosts (benchmarks.algorithms --link ... --json)"
     for path in args.runs:
-        try:
-            with open(path) as f:
-                run = json.load(f)
-        except (OSError, ValueError) as exc:
-            parser.error(f"{path}: {exc}")
-        if not run.get("link") or "burst" not in run:
-            parser.error(f"{path}: not a race across hosts with the link's bucket recorded (benchmarks.algorithms "
+        run = cli.load_json(parser, "RUN.json", path, keys=("rows", "world_size", "hosts", "model", "link"), what=what)
+        if not run["link"] or "burst" not in run:
+            parser.error(f"RUN.json {path}: not a race across hosts with the link's bucket recorded (benchmarks.algorithms "
                          "--link; runs before 2026-11-24's bucket model did not record it)")
+        if not isinstance(run["rows"], list) or not all(isinstance(row, dict) for row in run["rows"]):
+            parser.error(f"RUN.json {path}: not a {what} ('rows' is not a list of measurements)")
         runs.append((path, run))
     print("predictions from 1 MiB within 20% of the measured time (worst measured/predicted - 1)")
     print(f"{'link':>8}  " + "  ".join(f"{name:>22}" for name, _, _ in VARIANTS))
@@ -70,7 +69,9 @@ def main(argv=None) -> int:
             try:
                 within, total, worst = score(run, bucket, shared)
             except ValueError as exc:
-                parser.error(f"{path}: {exc}")
+                parser.error(f"RUN.json {path}: {exc}")
+            except (KeyError, TypeError, AttributeError) as exc:  # a measurement without what a race records
+                parser.error(f"RUN.json {path}: not a {what} ({type(exc).__name__}: {exc})")
             cells.append(f"{within:>3} of {total} ({worst * 100:+.0f}%)")
         print(f"{run['link']:>8}  " + "  ".join(f"{c:>22}" for c in cells))
     return 0

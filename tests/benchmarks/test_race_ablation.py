@@ -61,3 +61,19 @@ def test_the_table_and_refusals(tmp_path, capsys):
         with pytest.raises(SystemExit):
             race_ablation.main([str(path)])
         assert why in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content, says", [
+    ("[1, 2]", "no 'rows', 'world_size', 'hosts', 'model', 'link'"),                        # a list, not a run
+    (json.dumps({k: v for k, v in _run(lambda f: f).items() if k != "rows"}), "no 'rows'"),  # a race without rows
+    (json.dumps({**_run(lambda f: f), "rows": {"size": 1}}), "'rows' is not a list"),
+    (json.dumps({**_run(lambda f: f), "rows": [{"size": SIZE}]}), "KeyError"),              # a row without a race's keys
+    ("{not json", "not a JSON race across hosts"),
+])
+def test_a_file_that_is_not_a_race_is_one_line(content, says, tmp_path, capsys):
+    path = tmp_path / "run.json"
+    path.write_text(content)
+    with pytest.raises(SystemExit) as info:
+        race_ablation.main([str(path)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert info.value.code == 2 and len(err) == 1 and f"RUN.json {path}" in err[0] and says in err[0], err
