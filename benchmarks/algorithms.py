@@ -43,6 +43,7 @@ import collectives.algorithms as A
 from collectives.algorithms.cost import CostModel, choose
 from collectives.algorithms.topology import PAYLOAD_PER_FRAME, Topology, link_beta, link_burst
 from collectives import cli
+from collectives.env import read_env
 from collectives.cli import command, eta_by_size
 
 from .bandwidth import DTYPES, check_sweep, parse_size, size_list
@@ -96,6 +97,9 @@ def topology_of(hosts, model: CostModel, link, burst=None, share: float = 1.0):
     bytes of payload (None: the cluster's bucket at that rate); alpha, beta and gamma scaled for
     `share` ranks per core (CostModel.sharing; the link's rate is not CPU time)."""
     if len(set(hosts)) == 1:
+        if link is not None:
+            raise SystemExit(f"benchmarks.algorithms: --link {link} is the rate between hosts, but all {len(hosts)} ranks "
+                             "are on one host: leave --link out (or start the ranks on several hosts)")
         return None
     if link is None:
         raise SystemExit(f"benchmarks.algorithms: the ranks are on {len(set(hosts))} hosts; give --link RATE (the "
@@ -351,6 +355,9 @@ def main(argv=None) -> int:
             link_beta(args.link)
         except ValueError as exc:
             parser.error(f"--link: {exc}")
+        if read_env(os.environ)["master_addr"] is None:
+            parser.error(f"--link {args.link} is the rate between hosts, but the ranks this spawns are all on this "
+                         "host: leave --link out, or start the ranks on several hosts with torchrun or srun")
     elif args.burst is not None:
         parser.error("--burst is the bucket of the link that --link names; give --link too")
     config = {k: getattr(args, k) for k in ("collective", "minbytes", "maxbytes", "stepfactor", "link")}

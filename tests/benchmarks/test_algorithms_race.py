@@ -35,6 +35,8 @@ def test_a_race_on_two_ranks_checks_every_output_and_predicts_each(tmp_path, cap
 
 def test_one_host_keeps_the_closed_forms_and_several_need_the_link():
     assert algorithms.topology_of([0, 0, 0], MODEL, None) is None
+    with pytest.raises(SystemExit, match="--link 1gbit is the rate between hosts, but all 3 ranks are on one host"):
+        algorithms.topology_of([0, 0, 0], MODEL, "1gbit")
     with pytest.raises(SystemExit, match="the ranks are on 2 hosts; give --link RATE"):
         algorithms.topology_of([0, 0, 1, 1], MODEL, None)
     topo = algorithms.topology_of([0, 0, 1, 1], MODEL, "1gbit")
@@ -62,6 +64,8 @@ def test_burst_is_given_in_frames_bytes_and_kept_in_payload_bytes(monkeypatch):
     """--burst is tc tbf's burst, which counts whole frames; the race models payload."""
     seen = {}
     monkeypatch.setattr(algorithms.collectives, "run_or_join", lambda fn, n, args, timeout: seen.update(args[0]))
+    for name, value in dict(RANK="0", WORLD_SIZE="4", MASTER_ADDR="node0", MASTER_PORT="29500").items():
+        monkeypatch.setenv(name, value)  # as torchrun starts a rank: --link is for ranks across hosts
     assert algorithms.main(["-c", "all_reduce", "--link", "1gbit", "--burst", "1000"]) == 0
     assert seen["burst"] == pytest.approx(1000 * PAYLOAD_PER_FRAME) and seen["link"] == "1gbit"
     algorithms.main(["-c", "all_reduce", "--link", "1gbit"])
@@ -72,6 +76,16 @@ def test_burst_needs_the_link(capsys):
     with pytest.raises(SystemExit):
         algorithms.main(["--burst", "64K"])
     assert "--burst is the bucket of the link that --link names; give --link too" in capsys.readouterr().err
+
+
+def test_a_link_for_ranks_spawned_on_this_host_is_refused(monkeypatch, capsys):
+    for name in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(SystemExit) as info:
+        algorithms.main(["-c", "all_reduce", "--link", "1gbit"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "--link 1gbit is the rate between hosts, but the ranks this spawns are all on " \
+        "this host" in err and len(err.strip().splitlines()) == 1, err
 
 
 @pytest.mark.parametrize("collective", ["all_reduce", "all_gather", "reduce_scatter", "broadcast"])
