@@ -203,8 +203,9 @@ class RankPool:
         """Run `fn(env, *args)` on every rank; return the results in rank order.
 
         `fn` and `args` must pickle (a function defined at module level, not a lambda).
-        On any failure the pool is torn down (the next submit starts a fresh one) and
-        `RankFailure` is raised.
+        On a failure `RankFailure` is raised. The ranks are kept when every one of them answered
+        (returned or raised) and they are still in step (`_in_step`); after a death, a hang or any
+        doubt the pool is torn down and the next submit starts a fresh one.
         """
         __tracebackhide__ = True  # pytest: show the test, not the harness
         check_call(fn, args, timeout)
@@ -292,6 +293,25 @@ class RankPool:
             summary = summary.replace(" (", f" {where} (", 1) if " (" in summary else f"{summary} {where}"
         return summary, stack
 
+    def _in_step(self) -> bool:
+        """After a failure that every rank answered (each returned or raised, none died or hung):
+        whether the ranks can take the next call as they are. Yes when every rank is alive and
+        has issued as many calls on the world's group as the others (torch's sequence number: a
+        collective or a send/recv counts on each rank it involves, so a rank that left an
+        unmatched call behind shows it). Keeping the pool keeps a failing test cheap to re-run,
+        as hypothesis does when it shrinks an example; any doubt (a backend without sequence
+        numbers, a rank that does not answer at once) gives fresh ranks instead."""
+        if not self._procs or not all(p.is_alive() for p in self._procs):
+            return False
+        try:
+            payload = pickled(_world_sequence_number, (), "the pool's check after a failure")
+            for conn in self._conns:
+                conn.send((payload, list(sys.path)))
+            results, failures, _, _, pending = self._receive(IN_STEP_TIMEOUT_S, "ok")
+        except (OSError, EOFError, ValueError):
+            return False
+        return not failures and not pending and len(set(results.values())) == 1 and None not in results.values()
+
     def _flight_records(self, where: Dict[int, str]) -> List[str]:
         """What the live ranks' flight records say (a rank that died is named as dead); with
         TORCH_FR_DUMP_TEMP_FILE set (torch's setting), the records are also written there."""
@@ -337,7 +357,8 @@ class RankPool:
         # A hang: what torch's flight records say, when the ranks keep them (TORCH_FR_BUFFER_SIZE).
         from .flight_recorder import recording
         told = self._flight_records(where if pending else {}) if recording() else []
-        self._kill()
+        if pending or not self._in_step():
+            self._kill()  # the next submit starts fresh ranks
         failed = [r for r in order if r not in stopped]
         first = order[0]
         lines = [f"flight recorder: {line}" for line in told] + [
@@ -473,6 +494,19 @@ def _not_while_a_rank_imports_main() -> None:
         print(f"{mp.current_process().name}: collectives.run() was called while this rank imported your "
               "main module; call it under `if __name__ == \"__main__\":`", file=sys.stderr, flush=True)
         raise SystemExit(1)
+
+
+IN_STEP_TIMEOUT_S = 10.0  # the check after a failure is local to each rank: it answers at once or not at all
+
+
+def _world_sequence_number(env) -> Optional[int]:
+    """The calls this rank has issued on the world's group (None where the backend keeps no count)."""
+    import torch.distributed as dist
+
+    try:
+        return int(dist.group.WORLD._get_sequence_number_for_group())
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return None
 
 
 # Pools with ranks running. Ranks are not daemonic processes (daemons may not have children), so

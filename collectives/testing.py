@@ -2,8 +2,10 @@
 
 Spawning ranks costs ~3 s (importing torch); this harness spawns a pool of ranks once per
 (world_size, backend) and sends each test body to it, so a multi-rank test case costs
-milliseconds. After any failure or timeout the pool is torn down and the next test gets a fresh
-one, so one bad test cannot poison the next.
+milliseconds. After a rank dies or hangs, or when the ranks are no longer in step on the world's
+group, the pool is torn down and the next test gets a fresh one, so one bad test cannot poison
+the next; a test that failed with every rank answering (an assert, an exception) keeps the
+ranks, so hypothesis can shrink a failing example on them quickly.
 
     from collectives.testing import distributed
 
@@ -115,8 +117,20 @@ class _TestBody:
         obj: Any = importlib.import_module(self.module)
         for part in self.qualname.split("."):
             obj = getattr(obj, part)
-        body = getattr(obj, "_collectives_body", obj)
-        return body(env, **kwargs)
+        return _body_of(obj)(env, **kwargs)
+
+
+def _body_of(obj: Any) -> Callable:
+    """The @distributed body under whatever decorates the test above it (hypothesis's @given
+    wraps it in a function of its own, which the ranks must not run: the test process draws)."""
+    for _ in range(32):
+        if hasattr(obj, "_collectives_body"):
+            return obj._collectives_body
+        inner = getattr(getattr(obj, "hypothesis", None), "inner_test", None) or getattr(obj, "__wrapped__", None)
+        if inner is None:
+            break
+        obj = inner
+    return obj
 
 
 def distributed(world_size: int = 2, *, backend: Optional[str] = None, timeout: float = DEFAULT_TIMEOUT_S):
@@ -133,16 +147,21 @@ def distributed(world_size: int = 2, *, backend: Optional[str] = None, timeout: 
         if not params:
             raise TypeError(f"{fn.__qualname__}: a @distributed test takes the rank's env as its first argument")
 
+        signature = inspect.Signature(params[1:])
+
         @functools.wraps(fn)
-        def test(**kwargs):
+        def test(*args, **kwargs):
             __tracebackhide__ = True  # pytest shows the ranks' report, not this wrapper
+            # by name, however the caller passed them (pytest by keyword; hypothesis's @given by position)
+            kwargs = dict(signature.bind(*args, **kwargs).arguments)
             get_pool(world_size, backend).submit(
                 _TestBody(fn.__module__, fn.__qualname__), args=(kwargs,), timeout=timeout,
-                name=f"{fn.__qualname__} on {world_size} ranks",
+                name=f"{fn.__qualname__}({', '.join(f'{k}={v!r}' for k, v in kwargs.items())}) on {world_size} ranks"
+                if kwargs else f"{fn.__qualname__} on {world_size} ranks",
             )
 
         # pytest must see the test's own parameters, without `env` (which each rank supplies).
-        test.__signature__ = inspect.Signature(params[1:])
+        test.__signature__ = signature
         test._collectives_body = fn
         return test
 

@@ -1,5 +1,5 @@
 """The pytest harness itself: a failing rank's traceback reaches pytest, a hang shows every rank's
-stack, the pool is rebuilt after a failure, and pytest parameters reach the ranks.
+stack, the pool is kept after a failure only while its ranks are in step, and pytest parameters reach the ranks.
 
     pytest tests/collectives/test_harness.py -q
 """
@@ -10,6 +10,9 @@ import time
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+import torch.distributed as dist
 
 import collectives as C
 from collectives.testing import distributed, get_pool, run_on_ranks
@@ -33,15 +36,33 @@ def _sleeps(env):
     time.sleep(60)
 
 
-def test_failure_names_the_rank_and_the_pool_is_rebuilt():
+def _raises_after_an_unmatched_send(env):
+    if env.rank == 0:
+        dist.isend(torch.ones(2), 1)  # never received: the next test's recv from rank 0 would get it
+    raise RuntimeError(f"planted on rank {env.rank}, after rank 0's unmatched send")
+
+
+def _dies_on_rank_1(env):
+    if env.rank == 1:
+        os._exit(3)
+    return env.rank
+
+
+def test_failure_names_the_rank_and_the_pool_is_kept_only_while_its_ranks_are_in_step():
     before = run_on_ranks(_pid, 2)
     with pytest.raises(C.RankFailure) as info:
         run_on_ranks(_fails_on_rank_1, 2)
     assert info.value.ranks == [1]
     assert "rank 1 raised" in str(info.value) and "planted assertion on rank 1" in str(info.value)
-    after = run_on_ranks(_pid, 2)  # a fresh pool, not the one that saw the failure
+    assert run_on_ranks(_pid, 2) == before  # every rank answered, in step: the same ranks go on
+    with pytest.raises(C.RankFailure, match="planted on rank"):
+        run_on_ranks(_raises_after_an_unmatched_send, 2)
+    after = run_on_ranks(_pid, 2)  # rank 0 issued a call rank 1 never matched: fresh ranks
     assert set(before).isdisjoint(after)
-    assert run_on_ranks(_pid, 2) == after  # and it is reused again
+    assert run_on_ranks(_pid, 2) == after  # and they are reused again
+    with pytest.raises(C.RankFailure, match="rank 1 exited with code 3"):
+        run_on_ranks(_dies_on_rank_1, 2)
+    assert set(after).isdisjoint(run_on_ranks(_pid, 2))  # a rank died: fresh ranks
 
 
 def test_a_failed_assert_shows_its_values_and_the_users_frames_only():
@@ -71,3 +92,35 @@ def test_parameters_reach_every_rank(env, value):
     t = torch.tensor([float(value)])
     C.all_reduce(t)
     assert t.item() == 2 * value
+
+
+# hypothesis's @given over @distributed: hypothesis draws in the test process, each example runs on
+# the pooled ranks, and a failing example shrinks on the same ranks (they stay while in step).
+@settings(max_examples=25, deadline=None)
+@given(shape=st.lists(st.integers(0, 5), min_size=0, max_size=3),
+       dtype=st.sampled_from([torch.float32, torch.float64, torch.int32, torch.int64]))
+@distributed(world_size=3)
+def test_a_property_over_ranks(env, shape, dtype):
+    """all_reduce of rank r's (r + 1) is 1 + 2 + 3 in every element, whatever the shape and dtype."""
+    t = torch.full(shape, env.rank + 1, dtype=dtype)
+    C.all_reduce(t)
+    torch.testing.assert_close(t, torch.full(shape, 6, dtype=dtype))
+
+
+@settings(max_examples=40, deadline=None, database=None, derandomize=True)
+@given(n=st.integers(1, 64))
+@distributed(world_size=2)
+def _fails_from_7_on_rank_1(env, n):  # not collected: the test below runs it
+    t = torch.full((n,), env.rank + 1.0)
+    C.all_reduce(t)
+    assert n < 7 or env.rank == 0, f"planted: rank 1 fails from n=7, here n={n}"
+
+
+def test_a_failing_property_shrinks_on_the_same_ranks():
+    before = run_on_ranks(_pid, 2)
+    with pytest.raises(C.RankFailure) as info:
+        _fails_from_7_on_rank_1()
+    message = str(info.value)
+    assert message.startswith("rank 1 raised AssertionError: planted: rank 1 fails from n=7, here n=7"), message
+    assert "in _fails_from_7_on_rank_1(n=7) on 2 ranks" in message, message
+    assert run_on_ranks(_pid, 2) == before  # every example ran on the same two ranks
