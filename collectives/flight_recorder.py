@@ -145,11 +145,30 @@ def read(directory: str, prefix: Optional[str] = None) -> Dict[int, dict]:
     for name in names:
         rest = name[len(prefix):] if name.startswith(prefix) else ""
         if rest.isdigit():
-            with open(os.path.join(directory, name), "rb") as f:
-                records[int(rest)] = pickle.load(f)
+            records[int(rest)] = _load_dump(os.path.join(directory, name))
     if not records:
         raise ValueError(f"{directory}: no dump files named {prefix}<rank>")
     return records
+
+
+def _load_dump(path: str) -> dict:
+    """One rank's dump (ours or torch's, with or without entries), or a ValueError naming the file."""
+    try:
+        with open(path, "rb") as f:
+            record = pickle.load(f)
+    except OSError:
+        raise
+    except Exception as exc:  # truncated (EOFError), not a pickle, or a pickle of a class not here
+        raise ValueError(f"{path}: not a flight-recorder dump (cannot unpickle it: {type(exc).__name__}: "
+                         f"{str(exc).splitlines()[0] if str(exc) else 'no detail'})") from None
+    if not isinstance(record, dict) or not {"version", "pg_config"} <= set(record):
+        raise ValueError(f"{path}: not a flight-recorder dump (a pickled {type(record).__name__} without the "
+                         "'version' and 'pg_config' of torch's dumps)")
+    entries = record.get("entries", [])
+    if not isinstance(entries, list) or not all(isinstance(e, dict) and {"process_group", "collective_seq_id"} <= set(e)
+                                                for e in entries):
+        raise ValueError(f"{path}: not a flight-recorder dump (its 'entries' are not torch's calls)")
+    return record
 
 
 def summary(records: Dict[int, dict], last: int = 3) -> List[str]:
@@ -183,6 +202,10 @@ def main(argv=None) -> int:
     except (OSError, ValueError, pickle.UnpicklingError, EOFError) as exc:
         parser.error(str(exc))
     lines = verdict(records)
+    if not any(record.get("entries") for record in records.values()):
+        print(f"the records of rank(s) {sorted(records)} hold no calls (dumped without entries, as torch does with "
+              "includeCollectives=False, or before any call): they cannot show a hang or a mismatch")
+        return 0
     print("\n".join(lines) if lines else f"the records of rank(s) {sorted(records)} show no hang or mismatch")
     print("\n".join(summary(records, args.last)))
     return 0
@@ -261,7 +284,7 @@ def verdict(records: Dict[int, Optional[dict]], where: Optional[Dict[int, str]] 
 
 def _group_verdict(name: str, members: List[int], records: Dict[int, dict], where: Dict[int, str],
                    dead: Dict[int, str]) -> List[str]:
-    entries = {r: {e["collective_seq_id"]: e for e in records[r]["entries"]
+    entries = {r: {e["collective_seq_id"]: e for e in records[r].get("entries", [])
                    if e["process_group"][0] == name and not e.get("is_p2p")} for r in members if r in records}
     lines = []
     # The first sequence number the ranks entered with different calls: later ones follow from it.

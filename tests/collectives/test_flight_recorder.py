@@ -7,6 +7,7 @@ TORCH_FR_BUFFER_SIZE is set; and the analysis alone on records written by hand.
 Each planted hang costs a spawn and the 3 s timeout.
 """
 
+import pickle
 import time
 
 import pytest
@@ -300,3 +301,30 @@ def test_a_subgroup_is_judged_on_its_own_members():
     r2 = _record([_entry(1)], {"0": 1}, groups)
     lines = verdict({0: r0, 1: r1, 2: r2})
     assert len(lines) == 1 and lines[0].startswith("rank(s) [1] never entered all_reduce #2 on group 1 [0, 1] "), lines
+
+
+_DUMP = {"version": "2.10", "comm_lib_version": "", "pg_config": {}, "pg_status": {}}  # torch's, without entries
+
+
+@pytest.mark.parametrize("content, says", [
+    (pickle.dumps([1, 2]), "not a flight-recorder dump (a pickled list without the 'version' and 'pg_config'"),
+    (pickle.dumps({"entries": []}), "not a flight-recorder dump (a pickled dict without"),
+    (pickle.dumps({**_DUMP, "entries": [1, 2]}), "its 'entries' are not torch's calls"),
+    (pickle.dumps({**_DUMP, "entries": []})[:20], "cannot unpickle it"),  # truncated
+    (b"hello, not a pickle", "cannot unpickle it"),
+])
+def test_a_file_that_is_not_a_dump_is_named_in_one_line(content, says, tmp_path, capsys):
+    (tmp_path / "rank_0").write_bytes(pickle.dumps({**_DUMP, "entries": []}))
+    (tmp_path / "rank_1").write_bytes(content)
+    with pytest.raises(SystemExit) as info:
+        flight_recorder.main([str(tmp_path)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert info.value.code == 2 and len(err) == 1 and f"{tmp_path / 'rank_1'}: " in err[0] and says in err[0], err
+
+
+def test_dumps_without_entries_say_they_cannot_show_anything(tmp_path, capsys):
+    for rank in (0, 1):  # as torch writes them with includeCollectives=False
+        (tmp_path / f"rank_{rank}").write_bytes(pickle.dumps(_DUMP))
+    assert flight_recorder.main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "the records of rank(s) [0, 1] hold no calls" in out and "no hang or mismatch" not in out, out
