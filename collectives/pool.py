@@ -113,6 +113,7 @@ class RankPool:
         if self.alive:
             return self
         self._kill()
+        check_flight_recorder_setting(os.environ)
         if self.backend == "shm":  # its C++ bridge, built here once rather than by every rank at once
             from .shm import native
 
@@ -494,6 +495,15 @@ def _not_while_a_rank_imports_main() -> None:
         print(f"{mp.current_process().name}: collectives.run() was called while this rank imported your "
               "main module; call it under `if __name__ == \"__main__\":`", file=sys.stderr, flush=True)
         raise SystemExit(1)
+
+
+def check_flight_recorder_setting(environ) -> None:
+    """torch's flight recorder setting, read by every rank as it starts: a value that is not a whole
+    number makes each rank abort in C++ (SIGABRT, which would read as a size or dtype mismatch)."""
+    value = environ.get("TORCH_FR_BUFFER_SIZE")
+    if value is not None and not value.strip().isdigit():
+        raise ValueError(f"TORCH_FR_BUFFER_SIZE={value!r} is not a whole number of entries (torch's flight recorder: "
+                         "0 or unset for off, 2000 to keep each rank's last 2000 calls)")
 
 
 IN_STEP_TIMEOUT_S = 10.0  # the check after a failure is local to each rank: it answers at once or not at all

@@ -328,3 +328,16 @@ def test_dumps_without_entries_say_they_cannot_show_anything(tmp_path, capsys):
     assert flight_recorder.main([str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "the records of rank(s) [0, 1] hold no calls" in out and "no hang or mismatch" not in out, out
+
+
+@pytest.mark.parametrize("value", ["lots", "", "-5", "2k"])
+def test_a_buffer_size_torch_cannot_read_is_refused_before_any_rank_starts(value, monkeypatch):
+    """torch aborts every rank in init_process_group on these (SIGABRT, read as a mismatch)."""
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", value)
+    monkeypatch.setattr(C.RankPool, "_collect", lambda *a, **k: pytest.fail("ranks were started"))
+    with pytest.raises(ValueError, match=f"TORCH_FR_BUFFER_SIZE={value!r} is not a whole number of entries"):
+        C.run(_rank, world_size=2, timeout=TIMEOUT_S)
+
+
+def _rank(env):
+    return env.rank
