@@ -7,6 +7,7 @@ TORCH_FR_BUFFER_SIZE is set; and the analysis alone on records written by hand.
 Each planted hang costs a spawn and the 3 s timeout.
 """
 
+import inspect
 import pickle
 import time
 
@@ -29,6 +30,12 @@ def _skips_one_all_reduce(env):
         if env.rank == 1 and step == 3:
             time.sleep(600)  # stuck in user code: never enters all_reduce #4
         dist.all_reduce(t)
+
+
+def _line_of(fn, text: str) -> int:
+    """The line of this file where `fn` has `text` (so that the test survives edits above it)."""
+    lines, first = inspect.getsourcelines(fn)
+    return next(first + i for i, line in enumerate(lines) if text in line)
 
 
 def _different_order(env):
@@ -73,7 +80,7 @@ def test_a_planted_hang_is_named_in_collective_terms(fn, world_size, says, monke
     assert first.startswith(says), str(info.value)
     if fn is _skips_one_all_reduce:  # and where the missing rank is instead
         assert first.endswith("rank 1 last entered all_reduce #3 (completed), and is now in _skips_one_all_reduce "
-                              "(test_flight_recorder.py:28)"), first
+                              f"(test_flight_recorder.py:{_line_of(_skips_one_all_reduce, 'time.sleep(600)')})"), first
     # the timeout, then the grace (3 s) and the records (~1 s); 10 s more for a loaded machine
     assert time.monotonic() - start < TIMEOUT_S + 5 + 10
 
