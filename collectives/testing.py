@@ -5,7 +5,8 @@ Spawning ranks costs ~3 s (importing torch); this harness spawns a pool of ranks
 milliseconds. After a rank dies or hangs, or when the ranks are no longer in step on the world's
 group, the pool is torn down and the next test gets a fresh one, so one bad test cannot poison
 the next; a test that failed with every rank answering (an assert, an exception) keeps the
-ranks, so hypothesis can shrink a failing example on them quickly.
+ranks (on Gloo and NCCL, whose sequence numbers tell; shm's pool is rebuilt), so hypothesis can
+shrink a failing example on them quickly.
 
     from collectives.testing import distributed
 

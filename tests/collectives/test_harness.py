@@ -18,6 +18,11 @@ import collectives as C
 from collectives.testing import distributed, get_pool, run_on_ranks
 
 
+# After a failure every rank answered, the ranks are kept where the backend counts each rank's
+# calls (torch's sequence numbers: Gloo, NCCL); shm keeps no such count, so its pool is rebuilt.
+KEEPS_RANKS = (os.environ.get("COLLECTIVES_TEST_BACKEND") or "gloo") != "shm"
+
+
 def _pid(env):
     return os.getpid()
 
@@ -54,7 +59,12 @@ def test_failure_names_the_rank_and_the_pool_is_kept_only_while_its_ranks_are_in
         run_on_ranks(_fails_on_rank_1, 2)
     assert info.value.ranks == [1]
     assert "rank 1 raised" in str(info.value) and "planted assertion on rank 1" in str(info.value)
-    assert run_on_ranks(_pid, 2) == before  # every rank answered, in step: the same ranks go on
+    kept = run_on_ranks(_pid, 2)
+    if KEEPS_RANKS:
+        assert kept == before  # every rank answered, in step: the same ranks go on
+    else:  # shm keeps no sequence numbers to compare: fresh ranks after any failure
+        assert set(before).isdisjoint(kept)
+    before = kept
     with pytest.raises(C.RankFailure, match="planted on rank"):
         run_on_ranks(_raises_after_an_unmatched_send, 2)
     after = run_on_ranks(_pid, 2)  # rank 0 issued a call rank 1 never matched: fresh ranks
@@ -123,4 +133,5 @@ def test_a_failing_property_shrinks_on_the_same_ranks():
     message = str(info.value)
     assert message.startswith("rank 1 raised AssertionError: planted: rank 1 fails from n=7, here n=7"), message
     assert "in _fails_from_7_on_rank_1(n=7) on 2 ranks" in message, message
-    assert run_on_ranks(_pid, 2) == before  # every example ran on the same two ranks
+    if KEEPS_RANKS:
+        assert run_on_ranks(_pid, 2) == before  # every example ran on the same two ranks
