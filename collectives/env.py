@@ -226,10 +226,9 @@ def shutdown() -> None:
     would lose it. After this no group of this process is left alive by this library (its caches
     hold groups weakly; tests/collectives/test_env.py checks it): a Gloo group still referenced at
     exit keeps its worker threads running into interpreter shutdown, where one that drops a tensor
-    with a Python object aborts the process ("terminate called without an active exception",
-    after the program's last line: measured 1 run in 60 of a 2-rank SLURM-like job and about 1 in
-    40 of a torchrun job on two hosts while the cache held the world's group; 0 in 150 and 0 in 80
-    since). A program that keeps a group in its own globals should drop it before it exits.
+    with a Python object can abort the process after the program's last line ("terminate called
+    without an active exception"). A program that keeps a group in its own globals should drop it
+    before it exits.
     """
     if dist.is_initialized():
         dist.barrier()
