@@ -326,7 +326,12 @@ class RankPool:
                 flight_recorder.write(records, prefix)
             except OSError as exc:
                 return [f"could not write the records to {prefix}<rank>: {exc}"]
-        return flight_recorder.verdict(records, where, ranks=range(self.world_size), dead=dead)
+        lines = flight_recorder.verdict(records, where, ranks=range(self.world_size), dead=dead)
+        if not lines and where and not any(records.values()):  # a hang, and nothing to judge it by: say so
+            lines = [f"no live rank sent its record within {flight_recorder.ANSWER_WAIT_S:g} s "
+                     f"({len(records)} answered, every answer empty)" if records else
+                     f"no live rank sent its record within {flight_recorder.ANSWER_WAIT_S:g} s"]
+        return lines
 
     def _report_failure(self, what: str, timeout: float, failures: Dict[int, str], summaries: Dict[int, str],
                         order: List[int], pending: set) -> None:

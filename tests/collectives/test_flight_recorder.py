@@ -348,3 +348,14 @@ def test_a_buffer_size_torch_cannot_read_is_refused_before_any_rank_starts(value
 
 def _rank(env):
     return env.rank
+
+
+@pytest.mark.slow
+def test_a_hang_whose_records_do_not_arrive_says_so(monkeypatch):
+    """A verdict needs the records: when none arrives the report says that, not nothing."""
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "2000")
+    monkeypatch.setattr(flight_recorder, "collect", lambda conns, wait=flight_recorder.ANSWER_WAIT_S: {})
+    with pytest.raises(C.RankFailure) as info:
+        C.run(_skips_one_all_reduce, world_size=2, timeout=TIMEOUT_S)
+    first = str(info.value).splitlines()[0]
+    assert first == f"flight recorder: no live rank sent its record within {flight_recorder.ANSWER_WAIT_S:g} s", first
