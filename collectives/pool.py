@@ -44,6 +44,7 @@ import runpy
 import select
 import signal
 import sys
+import tempfile
 import threading
 import time
 import weakref
@@ -432,11 +433,26 @@ def start_method_for(start_method: Optional[str] = None) -> str:
     """The start method a pool uses: the one asked for, else COLLECTIVES_START_METHOD, else
     forkserver where multiprocessing has it (Linux, macOS), else spawn."""
     chosen = start_method or os.environ.get("COLLECTIVES_START_METHOD") or (
-        "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn")
+        "forkserver" if "forkserver" in mp.get_all_start_methods() and _forkserver_address_fits() else "spawn")
     if chosen not in START_METHODS:
         where = "start_method" if start_method else "COLLECTIVES_START_METHOD"
         raise ValueError(f"{where} must be one of {', '.join(START_METHODS)}, got {chosen!r}")
+    if chosen == "forkserver" and not _forkserver_address_fits():
+        raise ValueError(f"start method forkserver: its socket in {tempfile.gettempdir()} would have a path longer "
+                         "than a Unix socket's 107 bytes; set a shorter TMPDIR, or use start method spawn")
     return chosen
+
+
+def _forkserver_address_fits() -> bool:
+    """Whether multiprocessing's fork server can listen here: on a Unix socket at
+    TMPDIR/pymp-XXXXXXXX/listener-XXXXXXXX, whose path must fit in 107 bytes (a long TMPDIR, as
+    pytest's tmp_path gives, does not: bind() fails with "AF_UNIX path too long")."""
+    from multiprocessing import forkserver, process
+
+    if getattr(forkserver._forkserver, "_forkserver_address", None):  # already listening
+        return True
+    folder = process.current_process()._config.get("tempdir") or os.path.join(tempfile.gettempdir(), "pymp-" + "x" * 8)
+    return len(os.path.join(folder, "listener-" + "x" * 8).encode()) <= 107
 
 
 def rank_context(start_method: str):

@@ -7,11 +7,13 @@ grid is small.
     pytest tests/collectives/test_launch.py -q
 """
 
+import atexit
 import ctypes
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -232,9 +234,14 @@ def start_and_kill(argv, sig, ready, tmp_path, env=None):
     return those processes' pids."""
     tmp = tmp_path / "tmp"
     tmp.mkdir(exist_ok=True)
+    # TMPDIR through a short link: under xdist tmp_path is long enough that the fork server's socket
+    # (TMPDIR/pymp-XXXXXXXX/listener-XXXXXXXX) would pass a Unix socket's 107 bytes
+    link = tempfile.mktemp(prefix="cp-", dir="/tmp")
+    os.symlink(tmp, link)
+    atexit.register(os.unlink, link)
     stderr = tmp_path / "launcher-stderr.txt"
     with open(stderr, "wb") as err:
-        proc = subprocess.Popen(argv, env={**os.environ, "TMPDIR": str(tmp), **(env or {})},
+        proc = subprocess.Popen(argv, env={**os.environ, "TMPDIR": link, **(env or {})},
                                 stdout=subprocess.DEVNULL, stderr=err)
     deadline = time.monotonic() + 120
     while not ready() and time.monotonic() < deadline and proc.poll() is None:
@@ -558,3 +565,25 @@ def test_a_peer_gone_mid_collective_is_a_backend_failure_naming_rank_host_and_co
     assert message.startswith(f"rank 0 on host {socket.gethostname()}: all_reduce over 2 ranks (gloo) failed in the "
                               "backend: "), message
     assert "gloo" in message.lower()  # torch's own words follow
+
+
+def test_a_tmpdir_too_long_for_the_fork_servers_socket_starts_ranks_by_spawn(tmp_path):
+    """pytest's tmp_path as TMPDIR can be too long for the fork server's Unix socket (107 bytes):
+    the ranks start by spawn instead of failing with 'AF_UNIX path too long'; asked for by name,
+    forkserver is refused saying why."""
+    long = tmp_path / ("d" * (100 - len(str(tmp_path))) if len(str(tmp_path)) < 90 else "d")
+    long.mkdir()
+    program = ("import collectives, collectives.pool as P\n"
+               "def rank(env): return env.rank\n"
+               "if __name__ == '__main__':\n"
+               "    print(P.start_method_for(), collectives.run(rank, 2))\n"
+               "    try:\n"
+               "        P.start_method_for('forkserver')\n"
+               "    except ValueError as exc:\n"
+               "        print(exc)\n")
+    (tmp_path / "prog.py").write_text(program)
+    out = subprocess.run([sys.executable, str(tmp_path / "prog.py")], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "TMPDIR": str(long)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[0] == "spawn [0, 1]", out.stdout
+    assert "would have a path longer than a Unix socket's 107 bytes" in out.stdout, out.stdout
