@@ -15,6 +15,12 @@
 #     bash benchmarks/across_hosts.sh 500mbit 1gbit 2gbit 4gbit none    # writes benchmarks/results/across-hosts_*, algorithms-race_*2hosts*
 #     bash benchmarks/across_hosts.sh delay=100ms loss=1%
 set -euo pipefail
+for arg in "$@"; do  # before anything touches the cluster
+  case "$arg" in
+    -h|--help) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -*) echo "across_hosts.sh: unknown option $arg: the arguments are link rates (1gbit), none, delay=D or loss=P (--help for usage)" >&2; exit 2 ;;
+  esac
+done
 cd "$(dirname "$0")/.."
 day=$(date +%F)
 torchrun_on_both() {  # nproc-per-node, rdzv-id, program args...: torchrun on node0 and node1 at once
