@@ -20,5 +20,8 @@ def test_missing_main_guard_is_explained(tmp_path):
     # (141 lines of stderr in all for 2 ranks before; 23 now)
     lines = out.stderr.strip().splitlines()
     assert len(lines) < 40, out.stderr
-    assert sum("collectives.run() was called while this rank imported your main module" in line for line in lines) == 2
+    said = sum("collectives.run() was called while this rank imported your main module" in line for line in lines)
+    # both ranks, or one: a rank still importing when the grace period after the first one's exit
+    # ends (3 s; seen on a loaded machine) is stopped before it speaks, and the report says so
+    assert said in (1, 2), out.stderr
     assert lines[-1].startswith("Hint: the ranks are spawned")
