@@ -46,7 +46,7 @@ import torch
 from ..chunks import bounds
 from ..errors import CollectiveError
 from .segment import ABORT, Segment
-from .wait import PeerFailure, Waiter, _process_alive
+from .wait import DIED, PeerFailure, Waiter, _process_alive
 
 # An all_reduce of at least ShmConfig.cma_min_bytes (16 MiB) goes through cross-memory attach;
 # smaller ones through the segment, whose copies stay in the caches (here 32 MiB of L3 holds 2
@@ -93,7 +93,7 @@ class CrossMemory:
                 err = ctypes.get_errno()
                 what = f"{self.waiter.what or 'cross-memory attach'} on rank {self.rank}"
                 if err == errno.ESRCH or not _process_alive(self.pids[peer]):
-                    self.waiter.abort(culprit=peer)
+                    self.waiter.abort(culprit=peer, why=DIED)
                     raise PeerFailure(f"{what}: rank {peer} (pid {self.pids[peer]}) died while this rank "
                                       f"{'wrote into' if write else 'read'} its memory")
                 raise CollectiveError(f"{what}: process_vm_{'writev' if write else 'readv'} of {nbytes - done} bytes "

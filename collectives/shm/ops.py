@@ -186,6 +186,9 @@ class ShmCollectives:
         self.calls += 1
         bank[self.rank * _WORDS.size:(self.rank + 1) * _WORDS.size] = pending
         self.waiter.barrier()
+        # a rank whose peers are ahead never waits, so never sees the abort word while waiting:
+        # look here, or it would run a collective the others gave up (a late rank's next call)
+        self.waiter.check_abort()
         if bank.tobytes() != pending * self.size:  # bytes, not numpy: this is on every call's path
             raise CollectiveMismatchError(_disagreement(self.waiter.what, self.rank, list(_WORDS.iter_unpack(bank))))
 

@@ -24,6 +24,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from ..errors import CollectiveMismatchError
 from .transport import ShmComm, _Transfer
 from .wait import _SYS_FUTEX, FAULT_CHECK_S, FUTEX_WAIT, _libc, _Timespec
 
@@ -43,7 +44,7 @@ class PointToPoint:
         with self._idle:
             self._posted += 1
             if self._thread is None:
-                self._comm = ShmComm(self._backend, drain=False)
+                self._comm = ShmComm(self._backend, drain=False, header=True)
                 self._thread = threading.Thread(target=self._serve, daemon=True, name="shm-point-to-point")
                 self._thread.start()
         self._inbox.put((kind, tensor, peer, fut))
@@ -73,6 +74,14 @@ class PointToPoint:
                 return q
         return -1
 
+    def _start(self, moving: list, kind: str, tensor: torch.Tensor, peer: int, fut: torch.futures.Future) -> None:
+        """Post one message; an error in doing so fails its Future only."""
+        try:
+            self._comm.waiter.check_abort(kind.replace("_any", ""))
+            moving.append((self._comm._post(kind, tensor, peer, None), fut, peer))
+        except BaseException as exc:  # noqa: BLE001 - the thread serves the other messages on
+            self._done(fut, error=exc)
+
     def _serve(self) -> None:
         comm = self._comm
         moving: List[Tuple[_Transfer, torch.futures.Future, int]] = []
@@ -87,13 +96,13 @@ class PointToPoint:
                     if kind == "recv_any":
                         waiting_any.append((tensor, fut))
                     else:
-                        moving.append((comm._post(kind, tensor, peer, None), fut, peer))
+                        self._start(moving, kind, tensor, peer, fut)
                     start = time.monotonic()
             except queue.Empty:
                 pass
             while waiting_any and (q := self._any_source()) >= 0:
                 tensor, fut = waiting_any.pop(0)
-                moving.append((comm._post("recv", tensor, q, None), fut, q))
+                self._start(moving, "recv", tensor, q, fut)
             try:
                 moved = comm._advance()
                 comm.messages.clear()  # the algorithms' record of messages: not kept here
@@ -105,7 +114,7 @@ class PointToPoint:
             still = []
             for transfer, fut, peer in moving:
                 if transfer.finished:
-                    self._done(fut, value=peer)
+                    self._done(fut, value=peer, error=CollectiveMismatchError(transfer.error) if transfer.error else None)
                 else:
                     still.append((transfer, fut, peer))
             moving = still

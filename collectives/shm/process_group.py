@@ -422,6 +422,8 @@ class ShmBackend:
             why = wrong_devices(tensor=tensors) or ("" if tensors[0].is_contiguous() else "the tensor is not contiguous")
         if not why and peer == self.rank():
             why = f"rank {peer} is this rank"
+        if not why and kind != "recv_any" and not 0 <= peer < self.size():
+            why = f"rank {peer} is not in the group (its ranks are 0 to {self.size() - 1})"
         if why:
             fut = torch.futures.Future()
             fut.set_exception(ShmArgumentError(f"{kind} on rank {self.rank()} of the shm group: {why}"))

@@ -39,6 +39,7 @@ PREFIX = "collectives-shm"
 CONTROL_BYTES = 512 << 10  # int32 words: the per-rank and per-pair counters below, with room to spare
 ABORT = 0  # control word: nonzero once the group is broken: 1 + the rank that failed or died
 ABORT_SEEN_BY = 1  # 1 + the rank that noticed it
+ABORT_WHY = 2  # why: DIED, FAILED or LATE (wait.py)
 STEP0, PID0 = 16, 16 + 4096  # per-rank words start here (steps, then pids)
 MAIL_SENT0 = PID0 + 4096  # per (src, dst) pair: messages put in that mailbox so far (by src)
 MAIL_TAKEN0 = MAIL_SENT0 + 4096  # and taken out of it (by dst)

@@ -30,23 +30,57 @@ from ..dtypes import as_bytes
 from .segment import MAIL_SENT0, MAIL_TAKEN0
 from .wait import _SYS_FUTEX, FAULT_CHECK_S, FUTEX_WAIT, FUTEX_WAKE, _libc, _Timespec
 
+HEADER_BYTES = 8  # a point-to-point message's length in bytes (int64), ahead of its payload
 
 
 class _Transfer:
-    """One message, moved piece by piece through its pair's mailbox."""
+    """One message, moved piece by piece through its pair's mailbox. With `header` (the user's
+    send/recv, point_to_point.py) the message starts with its length, so that a receive into a
+    tensor of another size is an error: the receiver takes the whole message out of the mailbox,
+    writes none of it, and names both sizes (`error`); the pair stays in step. The algorithms'
+    messages (every rank computes both sides' sizes) go without it."""
 
-    __slots__ = ("kind", "pair", "bytes", "done", "message", "comm")
+    __slots__ = ("kind", "pair", "bytes", "done", "message", "comm", "total", "header", "error")
 
-    def __init__(self, comm: "ShmComm", kind: str, tensor: torch.Tensor, peer: int, chunk):
+    def __init__(self, comm: "ShmComm", kind: str, tensor: torch.Tensor, peer: int, chunk, header: bool = False):
         src, dst = (comm.rank, peer) if kind == "send" else (peer, comm.rank)
         self.kind, self.pair, self.comm = kind, src * comm.size + dst, comm
         self.bytes = as_bytes(tensor)
+        self.header, self.error = header, None
+        self.total = self.bytes.numel() + (HEADER_BYTES if header else 0)  # bytes through the mailbox
         self.done = 0
         self.message = Message(comm.step, src, dst, self.bytes.numel(), chunk, time.perf_counter(), 0.0)
 
     @property
     def finished(self) -> bool:
-        return self.done >= self.bytes.numel()
+        return self.done >= self.total
+
+    def _put(self, piece: torch.Tensor) -> None:
+        """Fill a mailbox half with the message's next len(piece) bytes (its header first)."""
+        start = self.done - (HEADER_BYTES if self.header else 0)
+        if start < 0:  # the first piece of a message with a header
+            piece[:HEADER_BYTES].copy_(torch.tensor([self.bytes.numel()], dtype=torch.int64).view(torch.uint8))
+            piece, start = piece[HEADER_BYTES:], 0
+        piece.copy_(self.bytes[start:start + piece.numel()])
+
+    def _read_header(self, header: torch.Tensor) -> None:
+        """The sender's length: another size than this rank's tensor makes the receive an error,
+        and the sender's pieces are taken out and dropped (the pair stays in step)."""
+        sent = int(header.view(torch.int64)[0])
+        if sent != self.bytes.numel():
+            src = self.pair // self.comm.size
+            self.error = (f"recv on rank {self.comm.rank} of the shm group: rank {src} sent {sent} bytes, "
+                          f"and this rank's tensor holds {self.bytes.numel()} bytes; nothing was written "
+                          "into it (the message was taken out, so the next one arrives in order)")
+            self.total = HEADER_BYTES + sent
+
+    def _take(self, piece: torch.Tensor) -> None:
+        """Take the message's next len(piece) bytes out of a mailbox half (past its header)."""
+        start = self.done - (HEADER_BYTES if self.header else 0)
+        if start < 0:
+            piece, start = piece[HEADER_BYTES:], 0
+        if self.error is None:
+            self.bytes[start:start + piece.numel()].copy_(piece)
 
     def progress(self) -> bool:
         """Move as many pieces as the mailbox allows now; True if any moved."""
@@ -55,19 +89,22 @@ class _Transfer:
         half_bytes = seg.mailbox_bytes // 2
         while not self.finished:
             sent, taken = int(seg.mail_sent[k]), int(seg.mail_taken[k])
-            n = min(half_bytes, self.bytes.numel() - self.done)
             if self.kind == "send":
                 if sent - taken >= 2:
                     break
+                n = min(half_bytes, self.total - self.done)
                 half = sent % 2
-                box[half * half_bytes:half * half_bytes + n].copy_(self.bytes[self.done:self.done + n])
+                self._put(box[half * half_bytes:half * half_bytes + n])
                 seg.mail_sent[k] = sent + 1
                 word = MAIL_SENT0 + k
             else:
                 if sent <= taken:
                     break
                 half = taken % 2
-                self.bytes[self.done:self.done + n].copy_(box[half * half_bytes:half * half_bytes + n])
+                if self.header and self.done == 0:  # the sender's length decides the pieces' sizes
+                    self._read_header(box[half * half_bytes:half * half_bytes + HEADER_BYTES])
+                n = min(half_bytes, self.total - self.done)
+                self._take(box[half * half_bytes:half * half_bytes + n])
                 seg.mail_taken[k] = taken + 1
                 word = MAIL_TAKEN0 + k
             if _SYS_FUTEX is not None:
@@ -85,24 +122,25 @@ class _Transfer:
         word = MAIL_TAKEN0 + k if self.kind == "send" else MAIL_SENT0 + k
         return word, int(seg.control[word])
 
-
 class ShmComm(Comm):
     """The algorithms' transport over an shm group's mailboxes (group ranks)."""
 
-    def __init__(self, process_group, drain: bool = True):
+    def __init__(self, process_group, drain: bool = True, header: bool = False):
         """process_group: the group's ShmBackend; drain: wait for its calls issued before (the
-        point-to-point engine itself does not)."""
+        point-to-point engine itself does not); header: every message carries its length (the
+        engine's, for the user's send/recv)."""
         if process_group._segment.mail is None:
             raise ValueError("shm mailboxes exist for groups of at most 64 ranks")
         if drain:
             process_group._drain()  # the group's own calls issued before come first
         self.segment, self.waiter = process_group._segment, process_group._waiter
         self.rank, self.size = process_group.rank(), process_group.size()
+        self.header = header
         self.messages: List[Message] = []
         self._queues: Dict[int, Deque[_Transfer]] = {}  # pair -> transfers in posting order
 
     def _post(self, kind, tensor, peer, chunk) -> _Transfer:
-        transfer = _Transfer(self, kind, tensor, peer, chunk)
+        transfer = _Transfer(self, kind, tensor, peer, chunk, self.header)
         if transfer.finished:  # an empty message: nothing to send, on either side
             return transfer
         self._queues.setdefault(transfer.pair, deque()).append(transfer)

@@ -18,7 +18,10 @@ benchmarks/shm_wait.py measures all four (latency and CPU seconds per call, 2 an
 
 Faults: while it waits, a rank checks every FAULT_CHECK_S that the others' processes are alive
 and that no rank has raised the abort word; then it raises `PeerFailure` naming the rank. A
-rank that fails sets the abort word, so the others stop at once instead of at their timeout.
+rank that fails, or times out waiting for a late rank, sets the abort word, so the others stop
+at once instead of at their timeout; every call checks it after its first barrier too, so a
+rank that never has to wait (the late one, whose peers are ahead) raises as well instead of
+running a collective the others have given up.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import time
 from typing import Optional
 
 from ..errors import CollectiveError
-from .segment import ABORT, ABORT_SEEN_BY, STEP0, Segment
+from .segment import ABORT, ABORT_SEEN_BY, ABORT_WHY, STEP0, Segment
 
 FAULT_CHECK_S = 0.05
 # futex: how long to spin before sleeping in the kernel. A futex wake-up costs tens of
@@ -46,6 +49,7 @@ STRATEGIES = ("futex", "spin", "yield", "sleep")
 
 _SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine())
 FUTEX_WAIT, FUTEX_WAKE = 0, 1
+DIED, FAILED, LATE = 0, 1, 2  # why a group was broken (the ABORT_WHY word)
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
 
@@ -136,28 +140,42 @@ class Waiter:
     # -- faults -----------------------------------------------------------------------------------
     def _check_peers(self, missing: int, waited: float) -> None:
         seg = self.segment
-        culprit = int(seg.control[ABORT]) - 1
-        if culprit >= 0:
-            seen_by = int(seg.control[ABORT_SEEN_BY]) - 1
-            how = "failed (its error is on that rank)" if seen_by == culprit else f"died (rank {seen_by} saw it)"
-            raise PeerFailure(f"{self.what} on rank {self.rank}: rank {culprit} {how}, so this collective cannot "
-                              "finish")
+        self.check_abort()
         for r, pid in enumerate(seg.pids):
             if r != self.rank and pid and not _process_alive(int(pid)):
-                self.abort(culprit=r)
+                self.abort(culprit=r, why=DIED)
                 raise PeerFailure(f"{self.what} on rank {self.rank}: rank {r} (pid {pid}) died while this rank "
                                   f"waited for it")
         if waited > self.timeout_s:
-            self.abort(culprit=missing)
+            self.abort(culprit=missing, why=LATE)
             raise PeerFailure(f"{self.what} on rank {self.rank}: rank {missing} did not reach step {self.step} within "
                               f"the {self.timeout_s:g} s timeout (is it in another collective, or stuck?)")
 
-    def abort(self, culprit: Optional[int] = None) -> None:
+    def check_abort(self, what: str = "") -> None:
+        """Raise PeerFailure if the group is broken (the abort word), naming the call (`what`,
+        else the collective under way), the rank and why."""
+        seg = self.segment
+        culprit = int(seg.control[ABORT]) - 1
+        if culprit < 0:
+            return
+        seen_by, why = int(seg.control[ABORT_SEEN_BY]) - 1, int(seg.control[ABORT_WHY])
+        if why == LATE:
+            how = (f"did not reach a collective within rank {seen_by}'s timeout, which gave up on it "
+                   f"(a late rank breaks the group, as on Gloo)")
+        elif why == FAILED or seen_by == culprit:
+            how = "failed (its error is on that rank)"
+        else:
+            how = f"died (rank {seen_by} saw it)"
+        raise PeerFailure(f"{what or self.what} on rank {self.rank}: rank {culprit} {how}, so this call cannot "
+                          "run: the group is broken, make a new one")
+
+    def abort(self, culprit: Optional[int] = None, why: int = FAILED) -> None:
         """Tell every other rank to stop waiting: they raise PeerFailure naming `culprit` (the rank
-        that died, or this rank when its own collective failed)."""
+        that died or was late, or this rank when its own collective failed) and `why`."""
         seg = self.segment
         if not seg.control[ABORT]:
             seg.control[ABORT_SEEN_BY] = self.rank + 1
+            seg.control[ABORT_WHY] = why
             seg.control[ABORT] = (self.rank if culprit is None else culprit) + 1
         if _SYS_FUTEX is not None:
             for r in range(seg.world_size):

@@ -15,6 +15,7 @@ import torch.distributed._functional_collectives as funcol
 
 from collectives.errors import CollectiveMismatchError
 from collectives.shm import backend_of
+from collectives.testing import distributed
 from ddp_from_scratch.parity import same_bits
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int8,
@@ -252,3 +253,103 @@ def test_no_inner_gloo_group_and_no_fallback_left():
     source = inspect.getsource(process_group)
     assert "ProcessGroupGloo" not in source and "_fallback" not in source
     assert backend_of.__doc__
+
+
+@distributed(world_size=3, backend="shm")
+def test_a_receive_into_another_size_fails_naming_both_ranks_and_sizes(env):
+    """Every message carries its length: a receive into a tensor of another size (smaller, larger,
+    from an empty send, or a message of many mailbox pieces) raises naming both ranks and sizes,
+    writes nothing into the tensor, and takes the whole message out, so the next one arrives
+    intact; the group works afterwards. Without the length, the receive got the bytes of an
+    earlier message or dropped some without a word."""
+    big = 300_001  # 1.2 MB: several 256 KiB mailbox pieces, all taken out and dropped
+    sends = [torch.full((6,), 50.0), torch.arange(1.0, 5.0), torch.arange(1.0, 9.0), torch.arange(float(big)),
+             torch.full((3,), 7.0), torch.empty(0), torch.full((2,), 8.0)]
+    sizes = [6, 6, 6, 5, 3, 3, 2]
+    if env.rank == 0:
+        for t in sends:
+            dist.send(t, 1)
+    elif env.rank == 1:
+        for sent, n in zip(sends, sizes):
+            into = torch.full((n,), -7.0)
+            if sent.numel() == n:
+                dist.recv(into, 0)
+                assert torch.equal(into, sent)
+                continue
+            with pytest.raises(CollectiveMismatchError) as info:
+                dist.recv(into, 0)
+            assert str(info.value) == (f"recv on rank 1 of the shm group: rank 0 sent {4 * sent.numel()} bytes, and "
+                                       f"this rank's tensor holds {4 * n} bytes; nothing was written into it (the "
+                                       "message was taken out, so the next one arrives in order)")
+            assert torch.equal(into, torch.full((n,), -7.0))
+    t = torch.full((2,), float(env.rank))
+    dist.all_reduce(t)
+    assert t.tolist() == [3.0, 3.0]
+
+
+@distributed(world_size=3, backend="shm")
+def test_a_peer_outside_the_group_is_refused_and_the_messages_go_on(env):
+    """send to / recv from a rank the group does not have is refused before anything moves (it
+    killed the point-to-point thread, and the send hung to the run's timeout), and the thread
+    serves the next messages."""
+    from collectives.shm.ops import ShmArgumentError
+
+    if env.rank in (0, 2):
+        for peer in (3, 7, -1):
+            with pytest.raises(ShmArgumentError, match=rf"^send on rank {env.rank} of the shm group: rank {peer} "
+                               r"is not in the group \(its ranks are 0 to 2\)$"):
+                dist.send(torch.ones(2), peer)
+        with pytest.raises(ShmArgumentError, match=r"recv on rank \d of the shm group: rank 5 is not in the group"):
+            dist.recv(torch.empty(2), 5)
+        dist.send(torch.full((2,), 10.0 + env.rank), 1)
+    else:
+        for src in (0, 2):
+            into = torch.empty(2)
+            dist.recv(into, src)
+            assert into.tolist() == [10.0 + src] * 2
+
+
+def _late_for_monitored_barrier(env):
+    """Rank 1 comes to monitored_barrier only after ranks 0 and 2 have given up on it."""
+    group = dist.new_group(backend="shm")
+    store = dist.distributed_c10d._get_default_store()
+    said = []
+    if env.rank == 1:
+        store.wait(["gave up 0", "gave up 2"])
+    try:
+        group.monitored_barrier(timedelta(seconds=0.5), False)
+        said.append("passed")
+    except Exception as exc:  # noqa: BLE001
+        said.append(str(exc))
+    if env.rank != 1:
+        store.set(f"gave up {env.rank}", "1")
+    for k in range(3):
+        t = torch.tensor([10.0 ** k * (env.rank + 1)])
+        try:
+            dist.all_reduce(t, group=group)
+            said.append(t.item())
+        except Exception as exc:  # noqa: BLE001
+            said.append(str(exc))
+    world = torch.ones(1)
+    dist.all_reduce(world)  # another group is not broken
+    said.append(world.item())
+    return said
+
+
+def test_after_monitored_barrier_names_a_late_rank_every_rank_raises(dist_run):
+    """Once monitored_barrier has given up on a late rank the group is broken, as on Gloo: every
+    later call raises on every rank, the late one included, naming it. Before, the late rank's
+    calls met nobody's (the others were ahead) and returned sums of stale slots (102, 30, 300)."""
+    said = dist_run(_late_for_monitored_barrier, 3, backend="shm", timeout=120)
+    broken = "rank 1 did not reach a collective within rank {}'s timeout, which gave up on it (a late rank breaks " \
+             "the group, as on Gloo), so this call cannot run: the group is broken, make a new one"
+    for r, (barrier, *reduces, world) in enumerate(said):
+        if r == 1:
+            assert barrier.startswith("monitored_barrier on rank 1: rank 1 did not reach a collective"), barrier
+        else:
+            assert barrier.startswith(f"monitored_barrier on rank {r}: rank 1 did not reach it within 0.5 s") or \
+                barrier.startswith(f"monitored_barrier on rank {r}: rank 1 did not reach a collective"), barrier
+        for text in reduces:
+            assert isinstance(text, str) and text.startswith(f"all_reduce on rank {r}: ") and \
+                any(broken.format(q) in text for q in (0, 2)), text
+        assert world == 3.0
