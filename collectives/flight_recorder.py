@@ -115,13 +115,19 @@ def _for_torchfrtrace(record: dict) -> dict:
     return {**record, "entries": entries}
 
 
-def write(records: Dict[int, dict], prefix: str) -> List[str]:
+def write(records: Dict[int, dict], prefix: str, world_size: Optional[int] = None) -> List[str]:
     """Each rank's record to PREFIX<rank> (torch's file naming and format, readable by
-    torchfrtrace: see _for_torchfrtrace); the paths written."""
+    torchfrtrace: see _for_torchfrtrace); the paths written. Every file of one call carries the
+    same run stamp ("collectives_run": id, world size, time written), so a reader can tell this
+    run's files from an earlier run's left in the same folder."""
+    import uuid
+
+    stamp = {"id": uuid.uuid4().hex, "world_size": world_size or (max(records) + 1 if records else 0),
+             "written_ns": time.time_ns()}
     paths = []
     for rank, record in sorted(records.items()):
         if record:
-            record = _for_torchfrtrace(record)
+            record = {**_for_torchfrtrace(record), "collectives_run": stamp}
             path = f"{prefix}{rank}"
             with open(path, "wb") as f:
                 pickle.dump(record, f)
@@ -131,7 +137,38 @@ def write(records: Dict[int, dict], prefix: str) -> List[str]:
 
 def read(directory: str, prefix: Optional[str] = None) -> Dict[int, dict]:
     """rank -> record from the files PREFIX<rank> in directory (prefix: the one all files share,
-    found as torchfrtrace finds it, when not given)."""
+    found as torchfrtrace finds it, when not given); every file, of whatever run (see read_run)."""
+    return {rank: record for rank, (record, _) in _read_files(directory, prefix).items()}
+
+
+def read_run(directory: str, prefix: Optional[str] = None):
+    """(records, world_size, notes): the files of one run only, the latest written, and a line
+    for each file left out. A file's run is its run stamp (write()); torch's own dumps have none,
+    so there the run is told by world size (its default group's ranks) and by time (the file's
+    modification time): a dump from another world size, or from a rank the world does not have,
+    is left out. world_size: the run's, when any file says it (else None)."""
+    files = _read_files(directory, prefix)
+    facts = {rank: _run_of(record, path) for rank, (record, path) in files.items()}
+    latest = max(facts, key=lambda r: facts[r][2])
+    run_id, world_size, written = facts[latest]
+    notes, records = [], {}
+    for rank, (record, path) in sorted(files.items()):
+        rid, ws, when = facts[rank]
+        if run_id is not None and rid != run_id:
+            notes.append(f"left out {path}: written by another run (at {_clock(when)}; the latest run's files at "
+                         f"{_clock(written)})")
+        elif world_size and ws and ws != world_size:
+            notes.append(f"left out {path}: a dump from a world of {ws} ranks (the latest file, rank {latest}'s, "
+                         f"is from a world of {world_size})")
+        elif world_size and rank >= world_size:
+            notes.append(f"left out {path}: rank {rank} is not in the latest run's world of {world_size} ranks")
+        else:
+            records[rank] = record
+    return records, world_size, notes
+
+
+def _read_files(directory: str, prefix: Optional[str]) -> Dict[int, tuple]:
+    """rank -> (record, path) for every file PREFIX<rank>."""
     import re
 
     names = sorted(os.listdir(directory))
@@ -141,14 +178,32 @@ def read(directory: str, prefix: Optional[str] = None) -> Dict[int, dict]:
             raise ValueError(f"{directory}: cannot tell the dump files' common prefix (found {sorted(prefixes) or 'none'}); "
                              "give --prefix")
         prefix = prefixes.pop()
-    records = {}
+    files = {}
     for name in names:
         rest = name[len(prefix):] if name.startswith(prefix) else ""
         if rest.isdigit():
-            records[int(rest)] = _load_dump(os.path.join(directory, name))
-    if not records:
+            path = os.path.join(directory, name)
+            files[int(rest)] = (_load_dump(path), path)
+    if not files:
         raise ValueError(f"{directory}: no dump files named {prefix}<rank>")
-    return records
+    return files
+
+
+def _run_of(record: dict, path: str) -> tuple:
+    """(run id or None, world size or None, time written in ns) of one dump."""
+    stamp = record.get("collectives_run")
+    if isinstance(stamp, dict) and {"id", "world_size", "written_ns"} <= set(stamp):
+        return stamp["id"], int(stamp["world_size"]) or None, int(stamp["written_ns"])
+    world = record.get("pg_config", {}).get("0", {})
+    try:
+        ranks = json.loads(world.get("ranks") or "[]") if isinstance(world, dict) else []
+    except ValueError:
+        ranks = []
+    return None, len(ranks) or None, os.stat(path).st_mtime_ns
+
+
+def _clock(ns: int) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ns / 1e9))
 
 
 def _load_dump(path: str) -> dict:
@@ -190,7 +245,10 @@ def main(argv=None) -> int:
     from .cli import ArgumentParser
 
     parser = ArgumentParser(prog="python -m collectives.flight_recorder",
-                            description="Read flight-recorder dumps (ours, or torch's from any job) and say what they show.")
+                            description="Read flight-recorder dumps (ours, or torch's from any job) and say what they show.",
+                            epilog="Only the latest run's files are read: a file from an earlier run left in the folder "
+                                   "is named and left out. Exit status 1 when a rank of that run left no dump "
+                                   "(its part of the story is missing), 2 for a folder or file that cannot be read.")
     parser.add_argument("directory", help="the folder of dump files PREFIX<rank>")
     parser.add_argument("--prefix", default=None, help="the files' common prefix (default: found from the names)")
     parser.add_argument("--last", type=int, default=3, help="how many of each rank's last calls to list (default 3)")
@@ -198,17 +256,29 @@ def main(argv=None) -> int:
     if args.last < 1:
         parser.error(f"--last must be at least 1, got {args.last}")
     try:
-        records = read(args.directory, args.prefix)
+        records, world_size, notes = read_run(args.directory, args.prefix)
     except (OSError, ValueError, pickle.UnpicklingError, EOFError) as exc:
         parser.error(str(exc))
-    lines = verdict(records)
+    for note in notes:
+        print(note)
+    missing = sorted(set(range(world_size or 0)) - set(records))
+    if not records:
+        print(f"no dump of the latest run is left to read in {args.directory}")
+        return 1
     if not any(record.get("entries") for record in records.values()):
         print(f"the records of rank(s) {sorted(records)} hold no calls (dumped without entries, as torch does with "
               "includeCollectives=False, or before any call): they cannot show a hang or a mismatch")
-        return 0
-    print("\n".join(lines) if lines else f"the records of rank(s) {sorted(records)} show no hang or mismatch")
+        return 1 if missing else 0
+    lines = verdict(records, ranks=range(world_size) if world_size else None)
+    if lines:
+        print("\n".join(lines))
+    elif missing:
+        print(f"the records of rank(s) {sorted(records)} show no hang or mismatch, but rank(s) {missing} of the "
+              f"run's {world_size} left no dump of it, so what they did is unknown (a rank that died writes none)")
+    else:
+        print(f"the records of rank(s) {sorted(records)} show no hang or mismatch")
     print("\n".join(summary(records, args.last)))
-    return 0
+    return 1 if missing else 0
 
 
 def _op(entry: dict) -> str:

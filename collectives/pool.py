@@ -324,7 +324,7 @@ class RankPool:
         prefix = os.environ.get("TORCH_FR_DUMP_TEMP_FILE")
         if prefix:
             try:
-                flight_recorder.write(records, prefix)
+                flight_recorder.write(records, prefix, self.world_size)
             except OSError as exc:
                 return [f"could not write the records to {prefix}<rank>: {exc}"]
         lines = flight_recorder.verdict(records, where, ranks=range(self.world_size), dead=dead)

@@ -72,13 +72,6 @@ _OP_NAMES = {"allreduce": "all_reduce", "allreduce_coalesced": "allreduce_coales
              "barrier": "barrier", "monitored_barrier": "barrier"}  # the names torchfrtrace knows (its COLLECTIVES)
 
 
-def _value_or_error(fut: torch.futures.Future):
-    try:
-        return fut.value()
-    except BaseException as exc:  # noqa: BLE001 - set_exception's value, raised by value()
-        return exc
-
-
 def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -434,8 +427,21 @@ class ShmBackend:
             name = f"send {self.rank()}->{peer}" if kind == "send" else f"recv {self.rank()}<-{peer}"
             entry = self.recorder.scheduled(name, tensors, tensors, p2p=True)
             self.recorder.started(entry)
-            fut.add_done_callback(lambda f: f.done() and not isinstance(_value_or_error(f), BaseException)
-                                  and self.recorder.completed(entry))
+
+            # the caller's Future completes after the record says so (a callback on the message's
+            # own Future may run after the caller's wait returned); Future.then would wrap errors
+            outer = torch.futures.Future()
+
+            def completed(f):
+                try:
+                    value = f.value()
+                except BaseException as exc:  # noqa: BLE001 - the message's error, type and all
+                    outer.set_exception(exc)
+                    return
+                self.recorder.completed(entry)
+                outer.set_result(value)
+            fut.add_done_callback(completed)
+            fut = outer
         return fut
 
     def send(self, tensors, dst: int, tag: int = 0):

@@ -359,3 +359,48 @@ def test_a_hang_whose_records_do_not_arrive_says_so(monkeypatch):
         C.run(_skips_one_all_reduce, world_size=2, timeout=TIMEOUT_S)
     first = str(info.value).splitlines()[0]
     assert first == f"flight recorder: no live rank sent its record within {flight_recorder.ANSWER_WAIT_S:g} s", first
+
+
+def test_files_of_an_earlier_run_are_named_and_left_out(tmp_path, capsys):
+    """rank_1 left from an earlier run (this run's rank 1 died and wrote nothing) used to be read
+    with this run's rank_0: "no hang or mismatch", exit 0."""
+    done = {**_DUMP, **_record([_entry(s) for s in (1, 2)], {"0": 2}, groups={"0": "[0, 1]"})}
+    flight_recorder.write({0: done, 1: done}, str(tmp_path / "rank_"), 2)
+    flight_recorder.write({0: done}, str(tmp_path / "rank_"), 2)  # this run: rank 1 wrote nothing
+    code = flight_recorder.main([str(tmp_path)])
+    out = capsys.readouterr().out.splitlines()
+    assert code == 1, out
+    assert out[0].startswith(f"left out {tmp_path / 'rank_1'}: written by another run (at "), out
+    assert out[1] == ("the records of rank(s) [0] show no hang or mismatch, but rank(s) [1] of the run's 2 left no "
+                      "dump of it, so what they did is unknown (a rank that died writes none)"), out
+    assert not any(line.startswith("rank 1 group") for line in out), out
+    records, world_size, notes = flight_recorder.read_run(str(tmp_path))
+    assert sorted(records) == [0] and world_size == 2 and len(notes) == 1
+    assert sorted(flight_recorder.read(str(tmp_path))) == [0, 1]  # read() itself takes every file
+
+
+def test_torchs_dumps_of_another_world_size_are_named_and_left_out(tmp_path, capsys):
+    """torch's own dumps carry no run stamp: the world size of their default group and the files'
+    times tell the runs apart."""
+    import os
+
+    def dump(rank, world, mtime):
+        record = {**_DUMP, **_record([_entry(s) for s in (1, 2)], {"0": 2}, groups={"0": str(list(range(world)))})}
+        path = tmp_path / f"rank_{rank}"
+        path.write_bytes(pickle.dumps(record))
+        os.utime(path, (mtime, mtime))
+
+    for rank in range(4):
+        dump(rank, 4, 1_000_000)  # an earlier run of 4 ranks
+    for rank in range(2):
+        dump(rank, 2, 2_000_000)  # the latest, of 2: ranks 2 and 3 are the old run's
+    dump(5, 2, 2_000_000)  # a rank a world of 2 does not have
+    code = flight_recorder.main([str(tmp_path)])
+    out = capsys.readouterr().out.splitlines()
+    assert code == 0, out
+    assert out[:3] == [f"left out {tmp_path / 'rank_2'}: a dump from a world of 4 ranks (the latest file, rank 0's, is "
+                       "from a world of 2)",
+                       f"left out {tmp_path / 'rank_3'}: a dump from a world of 4 ranks (the latest file, rank 0's, is "
+                       "from a world of 2)",
+                       f"left out {tmp_path / 'rank_5'}: rank 5 is not in the latest run's world of 2 ranks"], out
+    assert out[3] == "the records of rank(s) [0, 1] show no hang or mismatch", out
