@@ -42,6 +42,7 @@ import os
 import pickle
 import runpy
 import select
+import shutil
 import signal
 import sys
 import tempfile
@@ -98,6 +99,7 @@ class RankPool:
         self._lifeline = None
         self._store = None
         self._reaper: Optional[Reaper] = None
+        self._tmp: Optional[str] = None  # the ranks' multiprocessing folder (sockets), removed with them
 
     # -- life cycle ---------------------------------------------------------------------------
     @property
@@ -133,6 +135,12 @@ class RankPool:
         if self.start_method == "forkserver":  # started (once) before the mark is set: no pool's mark is its
             multiprocessing.forkserver.ensure_running()
         self._reaper = Reaper()
+        # multiprocessing's sockets of the ranks and their DataLoader workers go in a folder of the
+        # pool's, which it and the reaper remove: a killed rank or worker leaves its sockets behind
+        self._tmp = tempfile.mkdtemp(prefix="collectives-")
+        self._reaper.remove_after(self._tmp)
+        if self.start_method == "forkserver":  # the server's socket: the launcher's own, if it is killed
+            self._reaper.remove_after(multiprocessing.util.get_temp_dir(), only_if_launcher_died=True)
         os.environ[self._reaper.mark] = "1"  # the spawned ranks inherit it, and pass it to all they start
         try:
             for rank in range(self.world_size):
@@ -142,7 +150,7 @@ class RankPool:
                 proc = ctx.Process(
                     target=_rank_main,
                     args=(rank, self.world_size, self.backend, self._store.port, child, stack_writer, lifeline_reader,
-                          self.threads, self.setup, recorder_child),
+                          self.threads, self.setup, recorder_child, self._tmp),
                     daemon=False,  # a rank may start processes of its own (DataLoader workers); see _LIVE
                     name=f"rank{rank}",
                 )
@@ -189,6 +197,9 @@ class RankPool:
             conn.close()
         self._procs, self._conns, self._stacks, self._recorders = [], [], [], []
         self._lifeline, self._store, self._reaper = None, None, None
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
         _LIVE.discard(self)
 
     def __enter__(self) -> "RankPool":

@@ -78,11 +78,25 @@ def _answer_flight_record_requests(recorder) -> None:
             return
 
 
-def _rank_main(rank, world_size, backend, store_port, conn, stack_writer, lifeline, threads, setup, recorder):
+def _as_a_torchrun_rank(tmp: str) -> None:
+    """multiprocessing in this rank as in one torchrun starts: the platform's default start method
+    (a rank forked from the fork server would start DataLoader workers by forkserver, whose
+    named semaphores a killed rank leaks to the resource tracker: "28 leaked semaphore objects"),
+    and its sockets in the pool's folder `tmp`, which the pool and its reaper remove however the
+    rank ends. Processes forked from the rank do not inherit its SIGTERM handler."""
+    import multiprocessing
+
+    multiprocessing.set_start_method(None, force=True)
+    multiprocessing.process.current_process()._config["tempdir"] = tmp
+    os.register_at_fork(after_in_child=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
+
+
+def _rank_main(rank, world_size, backend, store_port, conn, stack_writer, lifeline, threads, setup, recorder, tmp):
     """Body of one rank: join the group, then run what the parent sends until None."""
     os.setpgid(0, 0)  # own process group, so the rank and its children can be killed together
     compile_cache_outside_tmp()  # before torch's optimizers import torch._dynamo
     signal.signal(signal.SIGTERM, _kill_own_group)
+    _as_a_torchrun_rank(tmp)
     threading.Thread(target=_watch_parent, args=(lifeline, os.getppid()), daemon=True, name="parent-watch").start()
     if _parent_gone(lifeline, 0):  # the launcher died while this rank was starting
         _kill_own_group()

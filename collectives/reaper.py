@@ -13,6 +13,10 @@ included) it SIGKILLs every process whose environment, as `/proc/PID/environ` sh
 mark, and every process in a rank's process group (each rank leads one), and scans again until a
 scan finds none.
 
+It also removes the folders the launcher names (the ranks' temporary folder, where their
+multiprocessing sockets live, and, if the launcher itself was killed, the launcher's own
+multiprocessing folder with the fork server's socket): a SIGKILLed process removes nothing.
+
 Why the pids as well: `/proc/PID/environ` is the environment a process was *exec'd* with. A rank
 forked from the fork server (pool.rank_context) and whatever it forks without exec (DataLoader
 workers) show the server's, which has no mark; they stay in the rank's process group, and what
@@ -32,6 +36,7 @@ nor this package.
 """
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -128,6 +133,16 @@ class Reaper:
             except (BrokenPipeError, OSError):  # the reaper is gone: the ranks' own lifelines remain
                 pass
 
+    def remove_after(self, folder: str, only_if_launcher_died: bool = False) -> None:
+        """Remove this folder after the sweep (with only_if_launcher_died: only when the
+        launcher is dead by then, for a folder the launcher itself still uses while it lives)."""
+        if self._proc.stdin and not self._proc.stdin.closed:
+            try:
+                self._proc.stdin.write(f"{'launcher-' if only_if_launcher_died else ''}folder {folder}\n".encode())
+                self._proc.stdin.flush()
+            except (BrokenPipeError, OSError):
+                pass
+
     def sweep_now(self, timeout: float = 15.0) -> None:
         if self._proc.stdin and not self._proc.stdin.closed:
             self._proc.stdin.close()
@@ -146,11 +161,21 @@ def main(argv) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the launcher; the reaper cleans up after it
     if not os.path.isdir("/proc"):
         return 0
-    ranks = set()
-    for line in sys.stdin.buffer:  # the ranks' pids; end-of-file is the signal
+    launcher = os.getppid()
+    ranks, folders, launcher_folders = set(), [], []
+    for line in sys.stdin.buffer:  # the ranks' pids and folders to remove; end-of-file is the signal
+        line = line.rstrip(b"\n")
         if line.strip().isdigit():
             ranks.add(int(line))
+        elif line.startswith(b"folder "):
+            folders.append(os.fsdecode(line[len(b"folder "):]))
+        elif line.startswith(b"launcher-folder "):
+            launcher_folders.append(os.fsdecode(line[len(b"launcher-folder "):]))
     sweep(f"{argv[1]}=1".encode(), ranks)
+    if not _exists(launcher):  # killed: its own folder (the fork server's socket) has nobody left to remove it
+        folders += launcher_folders
+    for folder in folders:
+        shutil.rmtree(folder, ignore_errors=True)
     return 0
 
 

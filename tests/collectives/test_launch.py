@@ -281,6 +281,69 @@ def test_ranks_die_with_a_killed_launcher(sig, start_method, tmp_path):
     assert not [p.name for p in tmp.iterdir() if p.name.startswith("collectives")], list(tmp.iterdir())
 
 
+DATALOADER_LAUNCHER = textwrap.dedent("""
+    import os, sys, time
+    import torch
+    import collectives
+
+    class Numbers(torch.utils.data.Dataset):
+        def __len__(self):
+            return 10**6
+
+        def __getitem__(self, i):
+            if os.environ.get("PLANT_RAISE") and i == 40:
+                raise ValueError("planted in a DataLoader worker")
+            return torch.full((64,), float(i))
+
+    def work(env, pid_dir):
+        # batches come back from the workers through multiprocessing's sockets and semaphores
+        for k, batch in enumerate(torch.utils.data.DataLoader(Numbers(), batch_size=4, num_workers=2)):
+            if k == 3:
+                with open(os.path.join(pid_dir, f"rank{env.rank}.pid"), "w") as f:
+                    f.write(str(os.getpid()))
+            time.sleep(0.01)
+
+    if __name__ == "__main__":
+        collectives.run(work, world_size=2, args=(sys.argv[1],), timeout=300)
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_ranks_with_dataloader_workers_leave_nothing_in_tmpdir_when_the_launcher_is_killed(start_method, tmp_path):
+    """A SIGKILLed launcher whose ranks read through DataLoader workers left pymp-* folders with
+    their listener sockets in TMPDIR, and the resource tracker warned of "28 leaked semaphore
+    objects" (the ranks started their workers by forkserver, whose semaphores are named)."""
+    below, _, tmp = kill_launcher_script(DATALOADER_LAUNCHER, signal.SIGKILL, tmp_path,
+                                         env={"COLLECTIVES_START_METHOD": start_method})
+    assert len(below) >= 7  # 2 ranks, 4 workers, the resource tracker
+    assert_all_gone(below, within=20)
+    deadline = time.monotonic() + 10  # the reaper removes the folders after its sweep
+    while list(tmp.iterdir()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not list(tmp.iterdir()), [str(p) for p in tmp.rglob("*")]
+    said = (tmp_path / "launcher-stderr.txt").read_text()
+    assert "leaked" not in said, said[-2000:]
+
+
+@pytest.mark.slow
+def test_a_dataloader_worker_that_raises_leaves_nothing_behind(tmp_path):
+    script = tmp_path / "launcher.py"
+    script.write_text(DATALOADER_LAUNCHER)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    link = tempfile.mktemp(prefix="cp-", dir="/tmp")  # short: see start_and_kill
+    os.symlink(tmp, link)
+    try:
+        out = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=240,
+                             env={**os.environ, "TMPDIR": link, "PLANT_RAISE": "1"})
+    finally:
+        os.unlink(link)
+    assert out.returncode == 1 and "planted in a DataLoader worker" in out.stderr, out.stderr[-3000:]
+    assert "leaked" not in out.stderr, out.stderr[-2000:]
+    assert not list(tmp.iterdir()), [str(p) for p in tmp.rglob("*")]
+
+
 STUCK_LAUNCHER = textwrap.dedent("""
     import ctypes, os, subprocess, sys, time
     import collectives
