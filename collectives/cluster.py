@@ -1,7 +1,7 @@
 """A cluster on one machine: test hosts as network namespaces on a bridge, for multi-node runs
 that cross a real network interface (and a shaped link) without a second machine.
 
-    python -m collectives.cluster up --nodes 2 [--link 1gbit] [--delay 100ms --loss 1% [--impair node1]] [--slurm]
+    python -m collectives.cluster up --nodes 2 [--link 1gbit] [--delay 100ms --loss 1% [--impair node1]] [--slurm] [--force]
     python -m collectives.cluster run node1 -- python -m benchmarks.bandwidth ...
     python -m collectives.cluster status
     python -m collectives.cluster down          # idempotent; also after a crash or a half-made `up`
@@ -32,7 +32,7 @@ from typing import Dict, List, Optional
 
 from . import slurm_cluster, wire
 from .cli import ArgumentParser
-from .rates import burst, link_rate
+from .rates import burst, shapeable
 
 PREFIX = "cpc-"
 BRIDGE = "cpcbr0"
@@ -107,17 +107,33 @@ def shape(host: str, rate: Optional[str] = None) -> List[str]:
     return [" ".join(c) for c in commands]
 
 
+def busy() -> Dict[str, Dict[int, List[str]]]:
+    """host -> pid -> argv of what runs on the hosts now, the cluster's own daemons (SLURM's)
+    left out: what `up` or `down` would kill."""
+    state = load_state() or {}
+    own = set(((state.get("slurm") or {}).get("pids")) or [])
+    found = {}
+    for ns in _namespaces():
+        host = ns[len(PREFIX):]
+        running = {pid: argv for pid, argv in processes(host).items() if pid not in own}
+        if running:
+            found[host] = running
+    return found
+
+
 def up(nodes: int, rate: Optional[str] = None, delay: Optional[str] = None, loss: Optional[str] = None,
-       slurm: bool = False, impair: Optional[List[str]] = None) -> dict:
+       slurm: bool = False, impair: Optional[List[str]] = None, force: bool = False) -> dict:
     """Make `nodes` hosts on the bridge. `rate` shapes every host's egress (tc tbf); `delay` and
-    `loss` impair the egress of the hosts named in `impair` (default: every host) through a wire."""
+    `loss` impair the egress of the hosts named in `impair` (default: every host) through a wire.
+    A cluster that is up is replaced, unless something runs on its hosts (then a ClusterError,
+    before anything is touched; `force` replaces it anyway, killing what runs)."""
     check_can_run()
     if slurm and slurm_cluster.missing():
         raise ClusterError(f"--slurm needs {', '.join(slurm_cluster.missing())}: {slurm_cluster.APT}")
     if not 1 <= nodes <= 200:
         raise ClusterError(f"--nodes must be 1-200, got {nodes}")
     hosts = [f"node{k}" for k in range(nodes)]
-    for flag, value, parse in (("link", rate, link_rate), ("delay", delay, wire.parse_delay),
+    for flag, value, parse in (("link", rate, shapeable), ("delay", delay, wire.parse_delay),
                                ("loss", loss, wire.parse_loss)):
         try:
             if value:
@@ -134,6 +150,12 @@ def up(nodes: int, rate: Optional[str] = None, delay: Optional[str] = None, loss
             raise ClusterError("--delay and --loss need /dev/net/tun (a TAP device for the wire); "
                                "--link RATE (tc tbf) works without it")
     impaired = set(hosts if impair is None else impair) if (delay or loss) else set()
+    running = {} if force else busy()
+    if running:
+        said = "; ".join(f"{host}: " + ", ".join(f"{' '.join(argv)[:60]} (pid {pid})" for pid, argv in list(procs.items())[:2])
+                         + (f" and {len(procs) - 2} more" if len(procs) > 2 else "") for host, procs in running.items())
+        raise ClusterError(f"a cluster is up and busy ({said}); `up` would kill that: wait for it, or "
+                           "`python -m collectives.cluster down`, or give --force")
     down()  # whatever an earlier cluster or a half-made `up` left
     state = {"nodes": [], "bridge": BRIDGE, "link": {"rate": rate, "delay": delay, "loss": loss},
              "impaired": sorted(impaired), "machine_hostname": socket.gethostname(),
@@ -361,6 +383,8 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--impair", default=None, help="the hosts --delay and --loss apply to, e.g. node1 or "
                    "node0,node1 (default: every host)")
     p.add_argument("--slurm", action="store_true", help="also a SLURM cluster on the hosts (slurm-wlm and munge)")
+    p.add_argument("--force", action="store_true", help="replace a cluster that is up even while commands run "
+                   "on its hosts (they are killed; without it `up` refuses)")
     p = sub.add_parser("run", help="run a command on a host: run node1 -- CMD ...")
     p.add_argument("host")
     p.add_argument("cmd", nargs="+", help="the command (after --)")
@@ -375,7 +399,8 @@ def main(argv=None) -> int:
     try:
         if args.command == "up":
             impair = [h for h in args.impair.split(",") if h] if args.impair is not None else None
-            state = up(args.nodes, args.link, args.delay, args.loss, slurm=args.slurm, impair=impair)
+            state = up(args.nodes, args.link, args.delay, args.loss, slurm=args.slurm, impair=impair,
+                       force=args.force)
             print(status())
             print(f"run a command on a host: python -m collectives.cluster run {state['nodes'][0]['name']} -- CMD")
         elif args.command == "run":
@@ -388,6 +413,11 @@ def main(argv=None) -> int:
     except ClusterError as exc:
         print(f"{parser.prog}: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        half = " before the cluster was made: `python -m collectives.cluster down` removes what was" \
+            if args.command == "up" else ""
+        print(f"\n{parser.prog} {args.command}: interrupted (Ctrl-C){half}", file=sys.stderr)
+        return 130
     return 0
 
 

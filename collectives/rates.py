@@ -31,3 +31,17 @@ def burst(rate: str) -> int:
     4gbit a 64 KiB bucket let through 0.24-0.28 GB/s (about half the rate), 512 KiB or 2 MiB
     0.47-0.49 (94-98%); at 1gbit 64 KiB gave 0.11-0.12, as did 128 KiB."""
     return max(64 << 10, int(link_rate(rate) / 8 * BURST_SECONDS))
+
+
+TBF_MAX_BURST = (1 << 32) - 1  # tc's tbf takes a burst of at most this many bytes (a 32-bit field)
+
+
+def shapeable(rate: str) -> float:
+    """link_rate(rate), or a ValueError when tc's token bucket cannot shape it (its burst, 4 ms of
+    the rate, must fit in 32 bits: at most about 8589gbit)."""
+    bits = link_rate(rate)
+    if burst(rate) > TBF_MAX_BURST:
+        top = TBF_MAX_BURST * 8 / BURST_SECONDS / 1e9
+        raise ValueError(f"link rate {rate!r} is more than tc's token bucket can shape (at most {top:.0f}gbit: "
+                         f"its burst, {BURST_SECONDS * 1e3:g} ms of the rate, must fit in 4 GiB)")
+    return bits

@@ -111,9 +111,69 @@ def test_what_cannot_be_done_is_said_in_one_line(monkeypatch, capsys):
                               "(100ms, 1s, 250us)"),
         (["--loss", "2x"], "--loss: loss '2x' is not one: a percentage from 0 to 100 (1%, 0.5%)"),
         (["--delay", "1ms", "--impair", "node7"], "--impair: no host node7 among node0, node1"),
-        (["--impair", "node1"], "--impair names the hosts that --delay and --loss apply to; give one of them")]:
+        (["--impair", "node1"], "--impair names the hosts that --delay and --loss apply to; give one of them"),
+        (["--link", "99999999gbit"], "--link: link rate '99999999gbit' is more than tc's token bucket can shape (at "
+                                     "most 8590gbit: its burst, 4 ms of the rate, must fit in 4 GiB)")]:
         assert cluster.main(["up", *args]) == 1, args
         assert capsys.readouterr().err == f"python -m collectives.cluster: {line}\n", args
+
+
+def test_up_refuses_to_kill_what_runs_on_a_cluster_unless_forced(hosts, capsys):
+    """`up` again used to tear the hosts down under a running command without a word; a link tc
+    cannot shape failed halfway through `up`, after the old cluster was gone."""
+    sleeper = subprocess.Popen(cluster.host_command("node0", ["sleep", "60"]))
+    try:
+        deadline = time.monotonic() + 10
+        while sleeper.pid not in cluster.processes("node0") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for args in (["--nodes", "2"], ["--nodes", "2", "--link", "99999999gbit"]):
+            assert cluster.main(["up", *args]) == 1
+            err = capsys.readouterr().err
+            assert err.count("\n") == 1, err
+            assert sleeper.poll() is None and cluster.status().startswith("2 host(s)"), err  # nothing was touched
+        assert "a cluster is up and busy (node0: sleep 60 (pid " in err or "more than tc's token bucket" in err, err
+        assert cluster.main(["up", "--nodes", "2"]) == 1
+        assert f"a cluster is up and busy (node0: sleep 60 (pid {sleeper.pid})); `up` would kill that: wait for it, " \
+               "or `python -m collectives.cluster down`, or give --force" in capsys.readouterr().err
+        assert cluster.main(["up", "--nodes", "2", "--force"]) == 0
+        assert sleeper.wait(10) != 0  # killed by the forced `up`
+    finally:
+        sleeper.kill()
+    assert cluster.busy() == {}
+
+
+def test_ctrl_c_during_up_is_one_line_saying_how_to_clean_up(hosts, monkeypatch, capsys):
+    calls = []
+    real_ip = cluster._ip
+
+    def interrupted(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == 12:  # well into making the hosts
+            raise KeyboardInterrupt
+        return real_ip(*args, **kwargs)
+
+    monkeypatch.setattr(cluster, "_ip", interrupted)
+    assert cluster.main(["up", "--nodes", "2", "--force"]) == 130
+    assert capsys.readouterr().err == ("\npython -m collectives.cluster up: interrupted (Ctrl-C) before the cluster was "
+                                       "made: `python -m collectives.cluster down` removes what was\n")
+    monkeypatch.undo()
+    cluster.up(len(hosts), force=True)  # the module's hosts again
+
+
+def test_the_token_bucket_tc_holds_is_the_one_asked_for(hosts):
+    """The link tests time long transfers, which a bucket 8 times too large (bits for bytes)
+    barely changes: read the bucket back from tc."""
+    try:
+        for rate in ("1gbit", "80mbit", "2.5gbit"):
+            cluster.shape("node0", rate)
+            shown = json.loads(subprocess.run(["ip", "netns", "exec", cluster.namespace("node0"), "tc", "-j", "qdisc",
+                                               "show", "dev", "eth0"], capture_output=True, text=True,
+                                              check=True).stdout)
+            options = next(q for q in shown if q["kind"] == "tbf")["options"]
+            assert options["burst"] == pytest.approx(rates.burst(rate), rel=1e-3), (rate, options)  # tc rounds to its ticks
+            assert options["rate"] * 8 == rates.link_rate(rate), (rate, options)
+    finally:
+        cluster.shape("node0", None)
 
 
 def test_the_token_bucket_holds_4_ms_of_the_rate_and_at_least_64_kib():
