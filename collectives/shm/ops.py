@@ -110,10 +110,10 @@ def _describe(words) -> str:
     """One rank's call from its words: "all_reduce of 3 float32 (sum)", "broadcast of 4 int64 from rank 0"."""
     head, dtype, low, high = words
     kind, op, root = KINDS[(head & 15) - 1], OPS[(head >> 4) & 15], (head >> 8) - 1
+    if dtype == REFUSED:  # before the kinds that carry no arguments: all_to_all is refused too
+        return f"{kind} with arguments that rank refused"
     if kind in ("barrier", "monitored_barrier", "all_to_all"):
         return kind
-    if dtype == REFUSED:
-        return f"{kind} with arguments that rank refused"
     text = f"{kind} of {high << 31 | low} {str(DTYPES[dtype]).replace('torch.', '')}"
     if op:
         text += f" ({op})"

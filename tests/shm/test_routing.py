@@ -202,6 +202,10 @@ def _refused(env):
         dist.all_to_all_single(torch.empty(sum(out_splits)), torch.ones(n), out_splits, in_splits, group=group)
     except CollectiveMismatchError as exc:
         said.append(str(exc))
+    try:  # rank 0's own input_split_sizes are one short: it refuses the call, and the others say so
+        dist.all_to_all_single(torch.empty(n), torch.ones(n), None, [2] * (n - 1) if r == 0 else None, group=group)
+    except Exception as exc:  # noqa: BLE001
+        said.append(str(exc))
     t = torch.ones(3)
     dist.all_reduce(t, group=group)
     said.append(t.tolist())
@@ -210,7 +214,7 @@ def _refused(env):
 
 def test_wrong_routing_arguments_are_named_and_the_group_survives(dist_run):
     for r, said in enumerate(dist_run(_refused, 3, timeout=60)):
-        assert len(said) == 3, said
+        assert len(said) == 4, said
         if r == 0:
             assert "gather on rank 0 of the shm group: gather_list has 2 tensors; it must have one per rank (3)" \
                 in said[0], said[0]
@@ -218,7 +222,14 @@ def test_wrong_routing_arguments_are_named_and_the_group_survives(dist_run):
             assert "rank 0: gather with arguments that rank refused" in said[0], said[0]
         assert f"all_to_all on rank {r} of the shm group" in said[1] and \
             "rank 0 sends 4 bytes to rank 1, which expects 12" in said[1], said[1]
-        assert said[2] == [3.0, 3.0, 3.0]
+        if r == 0:
+            assert said[2] == ("all_to_all on rank 0 of the shm group: input_split_sizes has 2 entries; it must have "
+                               "one per rank (3); nothing was moved"), said[2]
+        else:  # it said "ranks 0, 1, 2: all_to_all", as if every rank agreed
+            assert f"all_to_all on rank {r} of the shm group: the ranks called different collectives or disagree on " \
+                "the arguments (rank 0: all_to_all with arguments that rank refused; ranks 1, 2: all_to_all)" \
+                in said[2], said[2]
+        assert said[3] == [3.0, 3.0, 3.0]
 
 
 def _one_rank_late(env, wait_all):
