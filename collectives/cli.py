@@ -161,7 +161,12 @@ def load_json(parser, flag: str, path: str, keys: Iterable[str] = (), what: str 
         parser.error(f"{flag} {path}: cannot read it ({exc.strerror or exc})")
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         parser.error(f"{flag} {path}: not a JSON {what} ({exc})")
-    missing = [k for k in keys if k not in data] if isinstance(data, dict) else list(keys) or ["an object"]
+    if not isinstance(data, dict):  # a list or a string holding the key names must not pass as one
+        kinds = {list: "list", str: "string", bool: "boolean", int: "number", float: "number", type(None): "null"}
+        with_keys = f" with {', '.join(repr(k) for k in keys)}" if keys else ""
+        parser.error(f"{flag} {path}: not a {what} (a JSON {kinds.get(type(data), 'value')} where an object{with_keys} "
+                     "is expected)")
+    missing = [k for k in keys if k not in data]
     if missing:
         parser.error(f"{flag} {path}: not a {what} (no {', '.join(repr(k) for k in missing)})")
     return data

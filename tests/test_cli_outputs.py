@@ -173,14 +173,17 @@ def test_the_layer_output_table_is_what_the_models_give(name):
 BAD_FILES = [
     (None, "no such file"),
     ("{not json", "not a JSON"),
-    ("[1, 2]", "(no 'rows'"),
+    ("[1, 2]", "(a JSON list where an object with 'rows', 'environment' is expected)"),
+    ('["rows", "environment"]', "(a JSON list where an object with 'rows'"),  # holds the key names: `in` finds them
+    ('"rows, environment"', "(a JSON string where an object with 'rows'"),
     ('{"rows": [], "environment": {}}', "'rows' must be a non-empty list"),
     ('{"rows": [{"size": 8}], "environment": {"backend": "gloo", "world_size": 2, "device": "cpu", "date": "x"}}',
      "row 0 is not a measurement"),
 ]
 
 
-@pytest.mark.parametrize("content, says", BAD_FILES, ids=["missing", "corrupt", "not an object", "no rows", "bad row"])
+@pytest.mark.parametrize("content, says", BAD_FILES, ids=["missing", "corrupt", "not an object", "a list of the keys",
+                                                                  "a string of the keys", "no rows", "bad row"])
 def test_plot_refuses_a_results_file_that_is_missing_or_wrong(content, says, tmp_path, capsys):
     path = tmp_path / "run.json"
     if content is not None:

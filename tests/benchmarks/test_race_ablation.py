@@ -64,7 +64,8 @@ def test_the_table_and_refusals(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("content, says", [
-    ("[1, 2]", "no 'rows', 'world_size', 'hosts', 'model', 'link'"),                        # a list, not a run
+    ("[1, 2]", "a JSON list where an object with 'rows', 'world_size', 'hosts', 'model', 'link' is expected"),
+    ('["rows", "world_size", "hosts", "model", "link"]', "a JSON list where an object"),    # the key names, as a list
     (json.dumps({k: v for k, v in _run(lambda f: f).items() if k != "rows"}), "no 'rows'"),  # a race without rows
     (json.dumps({**_run(lambda f: f), "rows": {"size": 1}}), "'rows' is not a list"),
     (json.dumps({**_run(lambda f: f), "rows": [{"size": SIZE}]}), "KeyError"),              # a row without a race's keys
