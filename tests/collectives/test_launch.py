@@ -135,7 +135,8 @@ def _pids_in(pid_dir):
     "how, headline, fragments",
     [
         ("raise", "rank 1 raised ValueError: planted failure on rank 1\n",
-         ["stopped because of it: rank(s) [0]", "rank 0 was still running", "waiting in all_reduce", "in _fail"]),
+         ["stopped because of it: rank(s) [0]", "rank 0 was still running 3 s after rank 1 failed",  # the failed rank
+          "waiting in all_reduce", "in _fail"]),
         ("exit", "rank 1 exited with code 7", ["stopped because of it: rank(s) [0]"]),
         ("abort", "died from SIGABRT in all_reduce (called from test_launch.py:", ["its Python stack"]),
         ("segfault", "rank 1 died from SIGSEGV in string_at (", [
