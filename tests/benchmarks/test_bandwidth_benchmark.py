@@ -183,16 +183,19 @@ def test_size_column_is_the_bytes_of_the_buffer_moved(world_size, nbytes, dtype,
 
 def test_end_to_end_small_run(tmp_path, capfd):  # capfd: the progress comes from the spawned ranks
     files = {k: tmp_path / f"run.{k}" for k in ("json", "csv", "png")}
-    rc = bench.main(["--world-size", "2", "-c", "all_reduce", "all_gather", "-b", "8", "-e", "1K", "-f", "4",
+    # -b 6: the sizes asked for (6, 24, 96, 384 B) are not what moves at the smallest: 1 float of
+    # all_reduce (4 B), all_gather's count rounded up to one per rank (8 B); the size column says so
+    rc = bench.main(["--world-size", "2", "-c", "all_reduce", "all_gather", "-b", "6", "-e", "1K", "-f", "4",
                      "-n", "2", "-w", "1", "--limits", "--json", str(files["json"]), "--csv", str(files["csv"]),
                      "--plot", str(files["png"])])
     captured = capfd.readouterr()
     assert rc == 0
     rows = parse_table(captured.out)
-    assert [r["size"] for r in rows] == [8, 32, 128, 512, 8, 32, 128, 512]
+    assert [r["size"] for r in rows] == [4, 24, 96, 384, 8, 24, 96, 384]
+    assert [r["count"] for r in rows] == [1, 6, 24, 96, 2, 6, 24, 96]
     assert all(r["ip"]["wrong"] == 0 for r in rows) and rows[0]["oop"] is None and rows[4]["oop"]["wrong"] == 0
     assert "# Out of bounds values : 0 OK" in captured.out and "point-to-point" in captured.out
-    assert "[all_gather] 512 B done (4/4)" in captured.err and "[all_gather]" not in captured.out
+    assert "[all_gather] 384 B done (4/4)" in captured.err and "[all_gather]" not in captured.out
     saved = json.loads(files["json"].read_text())
     assert saved["environment"]["world_size"] == 2 and len(saved["rows"]) == 8 and saved["limits"]["p2p_gbps"] > 0
     assert len(list(csv.reader(files["csv"].open()))) == 9
