@@ -10,11 +10,11 @@ that is what every step of the algorithms does and what the model assumes costs 
 (a full-duplex link). On this 2-core machine an exchange costs more than a one-way message
 (a ping-pong gave beta 0.24 ns/B, 4.2 GB/s, where the exchange gives the figure below), since
 both directions share the cores. t(n) = alpha + beta n is fitted by least squares on relative
-error (weights 1/t), so that the small sizes pin alpha and the large ones beta. gamma is the time of the local
-reduction the algorithms do (dst op= src on float32, in place) per byte of dst, fitted the same
-on 1 to 64 MiB by plain least squares, so the largest sizes decide it: the large reductions are
-the ones that cost, and they run from memory, not cache (on the development machine 16 MiB
-reduced 2.5x faster per byte than 64 MiB). The table
+error (each squared error divided by t^2), so that the small sizes pin alpha and the large ones
+beta. gamma is the time of the local reduction the algorithms do (dst op= src on float32, in
+place) per byte of dst, fitted the same on 1 to 64 MiB by plain least squares, so the largest
+sizes decide it: the large reductions are the ones that cost, and they run from memory, not
+cache (on the development machine 16 MiB reduced 2.5x faster per byte than 64 MiB). The table
 printed compares each measured time with the fitted line.
 
 With --world-size 4 (or more) the ranks exchange in pairs, every pair at once, and all reduce at

@@ -40,6 +40,25 @@ def test_relative_error_lets_the_small_sizes_pin_alpha():
     assert b_abs == pytest.approx(beta, rel=0.05)  # and gamma's plain fit still recovers a slope
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.floats(1e-6, 1e-3), st.floats(1e-11, 1e-8), st.integers(0, 2**32 - 1))
+def test_the_fit_minimises_the_error_its_docstring_names(alpha, beta, seed):
+    """At the fitted line the gradient of the named objective is zero: sum(((a + b n - t) / t)^2)
+    for the relative fit, sum((a + b n - t)^2) for the plain one. Exact points fit any weighting,
+    and 5% noise recovers alpha under 1/t, 1/n or 1/t^3 weights too: this is what tells them apart."""
+    rng = random.Random(seed)
+    points = [(n, (alpha + beta * n) * (1 + rng.uniform(-0.3, 0.3))) for n in SIZES for _ in range(2)]
+    for relative in (True, False):
+        a, b = fit_line(points, relative=relative)
+        w = [1 / t ** 2 if relative else 1.0 for _, t in points]
+        residual = [a + b * n - t for n, t in points]
+        # d/da and d/db of the objective, each against the size of its terms
+        for grad, scale in ((sum(wi * r for wi, r in zip(w, residual)), sum(wi * t for wi, (_, t) in zip(w, points))),
+                            (sum(wi * n * r for wi, r, (n, _) in zip(w, residual, points)),
+                             sum(wi * n * t for wi, (n, t) in zip(w, points)))):
+            assert abs(grad) <= 1e-9 * scale, (relative, grad, scale)
+
+
 @pytest.mark.parametrize("size", ["3", "0", "1"])
 def test_the_ranks_exchange_in_pairs_so_an_odd_world_is_refused(size, tmp_path, capsys):
     from collectives.algorithms import fit
