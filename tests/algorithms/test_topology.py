@@ -65,6 +65,22 @@ def test_a_hosts_ranks_share_its_network_port():
     assert [m.end for m in flat.messages] == pytest.approx([one, one], rel=1e-12)
 
 
+def _two_hosts_send_into_host0(comm, buf):
+    if comm.rank in (2, 4):  # from host 1 and host 2, to ranks 0 and 1 of host 0
+        yield (comm.send(buf, comm.rank // 2 - 1),)
+    elif comm.rank in (0, 1):
+        yield (comm.recv(buf, 2 * comm.rank + 2),)
+
+
+def test_a_hosts_ranks_share_its_network_port_coming_in_too():
+    """Two messages from two hosts into one take turns on its incoming port (a simulator that
+    shared only the outgoing one let both end at once)."""
+    one = INTER.alpha + 4000 * INTER.beta
+    shared = Simulator(6, Topology.two_level(3, 2, INTRA, INTER)).run(_two_hosts_send_into_host0,
+                                                                         [(torch.zeros(1000),)] * 6)
+    assert sorted(m.end for m in shared.messages) == pytest.approx([one, 2 * one], rel=1e-12)
+
+
 def test_a_topology_of_another_size_is_refused():
     with pytest.raises(ValueError, match="places 4 ranks, the simulator has 3"):
         Simulator(3, Topology.two_level(2, 2, INTRA, INTER))
@@ -105,9 +121,11 @@ def test_hierarchical_floats_are_the_same_bits_on_every_rank():
     torch.testing.assert_close(outs[0], torch.stack(inputs).sum(0), rtol=1e-5, atol=1e-3)
 
 
-def test_hierarchical_refuses_a_host_list_of_another_length():
-    with pytest.raises(CollectiveError, match=r"hosts=\[0, 1\] must give a host index .* each of the 3 ranks"):
-        A.simulate("all_reduce", "hierarchical", [torch.ones(4)] * 3, model=INTRA, hosts=[0, 1])
+@pytest.mark.parametrize("hosts", [[0, 1], [0, 1, 1, 0], []], ids=["shorter", "longer", "empty"])
+def test_hierarchical_refuses_a_host_list_of_another_length(hosts):
+    with pytest.raises(CollectiveError, match=rf"hosts={hosts!r}".replace("[", r"\[").replace("]", r"\]")
+                       + r" must give a host index .* each of the 3 ranks"):
+        A.simulate("all_reduce", "hierarchical", [torch.ones(4)] * 3, model=INTRA, hosts=hosts)
 
 
 @pytest.mark.parametrize("nodes, per_node", [(2, 2), (2, 4), (3, 2), (4, 2), (2, 1)])
