@@ -86,3 +86,22 @@ def test_runs_of_at_most_keep_order_and_close_before_the_cap(nbytes, cap, backwa
         assert run and (size <= cap or len(run) == 1), (run, size)  # over the cap only alone
         if k + 1 < len(runs):  # closed because the next item would have passed the cap
             assert size + nbytes[runs[k + 1][0]] > cap
+
+
+def test_the_options_passed_to_wrap_win_over_the_stages_defaults(monkeypatch):
+    """zero2-bucketed's default bucket (a quarter of the model) is for when none is given: a
+    bucket_cap_mb passed to wrap is the one built with (defaults winning passed every other test)."""
+    import dataclasses
+
+    from ddp_from_scratch.wrap import quarter_of_the_model_mb
+
+    built = []
+    monkeypatch.setitem(STAGES, "zero2-bucketed", dataclasses.replace(
+        STAGES["zero2-bucketed"], build=lambda module, **options: built.append(options)))
+    model = SmallNet()
+    wrap(model, "zero2-bucketed", bucket_cap_mb=0.125, timeline=False)
+    wrap(model, "zero2-bucketed")
+    wrap(model, "zero2-bucketed", bucket_cap_mb=None)  # None: the stage's default
+    assert quarter_of_the_model_mb(model) != 0.125
+    assert built == [{"bucket_cap_mb": 0.125, "timeline": False}, {"bucket_cap_mb": quarter_of_the_model_mb(model)},
+                     {"bucket_cap_mb": quarter_of_the_model_mb(model)}]
