@@ -172,6 +172,9 @@ def _read_files(directory: str, prefix: Optional[str]) -> Dict[int, tuple]:
     import re
 
     names = sorted(os.listdir(directory))
+    if prefix is None and not any(re.fullmatch(r"[\w\-]*?\d+", n) for n in names):
+        raise ValueError(f"{directory}: no dump files in it (files PREFIX<rank>, as TORCH_FR_DUMP_TEMP_FILE=DIR/PREFIX "
+                         "writes them)")
     if prefix is None:
         prefixes = {m.group(1) for n in names if (m := re.fullmatch(r"([\w\-]*?)(\d+)", n))}
         if len(prefixes) != 1:

@@ -332,17 +332,17 @@ class RankPool:
         # imports this package first, and runpy warns when the module it runs is already imported
         records = flight_recorder.collect(self._recorders)
         dead = {r: describe_exit(p.exitcode) for r, p in enumerate(self._procs) if p.exitcode is not None}
-        prefix = os.environ.get("TORCH_FR_DUMP_TEMP_FILE")
-        if prefix:
-            try:
-                flight_recorder.write(records, prefix, self.world_size)
-            except OSError as exc:
-                return [f"could not write the records to {prefix}<rank>: {exc}"]
         lines = flight_recorder.verdict(records, where, ranks=range(self.world_size), dead=dead)
         if not lines and where and not any(records.values()):  # a hang, and nothing to judge it by: say so
             lines = [f"no live rank sent its record within {flight_recorder.ANSWER_WAIT_S:g} s "
                      f"({len(records)} answered, every answer empty)" if records else
                      f"no live rank sent its record within {flight_recorder.ANSWER_WAIT_S:g} s"]
+        prefix = os.environ.get("TORCH_FR_DUMP_TEMP_FILE")
+        if prefix:  # after the verdict, which a file that cannot be written must not replace
+            try:
+                flight_recorder.write(records, prefix, self.world_size)
+            except OSError as exc:
+                lines.append(f"could not write the records to {prefix}<rank>: {exc.strerror or exc}")
         return lines
 
     def _report_failure(self, what: str, timeout: float, failures: Dict[int, str], summaries: Dict[int, str],

@@ -71,13 +71,18 @@ def _hang_in_a_subgroup(env):
     (_hang_in_a_subgroup, 3,
      "flight recorder: rank(s) [1] never entered all_reduce #2 on group 1 [0, 1] (rank(s) [0] waiting in it for "),
 ], ids=["a rank skips one collective", "two orders", "a subgroup hangs, the world is fine"])
-def test_a_planted_hang_is_named_in_collective_terms(fn, world_size, says, monkeypatch):
+def test_a_planted_hang_is_named_in_collective_terms(fn, world_size, says, monkeypatch, tmp_path):
     monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "2000")
+    if fn is _different_order:  # dumps asked for in a folder that is not there: said, after the verdict
+        monkeypatch.setenv("TORCH_FR_DUMP_TEMP_FILE", str(tmp_path / "missing" / "rank_"))
     start = time.monotonic()
     with pytest.raises(C.RankFailure) as info:
         C.run(fn, world_size=world_size, timeout=TIMEOUT_S)
     first = str(info.value).splitlines()[0]
     assert first.startswith(says), str(info.value)
+    if fn is _different_order:
+        assert f"could not write the records to {tmp_path / 'missing' / 'rank_'}<rank>: No such file or directory" \
+            in str(info.value), str(info.value)
     if fn is _skips_one_all_reduce:  # and where the missing rank is instead
         assert first.endswith("rank 1 last entered all_reduce #3 (completed), and is now in _skips_one_all_reduce "
                               f"(test_flight_recorder.py:{_line_of(_skips_one_all_reduce, 'time.sleep(600)')})"), first
@@ -220,11 +225,15 @@ def test_the_reader_says_what_is_wrong_with_its_folder(tmp_path):
     (tmp_path / "notes.txt").write_text("x")
     out = subprocess.run([sys.executable, "-m", "collectives.flight_recorder", str(tmp_path)],
                          capture_output=True, text=True, timeout=60)
-    assert out.returncode == 2 and "cannot tell the dump files' common prefix" in out.stderr, out.stderr
+    assert out.returncode == 2 and "no dump files in it (files PREFIX<rank>" in out.stderr, out.stderr
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr  # one line: no runpy warning before it
     with pytest.raises(SystemExit) as info:
         flight_recorder.main([str(tmp_path), "--last", "0"])
     assert info.value.code == 2
+    for name in ("a_0", "b_1"):  # dumps, but of two prefixes: which is meant is for --prefix to say
+        (tmp_path / name).write_bytes(b"")
+    with pytest.raises(SystemExit):
+        flight_recorder.main([str(tmp_path)])
 
 
 @pytest.mark.slow
