@@ -10,7 +10,7 @@
 #     benchmarks/results/algorithms-race_*2hosts*.json` then shows what each part of that model buys.
 #
 #  3. with delay=D or loss=P: node1's egress delayed by D or a share P of it dropped (the cluster's
-#     user-space wire, collectives/wire.py), the all_reduce benchmark from 8 bytes to 4 MiB.
+#     user-space wire, collectives/cluster/wire.py), the all_reduce benchmark from 8 bytes to 4 MiB.
 #
 #     bash benchmarks/across_hosts.sh 500mbit 1gbit 2gbit 4gbit none    # writes benchmarks/results/across-hosts_*, algorithms-race_*2hosts*
 #     bash benchmarks/across_hosts.sh delay=100ms loss=1%

@@ -43,7 +43,7 @@ import collectives.algorithms as A
 from collectives.algorithms.cost import CostModel, choose
 from collectives.algorithms.topology import PAYLOAD_PER_FRAME, Topology, link_beta, link_burst
 from collectives import cli
-from collectives.env import read_env
+from collectives.launcher.env import read_env
 from collectives.cli import command, eta_by_size
 
 from .bandwidth import DTYPES, check_sweep, parse_size, size_list

@@ -17,14 +17,14 @@ small all_gather per call so that ranks that disagree are told instead of hangin
 
 from .checked_mode import checked, is_checked
 from .checks import NotInGroup
-from .env import DistEnv, init_from_env, shutdown
+from .launcher.env import DistEnv, init_from_env, shutdown
 from .errors import BackendFailure, CollectiveError, CollectiveMismatchError, RankFailure
 from .groups import Mesh2D, global_rank, group_rank, new_group, split
-from .launch import run, run_or_join
+from .launcher.launch import run, run_or_join
 from .ops import (
     Work, all_gather, all_reduce, all_to_all, barrier, broadcast, gather, reduce, reduce_scatter, scatter,
 )
-from .pool import RankPool
+from .launcher.pool import RankPool
 from . import shm  # noqa: F401 - registers the "shm" backend with torch.distributed
 
 __all__ = [

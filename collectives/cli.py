@@ -10,7 +10,7 @@
 - A `RankFailure` prints its message (which leads with the rank that failed first and why) and
   exits with 1, instead of the launcher's own traceback glued under it.
 - Anything else is a bug in the program and keeps its traceback.
-SIGTERM and SIGKILL need nothing here: the ranks watch their parent and end with it (pool.py).
+SIGTERM and SIGKILL need nothing here: the ranks watch their parent and end with it (launcher/pool.py).
 
 Checks every program makes before its work, each a usage error (exit 2) naming the flag:
 

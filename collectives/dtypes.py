@@ -16,8 +16,8 @@ type either. The wrappers fill these gaps so that every dtype works the same on 
 - Reducing float8 is refused on every backend (the result would depend on the backend's
   accumulation precision): cast to bfloat16 or float32 first.
 
-    wire = reduction_wire(backend, dtype, op)     # None: the backend takes the dtype as it is
-    sent = wire.to_wire(t); ...reduce sent...; t.copy_(wire.from_wire(sent))
+    widening = reduction_widening(backend, dtype, op)     # None: the backend takes the dtype as it is
+    sent = widening.widen(t); ...reduce sent...; t.copy_(widening.narrow(sent))
 """
 
 from __future__ import annotations
@@ -66,19 +66,19 @@ def from_bytes(data: torch.Tensor, dtype: torch.dtype, shape) -> torch.Tensor:
 
 
 @dataclasses.dataclass(frozen=True)
-class Wire:
+class Widening:
     """How a reduction travels: converted on the way in, converted back on the way out."""
 
     dtype: torch.dtype
-    to_wire: Callable[[torch.Tensor], torch.Tensor]
-    from_wire: Callable[[torch.Tensor], torch.Tensor]
+    widen: Callable[[torch.Tensor], torch.Tensor]
+    narrow: Callable[[torch.Tensor], torch.Tensor]
 
 
 def _flip(t: torch.Tensor) -> torch.Tensor:
     return torch.bitwise_xor(t, SIGN_BIT)
 
 
-def reduction_wire(backend: str, dtype: torch.dtype, op: str) -> Optional[Wire]:
+def reduction_widening(backend: str, dtype: torch.dtype, op: str) -> Optional[Widening]:
     """None when the backend reduces `dtype` itself; else how the wrapper carries it."""
     table = UNSUPPORTED.get(backend)
     if table is None or dtype not in table["move"]:
@@ -86,19 +86,19 @@ def reduction_wire(backend: str, dtype: torch.dtype, op: str) -> Optional[Wire]:
     return _widened(dtype, op)
 
 
-def arithmetic_wire(dtype: torch.dtype, op: str) -> Optional[Wire]:
+def arithmetic_widening(dtype: torch.dtype, op: str) -> Optional[Widening]:
     """For reducing on this process (the wrappers' local folds): torch 2.13 has no CPU arithmetic
     on uint16, uint32 and uint64 ("add_stub not implemented for 'UInt16'"), so they are widened."""
     return _widened(dtype, op) if dtype in _UNSIGNED_WIDE else None
 
 
-def _widened(dtype: torch.dtype, op: str) -> Optional[Wire]:
+def _widened(dtype: torch.dtype, op: str) -> Optional[Widening]:
     if dtype in (torch.int16, getattr(torch, "uint16", None)):
-        return Wire(torch.int32, lambda t: t.to(torch.int32), lambda w: w.to(dtype))
+        return Widening(torch.int32, lambda t: t.to(torch.int32), lambda w: w.to(dtype))
     if dtype == getattr(torch, "uint32", None):
-        return Wire(torch.int64, lambda t: t.to(torch.int64), lambda w: w.to(dtype))
+        return Widening(torch.int64, lambda t: t.to(torch.int64), lambda w: w.to(dtype))
     if dtype == getattr(torch, "uint64", None):
         if op in ("min", "max"):
-            return Wire(torch.int64, lambda t: _flip(t.view(torch.int64)), lambda w: _flip(w).view(dtype))
-        return Wire(torch.int64, lambda t: t.view(torch.int64).clone(), lambda w: w.view(dtype))
+            return Widening(torch.int64, lambda t: _flip(t.view(torch.int64)), lambda w: _flip(w).view(dtype))
+        return Widening(torch.int64, lambda t: t.view(torch.int64).clone(), lambda w: w.view(dtype))
     return None  # float8: refused by check_op_dtype before this is asked

@@ -79,7 +79,7 @@ def dump() -> Optional[dict]:
 
 def collect(conns: Sequence[multiprocessing.connection.Connection], wait: float = ANSWER_WAIT_S) -> Dict[int, dict]:
     """The launcher's side: ask each rank (conns[rank], answered by a thread in the rank, see
-    rank_main.py) for its dump(); rank -> record, for the ranks that answered within `wait` s."""
+    launcher/rank_main.py) for its dump(); rank -> record, for the ranks that answered within `wait` s."""
     asked = {}
     for rank, conn in enumerate(conns):
         try:

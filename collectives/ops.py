@@ -30,7 +30,7 @@ from . import checked_mode as _checked
 from . import compat, reduce_ops
 from .checks import CPU_BACKENDS, GroupInfo, check_divisible, check_root, check_tensor, check_writable, resolve_group
 from .errors import CollectiveError, CollectiveMismatchError, backend_failure
-from .dtypes import arithmetic_wire, as_bytes, from_bytes, moves_as_bytes, reduction_wire
+from .dtypes import arithmetic_widening, as_bytes, from_bytes, moves_as_bytes, reduction_widening
 from .exchange import check_same_root, describe_rows, exchange, raise_if_any_failed
 
 Group = Optional[dist.ProcessGroup]
@@ -154,8 +154,8 @@ def _carried(info: GroupInfo, staged: torch.Tensor, collective: str) -> torch.Te
 def _reduction_input(info: GroupInfo, tensor: torch.Tensor, name: str, host: bool = True):
     """(what the backend reduces, how to turn it back into the tensor's dtype, or None)."""
     staged = _staged(info, tensor, host)
-    wire = reduction_wire(info.backend, tensor.dtype, name)
-    return (staged, None) if wire is None else (wire.to_wire(staged), wire.from_wire)
+    widening = reduction_widening(info.backend, tensor.dtype, name)
+    return (staged, None) if widening is None else (widening.widen(staged), widening.narrow)
 
 
 def _copy_back(tensor: torch.Tensor, sent: torch.Tensor, back=None) -> torch.Tensor:
@@ -285,10 +285,10 @@ def _gather_equal(info: GroupInfo, tensor: torch.Tensor) -> torch.Tensor:
 def _gather_and_fold(info: GroupInfo, tensor: torch.Tensor, name: str) -> torch.Tensor:
     """The reduction done here: every rank's tensor gathered, then folded in group-rank order."""
     parts = list(_gather_equal(info, tensor).unbind(0))
-    wire = arithmetic_wire(tensor.dtype, name)
-    if wire is None:
+    widening = arithmetic_widening(tensor.dtype, name)
+    if widening is None:
         return reduce_ops.fold(name, parts)
-    return wire.from_wire(reduce_ops.fold(name, [wire.to_wire(p) for p in parts]))
+    return widening.narrow(reduce_ops.fold(name, [widening.widen(p) for p in parts]))
 
 
 def _exchange_dim0(info: GroupInfo, tensor, collective: str, error: Optional[str], root: Optional[int] = None) -> List[int]:

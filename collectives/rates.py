@@ -1,5 +1,5 @@
 """Link rates in tc's units ("1gbit", "100mbit"), read once for the cluster command, which
-shapes links to them (cluster.py), and the simulator's two-level topology, which predicts times
+shapes links to them (cluster/hosts.py), and the simulator's two-level topology, which predicts times
 over them (algorithms/topology.py), and the bytes a token bucket at a rate lets through at once.
 
     >>> link_rate("2.5gbit")

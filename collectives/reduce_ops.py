@@ -17,7 +17,7 @@ from typing import List, Union
 import torch
 import torch.distributed as dist
 
-from .dtypes import FLOAT8, arithmetic_wire
+from .dtypes import FLOAT8, arithmetic_widening
 from .errors import CollectiveError
 
 R = dist.ReduceOp
@@ -116,11 +116,11 @@ def fold(name: str, tensors: List[torch.Tensor]) -> torch.Tensor:
 
 def local_reduce(dst: torch.Tensor, src: torch.Tensor, op: str) -> None:
     """dst = dst op src in place: one pass over memory, no temporary (this is the gamma term)."""
-    wire = arithmetic_wire(dst.dtype, op)  # torch has no CPU arithmetic on uint16/32/64
-    if wire is None:
+    widening = arithmetic_widening(dst.dtype, op)  # torch has no CPU arithmetic on uint16/32/64
+    if widening is None:
         COMBINE[op](dst, src, out=dst)
     else:
-        dst.copy_(wire.from_wire(fold(op, [wire.to_wire(dst), wire.to_wire(src)])))
+        dst.copy_(widening.narrow(fold(op, [widening.widen(dst), widening.widen(src)])))
 
 
 def combine(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, op: str) -> None:

@@ -46,7 +46,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import pytest
 
-from .pool import RankPool
+from .launcher.pool import RankPool
 
 DEFAULT_TIMEOUT_S = 60.0
 TEST_FILES = ("test_*.py", "*_test.py", "conftest.py")  # pytest's default python_files, and conftest

@@ -47,7 +47,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 import collectives
 from collectives import cli
 from collectives.cli import command, eta
-from collectives.env import read_env
+from collectives.launcher.env import read_env
 
 from . import cifar10
 from .checkpoint import (CheckpointError, check_resume, gather_state, load_checkpoint, load_state, run_settings, save,

@@ -1,6 +1,6 @@
 """The suites' tensors are CPU tensors: their ranks use Gloo unless a test names a backend.
 
-Without this, a world of one on a machine with a GPU would pick NCCL (collectives.env.pick_backend)
+Without this, a world of one on a machine with a GPU would pick NCCL (collectives.launcher.env.pick_backend)
 and every CPU tensor would be refused there. Set COLLECTIVES_BACKEND (or, for the harness alone,
 COLLECTIVES_TEST_BACKEND=shm) to run the suites on another backend.
 

@@ -20,7 +20,7 @@ import pytest
 from benchmarks import algorithms, bandwidth, ddp_step_time, harness_speed, plot, sharded, shm, shm_paths, wrapper_overhead
 from collectives import cli
 from collectives.algorithms import fit, show
-from collectives.pool import RankPool
+from collectives.launcher.pool import RankPool
 from ddp_from_scratch import compare, trace, train
 from ddp_from_scratch.models import LAYER_OUTPUT_BYTES, MODELS, layer_output_bytes
 

@@ -36,7 +36,7 @@ import torch
 
 from .. import cli
 from ..cli import command
-from ..launch import run
+from ..launcher.launch import run
 from ..reduce_ops import local_reduce
 from .comm import DistComm
 from .cost import DEFAULT_PATH, CostModel

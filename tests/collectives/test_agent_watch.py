@@ -1,4 +1,4 @@
-"""A worker whose torchrun agent is killed says so in one line (collectives/agent_watch.py); one
+"""A worker whose torchrun agent is killed says so in one line (collectives/launcher/agent_watch.py); one
 whose agent lives, or that torchrun did not start, says nothing. An "agent" here is a small
 process that starts a worker as torchrun does (a session of its own, TORCHELASTIC_RUN_ID set).
 
@@ -12,11 +12,11 @@ import sys
 import textwrap
 import time
 
-from collectives import agent_watch
+from collectives.launcher import agent_watch
 
 WORKER = textwrap.dedent("""
     import os, time
-    from collectives.agent_watch import watch_agent
+    from collectives.launcher.agent_watch import watch_agent
     assert watch_agent(2, interval=0.05) is not None
     print(os.getpid(), os.getppid(), flush=True)
     time.sleep(30)
@@ -24,7 +24,7 @@ WORKER = textwrap.dedent("""
 # A worker that ends soon after its agent died, before its watch looks again (60 s apart here).
 SHORT_WORKER = textwrap.dedent("""
     import os, time
-    from collectives.agent_watch import watch_agent
+    from collectives.launcher.agent_watch import watch_agent
     assert watch_agent(2, interval=60) is not None
     parent = os.getppid()
     print(os.getpid(), parent, flush=True)

@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from collectives.env import first_slurm_host, pick_backend, read_env, shared_store_restart
+from collectives.launcher.env import first_slurm_host, pick_backend, read_env, shared_store_restart
 
 
 def test_torchrun_variables():

@@ -14,7 +14,7 @@ import torch
 import collectives as C
 from collectives.checks import GroupInfo, check_tensor
 from collectives.errors import CollectiveError, CollectiveMismatchError
-from collectives.pool import RankPool
+from collectives.launcher.pool import RankPool
 from collectives.testing import distributed
 
 

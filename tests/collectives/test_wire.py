@@ -1,4 +1,4 @@
-"""The user-space wire (collectives/wire.py) on a pair of socketpairs standing in for its TAP
+"""The user-space wire (collectives/cluster/wire.py) on a pair of socketpairs standing in for its TAP
 devices: what the host sends waits the delay, in order, and a share `loss` of it is dropped; what
 comes to the host passes at once. No root needed.
 
@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from collectives import wire
+from collectives.cluster import wire
 
 
 class Ends:

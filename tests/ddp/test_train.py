@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from collectives.pool import RankPool
+from collectives.launcher.pool import RankPool
 from ddp_from_scratch import checkpoint, train
 
 COMMON = ["--nproc", "2", "--model", "small", "--synthetic", "--train-size", "64", "--test-size", "32",

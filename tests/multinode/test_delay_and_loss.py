@@ -1,5 +1,5 @@
 """A slow and a lossy link across two namespace hosts: `up --delay/--loss --impair node1` puts a
-user-space wire (collectives/wire.py) on node1's link, since the kernels here have no netem.
+user-space wire (collectives/cluster/wire.py) on node1's link, since the kernels here have no netem.
 
 - 100 ms of delay on node1's egress: every round trip between the hosts takes 100 ms more, and
   the bandwidth benchmark across them (torchrun, Gloo) still checks every value and shows it: an
@@ -21,6 +21,7 @@ import time
 import pytest
 
 from collectives import cluster
+from collectives.cluster import hosts
 
 from . import needs_hosts, torchrun_on_hosts
 
@@ -89,7 +90,7 @@ def test_a_lossy_link_drops_its_share_and_the_collectives_stay_exact(tmp_path):
 
 def test_down_stops_the_wires_and_a_wire_that_dies_takes_its_link(tmp_path):
     cluster.up(2, delay="1ms")  # every host impaired: two wires
-    assert len(cluster._wires()) == 2
+    assert len(hosts._wires()) == 2
     assert _round_trip("node0", "node1") < 1
     os.kill(cluster.load_state()["nodes"][1]["wire"]["pid"], signal.SIGKILL)
     time.sleep(0.5)
@@ -98,6 +99,6 @@ def test_down_stops_the_wires_and_a_wire_that_dies_takes_its_link(tmp_path):
     assert out.returncode != 0, out.stdout  # the host's eth0 went with its wire
     removed = cluster.down()
     assert "1 wire(s)" in removed, removed
-    assert cluster._wires() == []
+    assert hosts._wires() == []
     links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
     assert "cpcv" not in links and "cpcw" not in links, links

@@ -6,7 +6,7 @@ training CLI with a checkpoint every 8 steps and --auto-resume.
   4-rank run on one host. torchrun runs with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: with torch
   2.13's default (the agent's rendezvous store shared with the workers) the restarted ranks read
   the previous attempt's Gloo addresses and could not connect in 2 runs of 3 here
-  (pytorch/pytorch#135712); collectives.env then says so in one line.
+  (pytorch/pytorch#135712); collectives.launcher.env then says so in one line.
 - The second host gone (its agent and workers SIGKILLed): torch scales the job down to the
   first host (2 ranks) once the dead host's keep-alive lapses and the round's last call ends, and
   restarts it; our side refuses to resume a 4-rank checkpoint on 2 ranks in one line, the agent
@@ -16,7 +16,7 @@ training CLI with a checkpoint every 8 steps and --auto-resume.
   down, not what it does.
 - Only the second host's agent SIGKILLed (its workers left running, as torchrun starts them in
   sessions of their own): nothing restarts, the run finishes bitwise as the uninterrupted one,
-  each orphaned worker says in one line that its agent is gone (collectives/agent_watch.py), and
+  each orphaned worker says in one line that its agent is gone (collectives/launcher/agent_watch.py), and
   the first host's torchrun waits at torch's exit barrier for the dead agent.
 
     pytest tests/multinode/test_elastic.py -q

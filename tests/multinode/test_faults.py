@@ -30,7 +30,7 @@ TIMEOUT_S = 10
 PROGRAM = textwrap.dedent(f"""
     import datetime, os, sys, time
     import torch, collectives
-    from collectives.env import init_from_env
+    from collectives.launcher.env import init_from_env
 
     out = sys.argv[1]
     env = init_from_env(backend="gloo", timeout=datetime.timedelta(seconds={TIMEOUT_S}))
@@ -56,7 +56,7 @@ def _start(hosts, tmp_path, rdzv_id):
     """torchrun on both hosts running PROGRAM; returns once both ranks are in the loop."""
     program = tmp_path / "loop.py"
     program.write_text(PROGRAM)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(cluster.__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(cluster.__file__))))
     env = {**os.environ, "PYTHONPATH": root}  # the program lives in tmp_path: import this checkout
     procs = [subprocess.Popen(cluster.host_command(h, [
         sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",

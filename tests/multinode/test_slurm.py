@@ -16,7 +16,8 @@ import time
 
 import pytest
 
-from collectives import cluster, slurm_cluster
+from collectives import cluster
+from collectives.cluster import slurm as slurm_cluster
 
 from . import WHY_NOT as HOSTS_WHY_NOT
 from .conftest import in_the_hosts_group

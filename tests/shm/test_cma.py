@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 import collectives as C
 from collectives.errors import CollectiveError
-from collectives.pool import RankPool
+from collectives.launcher.pool import RankPool
 from collectives.shm import backend_of, cma
 
 # on even where ranks outnumber cores (the tests' 3 and 4 ranks on 2 cores); from 1 KiB, in 4 KiB pieces

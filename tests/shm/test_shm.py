@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import collectives as C
 from collectives import shm
-from collectives.pool import RankPool
+from collectives.launcher.pool import RankPool
 from collectives.shm import backend_of
 from collectives.testing import distributed
 

@@ -14,7 +14,7 @@ hostname (a UTS namespace of its own), so torchrun's master address (its hostnam
 every host and Gloo, which binds to the address its hostname resolves to, uses eth0 without
 GLOO_SOCKET_IFNAME. `--link RATE` shapes each host's egress with a token bucket (tc tbf).
 `--delay` and `--loss` do to an impaired host's egress what tc netem would, in user space
-(collectives/wire.py: the kernels this is tested on are built without netem): that host's eth0 is
+(collectives/cluster/wire.py: the kernels this is tested on are built without netem): that host's eth0 is
 one end of a wire process instead of a veth. Needs root, iproute2 and, for a wire, /dev/net/tun.
 """
 
@@ -30,9 +30,9 @@ import sys
 import time
 from typing import Dict, List, Optional
 
-from . import slurm_cluster, wire
-from .cli import ArgumentParser
-from .rates import burst, shapeable
+from . import slurm as slurm_cluster, wire
+from ..cli import ArgumentParser
+from ..rates import burst, shapeable
 
 PREFIX = "cpc-"
 BRIDGE = "cpcbr0"
@@ -192,7 +192,7 @@ def up(nodes: int, rate: Optional[str] = None, delay: Optional[str] = None, loss
 
 
 def _start_wire(k: int, delay: Optional[str], loss: Optional[str]) -> dict:
-    """Start node k's wire (collectives/wire.py): TAP devices cpcwK (for the host) and cpcvK."""
+    """Start node k's wire (collectives/cluster/wire.py): TAP devices cpcwK (for the host) and cpcvK."""
     try:
         return wire.start(f"cpcw{k}", f"cpcv{k}", delay or "0ms", loss or "0%",
                           stats=os.path.join(STATE_DIR, f"wire-node{k}.json"),
@@ -378,7 +378,7 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--nodes", type=int, default=2, help="how many hosts (default 2)")
     p.add_argument("--link", default=None, help="each host's egress rate, tc's units: 1gbit, 100mbit")
     p.add_argument("--delay", default=None, help="added to an impaired host's egress, e.g. 100ms (netem's "
-                   "delay, by a user-space wire: collectives/wire.py)")
+                   "delay, by a user-space wire: collectives/cluster/wire.py)")
     p.add_argument("--loss", default=None, help="share of an impaired host's egress frames dropped, e.g. 1%%")
     p.add_argument("--impair", default=None, help="the hosts --delay and --loss apply to, e.g. node1 or "
                    "node0,node1 (default: every host)")

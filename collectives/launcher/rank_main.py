@@ -27,12 +27,14 @@ import sys
 import threading
 import traceback
 
-from .cli import compile_cache_outside_tmp
+from ..cli import compile_cache_outside_tmp
 
 PARENT_POLL_S = 1.0  # the lifeline wakes the watcher at once; this is only the fallback
-PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+# The library's own files (the collectives package, this folder's parent): a frame in them is not
+# "where the user's code was"
+PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 # Frames of the harness itself, left out of the tracebacks and stacks shown to the user.
-HIDDEN_FILES = {os.path.join(PACKAGE_DIR, name) for name in ("pool.py", "rank_main.py", "testing.py")}
+HIDDEN_FILES = {os.path.join(PACKAGE_DIR, name) for name in ("launcher/pool.py", "launcher/rank_main.py", "testing.py")}
 
 
 def _kill_own_group(*_):
@@ -61,7 +63,7 @@ def _watch_parent(lifeline, parent_pid: int) -> None:
 def _answer_flight_record_requests(recorder) -> None:
     """Runs in a daemon thread of each rank: send this rank's flight record whenever the parent
     asks. A thread, so that a rank blocked in a collective (which releases Python's lock) answers."""
-    from .flight_recorder import dump
+    from ..flight_recorder import dump
 
     while True:
         try:

@@ -1,7 +1,7 @@
 """Make a rank forked from the fork server start as a spawned rank would: run by path, first thing
 in the rank, before multiprocessing imports the launcher's main module or this package.
 
-    runpy.run_path(".../collectives/as_spawned.py", {"environ": {...}, "std_fds": [DupFd, DupFd]})
+    runpy.run_path(".../collectives/launcher/as_spawned.py", {"environ": {...}, "std_fds": [DupFd, DupFd]})
 
 A spawned rank is a fresh interpreter exec'd by the launcher as the launcher is at that moment:
 its environment, its stdout and stderr. A fork of the fork server (pool.rank_context) has the

@@ -51,7 +51,7 @@ import time
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from .errors import RankFailure
+from ..errors import RankFailure
 from .rank_main import _rank_main
 from .rank_report import PEER_LOST, clean_stack, describe_exit, short, where_it_was
 from .reaper import Reaper
@@ -118,7 +118,7 @@ class RankPool:
         self._kill()
         check_flight_recorder_setting(os.environ)
         if self.backend == "shm":  # its C++ bridge, built here once rather than by every rank at once
-            from .shm import native
+            from ..shm import native
 
             native.load()
         _LIVE.add(self)
@@ -328,7 +328,7 @@ class RankPool:
     def _flight_records(self, where: Dict[int, str]) -> List[str]:
         """What the live ranks' flight records say (a rank that died is named as dead); with
         TORCH_FR_DUMP_TEMP_FILE set (torch's setting), the records are also written there."""
-        from . import flight_recorder  # here, not at the top: `python -m collectives.flight_recorder`
+        from .. import flight_recorder  # here, not at the top: `python -m collectives.flight_recorder`
         # imports this package first, and runpy warns when the module it runs is already imported
         records = flight_recorder.collect(self._recorders)
         dead = {r: describe_exit(p.exitcode) for r, p in enumerate(self._procs) if p.exitcode is not None}
@@ -373,7 +373,7 @@ class RankPool:
         # A rank whose connection to a dead or failed peer broke failed because of that peer.
         stopped += [r for r in order[1:] if r not in stopped and PEER_LOST.search(failures[r])]
         # A hang: what torch's flight records say, when the ranks keep them (TORCH_FR_BUFFER_SIZE).
-        from .flight_recorder import recording
+        from ..flight_recorder import recording
         told = self._flight_records(where if pending else {}) if recording() else []
         if pending or not self._in_step():
             self._kill()  # the next submit starts fresh ranks

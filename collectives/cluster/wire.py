@@ -20,7 +20,7 @@ running wires by command line (also after a lost state), `describe()` is `status
 imports nothing but the standard library (it starts as `python -I -S .../wire.py`, in 0.1 s
 rather than torch's 2). Run by hand (as root), e.g. to look at it:
 
-    python collectives/wire.py --host-end cpcw1 --bridge-end cpcv1 --delay 100ms --loss 1%
+    python collectives/cluster/wire.py --host-end cpcw1 --bridge-end cpcv1 --delay 100ms --loss 1%
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ def find(bridge_prefix: str) -> List[int]:
             except OSError:
                 continue
             bridge = argv[argv.index(b"--bridge-end") + 1] if b"--bridge-end" in argv[:-1] else b""
-            if any(a.endswith(b"collectives/wire.py") for a in argv) and bridge.startswith(bridge_prefix.encode()):
+            if any(a.endswith(b"collectives/cluster/wire.py") for a in argv) and bridge.startswith(bridge_prefix.encode()):
                 pids.append(int(entry))
     return pids
 
@@ -183,7 +183,7 @@ def describe(started: dict, alive: bool) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m collectives.wire", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m collectives.cluster.wire", description=__doc__.splitlines()[0])
     parser.add_argument("--host-end", required=True, help="TAP device to make for the host (moved in as eth0)")
     parser.add_argument("--bridge-end", required=True, help="TAP device to make for the bridge")
     parser.add_argument("--delay", default="0ms", help="added to every frame the host sends, e.g. 100ms")

@@ -1,7 +1,7 @@
 """The reaper: one small process per RankPool that kills everything the pool's ranks started,
 however the pool ends, without asking any rank to do it.
 
-    python -I -S collectives/reaper.py MARK     # stdin: a pipe whose only writer is the launcher
+    python -I -S collectives/launcher/reaper.py MARK     # stdin: a pipe whose only writer is the launcher
                                                 # (the ranks' pids, one a line)
 
 The launcher (pool.py) starts the reaper first, then starts its ranks with `MARK=1` in their
