@@ -249,21 +249,19 @@ def busbw(result: dict) -> str:
     return "\n".join(out)
 
 
-def goals(result: dict) -> str:
-    """The issue's goals on this machine, measured: ring all_reduce at most 1.0x the backend's from
-    16 MiB; reduce_scatter and all_gather (best algorithm) at least 1.5x faster than the backend's."""
+def large_sizes(result: dict) -> str:
+    """From 16 MiB: the ring all_reduce's time against the backend's, and how much faster the best
+    reduce_scatter and all_gather algorithm is than the backend's."""
     out = []
     big = [row for row in result["rows"] if row["size"] >= 16 << 20]
     for row in big:
         if row["collective"] == "all_reduce":
             ratio = row["algorithms"]["ring"]["s"] / row["backend_s"]
-            out.append(f"all_reduce ring at {row['size'] >> 20} MiB: {ratio:.2f}x the backend's time "
-                       f"(goal at most 1.00: {'met' if ratio <= 1.0 else 'missed'})")
+            out.append(f"all_reduce ring at {row['size'] >> 20} MiB: {ratio:.2f}x the backend's time")
         if row["collective"] in ("reduce_scatter", "all_gather"):
             best = min(row["algorithms"], key=lambda a: row["algorithms"][a]["s"])
             speedup = row["backend_s"] / row["algorithms"][best]["s"]
-            out.append(f"{row['collective']} {best} at {row['size'] >> 20} MiB: {speedup:.2f}x faster than the "
-                       f"backend (goal at least 1.5: {'met' if speedup >= 1.5 else 'missed'})")
+            out.append(f"{row['collective']} {best} at {row['size'] >> 20} MiB: {speedup:.2f}x faster than the backend")
     return "\n".join(out)
 
 
@@ -376,7 +374,7 @@ def main(argv=None) -> int:
     print(prediction_errors(result))
     print(busbw(result))
     if not result.get("link"):
-        print(goals(result))
+        print(large_sizes(result))
     wrong = sum(row["backend_wrong"] + sum(m["wrong"] for m in row["algorithms"].values()) for row in result["rows"])
     print(f"# wrong elements in all checks: {wrong}")
     if args.json:

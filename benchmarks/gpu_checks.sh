@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks a session runs when it is lent a machine with one GPU (the `device` tool):
+# The checks to run on a machine with one GPU:
 # the CUDA tests, then the NCCL world-size-1 and Gloo+CUDA (2 ranks on one GPU) bandwidth runs.
 # Everything it prints and writes lands in $OUT (default: ./gpu-out).
 #

@@ -10,8 +10,9 @@ over rounds of the slowest rank:
 - an 8-byte all_reduce (float64, one element), `--iters` calls per round: microseconds per call;
 - a step of torch's DDP on the same model (`--model`, batch `--batch`), one per round per group.
 
-The issue's bar: recording is on by default if it costs at most 2% on the 8-byte all_reduce and
-nothing measurable on the DDP step (the spread of the off side's own rounds says what is measurable).
+What it decides: whether recording could be on by default, which would need at most 2% on the
+8-byte all_reduce and nothing measurable on the DDP step (the spread of the off side's own rounds
+says what is measurable).
 """
 
 from __future__ import annotations

@@ -216,7 +216,7 @@ def plot(result, path: str) -> None:
     for key, label in (("gloo_s", "gloo"), ("shm_s", "shm")):
         ax.plot(sizes, [bandwidths(r["size"], r[key] * 1e6, "all_reduce", n)[1] for r in rows], "-o", ms=3, label=label)
     ax.plot(sizes, [3 * bandwidths(r["size"], r["gloo_s"] * 1e6, "all_reduce", n)[1] for r in rows], "-", color="C0",
-            alpha=0.3, lw=1, label="3 x gloo (the goal from 1 MiB)")
+            alpha=0.3, lw=1, label="3 x gloo")
     ax.axhline(result["copy_gbps"] / 2, color="gray", linestyle="--", lw=1,
                label=f"one rank's memory copy / 2 ({result['copy_gbps'] / 2:.1f} GB/s)")
     if result.get("roofline_gbps"):  # shm's busbw if it moved its bytes at the roofline
