@@ -97,7 +97,7 @@ def report(summary: dict, world_size: int) -> str:
                      f"(off's own interquartile spread: {s['off_iqr_fraction'] * 100:.1f}% of its median; "
                      f"{s['rounds']} rounds)")
     a = summary["all_reduce_8B_us"]["ratio"]
-    lines.append(f"  the 2% bar on the 8-byte all_reduce: {'met' if a <= 1.02 else 'not met'} ({(a - 1) * 100:+.1f}%)")
+    lines.append(f"  recording adds {(a - 1) * 100:+.1f}% to an 8-byte all_reduce")
     return "\n".join(lines)
 
 

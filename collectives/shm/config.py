@@ -6,7 +6,7 @@
     COLLECTIVES_SHM_PIECE_KB=1024        all_reduce's step 3 in pieces this size, KiB (ops.py)
     COLLECTIVES_SHM_CMA=auto             cross-memory attach: auto (where ranks have cores), 1/on, 0/off
     COLLECTIVES_SHM_CMA_MIN_KB=16384     all_reduces this large or larger use it, KiB (cma.py)
-    COLLECTIVES_SHM_WAIT=futex           how a rank waits at a barrier: futex, yield or spin (wait.py)
+    COLLECTIVES_SHM_WAIT=futex           how a rank waits at a barrier: futex, spin, yield or sleep (wait.py)
 
     config = ShmConfig.from_env()        # ShmBackend does this once, and hands it down
 
@@ -23,7 +23,8 @@ from typing import Mapping, Optional
 
 ALIGN = 64  # every slot, half-slot and mailbox half starts 64-byte aligned
 
-_CHOICES = {"cma": ("auto", "1", "on", "0", "off"), "wait": ("futex", "yield", "spin")}
+WAIT_STRATEGIES = ("futex", "spin", "yield", "sleep")  # how a rank waits at a barrier (wait.py)
+_CHOICES = {"cma": ("auto", "1", "on", "0", "off"), "wait": WAIT_STRATEGIES}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,8 +13,8 @@ least k. How it waits is the question when ranks outnumber cores:
            missing (FUTEX_WAIT on the shared page) until that rank writes it and wakes it
            (FUTEX_WAKE); no core is spent on a long wait
 
-benchmarks/shm_wait.py measures all four (latency and CPU seconds per call, 2 and 4 ranks);
-`futex` is the default, after those measurements (see docs/shm.md).
+`python -m benchmarks.shm_wait --world-size N` measures all four side by side (latency and CPU
+time per call); `futex` is the default, after those measurements (benchmarks/RESULTS.md).
 
 Faults: while it waits, a rank checks every FAULT_CHECK_S that the others' processes are alive
 and that no rank has raised the abort word; then it raises `PeerFailure` naming the rank. A
@@ -33,6 +33,7 @@ import time
 from typing import Optional
 
 from ..errors import CollectiveError
+from .config import WAIT_STRATEGIES
 from .segment import ABORT, ABORT_SEEN_BY, ABORT_WHY, STEP0, Segment
 
 FAULT_CHECK_S = 0.05
@@ -45,7 +46,7 @@ SPIN_S_SHARED = 0.0
 # yielding answers sooner than a futex wake-up when ranks share cores (4 ranks on 2 cores: an
 # 8-byte all_reduce took 149 us yielding, 220 us on a futex, 4.6 ms spinning)
 YIELD_S = 2e-3
-STRATEGIES = ("futex", "spin", "yield", "sleep")
+STRATEGIES = WAIT_STRATEGIES  # the settings (config.py) read the same names
 
 _SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine())
 FUTEX_WAIT, FUTEX_WAKE = 0, 1

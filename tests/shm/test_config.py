@@ -29,7 +29,7 @@ def test_each_variable_reaches_its_field():
     ("COLLECTIVES_SHM_PIECE_KB", "nan", "must be a positive number"),
     ("COLLECTIVES_SHM_MAILBOX_KB", "-1", "must be a positive number"),
     ("COLLECTIVES_SHM_CMA", "yes", "must be one of auto, 1, on, 0, off"),
-    ("COLLECTIVES_SHM_WAIT", "sleep", "must be one of futex, yield, spin"),
+    ("COLLECTIVES_SHM_WAIT", "nap", "must be one of futex, spin, yield, sleep"),
 ])
 def test_a_bad_value_is_an_error_naming_the_variable(var, value, says):
     with pytest.raises(ValueError) as info:
