@@ -48,3 +48,25 @@ def test_readme_example_runs_as_pasted(index, tmp_path):
     assert out.returncode == 0, f"{page} example {index} failed:\n{block}\n--- stdout\n{out.stdout}\n--- stderr\n{out.stderr}"
     for text in expected_output(block):
         assert text in out.stdout, f"{page} example {index} should print {text!r}; it printed:\n{out.stdout}"
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation but - and _ dropped, spaces to -."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_link_to_a_page_and_a_section_finds_them():
+    """Links between the README, docs/ and benchmarks/RESULTS.md: the page exists and, with
+    #section, so does a heading of that name (sections move between pages)."""
+    pages = PAGES + [ROOT / "benchmarks" / "RESULTS.md"]
+    broken = []
+    for page in pages:
+        for target, anchor in re.findall(r"\]\(([^)#\s]+\.md)(?:#([^)\s]+))?\)", page.read_text()):
+            path = (page.parent / target).resolve()
+            if not path.exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target} does not exist")
+            elif anchor:
+                headings = {_anchor(h) for h in re.findall(r"^#+ (.+)$", path.read_text(), flags=re.M)}
+                if anchor not in headings:
+                    broken.append(f"{page.relative_to(ROOT)}: {target}#{anchor}: no such section")
+    assert not broken, "\n".join(broken)
