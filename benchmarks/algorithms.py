@@ -29,25 +29,24 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import socket
 import statistics
 import sys
 import time
 
 import torch
-import torch.distributed as dist
 from tabulate import tabulate
 
 import collectives
 import collectives.algorithms as A
 from collectives.algorithms.cost import CostModel, choose
-from collectives.algorithms.topology import PAYLOAD_PER_FRAME, Topology, link_beta, link_burst
+from collectives.algorithms.topology import PAYLOAD_PER_FRAME, link_beta
 from collectives import cli
 from collectives.launcher.env import read_env
 from collectives.cli import command, eta_by_size
 
-from .bandwidth import DTYPES, check_sweep, parse_size, size_list
+from .sweep import DTYPES, alternate_calls, check_sweep, parse_size, size_list
 from .cases import buffer_count, count_wrong, make_algorithm_case, make_case
+from .prediction import cpu_share, predict, refill_seconds, topology_of
 
 COLLECTIVES = list(A.ALGORITHMS)
 BACKEND_SIDE = {"all_reduce": "ip", "broadcast": "ip", "reduce": "ip", "all_gather": "oop", "reduce_scatter": "oop",
@@ -57,73 +56,6 @@ BACKEND_SIDE = {"all_reduce": "ip", "broadcast": "ip", "reduce": "ip", "all_gath
 def _iterations(nbytes: int) -> int:
     """Fewer timed iterations as a call gets slower (the whole race must fit in minutes)."""
     return 25 if nbytes <= 1 << 20 else 9 if nbytes <= 16 << 20 else 5 if nbytes <= 64 << 20 else 3
-
-
-def _time_alternating(runs, iters: int, idle: float = 0.0):
-    """Median of the slowest rank's seconds per call, for each run, alternated call by call;
-    each call starts `idle` seconds after a barrier (for a shaped link's bucket to refill)."""
-    for run in runs:  # warm-up
-        run()
-    times = torch.zeros(len(runs), iters, dtype=torch.float64)
-    for i in range(iters):
-        for k, run in enumerate(runs):
-            dist.barrier()
-            if idle:
-                time.sleep(idle)
-            start = time.perf_counter()
-            run()
-            times[k, i] = time.perf_counter() - start
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    return [statistics.median(row.tolist()) for row in times]
-
-
-def cpu_share() -> float:
-    """Ranks per core on this rank's machine, at least 1: ranks that share one kernel (the same
-    boot_id: the cluster's namespace hosts are one machine) share its cores. A collective."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            machine = f.read().strip()
-    except OSError:
-        machine = socket.gethostname()
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, machine)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1.0, everyone.count(machine) / cores)
-
-
-def topology_of(hosts, model: CostModel, link, burst=None, share: float = 1.0):
-    """The two-level topology of these ranks (None on one host: the closed forms apply): the
-    model within a host, and between hosts the link's rate through a token bucket of `burst`
-    bytes of payload (None: the cluster's bucket at that rate); alpha, beta and gamma scaled for
-    `share` ranks per core (CostModel.sharing; the link's rate is not CPU time)."""
-    if len(set(hosts)) == 1:
-        if link is not None:
-            raise SystemExit(f"benchmarks.algorithms: --link {link} is the rate between hosts, but all {len(hosts)} ranks "
-                             "are on one host: leave --link out (or start the ranks on several hosts)")
-        return None
-    if link is None:
-        raise SystemExit(f"benchmarks.algorithms: the ranks are on {len(set(hosts))} hosts; give --link RATE (the "
-                         "rate of the link between them, e.g. 1gbit) so that the predictions can model it")
-    intra = model.sharing(share)
-    inter = CostModel(intra.alpha, link_beta(link), intra.gamma, f"link {link} between hosts")
-    return Topology.of_hosts(hosts, intra, inter, link_burst(link) if burst is None else burst)
-
-
-def refill_seconds(topology) -> float:
-    """How long a call waits after the barrier, across hosts: long enough for an emptied token
-    bucket to fill again (1 ms more), so every call starts with it full, as the simulator does."""
-    if topology is None or not topology.burst:
-        return 0.0
-    return topology.burst * topology.inter.beta + 0.001
-
-
-def predict(collective: str, algorithm: str, count: int, n: int, dtype, model: CostModel, topology) -> float:
-    """Predicted seconds for `count` elements (the buffer_count) on n ranks: the closed form on
-    one host; on several, the simulated time on the topology (root 0, as the cases use)."""
-    if topology is None:
-        return model.predict(collective, algorithm, count * dtype.itemsize, n)
-    inputs = [torch.zeros(count // n if collective == "all_gather" else count, dtype=dtype) for _ in range(n)]
-    return A.simulate(collective, algorithm, inputs, model=topology)[1].time
 
 
 def race(env, config: dict) -> dict:
@@ -143,8 +75,8 @@ def race(env, config: dict) -> dict:
             count = buffer_count(collective, nbytes, n, dtype.itemsize)
             backend = make_case(collective, BACKEND_SIDE[collective], count, n, r, "sum", dtype, torch.device("cpu"))
             ours = {a: make_algorithm_case(collective, a, count, n, r, "sum", dtype, torch.device("cpu"))[1:] for a in names}
-            seconds = _time_alternating([backend[0]] + [case[0] for case in ours.values()],
-                                        _iterations(count * dtype.itemsize), refill_seconds(topology))
+            seconds = alternate_calls([backend[0]] + [case[0] for case in ours.values()],
+                                      _iterations(count * dtype.itemsize), idle=refill_seconds(topology))
             wrong = [count_wrong(backend, "cpu")] + [count_wrong(case, "cpu") for case in ours.values()]
             size = count * dtype.itemsize
             # only rank 0 reports (simulating the others' too would only delay the next size)

@@ -23,7 +23,6 @@ import datetime
 import json
 import os
 import platform
-import re
 import statistics
 import sys
 import time
@@ -34,31 +33,14 @@ import torch.distributed as dist
 import collectives
 from collectives import cli
 from collectives.cli import command, eta_by_size
+from collectives.names import REDUCING, ROOTED
 
 from . import limits as machine_limits
 from .cases import OPS, buffer_count, count_wrong, make_algorithm_case, make_case, sync_device
 from .nccl_format import TYPE_NAMES, bandwidths, footer, format_row, header
+from .sweep import DTYPES, check_sweep, parse_size, size_list
 
 COLLECTIVES = ["all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all"]
-REDUCING = ("all_reduce", "reduce", "reduce_scatter")
-ROOTED = ("broadcast", "reduce")
-DTYPES = {name: getattr(torch, name) for name in TYPE_NAMES}
-
-
-def parse_size(text: str) -> int:
-    """'8', '64K', '16M', '1G' -> bytes (binary multiples, as nccl-tests)."""
-    match = re.fullmatch(r"\s*(\d+)\s*([KMG]?)B?\s*", text.upper())
-    if not match:
-        raise argparse.ArgumentTypeError(f"size {text!r} is not a number with an optional K, M or G suffix")
-    return int(match.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30}[match.group(2)]
-
-
-def size_list(begin: int, end: int, factor: int) -> list:
-    sizes, size = [], begin
-    while size <= end:
-        sizes.append(size)
-        size *= factor
-    return sizes
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -86,25 +68,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="time a from-scratch algorithm (collectives.algorithms: ring, recursive_doubling, bruck, ...) "
                         "instead of the backend's own; collectives without it are skipped")
     return p
-
-
-SWEEP_BUFFERS = 4  # tensors of -e bytes a rank may hold at the largest size
-
-
-def check_sweep(args, parser) -> None:
-    """-b, -e and -f as every benchmark's size sweep takes them: 1 <= -b <= -e, -f >= 2 (a step
-    factor of 1 never reaches -e), and -e small enough for every rank's buffers to fit in memory."""
-    if args.minbytes < 1 or args.maxbytes < args.minbytes:
-        parser.error(f"-b {args.minbytes} must be at least 1 and at most -e {args.maxbytes}")
-    if args.stepfactor < 2:
-        parser.error(f"-f {args.stepfactor}: the step factor must be at least 2")
-    ranks = getattr(args, "world_size", 1)
-    on_gpu = getattr(args, "device", None) == "cuda" or getattr(args, "backend", None) == "nccl"
-    if not on_gpu and isinstance(ranks, int) and ranks >= 1:
-        # Input, output, the expected result and the backend's scratch: all ranks' in this machine's
-        # memory. (GPU memory is per device, and torch's out-of-memory error there names it.)
-        cli.check_memory(parser, "-e", ranks * SWEEP_BUFFERS * args.maxbytes,
-                         f"{ranks} rank(s) x {SWEEP_BUFFERS} buffers of {cli.format_bytes(args.maxbytes)}")
 
 
 def validate(args, parser) -> None:
@@ -255,7 +218,7 @@ def report(result: dict, args, argv) -> int:
                     cells += [side.get(k) for k in ("time_us", "algbw", "busbw", "limit_pct", "wrong")]
                 writer.writerow(cells)
     if args.plot:
-        from .plot import plot_results
+        from .busbw_plot import plot_results
 
         plot_results([{"environment": environment, "limits": found, "rows": rows}], args.plot)
     wrong = sum((row[s] or {}).get("wrong") or 0 for row in rows for s in ("oop", "ip"))

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from collectives import compat
+from collectives.names import IN_PLACE, PER_RANK_CHUNKS
 
 OPS = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT, "max": dist.ReduceOp.MAX,
        "min": dist.ReduceOp.MIN, "avg": dist.ReduceOp.AVG}
@@ -30,7 +31,7 @@ def buffer_count(collective: str, nbytes: int, n: int, itemsize: int) -> int:
     to one equal chunk per rank where the collective splits it. The size column is this times
     the element size: the bytes the collective actually moved through that buffer."""
     count = max(1, nbytes // itemsize)
-    if collective in ("all_gather", "reduce_scatter", "all_to_all"):
+    if collective in PER_RANK_CHUNKS:
         count = max(n, count - count % n)  # one equal chunk per rank
     return count
 
@@ -66,7 +67,7 @@ def make_case(collective: str, side: str, count: int, n: int, r: int, op: str, d
     """
     torch_op, c, root = OPS[op], count // n, 0
     fill = lambda k, off=0, rank=r: pattern(rank, k, off, op, dtype, device)  # noqa: E731
-    if collective in ("all_reduce", "broadcast", "reduce"):
+    if collective in IN_PLACE:
         if side == "oop":
             return None
         buf = fill(count)
@@ -109,7 +110,7 @@ def make_algorithm_case(collective: str, algorithm: str, count: int, n: int, r: 
         return None
     c, root = count // n, 0
     fill = lambda k, off=0, rank=r: pattern(rank, k, off, op, dtype, device)  # noqa: E731
-    if collective in ("all_reduce", "broadcast", "reduce"):
+    if collective in IN_PLACE:
         buf = fill(count)
         run = {"all_reduce": lambda: A.all_reduce(buf, op=op, algorithm=algorithm),
                "broadcast": lambda: A.broadcast(buf, src=root, algorithm=algorithm),

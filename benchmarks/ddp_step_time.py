@@ -17,27 +17,22 @@ tensors): only the time is measured.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import json
 import os
-import random
-import statistics
 import sys
-import time
-from typing import Dict, List, Optional
+from typing import Optional
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 from tabulate import tabulate
-from torch import nn
 
 import collectives
 from collectives import cli
 from collectives.cli import command
 from ddp_from_scratch.models import MODELS
 from ddp_from_scratch.wrap import wrap
+
+from .sweep import alternate_steps, summarise
 
 
 # --variants name: (row label, (kind, bucket_cap_mb[, timeline]))
@@ -59,53 +54,6 @@ def _make(model: str, kind: str, cap: Optional[float], timeline: bool = True):
 def _steps(env, model, variants, rounds: int, batch: int, amp: bool):
     """{variant label: [slowest-rank seconds per step, one per round]}, variants alternated step by step."""
     return alternate_steps(env, {label: _make(model, *spec) for label, spec in variants.items()}, rounds, batch, amp)
-
-
-def alternate_steps(env, models: Dict[str, nn.Module], rounds: int, batch: int, amp: bool = False,
-                    opts: Optional[Dict] = None):
-    """Train each model one step per round, in a random order the same on every rank; a label
-    ending in "no_sync" trains under model.no_sync(). Returns {label: [slowest rank's seconds
-    per step]}. The first round only warms up (and lets DDP rebuild its buckets). `opts`: an
-    optimizer per label where it is not SGD over model.parameters() (the sharded steps' own)."""
-    opts = {label: (opts or {}).get(label) or torch.optim.SGD(m.parameters(), lr=0.001, momentum=0.9)
-            for label, m in models.items()}
-    g = torch.Generator().manual_seed(env.rank)
-    x, y = torch.randn(batch, 3, 32, 32, generator=g), torch.randint(0, 10, (batch,), generator=g)
-    labels = list(models)
-    times = {label: [] for label in labels}
-    order = random.Random(0)  # the same order on every rank
-    for i in range(rounds + 1):
-        for label in order.sample(labels, len(labels)):
-            model, opt = models[label], opts[label]
-            no_sync = model.no_sync() if label.endswith("no_sync") else contextlib.nullcontext()
-            dist.barrier()
-            start = time.perf_counter()
-            with no_sync:
-                opt.zero_grad()
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
-                    loss = F.cross_entropy(model(x), y)
-                loss.backward()
-            opt.step()
-            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            if i:
-                times[label].append(elapsed.item())
-    return times
-
-
-def summarise(times: Dict[str, List[float]], reference: str) -> Dict[str, Dict[str, float]]:
-    """Per variant: median seconds, and the median and quartiles of its per-round ratio to `reference`.
-
-    Ratios are taken within a round (the two steps ran back to back), so a slow spell of the
-    machine moves both sides of a ratio together.
-    """
-    out = {}
-    for label, ts in times.items():
-        ratios = [t / r for t, r in zip(ts, times[reference])]
-        q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
-        out[label] = {"median_s": statistics.median(ts), "ratio": statistics.median(ratios), "ratio_q1": q1,
-                      "ratio_q3": q3, "steps": ts}
-    return out
 
 
 def _run(model, world_size, variants, rounds, batch, amp=False):

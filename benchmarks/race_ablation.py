@@ -13,14 +13,13 @@ used: its predictions are checked to be the ones the run saved.
 
 from __future__ import annotations
 
-import json
 import sys
 
 from collectives import cli
 from collectives.algorithms.cost import CostModel
 
-from .algorithms import predict, topology_of
-from .bandwidth import DTYPES
+from .prediction import predict, topology_of
+from .sweep import DTYPES
 from .cases import buffer_count
 
 VARIANTS = [("rate alone", False, False), ("bucket", True, False), ("shared cores", False, True),

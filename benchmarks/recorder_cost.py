@@ -32,7 +32,7 @@ from collectives import cli
 from collectives.shm import backend_of
 from ddp_from_scratch.models import MODELS
 
-from .ddp_step_time import alternate_steps
+from .sweep import alternate_steps
 
 
 def _group(recording: bool):

@@ -38,7 +38,7 @@ from ddp_from_scratch.fsdp import unit_plan
 from ddp_from_scratch.memory import HeldBytes
 from ddp_from_scratch.models import MODELS
 
-from .ddp_step_time import alternate_steps, summarise
+from .sweep import alternate_steps, summarise
 
 MiB = 1 << 20
 BUCKET_MB = 25  # "zero2-bucketed" here: DDP's bucket size

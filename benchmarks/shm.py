@@ -42,27 +42,9 @@ from collectives.shm import backend_of
 from collectives.shm.ops import SMALL_BYTES, all_reduce_traffic
 from ddp_from_scratch.resnet import resnet50
 
-from .bandwidth import check_sweep, parse_size, size_list
-from .ddp_step_time import alternate_steps, summarise
+from .sweep import alternate_calls, alternate_steps, check_sweep, parse_size, size_list, summarise
 from .limits import aggregate_copy_gbps, memory_copy_gbps
 from .nccl_format import bandwidths
-
-
-def _timed(groups, make, iters: int):
-    """Median seconds per call of make(group)() on each group, the calls alternated; each call
-    starts after a barrier on its own group (each backend's own way to line the ranks up)."""
-    runs = [make(g) for g in groups]
-    for run in runs:
-        run()
-    times = torch.zeros(len(runs), iters, dtype=torch.float64)
-    for i in range(iters):
-        for k, run in enumerate(runs):
-            dist.barrier(group=groups[k])
-            start = time.perf_counter()
-            run()
-            times[k, i] = time.perf_counter() - start
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    return [statistics.median(row.tolist()) for row in times]
 
 
 def _bandwidth(groups, sizes, n):
@@ -76,7 +58,7 @@ def _bandwidth(groups, sizes, n):
             buf = buffers[id(group)]
             return lambda: dist.all_reduce(buf, group=group)
 
-        seconds = _timed(groups, call, iters)
+        seconds = alternate_calls([call(g) for g in groups], iters, groups=groups)
         # each buffer was all-reduced 1 + iters times from ones: every element is n ** (1 + iters)
         ok = all(bool((b == float(n) ** (iters + 1)).all()) for b in buffers.values())
         rows.append({"size": numel * 4, "gloo_s": seconds[0], "shm_s": seconds[1], "check": ok,

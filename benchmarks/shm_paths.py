@@ -40,10 +40,9 @@ from collectives.cli import command
 from collectives.shm import backend_of
 from collectives.shm.ops import SMALL_BYTES, all_reduce_traffic
 
-from .bandwidth import check_sweep, parse_size, size_list
+from .sweep import alternate_calls, check_sweep, parse_size, size_list
 from .limits import aggregate_copy_gbps
 from .nccl_format import bandwidths
-from .shm import _timed
 
 HUGE = 1 << 62
 
@@ -87,7 +86,7 @@ def run_all(env, config):
             buf = buffers[groups.index(group)]
             return lambda: dist.all_reduce(buf, group=group)
 
-        seconds = _timed(groups, call, iters)
+        seconds = alternate_calls([call(g) for g in groups], iters, groups=groups)
         # each buffer was all-reduced 1 + iters times from ones: every element is n ** (1 + iters)
         ok = all(bool((b == float(env.world_size) ** (iters + 1)).all()) for b in buffers)
         rows.append({"size": numel * 4, "gloo_s": seconds[0], "shm_s": list(seconds[1:]),

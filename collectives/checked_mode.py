@@ -27,10 +27,10 @@ import torch.distributed as dist
 from . import compat
 from .checks import GroupInfo
 from .errors import CollectiveError, CollectiveMismatchError
+from .names import COLLECTIVES
 from .reduce_ops import OP_NAMES
 
 ENV_VAR = "COLLECTIVES_CHECKED"
-COLLECTIVES = ("broadcast", "all_reduce", "reduce", "all_gather", "reduce_scatter", "gather", "scatter", "all_to_all", "barrier")
 # Collectives whose ranks may pass different first dimensions.
 DIM0_FREE = ("all_gather", "gather")
 # Every dtype torch has, in a fixed order (the same on every rank running the same torch).

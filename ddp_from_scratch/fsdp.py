@@ -39,7 +39,7 @@ from torch import nn
 import collectives
 
 from .sharding import refuse_ddp_options
-from .unused import _tensors_in
+from .unused import tensors_in
 from .zero2 import ZeroTwoDataParallel
 
 
@@ -119,7 +119,7 @@ class FullyShardedDataParallel(ZeroTwoDataParallel):
         """Free the unit, and have its parameters gathered again when the gradient of its output
         arrives, i.e. just before its backward. (A hook on the output tensor, not a module
         backward hook: those break on ResNet's in-place ReLU after a BatchNorm.)"""
-        for t in _tensors_in(output):
+        for t in tensors_in(output):
             if t.requires_grad:
                 t.register_hook(lambda grad, u=u: (self._gather(u, "backward"), grad)[1])
         if mod is not self.module:  # the root stays gathered: its backward comes right after its forward

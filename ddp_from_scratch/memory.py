@@ -36,7 +36,7 @@ from typing import Dict, Iterable, List, Optional
 import torch
 from torch import nn
 
-from .unused import _tensors_in
+from .unused import tensors_in
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -74,7 +74,7 @@ class HeldBytes:
 
     def _after_forward(self, mod, args, output) -> None:
         self.sample()
-        for t in _tensors_in(output):
+        for t in tensors_in(output):
             if t.requires_grad:
                 t.register_hook(lambda grad: (self.sample(), grad)[1])
 

@@ -13,21 +13,21 @@ from __future__ import annotations
 import torch
 
 
-def _tensors_in(value):
+def tensors_in(value):
     """Every tensor in a (nested) forward output."""
     if isinstance(value, torch.Tensor):
         yield value
     elif isinstance(value, (list, tuple)):
         for v in value:
-            yield from _tensors_in(v)
+            yield from tensors_in(v)
     elif isinstance(value, dict):
         for v in value.values():
-            yield from _tensors_in(v)
+            yield from tensors_in(v)
 
 
 def reachable_parameters(output) -> set:
     """ids of the leaf tensors that backward from `output` would reach (its AccumulateGrad nodes)."""
-    stack = [t.grad_fn for t in _tensors_in(output) if t.grad_fn is not None]
+    stack = [t.grad_fn for t in tensors_in(output) if t.grad_fn is not None]
     seen, leaves = set(), set()
     while stack:
         fn = stack.pop()

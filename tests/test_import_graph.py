@@ -46,3 +46,50 @@ def test_docs_show_the_graph_as_it_is():
     assert shown, "docs/architecture.md lost its import-graph block"
     assert shown.group(1) == import_graph.render(import_graph.graph()), \
         "the import graph changed: paste `python -m tests.import_graph` into docs/architecture.md"
+
+
+def _from_imports(path: Path):
+    """(line, module as written, names) of every `from X import ...` in a file."""
+    import ast
+
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            yield node.lineno, "." * node.level + (node.module or ""), [a.name for a in node.names]
+
+
+def _library_files():
+    root = import_graph.ROOT
+    return [p for pkg in import_graph.PACKAGES for p in sorted((root / pkg).rglob("*.py"))]
+
+
+def test_no_module_imports_a_private_name_from_another():
+    """A name with a leading underscore is its file's own: another file that needs it needs a
+    public name for it (the shm transport's futex call was imported as _SYS_FUTEX, _libc and
+    _Timespec by three files)."""
+    found = [f"{p.relative_to(import_graph.ROOT)}:{line}: from {mod} import {name}"
+             for p in _library_files() for line, mod, names in _from_imports(p)
+             for name in names if name.startswith("_") and not name.startswith("__")]
+    assert not found, "\n".join(found)
+
+
+def _is_program(path: Path) -> bool:
+    text = path.read_text()
+    return "def main(" in text or 'if __name__ == "__main__"' in text
+
+
+def test_no_benchmark_program_imports_another():
+    """Programs share helpers (sweep.py, cases.py, prediction.py, ...), never each other."""
+    bench = import_graph.ROOT / "benchmarks"
+    programs = {p.stem for p in bench.glob("*.py") if _is_program(p)}
+    found = []
+    for p in sorted(bench.glob("*.py")):
+        if p.stem not in programs:
+            continue
+        for line, mod, names in _from_imports(p):
+            targets = [mod.lstrip(".")] if mod.strip(".") else names  # from .x import y / from . import x
+            if mod.startswith("benchmarks."):
+                targets = [mod.split(".", 1)[1]]
+            found += [f"benchmarks/{p.name}:{line} imports the program {t}" for t in targets
+                      if (mod.startswith(".") or mod.startswith("benchmarks")) and t.split(".")[0] in programs]
+    assert "bandwidth" in programs and "sweep" not in programs
+    assert not found, "\n".join(found)

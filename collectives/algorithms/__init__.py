@@ -35,6 +35,7 @@ import torch.distributed as dist
 from .. import reduce_ops
 from ..checks import check_root, check_tensor, resolve_group
 from ..errors import CollectiveError
+from ..names import GATHERING, IN_PLACE, REDUCING, ROOTED
 from . import bruck, chain, hierarchical, pairwise, recursive, ring, tree
 from .comm import DistComm, comm_for, run_on_ranks
 from .cost import CostModel, choose
@@ -57,8 +58,6 @@ ALGORITHMS: Dict[str, Dict[str, Callable]] = {
     "scatter": {"binomial": tree.scatter_binomial},
     "all_to_all": {"pairwise": pairwise.all_to_all_pairwise, "bruck": bruck.all_to_all_bruck},
 }
-REDUCING = ("all_reduce", "reduce_scatter", "reduce")
-ROOTED = ("broadcast", "reduce", "gather", "scatter")
 
 
 def algorithm_for(collective: str, algorithm: str, nbytes: int, world_size: int,
@@ -97,7 +96,7 @@ def _rank_buffers(collective: str, flat: torch.Tensor, comm, root: Optional[int]
     the in-place ones work in the caller's memory, the gathers straight into `out`, and scratch
     space comes from the process's reused workspace (comm.workspace)."""
     p, r = comm.size, comm.rank
-    if collective in ("all_reduce", "broadcast", "reduce"):
+    if collective in IN_PLACE:
         return (flat if in_place else flat.clone()), None
     if collective in ("all_gather", "gather"):
         if out is not None:
@@ -189,10 +188,10 @@ def run_collective(collective: str, tensor: Optional[torch.Tensor], op: Optional
                               f"does not divide by the group size {info.size}")
     flat = tensor.detach().reshape(-1).contiguous()
     comm = comm_for(group)
-    nbytes = flat.numel() * flat.element_size() * (info.size if collective in ("all_gather", "gather") else 1)
+    nbytes = flat.numel() * flat.element_size() * (info.size if collective in GATHERING else 1)
     _, generator = algorithm_for(collective, algorithm, nbytes, info.size)
     # the in-place collectives work in the caller's memory when it is contiguous: no copy in or out
-    in_place = collective in ("all_reduce", "broadcast", "reduce") and tensor.is_contiguous() and op_name != "avg"
+    in_place = collective in IN_PLACE and tensor.is_contiguous() and op_name != "avg"
     buf, extra = _rank_buffers(collective, flat, comm, group_root, in_place, out)
     wire_op = "sum" if op_name == "avg" else op_name
     run_on_ranks(generator, comm, *_args(collective, buf, extra, wire_op, group_root), **kwargs)

@@ -52,7 +52,7 @@ import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import RankFailure
-from .rank_main import _rank_main
+from .rank_main import run_rank
 from .rank_report import PEER_LOST, clean_stack, describe_exit, short, where_it_was
 from .reaper import Reaper
 
@@ -148,7 +148,7 @@ class RankPool:
                 stack_reader, stack_writer = ctx.Pipe(duplex=False)
                 recorder, recorder_child = ctx.Pipe()
                 proc = ctx.Process(
-                    target=_rank_main,
+                    target=run_rank,
                     args=(rank, self.world_size, self.backend, self._store.port, child, stack_writer, lifeline_reader,
                           self.threads, self.setup, recorder_child, self._tmp),
                     daemon=False,  # a rank may start processes of its own (DataLoader workers); see _LIVE

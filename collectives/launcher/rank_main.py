@@ -1,6 +1,6 @@
 """What each rank of a RankPool (pool.py) runs, from its start to its exit.
 
-    ctx.Process(target=_rank_main, args=(rank, world_size, backend, store_port, conn, stack_writer,
+    ctx.Process(target=run_rank, args=(rank, world_size, backend, store_port, conn, stack_writer,
                                          lifeline, threads, setup, recorder))
 
 `ctx` is multiprocessing's forkserver (a server that imported torch once forks each rank) or its
@@ -93,7 +93,7 @@ def _as_a_torchrun_rank(tmp: str) -> None:
     os.register_at_fork(after_in_child=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
 
 
-def _rank_main(rank, world_size, backend, store_port, conn, stack_writer, lifeline, threads, setup, recorder, tmp):
+def run_rank(rank, world_size, backend, store_port, conn, stack_writer, lifeline, threads, setup, recorder, tmp):
     """Body of one rank: join the group, then run what the parent sends until None."""
     os.setpgid(0, 0)  # own process group, so the rank and its children can be killed together
     compile_cache_outside_tmp()  # before torch's optimizers import torch._dynamo

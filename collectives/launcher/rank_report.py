@@ -65,7 +65,7 @@ def clean_stack(text: str) -> str:
     blocks = [b for b in blocks if b.strip() and "in _watch_parent" not in b and "<no Python frame>" not in b]
     # first the thread a fatal signal hit (faulthandler calls it the current one), else the main
     # thread (the one running fn)
-    blocks.sort(key=lambda b: (not b.lstrip().startswith("Current thread"), "in _rank_main" not in b))
+    blocks.sort(key=lambda b: (not b.lstrip().startswith("Current thread"), "in run_rank" not in b))
     kept = []
     for block in blocks:
         lines = [ln for ln in block.splitlines()

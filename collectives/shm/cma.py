@@ -46,7 +46,7 @@ import torch
 from ..chunks import bounds
 from ..errors import CollectiveError
 from .segment import ABORT, Segment
-from .wait import DIED, PeerFailure, Waiter, _process_alive
+from .wait import DIED, PeerFailure, Waiter, process_alive
 
 # An all_reduce of at least ShmConfig.cma_min_bytes (16 MiB) goes through cross-memory attach;
 # smaller ones through the segment, whose copies stay in the caches (here 32 MiB of L3 holds 2
@@ -92,7 +92,7 @@ class CrossMemory:
             if got <= 0:
                 err = ctypes.get_errno()
                 what = f"{self.waiter.what or 'cross-memory attach'} on rank {self.rank}"
-                if err == errno.ESRCH or not _process_alive(self.pids[peer]):
+                if err == errno.ESRCH or not process_alive(self.pids[peer]):
                     self.waiter.abort(culprit=peer, why=DIED)
                     raise PeerFailure(f"{what}: rank {peer} (pid {self.pids[peer]}) died while this rank "
                                       f"{'wrote into' if write else 'read'} its memory")
@@ -142,7 +142,7 @@ class CrossMemory:
         """Until no other live rank is writing into this rank's memory (or the timeout)."""
         seg, deadline = self.segment, time.monotonic() + self.waiter.timeout_s
         while time.monotonic() < deadline:
-            if not any(seg.writing[q] and _process_alive(self.pids[q]) for q in range(self.size) if q != self.rank):
+            if not any(seg.writing[q] and process_alive(self.pids[q]) for q in range(self.size) if q != self.rank):
                 return
             time.sleep(1e-4)
 

@@ -49,6 +49,7 @@ import torch
 
 from ..chunks import bounds
 from ..errors import CollectiveError, CollectiveMismatchError
+from ..names import COLLECTIVES
 from ..reduce_ops import combine, local_reduce
 from . import cma
 from .config import ShmConfig
@@ -90,8 +91,7 @@ def all_reduce_traffic(nbytes: int, p: int, path: str = "pieces") -> float:
     return 4 * (p - 1) / p * n + step3
 
 
-KINDS = ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter", "barrier", "gather", "scatter",
-         "all_to_all", "monitored_barrier")
+KINDS = COLLECTIVES + ("monitored_barrier",)  # what a rank notes it is in (its call words, below)
 OPS = ("", "sum", "product", "min", "max", "band", "bor", "bxor")
 DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
 DTYPE_CODES = {d: i for i, d in enumerate(DTYPES)}
@@ -112,7 +112,7 @@ def _describe(words) -> str:
     kind, op, root = KINDS[(head & 15) - 1], OPS[(head >> 4) & 15], (head >> 8) - 1
     if dtype == REFUSED:  # before the kinds that carry no arguments: all_to_all is refused too
         return f"{kind} with arguments that rank refused"
-    if kind in ("barrier", "monitored_barrier", "all_to_all"):
+    if kind in ("barrier", "monitored_barrier", "all_to_all"):  # no one dtype and count to compare
         return kind
     text = f"{kind} of {high << 31 | low} {str(DTYPES[dtype]).replace('torch.', '')}"
     if op:

@@ -16,7 +16,6 @@ to send to this one.
 
 from __future__ import annotations
 
-import ctypes
 import queue
 import threading
 import time
@@ -25,8 +24,9 @@ from typing import List, Optional, Tuple
 import torch
 
 from ..errors import CollectiveMismatchError
-from .transport import ShmComm, _Transfer
-from .wait import _SYS_FUTEX, FAULT_CHECK_S, FUTEX_WAIT, _libc, _Timespec
+from .transport import ShmComm, Transfer
+from . import futex
+from .wait import FAULT_CHECK_S
 
 
 class PointToPoint:
@@ -84,7 +84,7 @@ class PointToPoint:
 
     def _serve(self) -> None:
         comm = self._comm
-        moving: List[Tuple[_Transfer, torch.futures.Future, int]] = []
+        moving: List[Tuple[Transfer, torch.futures.Future, int]] = []
         waiting_any: List[Tuple[torch.Tensor, torch.futures.Future]] = []
         start, next_check = time.monotonic(), time.monotonic() + FAULT_CHECK_S
         while True:
@@ -135,10 +135,8 @@ class PointToPoint:
                         self._done(fut, error=exc)
                     moving, waiting_any = [], []
                     continue
-            if moving and _SYS_FUTEX is not None:
+            if moving and futex.AVAILABLE:
                 word, value = moving[0][0].blocking_word()
-                ts = _Timespec(0, 200_000)  # 0.2 ms: then look at the inbox and the others again
-                _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(comm.segment.address(word)), FUTEX_WAIT,
-                              ctypes.c_int(value), ctypes.byref(ts), None, 0)
+                futex.wait(comm.segment.address(word), value, 2e-4)  # 0.2 ms: then look at the inbox and the others again
             else:
                 time.sleep(200e-6)

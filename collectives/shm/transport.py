@@ -18,7 +18,6 @@ short spin while every rank has a core, and checks the peers' liveness as the ba
 
 from __future__ import annotations
 
-import ctypes
 import time
 from collections import deque
 from typing import Deque, Dict, List
@@ -28,12 +27,13 @@ import torch
 from ..p2p import Comm, Message, process_workspace
 from ..dtypes import as_bytes
 from .segment import MAIL_SENT0, MAIL_TAKEN0
-from .wait import _SYS_FUTEX, FAULT_CHECK_S, FUTEX_WAIT, FUTEX_WAKE, _libc, _Timespec
+from . import futex
+from .wait import FAULT_CHECK_S
 
 HEADER_BYTES = 8  # a point-to-point message's length in bytes (int64), ahead of its payload
 
 
-class _Transfer:
+class Transfer:
     """One message, moved piece by piece through its pair's mailbox. With `header` (the user's
     send/recv, point_to_point.py) the message starts with its length, so that a receive into a
     tensor of another size is an error: the receiver takes the whole message out of the mailbox,
@@ -107,8 +107,8 @@ class _Transfer:
                 self._take(box[half * half_bytes:half * half_bytes + n])
                 seg.mail_taken[k] = taken + 1
                 word = MAIL_TAKEN0 + k
-            if _SYS_FUTEX is not None:
-                _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(seg.address(word)), FUTEX_WAKE, 1 << 30, None, None, 0)
+            if futex.AVAILABLE:
+                futex.wake(seg.address(word))
             self.done += n
             moved = True
         if self.finished and not self.message.end:
@@ -137,10 +137,10 @@ class ShmComm(Comm):
         self.rank, self.size = process_group.rank(), process_group.size()
         self.header = header
         self.messages: List[Message] = []
-        self._queues: Dict[int, Deque[_Transfer]] = {}  # pair -> transfers in posting order
+        self._queues: Dict[int, Deque[Transfer]] = {}  # pair -> transfers in posting order
 
-    def _post(self, kind, tensor, peer, chunk) -> _Transfer:
-        transfer = _Transfer(self, kind, tensor, peer, chunk, self.header)
+    def _post(self, kind, tensor, peer, chunk) -> Transfer:
+        transfer = Transfer(self, kind, tensor, peer, chunk, self.header)
         if transfer.finished:  # an empty message: nothing to send, on either side
             return transfer
         self._queues.setdefault(transfer.pair, deque()).append(transfer)
@@ -184,9 +184,7 @@ class ShmComm(Comm):
                 first = pending[0].message
                 self.waiter._check_peers(first.src if first.dst == self.rank else first.dst, now - start)
                 next_check = now + FAULT_CHECK_S
-            if time.perf_counter() >= spin_until and _SYS_FUTEX is not None:
+            if time.perf_counter() >= spin_until and futex.AVAILABLE:
                 queue = self._queues.get(pending[0].pair)
                 word, value = (queue[0] if queue else pending[0]).blocking_word()
-                ts = _Timespec(0, 1_000_000)  # 1 ms: then move the others along again
-                _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(self.segment.address(word)), FUTEX_WAIT,
-                              ctypes.c_int(value), ctypes.byref(ts), None, 0)
+                futex.wait(self.segment.address(word), value, 1e-3)  # 1 ms: then move the others along again

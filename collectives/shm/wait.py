@@ -26,13 +26,12 @@ running a collective the others have given up.
 
 from __future__ import annotations
 
-import ctypes
 import os
-import platform
 import time
 from typing import Optional
 
 from ..errors import CollectiveError
+from . import futex
 from .config import WAIT_STRATEGIES
 from .segment import ABORT, ABORT_SEEN_BY, ABORT_WHY, STEP0, Segment
 
@@ -48,22 +47,12 @@ SPIN_S_SHARED = 0.0
 YIELD_S = 2e-3
 STRATEGIES = WAIT_STRATEGIES  # the settings (config.py) read the same names
 
-_SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine())
-FUTEX_WAIT, FUTEX_WAKE = 0, 1
 DIED, FAILED, LATE = 0, 1, 2  # why a group was broken (the ABORT_WHY word)
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.syscall.restype = ctypes.c_long
-
-
-class _Timespec(ctypes.Structure):
-    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
-
-
 class PeerFailure(CollectiveError):
     """A rank of the shared-memory group died or gave up while this rank waited for it."""
 
 
-def _process_alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
@@ -80,7 +69,7 @@ class Waiter:
         strategy = strategy or "futex"  # ShmConfig.wait, from the process group
         if strategy not in STRATEGIES:
             raise ValueError(f"wait strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
-        if strategy == "futex" and _SYS_FUTEX is None:
+        if strategy == "futex" and not futex.AVAILABLE:
             strategy = "yield"  # no futex number known for this machine
         self.segment, self.rank, self.strategy, self.timeout_s = segment, rank, strategy, timeout_s
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -96,7 +85,7 @@ class Waiter:
         self.step += 1
         seg.steps[self.rank] = self.step
         if self.strategy == "futex" and any(seg.sleeping):  # the syscall only when someone sleeps
-            _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(seg.address(STEP0 + self.rank)), FUTEX_WAKE, 1 << 30, None, None, 0)
+            futex.wake(seg.address(STEP0 + self.rank))
         self.wait_for(self.step)
 
     def wait_for(self, step: int) -> None:
@@ -133,9 +122,7 @@ class Waiter:
                     # Say so first: the rank that writes the word wakes sleepers only. If it wrote
                     # in between, the kernel finds the word changed and does not sleep at all.
                     self.segment.sleeping[self.rank] = 1
-                    ts = _Timespec(0, int(FAULT_CHECK_S * 1e9))
-                    _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(self.segment.address(STEP0 + missing)), FUTEX_WAIT,
-                                  ctypes.c_int(seen), ctypes.byref(ts), None, 0)
+                    futex.wait(self.segment.address(STEP0 + missing), seen, FAULT_CHECK_S)
                     self.segment.sleeping[self.rank] = 0
 
     # -- faults -----------------------------------------------------------------------------------
@@ -143,7 +130,7 @@ class Waiter:
         seg = self.segment
         self.check_abort()
         for r, pid in enumerate(seg.pids):
-            if r != self.rank and pid and not _process_alive(int(pid)):
+            if r != self.rank and pid and not process_alive(int(pid)):
                 self.abort(culprit=r, why=DIED)
                 raise PeerFailure(f"{self.what} on rank {self.rank}: rank {r} (pid {pid}) died while this rank "
                                   f"waited for it")
@@ -178,6 +165,6 @@ class Waiter:
             seg.control[ABORT_SEEN_BY] = self.rank + 1
             seg.control[ABORT_WHY] = why
             seg.control[ABORT] = (self.rank if culprit is None else culprit) + 1
-        if _SYS_FUTEX is not None:
+        if futex.AVAILABLE:
             for r in range(seg.world_size):
-                _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(seg.address(STEP0 + r)), FUTEX_WAKE, 1 << 30, None, None, 0)
+                futex.wake(seg.address(STEP0 + r))

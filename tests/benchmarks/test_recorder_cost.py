@@ -17,7 +17,7 @@ def test_the_summary_is_the_ratio_of_medians():
     s = recorder_cost.summarise(raw)
     assert s["all_reduce_8B_us"]["recording"] == 11.0 and s["all_reduce_8B_us"]["off"] == 10.0
     assert s["all_reduce_8B_us"]["ratio"] == pytest.approx(1.1) and s["ddp_step_s"]["ratio"] == 2.0
-    assert "not met (+10.0%)" in recorder_cost.report(s, 2)
+    assert "recording adds +10.0% to an 8-byte all_reduce" in recorder_cost.report(s, 2)
 
 
 def test_a_short_run_measures_both_sides(tmp_path, capsys):

@@ -19,7 +19,7 @@ import torch
 
 import collectives.algorithms as A
 from collectives import cluster, rates
-from collectives.cluster import hosts
+from collectives.cluster import hosts as cluster_hosts
 from collectives.algorithms.cost import CostModel
 from collectives.algorithms.topology import Topology, link_beta, link_burst
 
@@ -145,7 +145,7 @@ def test_up_refuses_to_kill_what_runs_on_a_cluster_unless_forced(hosts, capsys):
 
 def test_ctrl_c_during_up_is_one_line_saying_how_to_clean_up(hosts, monkeypatch, capsys):
     calls = []
-    real_ip = hosts._ip
+    real_ip = cluster_hosts._ip
 
     def interrupted(*args, **kwargs):
         calls.append(args)
@@ -153,7 +153,7 @@ def test_ctrl_c_during_up_is_one_line_saying_how_to_clean_up(hosts, monkeypatch,
             raise KeyboardInterrupt
         return real_ip(*args, **kwargs)
 
-    monkeypatch.setattr(hosts, "_ip", interrupted)
+    monkeypatch.setattr(cluster_hosts, "_ip", interrupted)
     assert cluster.main(["up", "--nodes", "2", "--force"]) == 130
     assert capsys.readouterr().err == ("\npython -m collectives.cluster up: interrupted (Ctrl-C) before the cluster was "
                                        "made: `python -m collectives.cluster down` removes what was\n")

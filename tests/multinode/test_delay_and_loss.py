@@ -21,7 +21,7 @@ import time
 import pytest
 
 from collectives import cluster
-from collectives.cluster import hosts
+from collectives.cluster import hosts as cluster_hosts
 
 from . import needs_hosts, torchrun_on_hosts
 
@@ -90,7 +90,7 @@ def test_a_lossy_link_drops_its_share_and_the_collectives_stay_exact(tmp_path):
 
 def test_down_stops_the_wires_and_a_wire_that_dies_takes_its_link(tmp_path):
     cluster.up(2, delay="1ms")  # every host impaired: two wires
-    assert len(hosts._wires()) == 2
+    assert len(cluster_hosts._wires()) == 2
     assert _round_trip("node0", "node1") < 1
     os.kill(cluster.load_state()["nodes"][1]["wire"]["pid"], signal.SIGKILL)
     time.sleep(0.5)
@@ -99,6 +99,6 @@ def test_down_stops_the_wires_and_a_wire_that_dies_takes_its_link(tmp_path):
     assert out.returncode != 0, out.stdout  # the host's eth0 went with its wire
     removed = cluster.down()
     assert "1 wire(s)" in removed, removed
-    assert hosts._wires() == []
+    assert cluster_hosts._wires() == []
     links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
     assert "cpcv" not in links and "cpcw" not in links, links
