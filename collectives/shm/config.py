@@ -11,7 +11,7 @@
     config = ShmConfig.from_env()        # ShmBackend does this once, and hands it down
 
 A value that is not a number (or not one of the choices) is a ValueError naming the variable.
-Measured reasons for the defaults are in docs/shm.md.
+Why the defaults are what they are: docs/shm.md; the measurements: benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations

@@ -58,9 +58,8 @@ from .wait import PeerFailure, Waiter
 
 SMALL_BYTES = 16 << 10
 # Step 3 in pieces of ShmConfig.piece_bytes (1 MiB): the partial sum of a piece stays in cache
-# (here L2 is 1 MiB a core, L3 32 MiB shared) while the others' pieces are added to it and it is
-# copied out. Measured against the whole slice and 0.25-4 MiB pieces, calls alternated
-# (benchmarks/shm_paths.py): see docs/shm.md.
+# while the others' pieces are added to it and it is copied out (benchmarks.shm_paths measures
+# the pieces against the whole slice).
 
 
 def _sum(into: torch.Tensor, first: torch.Tensor, others, op: str) -> None:
@@ -151,9 +150,9 @@ class ShmCollectives:
         self.cma: Optional[cma.CrossMemory] = None
 
     # -- every rank must be in the same collective, on the same arguments ----------------------
-    def _call(self, kind: str, tensor: Optional[torch.Tensor] = None, op: str = "", root: int = -1) -> None:
+    def begin(self, kind: str, tensor: Optional[torch.Tensor] = None, op: str = "", root: int = -1) -> None:
         """Note which collective this rank is in; the call's first barrier checks that every rank
-        noted the same (_barrier)."""
+        noted the same (meet)."""
         self.waiter.what = kind
         numel = tensor.numel() if tensor is not None else 0
         self._pending = _WORDS.pack(KINDS.index(kind) + 1 | OPS.index(op) << 4 | (root + 1) << 8,
@@ -166,14 +165,14 @@ class ShmCollectives:
         waiting for this one; then raise ShmArgumentError(reason) here. Nothing is written."""
         self.waiter.what = kind
         self._pending = _WORDS.pack(KINDS.index(kind) + 1, REFUSED, 0, 0)
-        self._next_round()  # one round, as every call enters before its first barrier: the halves stay in step
+        self.next_round()  # one round, as every call enters before its first barrier: the halves stay in step
         try:
-            self._barrier()
+            self.meet()
         except CollectiveMismatchError:
             pass  # the others raise it, naming this rank; this rank raises its own reason
         raise ShmArgumentError(reason)
 
-    def _barrier(self) -> None:
+    def meet(self) -> None:
         """The barrier; at a call's first one each rank has put what it is calling in its words
         (two banks, by the call's parity: a rank can be at most one call ahead of another there),
         and every rank compares them all. A disagreement raises CollectiveMismatchError on every
@@ -192,11 +191,14 @@ class ShmCollectives:
         if bank.tobytes() != pending * self.size:  # bytes, not numpy: this is on every call's path
             raise CollectiveMismatchError(_disagreement(self.waiter.what, self.rank, list(_WORDS.iter_unpack(bank))))
 
-    def _next_round(self) -> int:
+    def next_round(self) -> int:
+        """The half of every slot the next round uses (0 or 1): rounds alternate halves, so a rank
+        may fill the next round's half while a slower one still reads the last's."""
         self.round += 1
         return self.round & 1
 
-    def _slot(self, rank: int, dtype: torch.dtype, numel: int, half: int) -> torch.Tensor:
+    def slot(self, rank: int, dtype: torch.dtype, numel: int, half: int) -> torch.Tensor:
+        """`numel` elements of `dtype` at the start of half `half` of rank `rank`'s data slot."""
         slots = self._typed.get((dtype, half))
         if slots is None:
             slots = self._typed[(dtype, half)] = [
@@ -218,56 +220,56 @@ class ShmCollectives:
         return "whole" if self.piece_bytes >= self.half else "pieces"
 
     def all_reduce(self, flat: torch.Tensor, op: str) -> None:
-        self._call("all_reduce", flat, op)
+        self.begin("all_reduce", flat, op)
         if self.all_reduce_path(flat.numel() * flat.element_size()) == "cma":
             # straight from and into the other ranks' tensors (cma.py): same steps, same order
-            self.cma.all_reduce(flat, op, self._barrier, self.piece_bytes, _sum)
+            self.cma.all_reduce(flat, op, self.meet, self.piece_bytes, _sum)
         else:
             self._reduce(flat, op, copy_out=True)
 
     def reduce(self, flat: torch.Tensor, op: str, dst: int) -> None:
-        self._call("reduce", flat, op, root=dst)
+        self.begin("reduce", flat, op, root=dst)
         self._reduce(flat, op, copy_out=self.rank == dst)
 
     def _reduce(self, flat: torch.Tensor, op: str, copy_out: bool) -> None:
         """The module docstring's steps, round by round; copy_out: this rank takes the result."""
         p, r, dtype = self.size, self.rank, flat.dtype
         if flat.numel() * flat.element_size() <= min(SMALL_BYTES, self.half):
-            h = self._next_round()
-            self._slot(r, dtype, flat.numel(), h).copy_(flat)
-            self._barrier()
+            h = self.next_round()
+            self.slot(r, dtype, flat.numel(), h).copy_(flat)
+            self.meet()
             if copy_out:  # every rank adds every slot, in rank order: the same bits everywhere
                 n = flat.numel()
-                flat.copy_(self._slot(0, dtype, n, h))
+                flat.copy_(self.slot(0, dtype, n, h))
                 for q in range(1, p):
-                    local_reduce(flat, self._slot(q, dtype, n, h), op)
+                    local_reduce(flat, self.slot(q, dtype, n, h), op)
             return
         for a, b in self._rounds(flat.numel(), flat.element_size()):
-            m, h = b - a, self._next_round()
+            m, h = b - a, self.next_round()
             s, e = bounds(m, p)[r]
-            slot = self._slot(r, dtype, m, h)
+            slot = self.slot(r, dtype, m, h)
             # 1. copy in what the others reduce (this rank's own slice it reads from its tensor)
             if s > 0:
                 slot[:s].copy_(flat[a:a + s])
             if e < m:
                 slot[e:].copy_(flat[a + e:b])
-            self._barrier()
+            self.meet()
             # 3. this rank's slice: its own value first, then the others' in rank order, into
             # this rank's tensor in place when it takes the result (and from there into the
             # slot for the others): the sum is written where its inputs were just read, and
             # step 5 has one slice less to copy
             if e > s:
                 mine = flat[a + s:a + e]
-                others = [self._slot(q, dtype, m, h)[s:e] for q in range(p) if q != r]
+                others = [self.slot(q, dtype, m, h)[s:e] for q in range(p) if q != r]
                 if copy_out:
                     self._sum_in_pieces(mine, mine, others, op, also=slot[s:e])
                 else:
                     self._sum_in_pieces(slot[s:e], mine, others, op)
-            self._barrier()
+            self.meet()
             if copy_out:  # 5. every other slice from the slot of the rank that reduced it
                 for q, (s, e) in enumerate(bounds(m, p)):
                     if e > s and q != r:
-                        flat[a + s:a + e].copy_(self._slot(q, dtype, m, h)[s:e])
+                        flat[a + s:a + e].copy_(self.slot(q, dtype, m, h)[s:e])
 
     def _sum_in_pieces(self, into: torch.Tensor, first: torch.Tensor, others, op: str, also=None) -> None:
         """_sum piece by piece (piece_bytes), each piece also copied into `also` while it is in cache."""
@@ -285,49 +287,49 @@ class ShmCollectives:
                 also[c:c + step].copy_(piece)
 
     def broadcast(self, flat: torch.Tensor, src: int) -> None:
-        self._call("broadcast", flat, root=src)
+        self.begin("broadcast", flat, root=src)
         for a, b in self._rounds(flat.numel(), flat.element_size()):
-            h = self._next_round()
+            h = self.next_round()
             if self.rank == src:
-                self._slot(src, flat.dtype, b - a, h).copy_(flat[a:b])
-            self._barrier()
+                self.slot(src, flat.dtype, b - a, h).copy_(flat[a:b])
+            self.meet()
             if self.rank != src:
-                flat[a:b].copy_(self._slot(src, flat.dtype, b - a, h))
+                flat[a:b].copy_(self.slot(src, flat.dtype, b - a, h))
 
     def all_gather(self, out: torch.Tensor, flat: torch.Tensor) -> None:
         """out (p * numel, flat) gets every rank's flat in rank order."""
         p, r, n = self.size, self.rank, flat.numel()
-        self._call("all_gather", flat)
+        self.begin("all_gather", flat)
         for a, b in self._rounds(n, flat.element_size()):
-            h = self._next_round()
-            self._slot(r, flat.dtype, b - a, h).copy_(flat[a:b])
-            self._barrier()
+            h = self.next_round()
+            self.slot(r, flat.dtype, b - a, h).copy_(flat[a:b])
+            self.meet()
             for q in range(p):
-                out[q * n + a:q * n + b].copy_(self._slot(q, flat.dtype, b - a, h))
+                out[q * n + a:q * n + b].copy_(self.slot(q, flat.dtype, b - a, h))
 
     def reduce_scatter(self, out: torch.Tensor, flat: torch.Tensor, op: str) -> None:
         """out (numel / p) gets chunk `rank` of the reduction of every rank's flat."""
         p, r = self.size, self.rank
         c = flat.numel() // p
-        self._call("reduce_scatter", flat, op)
+        self.begin("reduce_scatter", flat, op)
         # each round: the same piece of every chunk, side by side in the half-slot
         for a, b in self._rounds(c, flat.element_size(), parts=p):
-            k, h = b - a, self._next_round()
-            self._slot(r, flat.dtype, p * k, h).view(p, k).copy_(flat.view(p, c)[:, a:b])
-            self._barrier()
+            k, h = b - a, self.next_round()
+            self.slot(r, flat.dtype, p * k, h).view(p, k).copy_(flat.view(p, c)[:, a:b])
+            self.meet()
             # this rank's piece of every slot: its own first, then the others' in rank order
-            pieces = [self._slot(q, flat.dtype, p * k, h).view(p, k)[r] for q in range(p)]
+            pieces = [self.slot(q, flat.dtype, p * k, h).view(p, k)[r] for q in range(p)]
             self._sum_in_pieces(out[a:b], pieces[r], pieces[:r] + pieces[r + 1:], op)
 
     def monitored_barrier(self, timeout_s: Optional[float], wait_all_ranks: bool) -> None:
         """A barrier whose timeout (timeout_s, else the group's) names the ranks that did not
         reach it: the first of them, or all with wait_all_ranks (Gloo's monitoredBarrier)."""
-        self._call("monitored_barrier")
-        self._next_round()
+        self.begin("monitored_barrier")
+        self.next_round()
         saved = self.waiter.timeout_s
         self.waiter.timeout_s = saved if timeout_s is None else timeout_s
         try:
-            self._barrier()
+            self.meet()
         except PeerFailure as exc:
             late = [q for q in range(self.size) if q != self.rank and self.segment.steps[q] < self.waiter.step]
             if not late:
@@ -340,8 +342,8 @@ class ShmCollectives:
             self.waiter.timeout_s = saved
 
     def barrier(self) -> None:
-        self._call("barrier")
+        self.begin("barrier")
         # a round like every other call's, though it moves no data: after a disagreement at the
         # first barrier every rank has then entered exactly one round and all stay on one half-slot
-        self._next_round()
-        self._barrier()
+        self.next_round()
+        self.meet()

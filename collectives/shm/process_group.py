@@ -24,7 +24,6 @@ the worker costs more than they do.
 from __future__ import annotations
 
 import queue
-import sys
 import threading
 from datetime import timedelta
 from typing import Callable, List
@@ -45,11 +44,8 @@ from .recorder import Recorder
 from .segment import Segment
 from .wait import Waiter
 
-# The settings (config.py), read once per group. The data slot per rank, 64 MiB, holds a 25 MiB
-# DDP bucket in one round of each half; measured, ResNet-50's DDP step on 2 ranks took 0.904 and
-# 0.874 of Gloo's time with 64 MiB slots, 0.930 and 0.910 with 16 MiB (pages are only allocated
-# when touched). Calls up to inline_bytes run in the calling thread when nothing is queued: a
-# hand-off to the worker thread costs tens of microseconds, more than the whole collective.
+# The settings (config.py) are read once per group. Calls up to inline_bytes run in the calling
+# thread when nothing is queued: handing one to the worker thread costs more than the whole call.
 
 
 def _op(opts) -> str:
@@ -64,12 +60,14 @@ def _reduced(op: str, size: int, run: Callable[[str], None], result: torch.Tenso
         result.div_(size)
 
 
-# the torch names of the calls, for the flight record
-_OP_NAMES = {"allreduce": "all_reduce", "allreduce_coalesced": "allreduce_coalesced", "broadcast": "broadcast",
-             "reduce": "reduce", "allgather": "all_gather", "all_gather_single": "all_gather_single",
-             "reduce_scatter": "reduce_scatter", "reduce_scatter_single": "reduce_scatter_single", "gather": "gather",
-             "scatter": "scatter", "all_to_all_single": "all_to_all_single", "alltoall": "all_to_all",
-             "barrier": "barrier", "monitored_barrier": "barrier"}  # the names torchfrtrace knows (its COLLECTIVES)
+def _through_flat(t: torch.Tensor, run: Callable[[torch.Tensor], None], fresh: bool = False) -> None:
+    """run(flat) on `t` as one flat contiguous tensor: `t`'s own memory when it is contiguous, else
+    a contiguous copy (`fresh`: a new buffer, for an output that overlaps its input); the result is
+    copied into `t` where `flat` is not `t`'s memory."""
+    flat = t.new_empty(t.numel()) if fresh else t.view(-1) if t.is_contiguous() else t.contiguous().view(-1)
+    run(flat)
+    if flat.data_ptr() != t.data_ptr():
+        t.copy_(flat.view_as(t))
 
 
 def _nbytes(tensors) -> int:
@@ -127,10 +125,13 @@ class ShmBackend:
             self._waiter.abort()
             fut.set_exception(exc)
 
-    def _submit(self, job: Callable[[], None], value, nbytes: int = 0, op: str = "") -> torch.futures.Future:
+    def _submit(self, op: str, job: Callable[[], None], value, nbytes: int = 0) -> torch.futures.Future:
+        """Run `job` (the collective torch calls `op`, as torchfrtrace names it in the flight
+        record) at once in this thread when nothing is queued and it is small, else on the worker
+        thread; a Future with `value` when it is done."""
         fut = torch.futures.Future()
         if self.recorder is not None:  # the flight record (recorder.py): in torch's format
-            job = self._recorded(job, op or _OP_NAMES.get(sys._getframe(1).f_code.co_name, "collective"), value)
+            job = self._recorded(job, op, value)
         with self._idle:
             inline = self._pending == 0 and nbytes <= self.config.inline_bytes
             if not inline:
@@ -146,7 +147,7 @@ class ShmBackend:
         """A Work that raises ShmArgumentError naming the call, this rank and the argument, after
         meeting the other ranks at the call's first barrier (none of them waits for this one)."""
         reason = f"{kind} on rank {self.rank()} of the shm group: {why}; nothing was moved"
-        return self._submit(lambda: self._shm.refuse(kind, reason), None, op=kind)
+        return self._submit(kind, lambda: self._shm.refuse(kind, reason), None)
 
     def _recorded(self, job: Callable[[], None], op: str, tensors) -> Callable[[], None]:
         entry = self.recorder.scheduled(op, tensors, tensors)
@@ -172,11 +173,8 @@ class ShmBackend:
 
         def job():
             for t in tensors:
-                flat = t.view(-1) if t.is_contiguous() else t.contiguous().view(-1)
-                _reduced(op, self.size(), lambda o: self._shm.all_reduce(flat, o), flat)
-                if flat.data_ptr() != t.data_ptr():
-                    t.copy_(flat.view_as(t))
-        return self._submit(job, tensors, _nbytes(tensors))
+                _through_flat(t, lambda flat: _reduced(op, self.size(), lambda o: self._shm.all_reduce(flat, o), flat))
+        return self._submit("all_reduce", job, tensors, _nbytes(tensors))
 
     def broadcast(self, tensors: List[torch.Tensor], opts):
         why = wrong_devices(tensor=tensors)
@@ -185,11 +183,8 @@ class ShmBackend:
 
         def job():
             for t in tensors:
-                flat = t.contiguous().view(-1)
-                self._shm.broadcast(flat, opts.rootRank)
-                if flat.data_ptr() != t.data_ptr():
-                    t.copy_(flat.view_as(t))
-        return self._submit(job, tensors)
+                _through_flat(t, lambda flat: self._shm.broadcast(flat, opts.rootRank))
+        return self._submit("broadcast", job, tensors)
 
     def reduce(self, tensors: List[torch.Tensor], opts):
         op = _op(opts)
@@ -199,12 +194,9 @@ class ShmBackend:
 
         def job():
             for t in tensors:
-                flat = t.contiguous().view(-1)
-                _reduced(op, self.size(), lambda o: self._shm.reduce(flat, o, opts.rootRank), flat,
-                         gets_result=self.rank() == opts.rootRank)
-                if flat.data_ptr() != t.data_ptr():
-                    t.copy_(flat.view_as(t))
-        return self._submit(job, tensors)
+                _through_flat(t, lambda flat: _reduced(op, self.size(), lambda o: self._shm.reduce(flat, o, opts.rootRank),
+                                                       flat, gets_result=self.rank() == opts.rootRank))
+        return self._submit("reduce", job, tensors)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts=None):
         why = wrong_devices(output=output, input=input) or wrong_sizes(output, input, self.size(), "output", "input")
@@ -212,11 +204,8 @@ class ShmBackend:
             return self._refuse("all_gather", why)
 
         def job():
-            out = output.contiguous().view(-1)
-            self._shm.all_gather(out, input.contiguous().view(-1))
-            if out.data_ptr() != output.data_ptr():
-                output.copy_(out.view_as(output))
-        return self._submit(job, [output])
+            _through_flat(output, lambda out: self._shm.all_gather(out, input.contiguous().view(-1)))
+        return self._submit("all_gather_single", job, [output])
 
     _allgather_base = all_gather_single  # the names torch used before 2.13
 
@@ -234,7 +223,7 @@ class ShmBackend:
                 self._shm.all_gather(joined, flat)
                 for q, out in enumerate(outs):
                     out.copy_(joined[q * flat.numel():(q + 1) * flat.numel()].view_as(out))
-        return self._submit(job, output_tensors)
+        return self._submit("all_gather", job, output_tensors)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts=None):
         op = _op(opts)
@@ -244,11 +233,10 @@ class ShmBackend:
         aliased = overlap(output, input)  # e.g. the output is this rank's chunk of the input
 
         def job():
-            out = output.new_empty(output.numel()) if aliased else output.contiguous().view(-1)
-            _reduced(op, self.size(), lambda o: self._shm.reduce_scatter(out, input.contiguous().view(-1), o), out)
-            if out.data_ptr() != output.data_ptr():
-                output.copy_(out.view_as(output))
-        return self._submit(job, [output])
+            _through_flat(output, lambda out: _reduced(
+                op, self.size(), lambda o: self._shm.reduce_scatter(out, input.contiguous().view(-1), o), out),
+                fresh=aliased)
+        return self._submit("reduce_scatter_single", job, [output])
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -266,10 +254,10 @@ class ShmBackend:
                 flat = out.new_empty(out.numel())
                 _reduced(op, self.size(), lambda o: self._shm.reduce_scatter(flat, joined, o), flat)
                 out.copy_(flat.view_as(out))
-        return self._submit(job, output_tensors)
+        return self._submit("reduce_scatter", job, output_tensors)
 
     def barrier(self, opts=None):
-        return self._submit(self._shm.barrier, [])
+        return self._submit("barrier", self._shm.barrier, [])
 
     # -- routing: gather, scatter, all_to_all (routing.py) -----------------------------------------
     def _wrong_rooted(self, kind: str, one, one_name: str, listed, list_name: str, root: int, role: str) -> str:
@@ -296,7 +284,7 @@ class ShmBackend:
             for t, s in zip(outs, staged):
                 if s is not t:
                     t.copy_(s)
-        return self._submit(job, outs)
+        return self._submit("gather", job, outs)
 
     def scatter(self, output_tensors, input_tensors, opts):
         root, ins = opts.rootRank, input_tensors[0] if input_tensors else []
@@ -310,7 +298,7 @@ class ShmBackend:
             routing.scatter(self._shm, staged, [t.contiguous() for t in ins], root)
             if staged is not out:
                 out.copy_(staged)
-        return self._submit(job, output_tensors)
+        return self._submit("scatter", job, output_tensors)
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         why = wrong_devices(output=output, input=input) or wrong_splits(
@@ -327,7 +315,7 @@ class ShmBackend:
             routing.all_to_all(self._shm, as_bytes(staged), as_bytes(input.contiguous()), out_b, in_b)
             if staged is not output:
                 output.copy_(staged)
-        return self._submit(job, [output])
+        return self._submit("all_to_all_single", job, [output])
 
     alltoall_base = all_to_all_single  # its name before torch 2.13
 
@@ -352,7 +340,7 @@ class ShmBackend:
             for t, n in zip(output_tensors, out_b):
                 t.copy_(joined_out[at:at + n].view(t.dtype).view(t.shape))
                 at += n
-        return self._submit(job, output_tensors)
+        return self._submit("all_to_all", job, output_tensors)
 
     # -- the coalesced forms: one call after another, in one job -------------------------------
     def allreduce_coalesced(self, tensors, opts=None):
@@ -370,7 +358,7 @@ class ShmBackend:
             for t in tensors:
                 t.copy_(flat[at:at + t.numel()].view_as(t))
                 at += t.numel()
-        return self._submit(job, tensors, _nbytes(tensors))
+        return self._submit("allreduce_coalesced", job, tensors, _nbytes(tensors))
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
         # output_lists[q][i]: rank q's input_list[i]; the list form of all_gather, per input
@@ -405,7 +393,7 @@ class ShmBackend:
 
         def job():
             self._shm.monitored_barrier(timeout, wait_all_ranks)
-        return self._submit(job, [])
+        return self._submit("barrier", job, [])
 
     # -- point to point (point_to_point.py) ------------------------------------------------------
     def _message(self, kind: str, tensors, peer: int, tag: int) -> torch.futures.Future:

@@ -33,42 +33,42 @@ def _rounds_of(total: int, per: int):
 
 def gather(sc: ShmCollectives, outs: List[torch.Tensor], tensor: torch.Tensor, dst: int) -> None:
     """outs (on dst: world_size contiguous tensors like `tensor`, one per rank) get every rank's tensor."""
-    sc._call("gather", tensor, root=dst)
+    sc.begin("gather", tensor, root=dst)
     flat, outs = as_bytes(tensor), [as_bytes(t) for t in outs]
     n = flat.numel()
     for a, b in _rounds_of(n, sc.half):
-        h = sc._next_round()
-        sc._slot(sc.rank, torch.uint8, b - a, h).copy_(flat[a:b])
-        sc._barrier()
+        h = sc.next_round()
+        sc.slot(sc.rank, torch.uint8, b - a, h).copy_(flat[a:b])
+        sc.meet()
         if sc.rank == dst:
             for q, out in enumerate(outs):
-                out[a:b].copy_(sc._slot(q, torch.uint8, b - a, h))
+                out[a:b].copy_(sc.slot(q, torch.uint8, b - a, h))
 
 
 def scatter(sc: ShmCollectives, output: torch.Tensor, ins: List[torch.Tensor], src: int) -> None:
     """output gets src's ins[rank] (on src: world_size contiguous tensors like output)."""
-    sc._call("scatter", output, root=src)
+    sc.begin("scatter", output, root=src)
     out, ins = as_bytes(output), [as_bytes(t) for t in ins]
     p, n = sc.size, out.numel()
     for a, b in _rounds_of(n, max(1, sc.half // p)):
-        k, h = b - a, sc._next_round()
+        k, h = b - a, sc.next_round()
         if sc.rank == src:
-            slot = sc._slot(src, torch.uint8, p * k, h).view(p, k)
+            slot = sc.slot(src, torch.uint8, p * k, h).view(p, k)
             for q, t in enumerate(ins):
                 slot[q].copy_(t[a:b])
-        sc._barrier()
-        out[a:b].copy_(sc._slot(src, torch.uint8, p * k, h).view(p, k)[sc.rank])
+        sc.meet()
+        out[a:b].copy_(sc.slot(src, torch.uint8, p * k, h).view(p, k)[sc.rank])
 
 
 def _exchange_counts(sc: ShmCollectives, sends: List[int], expects: List[int]) -> torch.Tensor:
     """Every rank's byte counts, (world_size, 2, world_size) int64: [q, 0, r] what q sends to r,
     [q, 1, r] what q expects from r. One round, one barrier (the call's first: the call check)."""
     p = sc.size
-    h = sc._next_round()
+    h = sc.next_round()
     mine = torch.tensor([sends, expects], dtype=torch.int64)
-    sc._slot(sc.rank, torch.int64, 2 * p, h).copy_(mine.view(-1))
-    sc._barrier()
-    return torch.stack([sc._slot(q, torch.int64, 2 * p, h).view(2, p) for q in range(p)])
+    sc.slot(sc.rank, torch.int64, 2 * p, h).copy_(mine.view(-1))
+    sc.meet()
+    return torch.stack([sc.slot(q, torch.int64, 2 * p, h).view(2, p) for q in range(p)])
 
 
 def all_to_all(sc: ShmCollectives, out: torch.Tensor, inp: torch.Tensor, out_splits: List[int],
@@ -76,7 +76,7 @@ def all_to_all(sc: ShmCollectives, out: torch.Tensor, inp: torch.Tensor, out_spl
     """out and inp are flat uint8; in_splits[q] bytes of inp go to rank q, out_splits[q] bytes of
     out come from rank q (both in rank order)."""
     p, r = sc.size, sc.rank
-    sc._call("all_to_all", None)
+    sc.begin("all_to_all", None)
     table = _exchange_counts(sc, in_splits, out_splits)
     sent, expected = table[:, 0, :], table[:, 1, :].t()  # [q, r]: q to r, and what r expects from q
     if not torch.equal(sent, expected):
@@ -90,14 +90,14 @@ def all_to_all(sc: ShmCollectives, out: torch.Tensor, inp: torch.Tensor, out_spl
     per = max(1, sc.half // p)  # region q of a half-slot carries the piece for rank q
     largest = int(sent.max()) if sent.numel() else 0
     for a, b in _rounds_of(largest, per):
-        h = sc._next_round()
-        slot = sc._slot(r, torch.uint8, p * per, h)
+        h = sc.next_round()
+        slot = sc.slot(r, torch.uint8, p * per, h)
         for q in range(p):
             s, e = min(a, in_splits[q]), min(b, in_splits[q])
             if e > s:
                 slot[q * per:q * per + e - s].copy_(inp[in_at[q] + s:in_at[q] + e])
-        sc._barrier()
+        sc.meet()
         for q in range(p):
             s, e = min(a, out_splits[q]), min(b, out_splits[q])
             if e > s:
-                out[out_at[q] + s:out_at[q] + e].copy_(sc._slot(q, torch.uint8, p * per, h)[r * per:r * per + e - s])
+                out[out_at[q] + s:out_at[q] + e].copy_(sc.slot(q, torch.uint8, p * per, h)[r * per:r * per + e - s])

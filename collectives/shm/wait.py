@@ -41,9 +41,8 @@ FAULT_CHECK_S = 0.05
 # outnumber cores a spinning rank takes the core from the rank it waits for, so it sleeps at once.
 SPIN_S_OWN_CORE = 1e-3
 SPIN_S_SHARED = 0.0
-# then give the core away (sched_yield) between reads for this long before sleeping: measured,
-# yielding answers sooner than a futex wake-up when ranks share cores (4 ranks on 2 cores: an
-# 8-byte all_reduce took 149 us yielding, 220 us on a futex, 4.6 ms spinning)
+# then give the core away (sched_yield) between reads for this long before sleeping: where ranks
+# share cores a yield answers sooner than a futex wake-up (benchmarks.shm_wait measures both)
 YIELD_S = 2e-3
 STRATEGIES = WAIT_STRATEGIES  # the settings (config.py) read the same names
 
