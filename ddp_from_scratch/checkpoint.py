@@ -73,8 +73,9 @@ def check_resume(state: dict, settings: dict, path: str, epochs: int) -> None:
                               "raise --epochs to train further")
 
 
-def run_settings(config: dict, world_size: int) -> dict:
-    return {**{k: config[k] for k in RESUME_KEYS if k != "world_size"}, "world_size": world_size}
+def run_settings(config, world_size: int) -> dict:
+    """The settings that decide a run's result, from its config (a TrainConfig or the parsed flags)."""
+    return {**{k: getattr(config, k) for k in RESUME_KEYS if k != "world_size"}, "world_size": world_size}
 
 
 def gather_state(model, opt, impl: str) -> dict:
@@ -110,10 +111,10 @@ def load_state(model, opt, state: dict, impl: str) -> None:
 def save(path: str, config, saved: dict, epochs_done: int, settings: dict, step: int = 0) -> None:
     """Rank 0 writes the checkpoint atomically: a crash, or a write that fails (a full disk), leaves
     the previous one whole and no .tmp behind. `epochs_done` whole epochs and `step` steps of the next."""
-    os.makedirs(config["checkpoint"], exist_ok=True)
+    os.makedirs(config.checkpoint, exist_ok=True)
     tmp = path + ".tmp"
     try:
-        torch.save({**saved, "epoch": epochs_done, "step": step, "synthetic": config["synthetic"],
+        torch.save({**saved, "epoch": epochs_done, "step": step, "synthetic": config.synthetic,
                     "settings": settings}, tmp)
         os.replace(tmp, path)
     except BaseException:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -56,6 +57,45 @@ from .models import MODELS, check_batch_fits
 from .wrap import IMPLS, SHARDED_IMPLS, STAGES, wrap
 
 CIFAR_TRAIN_SIZE = 50_000
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """One training run, as every rank reads it: the flags of build_parser (their defaults and
+    help are there). `TrainConfig.from_args(parser.parse_args(argv))`."""
+
+    impl: str
+    model: str
+    data: str
+    synthetic: bool
+    train_size: Optional[int]
+    test_size: Optional[int]
+    epochs: int
+    batch_size: int
+    lr: float
+    bucket_cap_mb: Optional[float]
+    amp: bool
+    seed: int
+    deterministic: bool
+    checkpoint: Optional[str]
+    checkpoint_every: Optional[int]
+    stop_at_step: Optional[int]
+    resume: bool
+    auto_resume: bool
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "TrainConfig":
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+    @property
+    def checkpoint_path(self) -> Optional[str]:
+        return os.path.join(self.checkpoint, "checkpoint.pt") if self.checkpoint else None
+
+    def end_of(self, epoch: int, steps: int) -> int:
+        """Where `epoch` (of `steps` steps) ends for this run: its last step, or --stop-at-step
+        when that falls within it (0 or less: the run stops before the epoch starts). The one
+        place --stop-at-step is read."""
+        return steps if self.stop_at_step is None else min(steps, self.stop_at_step - epoch * steps)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -148,22 +188,22 @@ def validate(args, parser, world_size: int, local_ranks: Optional[int] = None) -
         path = os.path.join(args.checkpoint, "checkpoint.pt")
         if args.resume or (args.auto_resume and os.path.exists(path)):
             try:
-                check_resume(load_checkpoint(path), run_settings(vars(args), world_size), path, args.epochs)
+                check_resume(load_checkpoint(path), run_settings(args, world_size), path, args.epochs)
             except CheckpointError as exc:
                 parser.error(str(exc))
 
 
 def _datasets(config):
-    if config["synthetic"]:
-        train = cifar10.SyntheticCIFAR10(config["train_size"] or 50_000, augment=True, seed=config["seed"])
-        test = cifar10.SyntheticCIFAR10(config["test_size"] or 10_000, seed=config["seed"] + 1)
+    if config.synthetic:
+        train = cifar10.SyntheticCIFAR10(config.train_size or 50_000, augment=True, seed=config.seed)
+        test = cifar10.SyntheticCIFAR10(config.test_size or 10_000, seed=config.seed + 1)
     else:
-        train = cifar10.CIFAR10(config["data"], train=True, augment=True, seed=config["seed"])
-        test = cifar10.CIFAR10(config["data"], train=False)
-    if config["train_size"] and not config["synthetic"]:
-        train = torch.utils.data.Subset(train, range(config["train_size"]))
-    if config["test_size"] and not config["synthetic"]:
-        test = torch.utils.data.Subset(test, range(config["test_size"]))
+        train = cifar10.CIFAR10(config.data, train=True, augment=True, seed=config.seed)
+        test = cifar10.CIFAR10(config.data, train=False)
+    if config.train_size and not config.synthetic:
+        train = torch.utils.data.Subset(train, range(config.train_size))
+    if config.test_size and not config.synthetic:
+        test = torch.utils.data.Subset(test, range(config.test_size))
     return train, test
 
 
@@ -184,10 +224,10 @@ def _evaluate(model, test, env, batch_size) -> float:
 
 def _sharded(net, config):
     """(model, optimizer) for a sharded step; every rank has the same seeded weights already."""
-    model = wrap(net, config["impl"], bucket_cap_mb=config["bucket_cap_mb"])
-    if not STAGES[config["impl"]].ours:  # torch's fully_shard: a torch optimizer over its DTensors
-        return model, torch.optim.SGD(model.parameters(), lr=config["lr"], momentum=0.9)
-    return model, model.optimizer(torch.optim.SGD, lr=config["lr"], momentum=0.9)
+    model = wrap(net, config.impl, bucket_cap_mb=config.bucket_cap_mb)
+    if not STAGES[config.impl].ours:  # torch's fully_shard: a torch optimizer over its DTensors
+        return model, torch.optim.SGD(model.parameters(), lr=config.lr, momentum=0.9)
+    return model, model.optimizer(torch.optim.SGD, lr=config.lr, momentum=0.9)
 
 
 def scaled_step(scaler, loss, opt) -> bool:
@@ -225,19 +265,19 @@ def deterministic_kernels(enabled: bool):
             os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
 
 
-def train(env, config) -> dict:
-    with deterministic_kernels(config["deterministic"]):
+def train(env, config: TrainConfig) -> dict:
+    with deterministic_kernels(config.deterministic):
         return _train(env, config)
 
 
 def _build(env, config):
-    """(model, optimizer) for config["impl"] on this rank's device."""
-    if config["impl"] in SHARDED_IMPLS:
-        return _sharded(MODELS[config["model"]]().to(env.device), config)
-    device_ids = [env.device.index] if config["impl"] == "torch" and env.device.type == "cuda" else None
-    model = wrap(MODELS[config["model"]]().to(env.device), config["impl"], bucket_cap_mb=config["bucket_cap_mb"],
+    """(model, optimizer) for config.impl on this rank's device."""
+    if config.impl in SHARDED_IMPLS:
+        return _sharded(MODELS[config.model]().to(env.device), config)
+    device_ids = [env.device.index] if config.impl == "torch" and env.device.type == "cuda" else None
+    model = wrap(MODELS[config.model]().to(env.device), config.impl, bucket_cap_mb=config.bucket_cap_mb,
                  device_ids=device_ids)
-    return model, torch.optim.SGD(model.parameters(), lr=config["lr"], momentum=0.9)
+    return model, torch.optim.SGD(model.parameters(), lr=config.lr, momentum=0.9)
 
 
 class _Progress:
@@ -246,18 +286,18 @@ class _Progress:
     def __init__(self, env, config, steps_to_do: int):
         self.env, self.config, self.steps_to_do, self.steps_done = env, config, steps_to_do, 0
         self.run_start = time.perf_counter()
-        self.tag = " [synthetic data]" if config["synthetic"] else ""
+        self.tag = " [synthetic data]" if config.synthetic else ""
         self.clear = "\033[K" if sys.stderr.isatty() else ""  # the rest of a longer earlier progress line
 
     def step(self, epoch: int, step: int, steps: int, first: int, loss, epoch_start: float, skipped: int) -> None:
         self.steps_done += 1
         if self.env.rank != 0:
             return
-        done = (step + 1 - first) * self.config["batch_size"] * self.env.world_size
+        done = (step + 1 - first) * self.config.batch_size * self.env.world_size
         now = time.perf_counter()
         left = eta(self.steps_done, self.steps_to_do, now - self.run_start)
         skips = f", {skipped} steps skipped by GradScaler (inf/NaN gradients)" if skipped else ""
-        print(f"\repoch {epoch + 1}/{self.config['epochs']} step {step + 1}/{steps} loss {loss.item():.4f} "
+        print(f"\repoch {epoch + 1}/{self.config.epochs} step {step + 1}/{steps} loss {loss.item():.4f} "
               f"{done / (now - epoch_start):.1f} images/s, {left}{skips}{self.tag}{self.clear}", end="",
               file=sys.stderr, flush=True)
 
@@ -267,11 +307,11 @@ def _train_epoch(env, config, model, opt, loader, scaler, epoch: int, first: int
     """Steps `first`.. of one epoch of `steps` (`loader` starts at step `first`); `checkpoint(step)` after
     every --checkpoint-every steps but the epoch's last. The number of steps GradScaler has skipped so far."""
     amp_dtype = torch.float16 if env.device.type == "cuda" else torch.bfloat16
-    start, every = time.perf_counter(), config["checkpoint_every"]
+    start, every = time.perf_counter(), config.checkpoint_every
     for step, (x, y) in enumerate(loader, start=first):
         x, y = x.to(env.device), y.to(env.device)
         opt.zero_grad()
-        with torch.autocast(env.device.type, dtype=amp_dtype, enabled=config["amp"]):
+        with torch.autocast(env.device.type, dtype=amp_dtype, enabled=config.amp):
             loss = F.cross_entropy(model(x), y)
         if scaler:
             skipped += not scaled_step(scaler, loss, opt)
@@ -284,76 +324,83 @@ def _train_epoch(env, config, model, opt, loader, scaler, epoch: int, first: int
     return skipped
 
 
-def _train(env, config) -> dict:
-    torch.manual_seed(config["seed"])
+def _resume(env, config: TrainConfig, model, opt, settings: dict):
+    """(epoch, step) this run starts at: (0, 0), or where the checkpoint left off (--resume, or
+    --auto-resume when there is one), its state loaded into the model and the optimizer."""
+    path = config.checkpoint_path
+    if not (config.resume or (config.auto_resume and os.path.exists(path))):
+        return 0, 0
+    state = load_checkpoint(path, map_location=env.device)
+    check_resume(state, settings, path, config.epochs)  # under torchrun, the first place it can be checked
+    load_state(model, opt, state, config.impl)
+    return state["epoch"], state.get("step", 0)
+
+
+def _train(env, config: TrainConfig) -> dict:
+    torch.manual_seed(config.seed)
     train_set, test_set = _datasets(config)
     model, opt = _build(env, config)
-    scaler = torch.amp.GradScaler("cuda") if config["amp"] and env.device.type == "cuda" else None
-    path = os.path.join(config["checkpoint"], "checkpoint.pt") if config["checkpoint"] else None
-    start_epoch = start_step = 0
+    scaler = torch.amp.GradScaler("cuda") if config.amp and env.device.type == "cuda" else None
     settings = run_settings(config, env.world_size)
-    if config["resume"] or (config["auto_resume"] and os.path.exists(path)):
-        state = load_checkpoint(path, map_location=env.device)
-        check_resume(state, settings, path, config["epochs"])  # under torchrun, the first place it can be checked
-        load_state(model, opt, state, config["impl"])
-        start_epoch, start_step = state["epoch"], state.get("step", 0)
+    start_epoch, start_step = _resume(env, config, model, opt, settings)
     sampler = DistributedSampler(train_set, num_replicas=env.world_size, rank=env.rank, shuffle=True,
-                                 seed=config["seed"], drop_last=True)
-    steps = len(sampler) // config["batch_size"]
-    end = min(config["epochs"] * steps, config["stop_at_step"]) if config["stop_at_step"] else config["epochs"] * steps
-    progress = _Progress(env, config, max(0, end - start_epoch * steps - start_step))
+                                 seed=config.seed, drop_last=True)
+    steps = len(sampler) // config.batch_size
+    to_do = sum(max(0, config.end_of(e, steps) - (start_step if e == start_epoch else 0))
+                for e in range(start_epoch, config.epochs))
+    progress = _Progress(env, config, to_do)
 
     def checkpoint(epochs_done: int, step: int = 0) -> dict:
-        saved = gather_state(model, opt, config["impl"])  # sharded: every rank takes part in gathering
+        saved = gather_state(model, opt, config.impl)  # sharded: every rank takes part in gathering
         if env.rank == 0:
-            save(path, config, saved, epochs_done, settings, step)
+            save(config.checkpoint_path, config, saved, epochs_done, settings, step)
         return saved
 
-    # the state of the last checkpoint written here, which the summary's digest reuses when no step
-    # came after it (a sharded model is gathered once at the end, not twice)
+    # latest: the state of the last checkpoint written here, which the summary's digest reuses
+    # when no step came after it (a sharded model is gathered once at the end, not twice)
     images, seconds, accuracy, skipped, stopped_at, latest = 0, 0.0, None, 0, None, None
-    for epoch in range(start_epoch, config["epochs"]):
+    for epoch in range(start_epoch, config.epochs):
         sampler.set_epoch(epoch)  # a new shuffle each epoch (every rank the same permutation, disjoint shards)
         (train_set.dataset if isinstance(train_set, torch.utils.data.Subset) else train_set).set_epoch(epoch)
         first = start_step if epoch == start_epoch else 0  # a resume within an epoch skips the steps done
-        last = min(steps, config["stop_at_step"] - epoch * steps) if config["stop_at_step"] else steps
-        if last <= first:  # --stop-at-step at or before where this run starts
+        last = config.end_of(epoch, steps)
+        if last <= first:  # --stop-at-step at or before where this epoch starts
             stopped_at = epoch * steps + first
             break
-        loader = DataLoader(train_set, batch_size=config["batch_size"],
-                            sampler=list(sampler)[first * config["batch_size"]:last * config["batch_size"]])
+        loader = DataLoader(train_set, batch_size=config.batch_size,
+                            sampler=list(sampler)[first * config.batch_size:last * config.batch_size])
         start = time.perf_counter()
         skipped = _train_epoch(env, config, model, opt, loader, scaler, epoch, first, steps, progress, skipped,
                                lambda step, epoch=epoch: checkpoint(epoch, step))
-        epoch_seconds = time.perf_counter() - start
-        images += len(loader) * config["batch_size"] * env.world_size
-        seconds += epoch_seconds
+        seconds += time.perf_counter() - start
+        images += len(loader) * config.batch_size * env.world_size
         if last < steps:  # --stop-at-step within this epoch
-            latest = checkpoint(epoch, last)
-            stopped_at = epoch * steps + last
+            latest, stopped_at = checkpoint(epoch, last), epoch * steps + last
             if env.rank == 0:
-                print(f"\nstopped at step {stopped_at} (--stop-at-step); --resume goes on from {path}",
-                      file=sys.stderr, flush=True)
+                print(f"\nstopped at step {stopped_at} (--stop-at-step); --resume goes on from "
+                      f"{config.checkpoint_path}", file=sys.stderr, flush=True)
             break
-        accuracy = _evaluate(model, test_set, env, config["batch_size"])
+        accuracy = _evaluate(model, test_set, env, config.batch_size)
         if env.rank == 0:
-            print(f"\nepoch {epoch + 1}: {epoch_seconds:.1f} s, test accuracy {accuracy:.4f}{progress.tag}",
-                  file=sys.stderr, flush=True)
-        if path:
+            print(f"\nepoch {epoch + 1}: {time.perf_counter() - start:.1f} s, test accuracy {accuracy:.4f}"
+                  f"{progress.tag}", file=sys.stderr, flush=True)
+        if config.checkpoint:
             latest = checkpoint(epoch + 1)
         collectives.barrier()
-        if config["stop_at_step"] and (epoch + 1) * steps >= config["stop_at_step"] and epoch + 1 < config["epochs"]:
-            stopped_at = (epoch + 1) * steps
-            break
-    digest = weights_sha256((latest or gather_state(model, opt, config["impl"]))["model"])  # sharded: every rank gathers
-    return {"impl": config["impl"], "model": config["model"], "world_size": env.world_size, "device": str(env.device),
-            "backend": env.backend, "epochs": config["epochs"], "resumed_from_epoch": start_epoch,
+    digest = weights_sha256((latest or gather_state(model, opt, config.impl))["model"])  # sharded: every rank gathers
+    return _summary(env, config, start_epoch, start_step, stopped_at, skipped, seconds, images, accuracy, digest)
+
+
+def _summary(env, config: TrainConfig, start_epoch, start_step, stopped_at, skipped, seconds, images, accuracy,
+             digest) -> dict:
+    """The run's JSON summary (the last line on stdout)."""
+    return {"impl": config.impl, "model": config.model, "world_size": env.world_size, "device": str(env.device),
+            "backend": env.backend, "epochs": config.epochs, "resumed_from_epoch": start_epoch,
             "resumed_from_step": start_step, "stopped_at_step": stopped_at,
-            "batch_size_per_rank": config["batch_size"], "amp": config["amp"], "skipped_steps": skipped,
-            "deterministic": config["deterministic"],
-            "train_seconds": seconds,
+            "batch_size_per_rank": config.batch_size, "amp": config.amp, "skipped_steps": skipped,
+            "deterministic": config.deterministic, "train_seconds": seconds,
             "images_per_second": images / seconds if seconds else None, "test_accuracy": accuracy,
-            "synthetic_data": config["synthetic"], "weights_sha256": digest}
+            "synthetic_data": config.synthetic, "weights_sha256": digest}
 
 
 @command
@@ -364,7 +411,7 @@ def main(argv=None) -> int:
     joined = launched["master_addr"] is not None
     validate(args, parser, launched["world_size"] if joined else args.nproc,
              launched["local_world_size"] if joined else args.nproc)
-    config = vars(args)
+    config = TrainConfig.from_args(args)
     summary = collectives.run_or_join(train, args.nproc, args=(config,), timeout=7 * 24 * 3600)
     if summary is None:  # a torchrun/srun rank other than 0: rank 0 reports
         return 0

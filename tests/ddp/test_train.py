@@ -109,7 +109,7 @@ def _deterministic_flags(env, argv):
                                            torch.backends.cudnn.deterministic,
                                            os.environ.get("CUBLAS_WORKSPACE_CONFIG"))) or real_train(*a)
     try:
-        summary = train.train(env, vars(train.build_parser().parse_args(argv)))
+        summary = train.train(env, train.TrainConfig.from_args(train.build_parser().parse_args(argv)))
     finally:
         train._train = real_train
     return summary["deterministic"], seen[0], (torch.are_deterministic_algorithms_enabled(),
@@ -181,7 +181,7 @@ def test_checkpoint_that_is_a_file_is_refused_up_front(tmp_path, capsys):
 
 def _checkpoint(folder, **settings):
     folder.mkdir(exist_ok=True)
-    config = vars(train.build_parser().parse_args(COMMON))
+    config = train.build_parser().parse_args(COMMON)
     state = {"model": {}, "optimizer": {}, "epoch": 1, "settings": {**train.run_settings(config, 2), **settings}}
     torch.save(state, folder / "checkpoint.pt")
     return folder / "checkpoint.pt"
@@ -230,7 +230,7 @@ def _record_order(env, argv):
 
     cifar10._Images.__getitem__ = recording
     try:
-        train.train(env, vars(train.build_parser().parse_args(argv)))
+        train.train(env, train.TrainConfig.from_args(train.build_parser().parse_args(argv)))
     finally:
         cifar10._Images.__getitem__ = original
     return seen
@@ -310,3 +310,17 @@ def test_a_checkpoint_that_cannot_be_written_leaves_the_previous_one_and_no_tmp(
         checkpoint.save(str(path), config, {"model": {"w": lambda: 0}}, 1, {}, step=2)
     assert path.read_bytes() == before
     assert sorted(p.name for p in folder.iterdir()) == ["checkpoint.pt"]
+
+
+def test_the_config_holds_every_flag_a_rank_reads_and_stop_at_step_in_one_place():
+    """A flag added to the parser but not to TrainConfig would never reach the ranks (from_args
+    reads the config's fields): every flag but the launcher's own is a field."""
+    import dataclasses
+
+    args = train.build_parser().parse_args(["--synthetic"])
+    assert {f.name for f in dataclasses.fields(train.TrainConfig)} == set(vars(args)) - {"nproc", "json"}
+    config = train.TrainConfig.from_args(args)
+    assert [config.end_of(e, 10) for e in range(3)] == [10, 10, 10]  # no --stop-at-step: every epoch whole
+    stop = dataclasses.replace(config, stop_at_step=14)
+    assert [stop.end_of(e, 10) for e in range(3)] == [10, 4, -6]  # within epoch 1; epoch 2 never starts
+    assert dataclasses.replace(config, stop_at_step=20).end_of(2, 10) == 0  # on a boundary: epoch 2 has nothing
