@@ -247,9 +247,7 @@ def _load(parser, path: str) -> dict:
     return run
 
 
-@command
-def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def build_parser():
     parser = cli.ArgumentParser(prog="python -m benchmarks.algorithms", description=__doc__.split("\n\n")[0])
     parser.add_argument("-c", "--collective", nargs="+", default=["all_reduce", "reduce_scatter", "all_gather",
                                                                   "broadcast", "reduce", "all_to_all"],
@@ -268,6 +266,13 @@ def main(argv=None) -> int:
     parser.add_argument("--plot", metavar="FILE.png", help="time against size, measured and predicted")
     parser.add_argument("--replot", metavar="RUN.json", nargs="+",
                         help="only draw --plot from saved --json runs (no measuring)")
+    return parser
+
+
+@command
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
     args = parser.parse_args(argv)
     check_sweep(args, parser)
     if args.world_size < 1:

@@ -49,10 +49,15 @@ def measure(deterministic: bool, repeats: int, batch_size: int) -> dict:
     return {"losses": [r[1] for r in runs], "next_losses": [r[2] for r in runs], "param_diffs": diffs}
 
 
-def main(argv=None) -> int:
+def build_parser():
     p = cli.ArgumentParser(prog="python -m benchmarks.cuda_determinism", description=__doc__.split("\n\n")[0])
     p.add_argument("--repeats", type=int, default=3, help="steps from the same weights and batch")
     p.add_argument("--batch-size", type=int, default=64)
+    return p
+
+
+def main(argv=None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("python -m benchmarks.cuda_determinism: needs a CUDA GPU, and torch.cuda.is_available() is False",

@@ -55,11 +55,16 @@ def _hooked(kind: str):
     return model, events
 
 
-@command
-def main(argv=None) -> int:
+def build_parser():
     parser = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=15, help="backwards per variant (alternated)")
     parser.add_argument("--batch-size", type=int, default=32)
+    return parser
+
+
+@command
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     kinds = ["no hooks", "161 no-op hooks", "161 hooks scaling into a bucket", "the same, with index lookup and timestamp"]

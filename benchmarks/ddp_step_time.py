@@ -65,8 +65,7 @@ def _ratio(entry) -> str:
     return f"{entry['ratio']:.3f} ({entry['ratio_q1']:.3f}-{entry['ratio_q3']:.3f})"
 
 
-@command
-def main(argv=None) -> int:
+def build_parser():
     parser = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=list(MODEL_NAMES), default="resnet50", help="the model trained (default resnet50)")
     parser.add_argument("--rounds", type=int, default=11, help="timed steps per variant (alternated)")
@@ -77,6 +76,12 @@ def main(argv=None) -> int:
                         help="rows of the first table (torch is always run: it is the reference)")
     parser.add_argument("--skip-table", action="store_true", help="skip the seeds-style table (4 ranks, AMP)")
     parser.add_argument("--json", help="write every step time, median and ratio, and the environment to this file")
+    return parser
+
+
+@command
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     cli.check_outputs(parser, {"--json": args.json})
     report = {}

@@ -35,13 +35,18 @@ def _case(env):
     return True
 
 
-@command
-def main(argv=None) -> int:
+def build_parser():
     parser = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world-size", type=int, default=2, help="ranks per test case (default 2)")
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds (default 5)")
     parser.add_argument("--pooled-per-round", type=int, default=50, help="pooled cases per round (default 50)")
     parser.add_argument("--json", help="write the figures and environment to this file")
+    return parser
+
+
+@command
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     cli.check_outputs(parser, {"--json": args.json})
 

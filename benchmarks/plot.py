@@ -36,10 +36,15 @@ def _load(parser, path: str) -> Dict:
     return result
 
 
-def main(argv=None) -> int:
+def build_parser():
     parser = cli.ArgumentParser(description="Plot busbw against size from benchmark JSON files.")
     parser.add_argument("files", nargs="+", help="JSON files written by python -m benchmarks.bandwidth --json")
     parser.add_argument("-o", "--output", required=True, help="PNG file to write")
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     cli.check_outputs(parser, {"-o": args.output})
     results = [_load(parser, path) for path in args.files]

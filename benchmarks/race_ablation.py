@@ -45,10 +45,15 @@ def score(run: dict, bucket: bool, shared: bool, tolerance: float = 0.2):
     return within, len(cases), worst
 
 
-@cli.command
-def main(argv=None) -> int:
+def build_parser():
     parser = cli.ArgumentParser(prog="python -m benchmarks.race_ablation", description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", metavar="RUN.json", help="races across hosts (benchmarks.algorithms --json)")
+    return parser
+
+
+@cli.command
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     runs = []
     what = "race across hosts (benchmarks.algorithms --link ... --json)"

@@ -173,8 +173,7 @@ def plot(result: dict, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-@command
-def main(argv=None) -> int:
+def build_parser():
     p = cli.ArgumentParser(prog="python -m benchmarks.sharded", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--world-size", type=int, default=2, help="ranks to spawn")
@@ -192,6 +191,12 @@ def main(argv=None) -> int:
     p.add_argument("--from-json", metavar="FILE", help="print the tables (and --plot) of an earlier run's JSON, "
                    "running nothing")
     p.add_argument("--plot", metavar="FILE.png", help="draw the memory part as stacked bars")
+    return p
+
+
+@command
+def main(argv=None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     cli.check_outputs(p, {"--json": args.json, "--plot": args.plot})
     for name in ("world_size", "rounds", "batch", "memory_batch"):

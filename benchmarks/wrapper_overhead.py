@@ -124,8 +124,7 @@ def _summarise(results) -> dict:
     return out
 
 
-@command
-def main(argv=None) -> int:
+def build_parser():
     parser = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world-size", type=int, default=2, help="ranks to spawn (default 2)")
     parser.add_argument("--scale", type=float, default=1.0,
@@ -133,6 +132,12 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3,
                         help="whole measurements, each in freshly spawned ranks; the table is their median (default 3)")
     parser.add_argument("--json", help="write the medians, ratios, every run and the environment to this file")
+    return parser
+
+
+@command
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     cli.check_outputs(parser, {"--json": args.json})
 

@@ -73,13 +73,18 @@ def _body(env, names, checked):
     return lines, wrong
 
 
-@command
-def main(argv=None) -> int:
+def build_parser():
     parser = cli.ArgumentParser(description="Show each collective's input and output on every rank.")
     parser.add_argument("--world-size", "-n", type=int, default=4, help="ranks to spawn (default 4)")
     parser.add_argument("-c", "--collectives", nargs="+", choices=COLLECTIVES, default=COLLECTIVES,
                         help="which collectives to show (default: all)")
     parser.add_argument("--checked", action="store_true", help="also show checked mode catching a SUM/MAX mix")
+    return parser
+
+
+@command
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.world_size < 1:
         parser.error("--world-size must be at least 1")

@@ -244,7 +244,7 @@ def summary(records: Dict[int, dict], last: int = 3) -> List[str]:
     return lines
 
 
-def main(argv=None) -> int:
+def build_parser():
     from .cli import ArgumentParser
 
     parser = ArgumentParser(prog="python -m collectives.flight_recorder",
@@ -255,6 +255,11 @@ def main(argv=None) -> int:
     parser.add_argument("directory", help="the folder of dump files PREFIX<rank>")
     parser.add_argument("--prefix", default=None, help="the files' common prefix (default: found from the names)")
     parser.add_argument("--last", type=int, default=3, help="how many of each rank's last calls to list (default 3)")
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.last < 1:
         parser.error(f"--last must be at least 1, got {args.last}")

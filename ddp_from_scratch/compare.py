@@ -179,7 +179,8 @@ def _validate(args, parser, image: int) -> None:
                          "value per channel (torch refuses that in training); use --batch-size 2 or more")
 
 
-def _parser(parity_impls) -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
+    parity_impls = PARITY_IMPLS
     parser = cli.ArgumentParser(description="Compare our data-parallel wrappers with torch's DDP, step by step.")
     parser.add_argument("--model", choices=list(MODELS), default="small",
                         help="small CNN, ResNet-50 (10 classes), or the small CNN with unused heads")
@@ -291,7 +292,7 @@ def _print_layouts(args, image: int, plain: list, sharded: list) -> None:
 
 @command
 def main(argv=None) -> int:
-    parser = _parser(PARITY_IMPLS)
+    parser = build_parser()
     args = parser.parse_args(argv)
     image = args.image or (32 if args.model == "resnet50" else 12)
     _validate(args, parser, image)

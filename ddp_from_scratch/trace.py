@@ -134,10 +134,7 @@ def _traced_steps(env, model_name: str, batch_size: int, steps: int, impl: str =
     return model.timeline, {f"shards, rank {env.rank}": model.shard_layout_text(env.rank)}
 
 
-@command
-def main(argv=None) -> int:
-    import collectives
-
+def build_parser():
     from .models import MODELS
     from .wrap import SHARDED, STAGES
 
@@ -153,6 +150,14 @@ def main(argv=None) -> int:
     parser.add_argument("--bucket-cap-mb", type=float, default=None,
                         help="--impl zero2 or zero2-bucketed: reduce-scatter in buckets of this many MiB during backward")
     parser.add_argument("--out", default="ddp-timeline", help="writes OUT.json (Chrome trace) and OUT.png")
+    return parser
+
+
+@command
+def main(argv=None) -> int:
+    import collectives
+
+    parser = build_parser()
     args = parser.parse_args(argv)
     cli.check_outputs(parser, [("--out", args.out + ".json"), ("--out", args.out + ".png")])
     for name in ("world_size", "batch_size", "steps"):

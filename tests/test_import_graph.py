@@ -93,3 +93,12 @@ def test_no_benchmark_program_imports_another():
                       if (mod.startswith(".") or mod.startswith("benchmarks")) and t.split(".")[0] in programs]
     assert "bandwidth" in programs and "sweep" not in programs
     assert not found, "\n".join(found)
+
+
+def test_every_program_builds_its_parser_in_build_parser():
+    """`build_parser()` beside each `main`: the help of every program is one call away (the
+    docs' and tests' way to read a program's flags) and main stays about what the program does."""
+    missing = [str(p.relative_to(import_graph.ROOT)) for p in _library_files()
+               if "def main(" in p.read_text() and "def build_parser(" not in p.read_text()
+               and p.name not in ("reaper.py", "cli.py")]  # reaper: one positional; cli: the decorator's docs
+    assert not missing, missing

@@ -108,8 +108,7 @@ def fit_line(points: List[Tuple[int, float]], relative: bool = True) -> Tuple[fl
     return (sy - slope * sx) / sw, slope
 
 
-@command
-def main(argv=None) -> int:
+def build_parser():
     parser = cli.ArgumentParser(prog="python -m collectives.algorithms.fit", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=DEFAULT_PATH, help="where to save the model (default: the package's model.json)")
     parser.add_argument("--json", default=None, help="also write every measurement here")
@@ -117,6 +116,12 @@ def main(argv=None) -> int:
     parser.add_argument("--world-size", type=int, default=2,
                         help="ranks, in pairs exchanging at once (an even number): as many as the ranks that will "
                              "share this machine's cores when the model is used (the race's 4: --world-size 4)")
+    return parser
+
+
+@command
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     cli.check_outputs(parser, {"--out": args.out, "--json": args.json})
     if args.repeats < 1:

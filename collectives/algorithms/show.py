@@ -35,8 +35,7 @@ def _parse_bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size like 4096, 64K or 16M") from None
 
 
-@command
-def main(argv=None) -> int:
+def build_parser():
     parser = cli.ArgumentParser(prog="python -m collectives.algorithms.show", description=__doc__.split("\n\n")[0])
     parser.add_argument("collective", choices=list(ALGORITHMS), help="which collective")
     parser.add_argument("--algorithm", "-a", default="auto", help="the algorithm (default: auto, the cheapest predicted)")
@@ -47,6 +46,12 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default=None, help="cost model JSON (default: the fitted one)")
     parser.add_argument("--out", default=None, help="write OUT.json (Chrome trace) and OUT.png (default: no files)")
     parser.add_argument("--no-table", action="store_true", help="skip the step table (needed above 62 ranks)")
+    return parser
+
+
+@command
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.out:
         cli.check_outputs(parser, [("--out", args.out + ".json"), ("--out", args.out + ".png")])
