@@ -69,8 +69,9 @@ def train_side_by_side(env, wrapper, steps: int, model="small", batch_size: int 
     torch.manual_seed(100 + env.rank)  # every rank starts from different weights
     base = (MODELS[model] if isinstance(model, str) else model)().to(device)
     theirs = wrap(copy.deepcopy(base), "torch", **ddp_kwargs)
-    if torch_comm_hook is not None:
-        theirs.register_comm_hook(None, torch_comm_hook)
+    if torch_comm_hook is not None:  # a hook, or (its state, the hook): PowerSGD's keeps its memories
+        state, hook = torch_comm_hook if isinstance(torch_comm_hook, tuple) else (None, torch_comm_hook)
+        theirs.register_comm_hook(state, hook)
     ours = wrap(base, wrapper, **ddp_kwargs, **(ours_kwargs or {}))
     opts = [torch.optim.SGD(m.parameters(), lr=lr, momentum=0.9) for m in (ours, theirs)]
     report = []

@@ -31,12 +31,14 @@ Options, with torch's names and meaning:
 - gradient_as_bucket_view=True: param.grad becomes a view into its bucket, which saves the copy
   back and the memory of a second gradient copy.
 - compress="fp16"/"bf16": send each bucket in that dtype, as torch's fp16_compress_hook /
-  bf16_compress_hook do.
+  bf16_compress_hook do; compress="powersgd" or a PowerSGD(...) with its options: low-rank
+  compression, as torch's powerSGD_hook does (powersgd.py).
 - timeline=True: record each backward's events in `self.timeline` (timeline.py; trace.py draws them).
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Optional
 
 import torch
@@ -47,6 +49,7 @@ import collectives
 
 from . import bucket as bucketing
 from .base import DataParallelBase
+from .powersgd import PowerSGD
 from .timeline import Timeline
 from .unused import reachable_parameters
 
@@ -69,9 +72,13 @@ class DistributedDataParallel(DataParallelBase):
             find_unused_parameters, gradient_as_bucket_view, compress, timeline: see above.
         """
         super().__init__(module, group=group, broadcast_buffers=broadcast_buffers, timeline=timeline)
-        if compress not in COMPRESS:
-            raise ValueError(f"compress must be None, 'fp16' or 'bf16', got {compress!r}")
-        self.compress = COMPRESS[compress]
+        if isinstance(compress, PowerSGD) or compress == "powersgd":
+            # its own copy: the state (memories, step count, random draws) belongs to this model
+            self.compress = copy.deepcopy(compress) if isinstance(compress, PowerSGD) else PowerSGD()
+        elif compress in COMPRESS:
+            self.compress = COMPRESS[compress]
+        else:
+            raise ValueError(f"compress must be None, 'fp16', 'bf16', 'powersgd' or a PowerSGD, got {compress!r}")
         cap = DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb
         if first_bucket_mb is None:
             first_bucket_mb = DEFAULT_FIRST_BUCKET_MB if bucket_cap_mb is None else cap
@@ -174,7 +181,10 @@ class DistributedDataParallel(DataParallelBase):
             self._finish()
 
     def _launch(self, b: bucketing.Bucket) -> None:
-        b.launch(self.group, self.world_size, self.compress)
+        if isinstance(self.compress, PowerSGD):
+            b.work = self.compress.launch(b, self.group, self.world_size, last=b.index == len(self.buckets) - 1)
+        else:
+            b.launch(self.group, self.world_size, self.compress)
         self._recorder.launched(b.index, b.work)
 
     # -- 3. after the last bucket -------------------------------------------------------------
