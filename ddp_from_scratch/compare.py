@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import sys
 import time
 from functools import partial
@@ -69,9 +70,9 @@ def train_side_by_side(env, wrapper, steps: int, model="small", batch_size: int 
     torch.manual_seed(100 + env.rank)  # every rank starts from different weights
     base = (MODELS[model] if isinstance(model, str) else model)().to(device)
     theirs = wrap(copy.deepcopy(base), "torch", **ddp_kwargs)
-    if torch_comm_hook is not None:  # a hook, or (its state, the hook): PowerSGD's keeps its memories
+    if torch_comm_hook is not None:  # a hook, or (its state or a callable making it, the hook)
         state, hook = torch_comm_hook if isinstance(torch_comm_hook, tuple) else (None, torch_comm_hook)
-        theirs.register_comm_hook(state, hook)
+        theirs.register_comm_hook(state() if callable(state) else state, hook)
     ours = wrap(base, wrapper, **ddp_kwargs, **(ours_kwargs or {}))
     opts = [torch.optim.SGD(m.parameters(), lr=lr, momentum=0.9) for m in (ours, theirs)]
     report = []
@@ -109,6 +110,38 @@ def bf16_compress_hook_on_gloo(state, bucket):
     return default_hooks._compress_hook(torch.bfloat16, state, bucket)
 
 
+def batched_powerSGD_hook_fixed(state, bucket):
+    """torch's batched_powerSGD_hook, with the one call torch 2.13 gets wrong fixed.
+
+    The hook hands its Q and P, 2-D matrices, to `_orthogonalize`, which since torch batched it
+    takes only 3-D batches and raises AssertionError: the hook fails at its first compressed step.
+    Here `_orthogonalize` is given a 2-D matrix as a batch of one (the hook's meaning); every other
+    operation is the hook's own. The fix stays in place in this process (it only changes the call
+    that raised)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as P
+
+    if not getattr(P._orthogonalize, "takes_one_matrix", False):
+        batches_only = P._orthogonalize
+
+        def orthogonalize(matrices, epsilon=0):
+            return batches_only(matrices.unsqueeze(0) if matrices.dim() == 2 else matrices, epsilon)
+        orthogonalize.takes_one_matrix = True
+        P._orthogonalize = orthogonalize
+    return P.batched_powerSGD_hook(state, bucket)
+
+
+def _powersgd(**options):
+    """(our kwargs, torch's comm hook with a fresh state) for one PowerSGD configuration."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as P
+
+    from .powersgd import PowerSGD
+
+    batched = options.pop("batched", False)
+    state = functools.partial(P.PowerSGDState, process_group=None, **options)  # made in the rank
+    hook = batched_powerSGD_hook_fixed if batched else P.powerSGD_hook
+    return {"ours_kwargs": {"compress": PowerSGD(**options, batched=batched)}, "torch_comm_hook": (state, hook)}
+
+
 # ResNet-50 at 32x32 with 2 images per rank: BatchNorm over 2 values at the 1x1 last stage makes
 # step 0's gradients reach 2.4e9 (conv1.weight), past fp16's largest value, 65504; with 4 images
 # the largest is 912. So the fp16 row runs ResNet-50 with at least this many images per rank.
@@ -141,6 +174,17 @@ def options(model: str = "small", batch_size: int = 4):
         "compress bf16": (
             {"ours_kwargs": {"compress": "bf16"}, "torch_comm_hook": bf16_compress_hook_on_gloo},
             "ours with compress='bf16' against torch's DDP with bf16_compress_hook's body (the hook refuses Gloo by name)"),
+        "powersgd rank 1, from step 2": (
+            _powersgd(matrix_approximation_rank=1, start_powerSGD_iter=2),
+            "ours with compress=PowerSGD(...) against torch's powerSGD_hook: plain DDP for 2 steps, then rank 1 "
+            "(Gram-Schmidt), error feedback and warm start"),
+        "powersgd rank 3, no memories": (
+            _powersgd(matrix_approximation_rank=3, start_powerSGD_iter=2, use_error_feedback=False, warm_start=False),
+            "rank 3 (QR), no error feedback, no warm start"),
+        "batched powersgd rank 2": (
+            _powersgd(matrix_approximation_rank=2, start_powerSGD_iter=2, batched=True),
+            "the bucket as one square matrix, against torch's batched_powerSGD_hook with its orthogonalization of "
+            "a 2-D matrix fixed (torch 2.13's raises AssertionError: batched_powerSGD_hook_fixed)"),
     }
 
 
