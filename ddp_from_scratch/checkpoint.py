@@ -26,7 +26,7 @@ from .wrap import SHARDED_IMPLS
 
 # The settings that decide a run's result: a checkpoint records them and --resume must match.
 RESUME_KEYS = ("world_size", "impl", "model", "batch_size", "seed", "lr", "synthetic", "train_size", "amp",
-               "bucket_cap_mb")
+               "bucket_cap_mb", "compress")
 
 
 class CheckpointError(ValueError):

@@ -46,6 +46,7 @@ from .models import MODELS, batch, check_batch_fits
 from .parity import StepCheck, count_nonfinite, relative_diff, same_bits, summarise, table_row
 from .sharded_parity import (PARITY_IMPLS, SHARDED_HEADERS, SHARDED_NOTE, must_be_bitwise, shard_layout_text,
                              train_sharded_side_by_side)
+from .torch_hooks import batched_powerSGD_hook_fixed, bf16_compress_hook_on_gloo
 from .wrap import WRAPPERS, wrap
 
 def train_side_by_side(env, wrapper, steps: int, model="small", batch_size: int = 4, image: int = 12,
@@ -96,38 +97,6 @@ def train_side_by_side(env, wrapper, steps: int, model="small", batch_size: int 
             nonfinite_theirs=count_nonfinite(p_theirs.values()),
         ))
     return report
-
-
-def bf16_compress_hook_on_gloo(state, bucket):
-    """torch's bf16_compress_hook, run on Gloo.
-
-    torch refuses the public hook without NCCL ("BF16 all reduce communication hook required
-    CUDA 11+ and NCCL 2.10+"), but it is only `_compress_hook(torch.bfloat16, ...)`, the same
-    body as fp16_compress_hook; Gloo sums bf16 fine. So we call that body directly.
-    """
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-    return default_hooks._compress_hook(torch.bfloat16, state, bucket)
-
-
-def batched_powerSGD_hook_fixed(state, bucket):
-    """torch's batched_powerSGD_hook, with the one call torch 2.13 gets wrong fixed.
-
-    The hook hands its Q and P, 2-D matrices, to `_orthogonalize`, which since torch batched it
-    takes only 3-D batches and raises AssertionError: the hook fails at its first compressed step.
-    Here `_orthogonalize` is given a 2-D matrix as a batch of one (the hook's meaning); every other
-    operation is the hook's own. The fix stays in place in this process (it only changes the call
-    that raised)."""
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as P
-
-    if not getattr(P._orthogonalize, "takes_one_matrix", False):
-        batches_only = P._orthogonalize
-
-        def orthogonalize(matrices, epsilon=0):
-            return batches_only(matrices.unsqueeze(0) if matrices.dim() == 2 else matrices, epsilon)
-        orthogonalize.takes_one_matrix = True
-        P._orthogonalize = orthogonalize
-    return P.batched_powerSGD_hook(state, bucket)
 
 
 def _powersgd(**options):

@@ -54,6 +54,8 @@ from . import cifar10
 from .checkpoint import (CheckpointError, check_resume, gather_state, load_checkpoint, load_state, run_settings, save,
                          weights_sha256)
 from .models import MODELS, check_batch_fits
+from .powersgd import PowerSGD
+from .torch_hooks import batched_powerSGD_hook_fixed, bf16_compress_hook_on_gloo
 from .wrap import IMPLS, SHARDED_IMPLS, STAGES, wrap
 
 CIFAR_TRAIN_SIZE = 50_000
@@ -74,6 +76,9 @@ class TrainConfig:
     batch_size: int
     lr: float
     bucket_cap_mb: Optional[float]
+    compress: Optional[str]
+    powersgd_rank: int
+    powersgd_start_iter: int
     amp: bool
     seed: int
     deterministic: bool
@@ -117,6 +122,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "for --impl zero2 or zero2-bucketed, reduce-scatter in buckets of this size during backward "
                         "(default: zero2, one reduce-scatter of the whole model after it; zero2-bucketed, a quarter "
                         "of the model)")
+    p.add_argument("--compress", choices=["fp16", "bf16", "powersgd", "batched_powersgd"], default=None,
+                   help="compress the gradients all-reduced, for --impl bucketed (ours) and torch (torch's comm "
+                        "hooks): to fp16 or bf16, or PowerSGD's low-rank approximation (per gradient, or batched: "
+                        "each bucket as one square matrix)")
+    p.add_argument("--powersgd-rank", type=int, default=1, metavar="R",
+                   help="PowerSGD's matrix_approximation_rank: R (rows + cols) numbers sent per rows x cols gradient")
+    p.add_argument("--powersgd-start-iter", type=int, default=1000, metavar="N",
+                   help="PowerSGD's start_powerSGD_iter: plain all_reduce for the first N steps (torch's default)")
     p.add_argument("--amp", action="store_true", help="mixed precision: bf16 autocast on CPU, fp16 + GradScaler on CUDA")
     p.add_argument("--seed", type=int, default=0, help="initialisation, shuffling and augmentation")
     p.add_argument("--deterministic", action="store_true",
@@ -153,6 +166,21 @@ def validate(args, parser, world_size: int, local_ranks: Optional[int] = None) -
     takers = ["torch"] + [n for n, s in STAGES.items() if "bucket_cap_mb" in s.takes]
     if args.bucket_cap_mb is not None and args.impl not in takers:
         parser.error(f"--bucket-cap-mb applies to --impl {', '.join(takers)}, not {args.impl}")
+    if args.compress and args.impl not in ("bucketed", "torch"):
+        parser.error(f"--compress applies to --impl bucketed and torch, not {args.impl}")
+    powersgd = args.compress in ("powersgd", "batched_powersgd")
+    if not powersgd and (args.powersgd_rank != 1 or args.powersgd_start_iter != 1000):
+        parser.error("--powersgd-rank and --powersgd-start-iter apply to --compress powersgd or batched_powersgd")
+    if powersgd and args.powersgd_rank < 1:
+        parser.error(f"--powersgd-rank must be at least 1, got {args.powersgd_rank}")
+    if powersgd and args.powersgd_start_iter < 2:
+        parser.error(f"--powersgd-start-iter must be at least 2 (error feedback and warm start keep memories per "
+                     f"bucket, and DDP settles its buckets in the first steps), got {args.powersgd_start_iter}")
+    for flag, given in (("--resume", args.resume), ("--auto-resume", args.auto_resume),
+                        ("--checkpoint-every", args.checkpoint_every), ("--stop-at-step", args.stop_at_step)):
+        if powersgd and given:
+            parser.error(f"{flag} with --compress {args.compress}: PowerSGD's memories (error feedback, warm start) "
+                         "are not in the checkpoint, so a resumed run would not be the uninterrupted one")
     if args.amp and args.impl in SHARDED_IMPLS:
         parser.error(f"--amp applies to the DDP impls ({', '.join(IMPLS)}), not {args.impl}: the sharded steps' "
                      "optimizers are not torch optimizers that GradScaler can step")
@@ -275,9 +303,34 @@ def _build(env, config):
     if config.impl in SHARDED_IMPLS:
         return _sharded(MODELS[config.model]().to(env.device), config)
     device_ids = [env.device.index] if config.impl == "torch" and env.device.type == "cuda" else None
-    model = wrap(MODELS[config.model]().to(env.device), config.impl, bucket_cap_mb=config.bucket_cap_mb,
-                 device_ids=device_ids)
+    options = {"device_ids": device_ids} if config.impl == "torch" else {"compress": _compress(config)}
+    model = wrap(MODELS[config.model]().to(env.device), config.impl, bucket_cap_mb=config.bucket_cap_mb, **options)
+    if config.impl == "torch" and config.compress:
+        model.register_comm_hook(*_torch_hook(config))
     return model, torch.optim.SGD(model.parameters(), lr=config.lr, momentum=0.9)
+
+
+def _powersgd_options(config: TrainConfig) -> dict:
+    return {"matrix_approximation_rank": config.powersgd_rank, "start_powerSGD_iter": config.powersgd_start_iter}
+
+
+def _compress(config: TrainConfig):
+    """--compress for our bucketed DDP."""
+    if config.compress in ("powersgd", "batched_powersgd"):
+        return PowerSGD(**_powersgd_options(config), batched=config.compress == "batched_powersgd")
+    return config.compress
+
+
+def _torch_hook(config: TrainConfig):
+    """(state, hook) of torch's comm hook for --compress, on torch's DDP."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    if config.compress == "fp16":
+        return None, default_hooks.fp16_compress_hook
+    if config.compress == "bf16":
+        return None, bf16_compress_hook_on_gloo
+    state = powerSGD_hook.PowerSGDState(process_group=None, **_powersgd_options(config))
+    return state, batched_powerSGD_hook_fixed if config.compress == "batched_powersgd" else powerSGD_hook.powerSGD_hook
 
 
 class _Progress:
@@ -397,7 +450,9 @@ def _summary(env, config: TrainConfig, start_epoch, start_step, stopped_at, skip
     return {"impl": config.impl, "model": config.model, "world_size": env.world_size, "device": str(env.device),
             "backend": env.backend, "epochs": config.epochs, "resumed_from_epoch": start_epoch,
             "resumed_from_step": start_step, "stopped_at_step": stopped_at,
-            "batch_size_per_rank": config.batch_size, "amp": config.amp, "skipped_steps": skipped,
+            "batch_size_per_rank": config.batch_size, "amp": config.amp, "compress": config.compress,
+            **({"powersgd": _powersgd_options(config)} if config.compress in ("powersgd", "batched_powersgd") else {}),
+            "skipped_steps": skipped,
             "deterministic": config.deterministic, "train_seconds": seconds,
             "images_per_second": images / seconds if seconds else None, "test_accuracy": accuracy,
             "synthetic_data": config.synthetic, "weights_sha256": digest}

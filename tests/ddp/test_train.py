@@ -158,6 +158,12 @@ def test_a_step_gradscaler_skips_is_reported_and_leaves_the_weights(factor, step
     (["--lr", "-1"], "--lr must be a positive number"),
     (["--bucket-cap-mb", "0"], "--bucket-cap-mb must be a positive number of MiB"),
     (["--impl", "fsdp", "--bucket-cap-mb", "5"], "--bucket-cap-mb applies to --impl torch, bucketed, zero1, zero2, zero2-bucketed, not fsdp"),
+    (["--impl", "flat", "--compress", "fp16"], "--compress applies to --impl bucketed and torch, not flat"),
+    (["--powersgd-rank", "2"], "--powersgd-rank and --powersgd-start-iter apply to --compress powersgd"),
+    (["--compress", "powersgd", "--powersgd-rank", "0"], "--powersgd-rank must be at least 1, got 0"),
+    (["--compress", "powersgd", "--powersgd-start-iter", "1"], "--powersgd-start-iter must be at least 2"),
+    (["--compress", "powersgd", "--checkpoint", "x", "--stop-at-step", "3"],
+     "--stop-at-step with --compress powersgd: PowerSGD's memories (error feedback, warm start) are not in the checkpoint"),
 ])
 def test_bad_arguments_are_refused_before_any_rank_starts(argv, fragment, capsys, monkeypatch):
     def no_rank_may_start(self):
@@ -324,3 +330,23 @@ def test_the_config_holds_every_flag_a_rank_reads_and_stop_at_step_in_one_place(
     stop = dataclasses.replace(config, stop_at_step=14)
     assert [stop.end_of(e, 10) for e in range(3)] == [10, 4, -6]  # within epoch 1; epoch 2 never starts
     assert dataclasses.replace(config, stop_at_step=20).end_of(2, 10) == 0  # on a boundary: epoch 2 has nothing
+
+
+def _train_with(env, argv):
+    return train.train(env, train.TrainConfig.from_args(train.build_parser().parse_args(argv)))
+
+
+@pytest.mark.parametrize("compress", ["powersgd", "batched_powersgd", "fp16"])
+def test_ours_and_torchs_ddp_with_the_same_compression_end_with_the_same_weights(compress, dist_run):
+    """The train CLI's --compress on our bucketed DDP and on torch's (its comm hook): PowerSGD rank 2
+    from step 3 of 8, then the same weights bit for bit; and not the weights of plain DDP."""
+    argv = ["--model", "small", "--synthetic", "--train-size", "128", "--test-size", "16", "--batch-size", "8",
+            "--lr", "0.05", "--compress", compress]
+    if compress != "fp16":
+        argv += ["--powersgd-rank", "2", "--powersgd-start-iter", "3"]
+    ours, theirs = (dist_run(_train_with, 2, args=(argv + ["--impl", impl],), timeout=120)[0]
+                    for impl in ("bucketed", "torch"))
+    plain = dist_run(_train_with, 2, args=([a for a in argv[:-2 if compress == "fp16" else -6]] +
+                                           ["--impl", "bucketed"],), timeout=120)[0]
+    assert ours["compress"] == theirs["compress"] == compress and plain["compress"] is None
+    assert ours["weights_sha256"] == theirs["weights_sha256"] != plain["weights_sha256"]
