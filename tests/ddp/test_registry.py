@@ -25,7 +25,7 @@ def test_every_program_offers_every_sharded_stage():
     """A stage registered in wrap.STAGES reaches every program without being named there again."""
     assert SHARDED == ["zero1", "zero2", "zero2-bucketed", "fsdp"]
     assert set(SHARDED) <= set(_choices(train.build_parser(), "impl"))
-    assert set(SHARDED) <= set(_choices(compare._parser(SHARDED), "impl"))
+    assert set(SHARDED) <= set(_choices(compare.build_parser(), "impl"))
     assert set(SHARDED) <= {name for name, _ in sharded_benchmark.ROWS.values()}
 
 
