@@ -11,13 +11,16 @@
 #
 #  3. with delay=D or loss=P: node1's egress delayed by D or a share P of it dropped (the cluster's
 #     user-space wire, collectives/cluster/wire.py), the all_reduce benchmark from 8 bytes to 4 MiB.
+#  4. with powersgd=RATE: our DDP's step time with plain all_reduce, fp16 and PowerSGD rank 1,
+#     alternated in one run (benchmarks.powersgd time), the small CNN and ResNet-50, 2 hosts x 1 rank.
 #
 #     bash benchmarks/across_hosts.sh 500mbit 1gbit 2gbit 4gbit none    # writes benchmarks/results/across-hosts_*, algorithms-race_*2hosts*
 #     bash benchmarks/across_hosts.sh delay=100ms loss=1%
+#     bash benchmarks/across_hosts.sh powersgd=500mbit powersgd=1gbit     # writes benchmarks/results/powersgd-time_*
 set -euo pipefail
 for arg in "$@"; do  # before anything touches the cluster
   case "$arg" in
-    -h|--help) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     -*) echo "across_hosts.sh: unknown option $arg: the arguments are link rates (1gbit), none, delay=D or loss=P (--help for usage)" >&2; exit 2 ;;
   esac
 done
@@ -45,6 +48,19 @@ for rate in "${rates[@]}"; do
       grep -v "hostname of the client\|^\*\|OMP_NUM_THREADS\|^$\|^\[all_reduce\]" /tmp/across-node0.txt
       sleep 1.2; echo "# node1's wire: $(python -m collectives.cluster status | grep 'wire pid' | sed 's/^ *//')"; } > "$out.txt"
     cat "$out.txt"
+    continue;;
+  esac
+  case "$rate" in powersgd=*)  # our DDP's step time, plain / fp16 / PowerSGD, on a shaped link
+    link=${rate#*=}
+    python -m collectives.cluster up --nodes 2 --link "$link" >/dev/null
+    for model in small resnet50; do
+      out="benchmarks/results/powersgd-time_gloo-cpu-2core_2hosts-link-${link}-${model}_${day}"
+      torchrun_on_both 1 "psgd-$link-$model" -m benchmarks.powersgd time --model "$model" --json "$out.json"
+      { echo "# python -m collectives.cluster up --nodes 2 --link $link; torchrun 2 hosts x 1 rank ($(date -u +%FT%TZ), this machine: 2-core VM):"
+        echo "# python -m benchmarks.powersgd time --model $model"
+        grep -v "hostname of the client\|^\*\|OMP_NUM_THREADS\|^$" /tmp/across-node0.txt; } > "$out.txt"
+      cat "$out.txt"
+    done
     continue;;
   esac
   if [ "$rate" = none ]; then python -m collectives.cluster up --nodes 2 >/dev/null
