@@ -124,7 +124,7 @@ def plot_curves(losses: dict, path: str, window: int = 10) -> None:
         smooth = [statistics.fmean(ys[max(0, i - window + 1):i + 1]) for i in range(len(ys))]
         ax.plot(range(1, len(ys) + 1), smooth, label=label, lw=1.2)
     ax.set_xlabel("step")
-    ax.set_ylabel(f"training loss (mean over ranks, {window}-step running mean)")
+    ax.set_ylabel(f"loss ({window}-step mean over ranks)")
     ax.set_title("small CNN, synthetic CIFAR-10: PowerSGD from step 2 against plain DDP")
     ax.legend(fontsize=8)
     fig.tight_layout()
