@@ -36,7 +36,10 @@ import pickle
 import time
 from typing import Dict, List, Optional, Sequence
 
-ANSWER_WAIT_S = 5.0  # how long the launcher waits for the ranks' records (3 s was too short on a loaded machine)
+# How long the launcher waits for the ranks' records; it stops as soon as every live rank has
+# answered, so only a rank that cannot answer (in C code holding Python's lock) costs all of it.
+# 3 s and then 5 s were too short on a loaded machine (a live rank's answer missed the verdict).
+ANSWER_WAIT_S = 15.0
 
 
 def recording() -> bool:
@@ -355,8 +358,12 @@ def verdict(records: Dict[int, Optional[dict]], where: Optional[Dict[int, str]] 
     for name, members in sorted(_groups(answered).items()):
         lines += _group_verdict(name, members, answered, where, dead)
     silent = sorted(set(ranks if ranks is not None else records) - set(answered))
-    if silent and lines and not set(silent) <= set(dead):
-        lines.append(f"rank(s) {silent} did not answer (dead, or in C code that holds Python's lock)")
+    if silent and not set(silent) <= set(dead):
+        if lines:
+            lines.append(f"rank(s) {silent} did not answer (dead, or in C code that holds Python's lock)")
+        elif answered and where:  # a hang, and what is missing may be the record that shows it: say so
+            lines.append(f"rank(s) {silent} did not answer (dead, or in C code that holds Python's lock), and the "
+                         f"records of rank(s) {sorted(answered)} show no hang by themselves")
     return lines
 
 
@@ -374,7 +381,7 @@ def _group_verdict(name: str, members: List[int], records: Dict[int, dict], wher
                          + "; ".join(f"rank {r} {_describe(e)}" for r, e in sorted(calls.items())))
             break
     entered = {r: max(e) if e else 0 for r, e in entries.items()}
-    if not entered:
+    if not entered or not max(entered.values()):  # no answering member entered a collective of this group
         return lines
     top = max(entered.values())
     waiting = [r for r in entered if entered[r] == top and not _completed(records[r], entries[r][top])]

@@ -413,3 +413,18 @@ def test_torchs_dumps_of_another_world_size_are_named_and_left_out(tmp_path, cap
                        "from a world of 2)",
                        f"left out {tmp_path / 'rank_5'}: rank 5 is not in the latest run's world of 2 ranks"], out
     assert out[3] == "the records of rank(s) [0, 1] show no hang or mismatch", out
+
+
+def test_a_silent_rank_is_named_even_when_the_others_show_nothing():
+    """A subgroup's waiting rank whose record did not arrive left the verdict empty: the failure
+    then had no flight-recorder line at all, and nothing said why. (A group none of whose answering
+    members entered a collective raised KeyError here.)"""
+    done = _record([_entry(1, group="1", pg_id=1)], {"1": 1}, groups={"0": "[0, 1, 2]", "1": "[0, 1]"})
+    where = {0: "waiting in all_reduce", 2: "in f (prog.py:9)"}  # 0 and 2 did not finish: a hang
+    lines = verdict({1: done, 2: done}, where=where, ranks=range(3))
+    assert lines == ["rank(s) [0] did not answer (dead, or in C code that holds Python's lock), and the records of "
+                     "rank(s) [1, 2] show no hang by themselves"], lines
+    dead = verdict({1: done, 2: done}, where=where, ranks=range(3), dead={0: "exited with code 1"})
+    assert dead == ["rank(s) [0] died (rank 0 exited with code 1); rank(s) [1] last entered all_reduce(4 Float) #1 on "
+                    "group 1 [0, 1]"], dead  # a dead rank is named as dead, not as silent
+    assert verdict({1: done, 2: done}, ranks=range(3)) == []  # no hang (every rank finished): nothing to say
