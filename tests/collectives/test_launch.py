@@ -149,7 +149,7 @@ def _pids_in(pid_dir):
 def test_a_failing_rank_is_named_first_and_nothing_is_left_behind(how, headline, fragments, tmp_path):
     start = time.monotonic()
     with pytest.raises(C.RankFailure) as info:
-        C.run(_fail, world_size=2, args=(how, tmp_path), timeout=2 if how == "hang" else 60)
+        C.run(_fail, world_size=2, args=(how, tmp_path), timeout=2 if how == "hang" else 600)
     message = str(info.value)
     assert message.startswith(headline) or (how == "abort" and headline in message.splitlines()[0]), message
     for fragment in fragments:
@@ -157,8 +157,9 @@ def test_a_failing_rank_is_named_first_and_nothing_is_left_behind(how, headline,
     if how != "abort":  # which rank Gloo's abort hits first is up to Gloo
         assert (info.value.first, info.value.failed, info.value.stopped) == (1, [1], [0])
     assert info.value.ranks == [0, 1]
-    # ~2-6 s here (the 2 s hang timeout, the 3 s grace, stacks); the other cases' timeout is 60 s
-    assert time.monotonic() - start < 30
+    # ~2-6 s here (the 2 s hang timeout, the 3 s grace, stacks); the other cases' timeout is 600 s,
+    # so the bound tells a prompt report from a wait for the timeout however loaded the machine is
+    assert time.monotonic() - start < 300
     assert_all_gone(_pids_in(tmp_path))
 
 

@@ -204,8 +204,8 @@ def test_a_dead_peer_is_named_not_waited_for():
     ranks = pool.pids
     start = time.monotonic()
     with pytest.raises(C.RankFailure) as info:
-        pool.submit(_one_rank_dies, timeout=60)
-    assert time.monotonic() - start < 30  # not the 60 s timeout (a few s here: the 3 s grace, the teardown)
+        pool.submit(_one_rank_dies, timeout=600)
+    assert time.monotonic() - start < 300  # not the 600 s timeout (a few s here: the 3 s grace, the teardown)
     message = str(info.value)
     assert message.startswith("rank 1 exited with code 3"), message
     assert (info.value.first, info.value.failed, info.value.stopped) == (1, [1], [0, 2]), message
