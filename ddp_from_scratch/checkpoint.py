@@ -20,6 +20,7 @@ import pickle
 import zipfile
 
 import torch
+import torch.distributed as dist
 
 from .wrap import SHARDED_IMPLS
 
@@ -75,7 +76,10 @@ def check_resume(state: dict, settings: dict, path: str, epochs: int) -> None:
 
 def run_settings(config, world_size: int) -> dict:
     """The settings that decide a run's result, from its config (a TrainConfig or the parsed flags)."""
-    return {**{k: getattr(config, k) for k in RESUME_KEYS if k != "world_size"}, "world_size": world_size}
+    settings = {**{k: getattr(config, k) for k in RESUME_KEYS if k != "world_size"}, "world_size": world_size}
+    if settings["compress"] in ("powersgd", "batched_powersgd"):  # its options decide the result too
+        settings["compress"] += f" rank {config.powersgd_rank} from step {config.powersgd_start_iter}"
+    return settings
 
 
 def gather_state(model, opt, impl: str) -> dict:
@@ -88,7 +92,26 @@ def gather_state(model, opt, impl: str) -> dict:
     if impl in SHARDED_IMPLS:
         return {"model": model.full_model_state(), "optimizer": opt.full_state_dict()}
     buckets = model.bucket_layout_state() if hasattr(model, "bucket_layout_state") else None  # ours: see ddp.py
-    return {"model": model.module.state_dict(), "optimizer": opt.state_dict(), "buckets": buckets}
+    saved = {"model": model.module.state_dict(), "optimizer": opt.state_dict(), "buckets": buckets}
+    local = _powersgd_state(model)
+    if local is not None:  # each rank's own (its error-feedback memory is its own): gathered on every rank
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, local)
+        saved["powersgd"] = everyone
+    return saved
+
+
+def _powersgd_state(model):
+    """This rank's PowerSGD state, ours (compress=PowerSGD) or torch's hook's (train.py keeps it
+    on the model as `powersgd_state`); None without PowerSGD."""
+    from .powersgd import PowerSGD
+    from .torch_hooks import powersgd_state_dict
+
+    if isinstance(getattr(model, "compress", None), PowerSGD):
+        return model.compress.state_dict()
+    if getattr(model, "powersgd_state", None) is not None:
+        return powersgd_state_dict(model.powersgd_state)
+    return None
 
 
 def load_state(model, opt, state: dict, impl: str) -> None:
@@ -106,6 +129,15 @@ def load_state(model, opt, state: dict, impl: str) -> None:
         opt.load_state_dict(state["optimizer"])
         if hasattr(model, "load_bucket_layout_state"):
             model.load_bucket_layout_state(state.get("buckets"))
+        if state.get("powersgd") is not None:
+            from .powersgd import PowerSGD
+            from .torch_hooks import load_powersgd_state_dict
+
+            mine = state["powersgd"][dist.get_rank()]
+            if isinstance(getattr(model, "compress", None), PowerSGD):
+                model.compress.load_state_dict(mine)
+            else:
+                load_powersgd_state_dict(model.powersgd_state, mine)
 
 
 def save(path: str, config, saved: dict, epochs_done: int, settings: dict, step: int = 0) -> None:

@@ -96,6 +96,17 @@ class PowerSGD:
     def rank(self) -> int:
         return self.matrix_approximation_rank
 
+    def state_dict(self) -> dict:
+        """This rank's state across steps, for a checkpoint (tensors, numbers and dicts only): the
+        step count, the random generator, and the memories (error feedback is this rank's own)."""
+        return {"iter": self.iter, "rng": rng_state(self.rng), "error": dict(self.error), "p": dict(self.p),
+                "q": dict(self.q)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.iter = state["iter"]
+        set_rng_state(self.rng, state["rng"])
+        self.error, self.p, self.q = dict(state["error"]), dict(state["p"]), dict(state["q"])
+
     def launch(self, bucket, group, world_size: int, last: bool):
         """Start reducing one bucket (its `buffer` holds this rank's gradients, undivided); a Work
         whose wait() leaves the averaged, decompressed gradients in the buffer."""
@@ -252,6 +263,18 @@ def _finish(state: PowerSGD, key: int, before, now: torch.Tensor, last: bool) ->
         state.q.clear()
     if last:
         state.iter += 1
+
+
+def rng_state(rng: np.random.RandomState) -> dict:
+    """numpy's generator state as tensors and numbers (a checkpoint loads with weights_only)."""
+    _, keys, pos, has_gauss, gauss = rng.get_state()
+    return {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos), "has_gauss": int(has_gauss),
+            "gauss": float(gauss)}
+
+
+def set_rng_state(rng: np.random.RandomState, state: dict) -> None:
+    rng.set_state(("MT19937", state["keys"].numpy().astype(np.uint32), state["pos"], state["has_gauss"],
+                   state["gauss"]))
 
 
 def compressed_numel(rows: int, cols: int, rank: int) -> int:

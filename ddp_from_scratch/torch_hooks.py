@@ -10,6 +10,23 @@ from __future__ import annotations
 import torch
 
 
+def powersgd_state_dict(state) -> dict:
+    """torch's PowerSGDState as ddp_from_scratch.powersgd.PowerSGD.state_dict lays its own out."""
+    from .powersgd import rng_state
+
+    return {"iter": state.iter, "rng": rng_state(state.rng), "error": dict(state.error_dict),
+            "p": dict(state.p_memory_dict), "q": dict(state.q_memory_dict)}
+
+
+def load_powersgd_state_dict(state, saved: dict) -> None:
+    from .powersgd import set_rng_state
+
+    state.iter = saved["iter"]
+    set_rng_state(state.rng, saved["rng"])
+    state.error_dict, state.p_memory_dict, state.q_memory_dict = (dict(saved["error"]), dict(saved["p"]),
+                                                                  dict(saved["q"]))
+
+
 def bf16_compress_hook_on_gloo(state, bucket):
     """torch's bf16_compress_hook, run on Gloo.
 
@@ -37,6 +54,6 @@ def batched_powerSGD_hook_fixed(state, bucket):
 
         def orthogonalize(matrices, epsilon=0):
             return batches_only(matrices.unsqueeze(0) if matrices.dim() == 2 else matrices, epsilon)
-        orthogonalize.takes_one_matrix = True
+        orthogonalize.takes_one_matrix, orthogonalize.original = True, batches_only
         P._orthogonalize = orthogonalize
     return P.batched_powerSGD_hook(state, bucket)

@@ -176,11 +176,13 @@ def validate(args, parser, world_size: int, local_ranks: Optional[int] = None) -
     if powersgd and args.powersgd_start_iter < 2:
         parser.error(f"--powersgd-start-iter must be at least 2 (error feedback and warm start keep memories per "
                      f"bucket, and DDP settles its buckets in the first steps), got {args.powersgd_start_iter}")
-    for flag, given in (("--resume", args.resume), ("--auto-resume", args.auto_resume),
-                        ("--checkpoint-every", args.checkpoint_every), ("--stop-at-step", args.stop_at_step)):
-        if powersgd and given:
-            parser.error(f"{flag} with --compress {args.compress}: PowerSGD's memories (error feedback, warm start) "
-                         "are not in the checkpoint, so a resumed run would not be the uninterrupted one")
+    resuming = [flag for flag, given in (("--resume", args.resume), ("--auto-resume", args.auto_resume),
+                                         ("--stop-at-step", args.stop_at_step)) if given]
+    if powersgd and args.impl == "torch" and resuming:
+        parser.error(f"{resuming[0]} with --impl torch --compress {args.compress}: torch's DDP starts a resumed run "
+                     "in its first-iteration bucket layout, where PowerSGD's per-bucket memories (laid out for the "
+                     "rebuilt buckets) do not fit, so the run would not be the uninterrupted one; --impl bucketed "
+                     "restores its layout and resumes bitwise")
     if args.amp and args.impl in SHARDED_IMPLS:
         parser.error(f"--amp applies to the DDP impls ({', '.join(IMPLS)}), not {args.impl}: the sharded steps' "
                      "optimizers are not torch optimizers that GradScaler can step")
@@ -306,7 +308,9 @@ def _build(env, config):
     options = {"device_ids": device_ids} if config.impl == "torch" else {"compress": _compress(config)}
     model = wrap(MODELS[config.model]().to(env.device), config.impl, bucket_cap_mb=config.bucket_cap_mb, **options)
     if config.impl == "torch" and config.compress:
-        model.register_comm_hook(*_torch_hook(config))
+        state, hook = _torch_hook(config)
+        model.register_comm_hook(state, hook)
+        model.powersgd_state = state  # None but for PowerSGD; the checkpoint keeps its memories (checkpoint.py)
     return model, torch.optim.SGD(model.parameters(), lr=config.lr, momentum=0.9)
 
 
