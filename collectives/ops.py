@@ -26,7 +26,7 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 
-from . import checked_mode as _checked
+from . import checked_mode
 from . import compat, reduce_ops
 from .checks import CPU_BACKENDS, GroupInfo, check_divisible, check_root, check_tensor, check_writable, resolve_group
 from .errors import CollectiveError, CollectiveMismatchError, backend_failure
@@ -126,12 +126,12 @@ def _begin(collective: str, group: Group, tensor=_NO_TENSOR, op=_NO_OP, root=Non
         if divisible:
             check_divisible(tensor, collective, info)
     except CollectiveError as exc:
-        if not _checked.is_checked() and not spread:
+        if not checked_mode.is_checked() and not spread:
             raise
         error = str(exc)
-    if _checked.is_checked():  # raises on every rank if any rank differs or failed
+    if checked_mode.is_checked():  # raises on every rank if any rank differs or failed
         shown = tensor if compare_tensor and tensor is not _NO_TENSOR else None
-        _checked.verify(_checked.Call(collective, info, sequence, shown, name, root, error))
+        checked_mode.verify(checked_mode.Call(collective, info, sequence, shown, name, root, error))
     return info, name, error
 
 
@@ -208,7 +208,7 @@ def _all_reduce_fast(tensor, op, group, async_op):
     Measured on Gloo: any Python work right before the call costs several times its own
     duration, so this does a type check, a few attribute reads and two dictionary lookups.
     """
-    if _checked.is_checked() or type(tensor) is not torch.Tensor or not tensor.is_cpu or not tensor.is_contiguous():
+    if checked_mode.is_checked() or type(tensor) is not torch.Tensor or not tensor.is_cpu or not tensor.is_contiguous():
         return None
     try:  # group None means WORLD at the time of the call
         ready = _all_reduce_ready.get(id(dist.group.WORLD if group is None else group), _NOTHING_READY)
@@ -240,7 +240,7 @@ def all_reduce(tensor: torch.Tensor, op="sum", group: Group = None, async_op: bo
         tensor.copy_(_gather_and_fold(info, tensor, name))
         return _finish(None, lambda: tensor, async_op)
     sent, back = _reduction_input(info, tensor, name, host=False)
-    if info.backend in CPU_BACKENDS and sent is tensor and tensor.is_cpu and not _checked.is_checked():
+    if info.backend in CPU_BACKENDS and sent is tensor and tensor.is_cpu and not checked_mode.is_checked():
         try:
             _remember_ready(info.group, (op, tensor.dtype), (info, reduce_ops.TORCH_OPS[name]))
         except TypeError:
