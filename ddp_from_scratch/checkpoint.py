@@ -22,6 +22,7 @@ import zipfile
 import torch
 import torch.distributed as dist
 
+from .powersgd import CLI_NAMES as POWERSGD_CLI_NAMES
 from .wrap import SHARDED_IMPLS
 
 
@@ -77,7 +78,7 @@ def check_resume(state: dict, settings: dict, path: str, epochs: int) -> None:
 def run_settings(config, world_size: int) -> dict:
     """The settings that decide a run's result, from its config (a TrainConfig or the parsed flags)."""
     settings = {**{k: getattr(config, k) for k in RESUME_KEYS if k != "world_size"}, "world_size": world_size}
-    if settings["compress"] in ("powersgd", "batched_powersgd"):  # its options decide the result too
+    if settings["compress"] in POWERSGD_CLI_NAMES:  # its options decide the result too
         settings["compress"] += f" rank {config.powersgd_rank} from step {config.powersgd_start_iter}"
     return settings
 

@@ -46,7 +46,7 @@ from .models import MODELS, batch, check_batch_fits
 from .parity import StepCheck, count_nonfinite, relative_diff, same_bits, summarise, table_row
 from .sharded_parity import (PARITY_IMPLS, SHARDED_HEADERS, SHARDED_NOTE, must_be_bitwise, shard_layout_text,
                              train_sharded_side_by_side)
-from .torch_hooks import batched_powerSGD_hook_fixed, bf16_compress_hook_on_gloo
+from .torch_hooks import bf16_compress_hook_on_gloo, powersgd_hook
 from .wrap import WRAPPERS, wrap
 
 def train_side_by_side(env, wrapper, steps: int, model="small", batch_size: int = 4, image: int = 12,
@@ -107,8 +107,8 @@ def _powersgd(**options):
 
     batched = options.pop("batched", False)
     state = functools.partial(P.PowerSGDState, process_group=None, **options)  # made in the rank
-    hook = batched_powerSGD_hook_fixed if batched else P.powerSGD_hook
-    return {"ours_kwargs": {"compress": PowerSGD(**options, batched=batched)}, "torch_comm_hook": (state, hook)}
+    return {"ours_kwargs": {"compress": PowerSGD(**options, batched=batched)},
+            "torch_comm_hook": (state, powersgd_hook(batched))}
 
 
 # ResNet-50 at 32x32 with 2 images per rank: BatchNorm over 2 values at the 1x1 last stage makes

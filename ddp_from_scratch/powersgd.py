@@ -43,6 +43,10 @@ import torch
 import collectives
 
 
+# the train CLI's --compress values that mean PowerSGD (batched: the whole bucket as one matrix)
+CLI_NAMES = ("powersgd", "batched_powersgd")
+
+
 def orthogonalize(matrices: torch.Tensor, epsilon: float = 0.0) -> None:
     """Make the columns of each matrix in a batch (batch x rows x r, r <= rows) orthonormal, in
     place: Gram-Schmidt for r <= 2 or half precision, else QR (as torch's hook chooses)."""
@@ -137,7 +141,14 @@ class PowerSGD:
                 q.copy_(torch.randn(*q.shape, device="cpu", dtype=q.dtype))
 
 
-class _Layerwise:
+class _Step:
+    """One bucket's compressed reduction under way, as DDP waits for it: wait() finishes it."""
+
+    def get_future(self):
+        return None  # several collectives, no single completion to show on a timeline
+
+
+class _Layerwise(_Step):
     """powerSGD_hook: each gradient worth compressing is its own matrix (or a batch of the ones of
     one shape, with batch_tensors_with_same_shape)."""
 
@@ -189,9 +200,6 @@ class _Layerwise:
             at += n * length * r
         return out
 
-    def get_future(self):
-        return None  # no single collective's completion to show on a timeline
-
     def wait(self) -> None:
         state, key = self.state, self.key
         self.plain_work.wait()
@@ -217,7 +225,7 @@ class _Layerwise:
         _finish(state, key, self.before, self.buffer, self.last)
 
 
-class _Square:
+class _Square(_Step):
     """batched_powerSGD_hook: the whole bucket, zero padded to side x side, one P and one Q."""
 
     def __init__(self, state: PowerSGD, bucket, group, world_size: int, last: bool):
@@ -237,9 +245,6 @@ class _Square:
         torch.matmul(self.matrix, state.q[self.key], out=state.p[self.key])
         state.numel_all_reduced += 2 * side * state.rank
         self.p_work = collectives.all_reduce(state.p[self.key], group=group, async_op=True)
-
-    def get_future(self):
-        return None
 
     def wait(self) -> None:
         state, key = self.state, self.key

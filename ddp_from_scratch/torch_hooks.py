@@ -10,6 +10,13 @@ from __future__ import annotations
 import torch
 
 
+def powersgd_hook(batched: bool = False):
+    """torch's powerSGD_hook, or (batched) its batched_powerSGD_hook as it runs here."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as P
+
+    return batched_powerSGD_hook_fixed if batched else P.powerSGD_hook
+
+
 def powersgd_state_dict(state) -> dict:
     """torch's PowerSGDState as ddp_from_scratch.powersgd.PowerSGD.state_dict lays its own out."""
     from .powersgd import rng_state

@@ -54,8 +54,8 @@ from . import cifar10
 from .checkpoint import (CheckpointError, check_resume, gather_state, load_checkpoint, load_state, run_settings, save,
                          weights_sha256)
 from .models import MODELS, check_batch_fits
-from .powersgd import PowerSGD
-from .torch_hooks import batched_powerSGD_hook_fixed, bf16_compress_hook_on_gloo
+from .powersgd import CLI_NAMES as POWERSGD_CLI_NAMES, PowerSGD
+from .torch_hooks import bf16_compress_hook_on_gloo, powersgd_hook
 from .wrap import IMPLS, SHARDED_IMPLS, STAGES, wrap
 
 CIFAR_TRAIN_SIZE = 50_000
@@ -122,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "for --impl zero2 or zero2-bucketed, reduce-scatter in buckets of this size during backward "
                         "(default: zero2, one reduce-scatter of the whole model after it; zero2-bucketed, a quarter "
                         "of the model)")
-    p.add_argument("--compress", choices=["fp16", "bf16", "powersgd", "batched_powersgd"], default=None,
+    p.add_argument("--compress", choices=["fp16", "bf16", *POWERSGD_CLI_NAMES], default=None,
                    help="compress the gradients all-reduced, for --impl bucketed (ours) and torch (torch's comm "
                         "hooks): to fp16 or bf16, or PowerSGD's low-rank approximation (per gradient, or batched: "
                         "each bucket as one square matrix)")
@@ -168,7 +168,7 @@ def validate(args, parser, world_size: int, local_ranks: Optional[int] = None) -
         parser.error(f"--bucket-cap-mb applies to --impl {', '.join(takers)}, not {args.impl}")
     if args.compress and args.impl not in ("bucketed", "torch"):
         parser.error(f"--compress applies to --impl bucketed and torch, not {args.impl}")
-    powersgd = args.compress in ("powersgd", "batched_powersgd")
+    powersgd = args.compress in POWERSGD_CLI_NAMES
     if not powersgd and (args.powersgd_rank != 1 or args.powersgd_start_iter != 1000):
         parser.error("--powersgd-rank and --powersgd-start-iter apply to --compress powersgd or batched_powersgd")
     if powersgd and args.powersgd_rank < 1:
@@ -320,7 +320,7 @@ def _powersgd_options(config: TrainConfig) -> dict:
 
 def _compress(config: TrainConfig):
     """--compress for our bucketed DDP."""
-    if config.compress in ("powersgd", "batched_powersgd"):
+    if config.compress in POWERSGD_CLI_NAMES:
         return PowerSGD(**_powersgd_options(config), batched=config.compress == "batched_powersgd")
     return config.compress
 
@@ -334,7 +334,7 @@ def _torch_hook(config: TrainConfig):
     if config.compress == "bf16":
         return None, bf16_compress_hook_on_gloo
     state = powerSGD_hook.PowerSGDState(process_group=None, **_powersgd_options(config))
-    return state, batched_powerSGD_hook_fixed if config.compress == "batched_powersgd" else powerSGD_hook.powerSGD_hook
+    return state, powersgd_hook(batched=config.compress == "batched_powersgd")
 
 
 class _Progress:
@@ -455,7 +455,7 @@ def _summary(env, config: TrainConfig, start_epoch, start_step, stopped_at, skip
             "backend": env.backend, "epochs": config.epochs, "resumed_from_epoch": start_epoch,
             "resumed_from_step": start_step, "stopped_at_step": stopped_at,
             "batch_size_per_rank": config.batch_size, "amp": config.amp, "compress": config.compress,
-            **({"powersgd": _powersgd_options(config)} if config.compress in ("powersgd", "batched_powersgd") else {}),
+            **({"powersgd": _powersgd_options(config)} if config.compress in POWERSGD_CLI_NAMES else {}),
             "skipped_steps": skipped,
             "deterministic": config.deterministic, "train_seconds": seconds,
             "images_per_second": images / seconds if seconds else None, "test_accuracy": accuracy,
