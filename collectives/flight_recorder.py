@@ -342,7 +342,8 @@ def _groups(records: Dict[int, dict]) -> Dict[str, List[int]]:
 
 
 def verdict(records: Dict[int, Optional[dict]], where: Optional[Dict[int, str]] = None,
-            ranks: Optional[Sequence[int]] = None, dead: Optional[Dict[int, str]] = None) -> List[str]:
+            ranks: Optional[Sequence[int]] = None, dead: Optional[Dict[int, str]] = None,
+            ended: Sequence[int] = ()) -> List[str]:
     """Lines that say what the records show, most telling first; [] when they show nothing wrong.
 
     Args:
@@ -351,12 +352,15 @@ def verdict(records: Dict[int, Optional[dict]], where: Optional[Dict[int, str]] 
             never entered the collective the others wait in.
         ranks: every rank of the job (default: those in records).
         dead: rank -> how it ended ("exited with code 3"), for ranks known to be gone.
+        ended: live ranks whose work has ended (returned or raised): none of them is waiting in a
+            collective, whatever its record says yet (a record marks a call that failed completed
+            some time after the error reached Python, later on a loaded machine).
     """
     where, dead = where or {}, dead or {}
     answered = {r: rec for r, rec in records.items() if rec}
     lines: List[str] = []
     for name, members in sorted(_groups(answered).items()):
-        lines += _group_verdict(name, members, answered, where, dead)
+        lines += _group_verdict(name, members, answered, where, dead, set(ended))
     silent = sorted(set(ranks if ranks is not None else records) - set(answered))
     if silent and not set(silent) <= set(dead):
         if lines:
@@ -368,7 +372,7 @@ def verdict(records: Dict[int, Optional[dict]], where: Optional[Dict[int, str]] 
 
 
 def _group_verdict(name: str, members: List[int], records: Dict[int, dict], where: Dict[int, str],
-                   dead: Dict[int, str]) -> List[str]:
+                   dead: Dict[int, str], ended: set) -> List[str]:
     entries = {r: {e["collective_seq_id"]: e for e in records[r].get("entries", [])
                    if e["process_group"][0] == name and not e.get("is_p2p")} for r in members if r in records}
     lines = []
@@ -384,7 +388,8 @@ def _group_verdict(name: str, members: List[int], records: Dict[int, dict], wher
     if not entered or not max(entered.values()):  # no answering member entered a collective of this group
         return lines
     top = max(entered.values())
-    waiting = [r for r in entered if entered[r] == top and not _completed(records[r], entries[r][top])]
+    waiting = [r for r in entered if entered[r] == top and r not in ended
+               and not _completed(records[r], entries[r][top])]
     behind = sorted(r for r in entered if entered[r] < top)
     gone = [r for r in members if r in dead and r not in records]
     if gone:  # a rank died: say what the others were in (Gloo marks the call its error ended as completed)

@@ -325,14 +325,15 @@ class RankPool:
             return False
         return not failures and not pending and len(set(results.values())) == 1 and None not in results.values()
 
-    def _flight_records(self, where: Dict[int, str]) -> List[str]:
+    def _flight_records(self, where: Dict[int, str], pending: set) -> List[str]:
         """What the live ranks' flight records say (a rank that died is named as dead); with
         TORCH_FR_DUMP_TEMP_FILE set (torch's setting), the records are also written there."""
         from .. import flight_recorder  # here, not at the top: `python -m collectives.flight_recorder`
         # imports this package first, and runpy warns when the module it runs is already imported
         records = flight_recorder.collect(self._recorders)
         dead = {r: describe_exit(p.exitcode) for r, p in enumerate(self._procs) if p.exitcode is not None}
-        lines = flight_recorder.verdict(records, where, ranks=range(self.world_size), dead=dead)
+        ended = set(range(self.world_size)) - set(pending) - set(dead)  # returned or raised: in no collective now
+        lines = flight_recorder.verdict(records, where, ranks=range(self.world_size), dead=dead, ended=ended)
         if not lines and where and not any(records.values()):  # a hang, and nothing to judge it by: say so
             lines = [f"no live rank sent its record within {flight_recorder.ANSWER_WAIT_S:g} s "
                      f"({len(records)} answered, every answer empty)" if records else
@@ -374,7 +375,7 @@ class RankPool:
         stopped += [r for r in order[1:] if r not in stopped and PEER_LOST.search(failures[r])]
         # A hang: what torch's flight records say, when the ranks keep them (TORCH_FR_BUFFER_SIZE).
         from ..flight_recorder import recording
-        told = self._flight_records(where if pending else {}) if recording() else []
+        told = self._flight_records(where if pending else {}, pending) if recording() else []
         if pending or not self._in_step():
             self._kill()  # the next submit starts fresh ranks
         failed = [r for r in order if r not in stopped]

@@ -165,9 +165,10 @@ def test_a_dead_rank_is_named_with_the_collective_the_others_wait_in(backend, mo
     with pytest.raises(C.RankFailure) as info:
         C.run(_one_rank_dies, world_size=2, backend=backend, timeout=600)
     first = str(info.value).splitlines()[0]
-    # Gloo's error ends the call on rank 0 (its record says completed); shm's rank 0 is still in it
-    state = "were waiting in" if backend == "shm" else "last entered"
-    assert first == (f"flight recorder: rank(s) [1] died (rank 1 exited with code 3); rank(s) [0] {state} "
+    # rank 0 raised (the peer's error ended its call): it is waiting in nothing, whether or not its
+    # record has marked the call completed yet (on Gloo it does, some time after; a loaded run's
+    # report said "were waiting in" there)
+    assert first == ("flight recorder: rank(s) [1] died (rank 1 exited with code 3); rank(s) [0] last entered "
                      "all_reduce(4 Float) #4 on group 0 [0, 1]"), str(info.value)
     # waiting for the 600 s timeout would take longer; a death is seen in ~1 s, plus the 3 s grace
     assert time.monotonic() - start < 300, "waited for the timeout"
@@ -428,3 +429,17 @@ def test_a_silent_rank_is_named_even_when_the_others_show_nothing():
     assert dead == ["rank(s) [0] died (rank 0 exited with code 1); rank(s) [1] last entered all_reduce(4 Float) #1 on "
                     "group 1 [0, 1]"], dead  # a dead rank is named as dead, not as silent
     assert verdict({1: done, 2: done}, ranks=range(3)) == []  # no hang (every rank finished): nothing to say
+
+
+def test_a_rank_that_raised_is_waiting_in_nothing_whatever_its_record_says_yet():
+    """Gloo marks a call that the peer's death ended as completed some time after the error reached
+    Python: a record taken before then says "not completed". A rank whose work has ended (returned
+    or raised) is named as having last entered the call, not as waiting in it."""
+    behind = _record([_entry(s) for s in (1, 2, 3, 4)], {"0": 3}, groups={"0": "[0, 1]"})  # #4 not yet marked
+    dead = {1: "exited with code 3"}
+    assert verdict({0: behind}, ranks=range(2), dead=dead) == [
+        "rank(s) [1] died (rank 1 exited with code 3); rank(s) [0] were waiting in all_reduce(4 Float) #4 on group 0 "
+        "[0, 1]"]  # rank 0 still running
+    assert verdict({0: behind}, ranks=range(2), dead=dead, ended=[0]) == [
+        "rank(s) [1] died (rank 1 exited with code 3); rank(s) [0] last entered all_reduce(4 Float) #4 on group 0 "
+        "[0, 1]"]
