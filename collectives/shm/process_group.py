@@ -94,7 +94,8 @@ class ShmBackend:
         self._queue: "queue.Queue" = queue.Queue()
         self._pending = 0
         self._idle = threading.Condition()
-        threading.Thread(target=self._serve, daemon=True, name="shm-collectives").start()
+        self._worker = threading.Thread(target=self._serve, daemon=True, name="shm-collectives")
+        self._worker.start()
 
     def rank(self) -> int:
         return self._rank
@@ -128,12 +129,20 @@ class ShmBackend:
     def _submit(self, op: str, job: Callable[[], None], value, nbytes: int = 0) -> torch.futures.Future:
         """Run `job` (the collective torch calls `op`, as torchfrtrace names it in the flight
         record) at once in this thread when nothing is queued and it is small, else on the worker
-        thread; a Future with `value` when it is done."""
+        thread; a Future with `value` when it is done.
+
+        A call made by the worker thread itself comes from a callback of the Future it is
+        completing (`fut.then(...)`: torch's PowerSGD hook all-reduces P there, and waits): it runs
+        at once, before the calls queued behind. Queued, it would wait for the thread that waits
+        for it. Run at once, every rank runs a callback's collectives right after the call they
+        follow, whether that call ran in the caller or on the worker, so the ranks agree on the
+        order (Gloo's worker threads give no such order: docs/powersgd.md)."""
         fut = torch.futures.Future()
         if self.recorder is not None:  # the flight record (recorder.py): in torch's format
             job = self._recorded(job, op, value)
         with self._idle:
-            inline = self._pending == 0 and nbytes <= self.config.inline_bytes
+            nested = threading.current_thread() is self._worker
+            inline = nested or (self._pending == 0 and nbytes <= self.config.inline_bytes)
             if not inline:
                 self._pending += 1
         if inline:  # nothing queued before it: run it here, no thread hand-off (small calls' latency)
