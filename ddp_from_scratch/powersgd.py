@@ -24,7 +24,9 @@ which is also when DDP settles its bucket layout.
 `batched=True` is torch's batched_powerSGD_hook: the whole bucket as one square matrix (zero
 padded), one P and one Q. torch 2.13's own batched_powerSGD_hook cannot run: it passes a 2-D Q to
 an orthogonalization that takes only batches of matrices (AssertionError at its first compressed
-step); ours orthogonalizes it as a batch of one, which is what the hook means.
+step); ours orthogonalizes it as a batch of one, which is what the hook means. A bucket whose
+side is less than the rank (fewer than rank^2 elements) gets rank = side, as the layerwise form
+takes min(rows, cols, rank); torch's hook asserts there.
 
 The options and their names are torch's PowerSGDState's; `numel_all_reduced` counts the elements
 this rank all-reduced, plain and compressed (bytes = elements x 4 in float32).
@@ -92,7 +94,7 @@ class PowerSGD:
         self.rng = np.random.RandomState(self.random_seed)  # Q's random starts: one seed drawn per bucket
         self.iter = 0  # steps done (counted at each step's last bucket)
         self.error: Dict[int, torch.Tensor] = {}  # bucket index -> what the approximation lost here
-        self.p: Dict[int, torch.Tensor] = {}  # bucket index -> every P of the bucket, in one buffer
+        self.p: Dict[int, torch.Tensor] = {}  # warm start: bucket index -> every P of the bucket, in one buffer
         self.q: Dict[int, torch.Tensor] = {}
         self.numel_all_reduced = 0
 
@@ -170,12 +172,16 @@ class _Layerwise(_Step):
         self.plain_flat = torch.cat([g.view(-1) for g in self.plain]) if self.plain else self.buffer.new_empty(0)
         fresh = not state.warm_start or self.key not in state.p
         if fresh:
-            state.p[self.key], state.q[self.key] = self.buffer.new_empty(p_size), self.buffer.new_empty(q_size)
+            self.p, self.q = self.buffer.new_empty(p_size), self.buffer.new_empty(q_size)
+        else:
+            self.p, self.q = state.p[self.key], state.q[self.key]
+        if state.warm_start:  # kept for the next step's power iteration
+            state.p[self.key], state.q[self.key] = self.p, self.q
         self.by_shape: Dict[torch.Size, List[torch.Tensor]] = defaultdict(list)
         for m in matrices:
             self.by_shape[m.shape].append(m)
         self.batches = [b for ms in self.by_shape.values() for b in self._batches(ms)]
-        self.ps, self.qs = self._views(state.p[self.key], 1), self._views(state.q[self.key], 2)
+        self.ps, self.qs = self._views(self.p, 1), self._views(self.q, 2)
         if fresh:
             state._random_start(self.qs)
         for q in self.qs:
@@ -208,13 +214,13 @@ class _Layerwise(_Step):
         for g in self.plain:
             g.copy_(self.plain_flat[at:at + g.numel()].view_as(g))
             at += g.numel()
-        collectives.all_reduce(state.p[key], group=self.group)
+        collectives.all_reduce(self.p, group=self.group)
         for p in self.ps:
             orthogonalize(p, state.orthogonalization_epsilon)
         for m, p, q in zip(self.batches, self.ps, self.qs):
             torch.bmm(m.transpose(1, 2), p, out=q)  # Q = M^T P
-        collectives.all_reduce(state.q[key], group=self.group)
-        state.q[key].div_(self.world_size)
+        collectives.all_reduce(self.q, group=self.group)
+        self.q.div_(self.world_size)
         for p, q, m in zip(self.ps, self.qs, self.batches):
             torch.bmm(p, q.transpose(1, 2), out=m)  # M ~ P Q^T
         if state.batch_tensors_with_same_shape:  # stacked copies: back into the bucket
@@ -237,35 +243,37 @@ class _Square(_Step):
         self.padded[:n] = self.buffer
         self.before = state._error_feedback(self.key, self.padded)
         self.matrix = self.padded.view(side, side)
+        r = min(side, state.rank)  # a bucket of fewer than rank^2 elements: every column it has
         if not state.warm_start or self.key not in state.p:
-            state.p[self.key] = self.buffer.new_empty(side, state.rank)
-            state.q[self.key] = self.buffer.new_empty(side, state.rank)
-            state._random_start([state.q[self.key]])
-        orthogonalize(state.q[self.key].unsqueeze(0))  # torch's hook passes no epsilon here
-        torch.matmul(self.matrix, state.q[self.key], out=state.p[self.key])
-        state.numel_all_reduced += 2 * side * state.rank
-        self.p_work = collectives.all_reduce(state.p[self.key], group=group, async_op=True)
+            self.p, self.q = self.buffer.new_empty(side, r), self.buffer.new_empty(side, r)
+            state._random_start([self.q])
+        else:
+            self.p, self.q = state.p[self.key], state.q[self.key]
+        if state.warm_start:  # kept for the next step's power iteration
+            state.p[self.key], state.q[self.key] = self.p, self.q
+        orthogonalize(self.q.unsqueeze(0))  # torch's hook passes no epsilon here
+        torch.matmul(self.matrix, self.q, out=self.p)
+        state.numel_all_reduced += 2 * side * r
+        self.p_work = collectives.all_reduce(self.p, group=group, async_op=True)
 
     def wait(self) -> None:
         state, key = self.state, self.key
         self.p_work.wait()
-        orthogonalize(state.p[key].unsqueeze(0))
-        torch.matmul(self.matrix.t(), state.p[key], out=state.q[key])
-        collectives.all_reduce(state.q[key], group=self.group)
-        state.q[key].div_(self.world_size)
-        torch.matmul(state.p[key], state.q[key].t(), out=self.matrix)
+        orthogonalize(self.p.unsqueeze(0))
+        torch.matmul(self.matrix.t(), self.p, out=self.q)
+        collectives.all_reduce(self.q, group=self.group)
+        self.q.div_(self.world_size)
+        torch.matmul(self.p, self.q.t(), out=self.matrix)
         self.buffer.copy_(self.padded[:self.buffer.numel()])
         _finish(state, key, self.before, self.padded, self.last)
 
 
 def _finish(state: PowerSGD, key: int, before, now: torch.Tensor, last: bool) -> None:
-    """After a bucket: keep what the approximation lost (error feedback), forget P and Q without
-    warm start, count the step at its last bucket."""
+    """After a bucket: keep what the approximation lost (error feedback), count the step at its
+    last bucket. Without warm start P and Q live in the bucket's step alone: torch's hook clears
+    its dicts of every bucket here, which would pull them from under a bucket still in flight."""
     if state.use_error_feedback:
         state.error[key] = before - now
-    if not state.warm_start:
-        state.p.clear()
-        state.q.clear()
     if last:
         state.iter += 1
 
