@@ -217,3 +217,23 @@ class DistributedDataParallel(DataParallelBase):
             f"DistributedDataParallel on rank {dist.get_rank()}: {len(missing)} parameter(s) got no gradient in "
             f"this backward, so their buckets were never reduced: {shown}. {hint}."
         )
+
+
+def rebuilt_bucket_count(module: torch.nn.Module, example, loss_fn, bucket_cap_mb: Optional[float] = None) -> int:
+    """How many buckets torch's DDP cuts `module` into after its first backward, found in this
+    process with no process group: one backward of loss_fn(module(example)), the order its
+    gradients become ready, then torch's rule (`rebuilt_layout`, with DDP's default caps when
+    bucket_cap_mb is None: a 1 MiB first bucket, then 25 MiB). Used to refuse, before any rank
+    starts, what cannot run with more than one bucket."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    order: list = []
+    handles = [p.register_post_accumulate_grad_hook(lambda _p, i=i: order.append(i)) for i, p in enumerate(params)]
+    try:
+        loss_fn(module(example)).backward()
+    finally:
+        for h in handles:
+            h.remove()
+    cap = DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb
+    first = DEFAULT_FIRST_BUCKET_MB if bucket_cap_mb is None else cap
+    order += [i for i in range(len(params)) if i not in order]  # unused ones go last
+    return len(bucketing.rebuilt_layout(params, order, int(cap * MiB), int(first * MiB)))

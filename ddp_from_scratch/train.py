@@ -53,12 +53,14 @@ from collectives.launcher.env import read_env
 from . import cifar10
 from .checkpoint import (CheckpointError, check_resume, gather_state, load_checkpoint, load_state, run_settings, save,
                          weights_sha256)
-from .models import MODELS, check_batch_fits
+from .ddp import rebuilt_bucket_count
+from .models import MODELS, batch, check_batch_fits
 from .powersgd import CLI_NAMES as POWERSGD_CLI_NAMES, PowerSGD
-from .torch_hooks import bf16_compress_hook_on_gloo, powersgd_hook
+from .torch_hooks import POWERSGD_ON_GLOO, bf16_compress_hook_on_gloo, powersgd_hook, powersgd_state
 from .wrap import IMPLS, SHARDED_IMPLS, STAGES, wrap
 
 CIFAR_TRAIN_SIZE = 50_000
+POWERSGD_DEFAULTS = {"powersgd_rank": 1, "powersgd_start_iter": 1000}  # torch's PowerSGDState's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +92,11 @@ class TrainConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "TrainConfig":
-        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+        given = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
+        for name, default in POWERSGD_DEFAULTS.items():  # not given on the command line
+            if given[name] is None:
+                given[name] = default
+        return cls(**given)
 
     @property
     def checkpoint_path(self) -> Optional[str]:
@@ -126,10 +132,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compress the gradients all-reduced, for --impl bucketed (ours) and torch (torch's comm "
                         "hooks): to fp16 or bf16, or PowerSGD's low-rank approximation (per gradient, or batched: "
                         "each bucket as one square matrix)")
-    p.add_argument("--powersgd-rank", type=int, default=1, metavar="R",
-                   help="PowerSGD's matrix_approximation_rank: R (rows + cols) numbers sent per rows x cols gradient")
-    p.add_argument("--powersgd-start-iter", type=int, default=1000, metavar="N",
-                   help="PowerSGD's start_powerSGD_iter: plain all_reduce for the first N steps (torch's default)")
+    p.add_argument("--powersgd-rank", type=int, default=None, metavar="R",
+                   help="PowerSGD's matrix_approximation_rank: R (rows + cols) numbers sent per rows x cols gradient "
+                        f"(with --compress powersgd; {POWERSGD_DEFAULTS['powersgd_rank']} if not given)")
+    p.add_argument("--powersgd-start-iter", type=int, default=None, metavar="N",
+                   help="PowerSGD's start_powerSGD_iter: plain all_reduce for the first N steps (with --compress "
+                        f"powersgd; torch's default, {POWERSGD_DEFAULTS['powersgd_start_iter']}, if not given)")
     p.add_argument("--amp", action="store_true", help="mixed precision: bf16 autocast on CPU, fp16 + GradScaler on CUDA")
     p.add_argument("--seed", type=int, default=0, help="initialisation, shuffling and augmentation")
     p.add_argument("--deterministic", action="store_true",
@@ -169,11 +177,13 @@ def validate(args, parser, world_size: int, local_ranks: Optional[int] = None) -
     if args.compress and args.impl not in ("bucketed", "torch"):
         parser.error(f"--compress applies to --impl bucketed and torch, not {args.impl}")
     powersgd = args.compress in POWERSGD_CLI_NAMES
-    if not powersgd and (args.powersgd_rank != 1 or args.powersgd_start_iter != 1000):
-        parser.error("--powersgd-rank and --powersgd-start-iter apply to --compress powersgd or batched_powersgd")
-    if powersgd and args.powersgd_rank < 1:
+    given = [f"--{name.replace('_', '-')}" for name in POWERSGD_DEFAULTS if getattr(args, name) is not None]
+    if not powersgd and given:
+        parser.error(f"{' and '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to --compress powersgd or batched_powersgd, "
+                     f"not {'--compress ' + args.compress if args.compress else 'a run without --compress'}")
+    if powersgd and args.powersgd_rank is not None and args.powersgd_rank < 1:
         parser.error(f"--powersgd-rank must be at least 1, got {args.powersgd_rank}")
-    if powersgd and args.powersgd_start_iter < 2:
+    if powersgd and args.powersgd_start_iter is not None and args.powersgd_start_iter < 2:
         parser.error(f"--powersgd-start-iter must be at least 2 (error feedback and warm start keep memories per "
                      f"bucket, and DDP settles its buckets in the first steps), got {args.powersgd_start_iter}")
     resuming = [flag for flag, given in (("--resume", args.resume), ("--auto-resume", args.auto_resume),
@@ -183,6 +193,9 @@ def validate(args, parser, world_size: int, local_ranks: Optional[int] = None) -
                      "in its first-iteration bucket layout, where PowerSGD's per-bucket memories (laid out for the "
                      "rebuilt buckets) do not fit, so the run would not be the uninterrupted one; --impl bucketed "
                      "restores its layout and resumes bitwise")
+    refusal = torch_powersgd_refusal(args, local_ranks or world_size)
+    if refusal:
+        parser.error(refusal)
     if args.amp and args.impl in SHARDED_IMPLS:
         parser.error(f"--amp applies to the DDP impls ({', '.join(IMPLS)}), not {args.impl}: the sharded steps' "
                      "optimizers are not torch optimizers that GradScaler can step")
@@ -221,6 +234,30 @@ def validate(args, parser, world_size: int, local_ranks: Optional[int] = None) -
                 check_resume(load_checkpoint(path), run_settings(args, world_size), path, args.epochs)
             except CheckpointError as exc:
                 parser.error(str(exc))
+
+
+def torch_powersgd_refusal(args, local_ranks: int) -> Optional[str]:
+    """Why torch's PowerSGD hook cannot run these arguments, or None: on Gloo, with more than one
+    bucket, it kills the run (torch_hooks.POWERSGD_ON_GLOO says how)."""
+    from collectives.launcher.env import pick_backend
+
+    if args.impl != "torch" or args.compress not in POWERSGD_CLI_NAMES:
+        return None
+    try:
+        backend = pick_backend(local_ranks)
+    except ValueError:  # a bad COLLECTIVES_BACKEND: the launcher names it
+        return None
+    if backend != "gloo":
+        return None
+    x, y = batch(0, 0, 2, 32)
+    buckets = rebuilt_bucket_count(MODELS[args.model](), x, lambda out: F.cross_entropy(out, y),
+                                             args.bucket_cap_mb)
+    if buckets == 1:
+        return None
+    cap = "DDP's default buckets" if args.bucket_cap_mb is None else f"--bucket-cap-mb {args.bucket_cap_mb}"
+    return (f"--impl torch --compress {args.compress} on Gloo: model {args.model} with {cap} makes {buckets} buckets, "
+            f"and {POWERSGD_ON_GLOO}; use --impl bucketed (ours: the same arithmetic, bit for bit torch's hook), "
+            "COLLECTIVES_BACKEND=shm, or a --bucket-cap-mb that holds the whole model in one bucket")
 
 
 def _datasets(config):
@@ -327,13 +364,13 @@ def _compress(config: TrainConfig):
 
 def _torch_hook(config: TrainConfig):
     """(state, hook) of torch's comm hook for --compress, on torch's DDP."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     if config.compress == "fp16":
         return None, default_hooks.fp16_compress_hook
     if config.compress == "bf16":
         return None, bf16_compress_hook_on_gloo
-    state = powerSGD_hook.PowerSGDState(process_group=None, **_powersgd_options(config))
+    state = powersgd_state(**_powersgd_options(config))
     return state, powersgd_hook(batched=config.compress == "batched_powersgd")
 
 

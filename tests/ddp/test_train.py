@@ -159,7 +159,16 @@ def test_a_step_gradscaler_skips_is_reported_and_leaves_the_weights(factor, step
     (["--bucket-cap-mb", "0"], "--bucket-cap-mb must be a positive number of MiB"),
     (["--impl", "fsdp", "--bucket-cap-mb", "5"], "--bucket-cap-mb applies to --impl torch, bucketed, zero1, zero2, zero2-bucketed, not fsdp"),
     (["--impl", "flat", "--compress", "fp16"], "--compress applies to --impl bucketed and torch, not flat"),
-    (["--powersgd-rank", "2"], "--powersgd-rank and --powersgd-start-iter apply to --compress powersgd"),
+    (["--powersgd-rank", "2"], "--powersgd-rank applies to --compress powersgd or batched_powersgd, not a run "
+                               "without --compress"),
+    (["--powersgd-start-iter", "5"], "--powersgd-start-iter applies to --compress powersgd"),
+    (["--powersgd-start-iter", "1000"], "--powersgd-start-iter applies to --compress powersgd"),  # torch's default, given
+    (["--compress", "fp16", "--powersgd-rank", "1", "--powersgd-start-iter", "5"],
+     "--powersgd-rank and --powersgd-start-iter apply to --compress powersgd or batched_powersgd, not --compress fp16"),
+    (["--impl", "torch", "--model", "small", "--compress", "powersgd", "--powersgd-start-iter", "2", "--bucket-cap-mb",
+      "0.002"], "--impl torch --compress powersgd on Gloo: model small with --bucket-cap-mb 0.002 makes 2 buckets"),
+    (["--impl", "torch", "--compress", "batched_powersgd"],  # ResNet-50 in DDP's default buckets
+     "--impl torch --compress batched_powersgd on Gloo: model resnet50 with DDP's default buckets makes 5 buckets"),
     (["--compress", "powersgd", "--powersgd-rank", "0"], "--powersgd-rank must be at least 1, got 0"),
     (["--compress", "powersgd", "--powersgd-start-iter", "1"], "--powersgd-start-iter must be at least 2"),
     (["--impl", "torch", "--compress", "powersgd", "--checkpoint", "x", "--stop-at-step", "3"],
@@ -176,6 +185,29 @@ def test_bad_arguments_are_refused_before_any_rank_starts(argv, fragment, capsys
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert fragment in err and "Traceback" not in err
+
+
+def test_torchs_powersgd_on_gloo_with_buckets_is_refused_naming_the_cause_and_the_alternatives(capsys):
+    argv = ["--synthetic", "--impl", "torch", "--model", "small", "--compress", "powersgd", "--bucket-cap-mb", "0.002"]
+    with pytest.raises(SystemExit):
+        train.validate(train.build_parser().parse_args(argv), train.build_parser(), 2, 2)
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    for said in ("makes 2 buckets", "Future callback", "Gloo runs on its worker threads", "SIGABRT", "hang",
+                 "--impl bucketed", "COLLECTIVES_BACKEND=shm", "one bucket"):
+        assert said in err, (said, err)
+
+
+@pytest.mark.parametrize("argv, backend", [
+    (["--impl", "torch", "--model", "small", "--compress", "powersgd"], "gloo"),  # one bucket: torch's hook runs
+    (["--impl", "torch", "--model", "small", "--compress", "powersgd", "--bucket-cap-mb", "0.002"], "shm"),
+    (["--impl", "bucketed", "--model", "small", "--compress", "powersgd", "--bucket-cap-mb", "0.002"], "gloo"),
+])
+def test_powersgd_where_it_runs_is_not_refused(argv, backend, monkeypatch):
+    monkeypatch.setenv("COLLECTIVES_BACKEND", backend)
+    args = train.build_parser().parse_args(["--synthetic"] + argv)
+    train.validate(args, train.build_parser(), 2, 2)  # no SystemExit
+    assert train.torch_powersgd_refusal(args, 2) is None
 
 
 def test_checkpoint_that_is_a_file_is_refused_up_front(tmp_path, capsys):
