@@ -12,7 +12,9 @@ compared bit for bit on every rank (identical NaNs count as equal: a run that ov
 sides the same way is still bitwise equal, and the "values" column says it overflowed); the
 table says whether all were equal and the largest relative parameter difference. A second table does the same for the bucketed wrapper's options
 (find_unused_parameters, gradient_as_bucket_view, small buckets, fp16/bf16 compression), each
-against torch's DDP with the same option. Data here is synthetic (random CIFAR-shaped tensors),
+against torch's DDP with the same option; its "compared" column says which steps the option acted in (a
+run that stops before it acts, e.g. before PowerSGD's start iteration, says so instead of a verdict), and
+the PowerSGD rows run on shm (torch's hook dies on Gloo with two or more buckets: docs/powersgd.md). Data here is synthetic (random CIFAR-shaped tensors),
 and the output says so. Exit code 1 when a comparison that should be bitwise is not (anything
 but naive and flat on more than 2 ranks, whose table note says why they cannot be).
 
@@ -30,7 +32,7 @@ import functools
 import sys
 import time
 from functools import partial
-from typing import Dict, List, Optional
+from typing import Dict, List, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -46,7 +48,7 @@ from .models import MODELS, batch, check_batch_fits
 from .parity import StepCheck, count_nonfinite, relative_diff, same_bits, summarise, table_row
 from .sharded_parity import (PARITY_IMPLS, SHARDED_HEADERS, SHARDED_NOTE, must_be_bitwise, shard_layout_text,
                              train_sharded_side_by_side)
-from .torch_hooks import bf16_compress_hook_on_gloo, powersgd_hook
+from .torch_hooks import bf16_compress_hook_on_gloo, powersgd_hook, powersgd_state
 from .wrap import WRAPPERS, wrap
 
 def train_side_by_side(env, wrapper, steps: int, model="small", batch_size: int = 4, image: int = 12,
@@ -99,16 +101,37 @@ def train_side_by_side(env, wrapper, steps: int, model="small", batch_size: int 
     return report
 
 
-def _powersgd(**options):
-    """(our kwargs, torch's comm hook with a fresh state) for one PowerSGD configuration."""
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as P
+class Option(NamedTuple):
+    """One row of the options table: train_side_by_side's kwargs, a note under the table, the
+    first step at which the option changes anything (a run that stops before it compared nothing
+    of it), the names of the steps before and from then, what a row whose steps all come before
+    says, and the backend the row runs on."""
 
+    kwargs: dict
+    note: str = ""
+    acts_from_step: int = 0
+    phases: tuple = ("before it acts", "with it")
+    idle: str = "the option does not act in these steps"
+    backend: str = "gloo"
+
+
+def _powersgd(note: str, **options) -> Option:
+    """One PowerSGD row: ours against torch's hook (a fresh state made in the rank), on shm.
+
+    torch's powerSGD_hook cannot run on Gloo once a model has two buckets: it issues each bucket's
+    all_reduce of P (and of Q) from inside a Future callback, which Gloo runs on its own worker
+    threads, and waits for it there. The ranks then issue the buckets' all_reduces in whatever
+    order those threads reach them (Gloo aborts on the size mismatch), or every worker thread
+    waits on an all_reduce none is left to run (a hang). docs/powersgd.md shows both. On shm a
+    collective completes in the thread that calls it, so the callbacks run in the hook's order."""
     from .powersgd import PowerSGD
 
     batched = options.pop("batched", False)
-    state = functools.partial(P.PowerSGDState, process_group=None, **options)  # made in the rank
-    return {"ours_kwargs": {"compress": PowerSGD(**options, batched=batched)},
-            "torch_comm_hook": (state, powersgd_hook(batched))}
+    state = functools.partial(powersgd_state, **options)  # made in the rank
+    return Option({"ours_kwargs": {"compress": PowerSGD(**options, batched=batched)},
+                   "torch_comm_hook": (state, powersgd_hook(batched))},
+                  note, acts_from_step=options["start_powerSGD_iter"], phases=("plain", "compressed"),
+                  idle="not compressed in these steps", backend="shm")
 
 
 # ResNet-50 at 32x32 with 2 images per rank: BatchNorm over 2 values at the 1x1 last stage makes
@@ -117,8 +140,8 @@ def _powersgd(**options):
 FP16_RESNET50_MIN_BATCH = 4
 
 
-def options(model: str = "small", batch_size: int = 4):
-    """The bucketed wrapper's settings compared with torch's: {label: (train_side_by_side kwargs, note)}."""
+def options(model: str = "small", batch_size: int = 4) -> Dict[str, Option]:
+    """The bucketed wrapper's settings compared with torch's, by label."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     fp16_batch = {}
@@ -129,32 +152,48 @@ def options(model: str = "small", batch_size: int = 4):
                       "step-0 gradients exceed fp16's range (65504) and both sides overflow, identically "
                       "(tests/ddp/test_compare.py)")
     return {
-        "find_unused_parameters": (
+        "find_unused_parameters": Option(
             {"model": "branchy", "ddp_kwargs": {"find_unused_parameters": True}},
             "model Branchy: one head used on rank 0 only, one used by no rank; .grad None-ness compared too"),
-        "gradient_as_bucket_view": ({"ddp_kwargs": {"gradient_as_bucket_view": True}}, ""),
-        "gradient_as_bucket_view, set_to_none=False": (
+        "gradient_as_bucket_view": Option({"ddp_kwargs": {"gradient_as_bucket_view": True}}),
+        "gradient_as_bucket_view, set_to_none=False": Option(
             {"ddp_kwargs": {"gradient_as_bucket_view": True}, "set_to_none": False},
-            "zero_grad(set_to_none=False): the gradients stay bucket views from step to step"),
-        "bucket_cap_mb=0.0005": ({"ddp_kwargs": {"bucket_cap_mb": 0.0005}}, "several buckets even for the small model"),
-        "compress fp16": (
+            "zero_grad(set_to_none=False): the gradients stay bucket views from step to step",
+            acts_from_step=1),
+        "bucket_cap_mb=0.0005": Option({"ddp_kwargs": {"bucket_cap_mb": 0.0005}},
+                                       "several buckets even for the small model"),
+        "compress fp16": Option(
             {"ours_kwargs": {"compress": "fp16"}, "torch_comm_hook": default_hooks.fp16_compress_hook, **fp16_batch},
             fp16_note),
-        "compress bf16": (
+        "compress bf16": Option(
             {"ours_kwargs": {"compress": "bf16"}, "torch_comm_hook": bf16_compress_hook_on_gloo},
             "ours with compress='bf16' against torch's DDP with bf16_compress_hook's body (the hook refuses Gloo by name)"),
-        "powersgd rank 1, from step 2": (
-            _powersgd(matrix_approximation_rank=1, start_powerSGD_iter=2),
+        "powersgd rank 1, from step 2": _powersgd(
             "ours with compress=PowerSGD(...) against torch's powerSGD_hook: plain DDP for 2 steps, then rank 1 "
-            "(Gram-Schmidt), error feedback and warm start"),
-        "powersgd rank 3, no memories": (
-            _powersgd(matrix_approximation_rank=3, start_powerSGD_iter=2, use_error_feedback=False, warm_start=False),
-            "rank 3 (QR), no error feedback, no warm start"),
-        "batched powersgd rank 2": (
-            _powersgd(matrix_approximation_rank=2, start_powerSGD_iter=2, batched=True),
+            "(Gram-Schmidt), error feedback and warm start; on shm, since torch's hook dies on Gloo with two or "
+            "more buckets (docs/powersgd.md)",
+            matrix_approximation_rank=1, start_powerSGD_iter=2),
+        "powersgd rank 3, no memories": _powersgd(
+            "rank 3 (QR), no error feedback, no warm start; torch's state with its clearing of every bucket's P and Q "
+            "made safe for buckets still in flight (torch_hooks.powersgd_state)",
+            matrix_approximation_rank=3, start_powerSGD_iter=2, use_error_feedback=False, warm_start=False),
+        "batched powersgd rank 2": _powersgd(
             "the bucket as one square matrix, against torch's batched_powerSGD_hook with its orthogonalization of "
-            "a 2-D matrix fixed (torch 2.13's raises AssertionError: batched_powerSGD_hook_fixed)"),
+            "a 2-D matrix fixed (torch 2.13's raises AssertionError: batched_powerSGD_hook_fixed)",
+            matrix_approximation_rank=2, start_powerSGD_iter=2, batched=True),
     }
+
+
+def what_was_compared(option: Option, steps: int) -> Optional[str]:
+    """The steps a row compared, in the option's terms ("steps 0-1 plain, 2-3 compressed"); None
+    when the run stops before the option acts, so that the row compared nothing of it."""
+    first = option.acts_from_step
+    if steps <= first:
+        return None
+    span = lambda a, b: f"step {a}" if a == b else f"steps {a}-{b}"  # noqa: E731
+    if first == 0:
+        return span(0, steps - 1)
+    return f"{span(0, first - 1)} {option.phases[0]}, {span(first, steps - 1)} {option.phases[1]}"
 
 
 def layouts(env, model: str = "small", batch_size: int = 2, image: int = 12, verbose: bool = False) -> Dict:
@@ -231,11 +270,20 @@ class _Runs:
         print(f"[{self.done + 1}/{self.total}] running {what} ... {left}".rstrip(), file=sys.stderr, flush=True)
 
     def run(self) -> "_Runs":
+        on = lambda backend: [label for label, o in self.chosen.items() if o.backend == backend]  # noqa: E731
         for n in self.args.world_sizes:
             with collectives.RankPool(n) as pool:  # one spawn per world size, shared by every comparison
                 self._plain(pool, n)
-                self._options(pool, n)
+                self._options(pool, n, on("gloo"))
                 self._sharded(pool, n)
+            for backend in sorted({o.backend for o in self.chosen.values()} - {"gloo"}):
+                if any(what_was_compared(self.chosen[label], self.args.steps) for label in on(backend)):
+                    with collectives.RankPool(n, backend=backend) as pool:
+                        self._options(pool, n, on(backend))
+                else:
+                    self._options(None, n, on(backend))
+        order = list(self.chosen)
+        self.option_rows.sort(key=lambda row: (row[1], order.index(row[0])))
         return self
 
     def _plain(self, pool, n: int) -> None:
@@ -247,13 +295,21 @@ class _Runs:
             self.rows.append(table_row(impl, n, a.steps, res))
             self.done += 1
 
-    def _options(self, pool, n: int) -> None:
+    def _options(self, pool, n: int, labels: List[str]) -> None:
         a = self.args
-        for label, (kwargs, _) in self.chosen.items():
+        for label in labels:
+            option = self.chosen[label]
+            compared = what_was_compared(option, a.steps)
+            if compared is None:  # the run stops before the option acts: nothing of it to compare
+                self.option_rows.append([label, n, a.steps, "not compared", "-", "-", "-", option.backend,
+                                         f"{option.idle} (from step {option.acts_from_step}: run --steps "
+                                         f"{option.acts_from_step + 1} or more)"])
+                self.done += 1
+                continue
             self._progress(f"bucketed, {label}, on {n} ranks")
-            kwargs = {"model": a.model, "batch_size": a.batch_size, "image": self.image, **kwargs}
+            kwargs = {"model": a.model, "batch_size": a.batch_size, "image": self.image, **option.kwargs}
             res = summarise(pool.submit(partial(train_side_by_side, **kwargs), args=("bucketed", a.steps), timeout=3600))
-            self.option_rows.append(table_row(label, n, a.steps, res))
+            self.option_rows.append(table_row(label, n, a.steps, res) + [option.backend, compared])
             self.done += 1
 
     def _sharded(self, pool, n: int) -> None:
@@ -273,7 +329,7 @@ class _Runs:
 
 
 def _print_tables(runs: _Runs, data: str) -> None:
-    print(f"model {runs.args.model}, {data}, SGD momentum 0.9, Gloo; parameters, their .grad, buffers and the loss "
+    print(f"model {runs.args.model}, {data}, SGD momentum 0.9, Gloo (the options' rows: their backend column); parameters, their .grad, buffers and the loss "
           "compared bit for bit after every step on every rank")
     if runs.rows:
         print(tabulate(runs.rows, headers=HEADERS))
@@ -281,10 +337,10 @@ def _print_tables(runs: _Runs, data: str) -> None:
         print("\n" + NOT_BITWISE)
     if runs.option_rows:
         print("\nthe bucketed wrapper's options, each against torch's DDP with the same option")
-        print(tabulate(runs.option_rows, headers=["bucketed, option"] + HEADERS[1:]))
-        for label, (_, note) in runs.chosen.items():
-            if note:
-                print(f"  {label}: {note}")
+        print(tabulate(runs.option_rows, headers=["bucketed, option"] + HEADERS[1:] + ["backend", "compared"]))
+        for label, option in runs.chosen.items():
+            if option.note:
+                print(f"  {label}: {option.note}")
     if runs.sharded_rows:
         print("\nthe sharded steps (ZeRO-1, ZeRO-2, FSDP), each against torch's fully_shard and torch's DDP "
               "(every rank starts from the same weights; whole parameters compared, gradients are shards)")
@@ -318,7 +374,8 @@ def main(argv=None) -> int:
     _print_tables(runs, data)
     _print_layouts(args, image, plain, sharded)
     sharded_ok = all(row[4] == "yes" for row in runs.sharded_rows if row[5] == "yes")
-    return 0 if sharded_ok and all(row[3] == "yes" for row in runs.rows + runs.option_rows
+    compared = [row for row in runs.option_rows if row[3] != "not compared"]  # stopped before the option acted
+    return 0 if sharded_ok and all(row[3] == "yes" for row in runs.rows + compared
                                    if row[0] not in ("naive", "flat") or row[1] <= 2) else 1
 
 

@@ -21,6 +21,38 @@ def test_compare_program_prints_the_tables_and_the_layouts(capsys):
     assert "bucket layout, rebuilt" in text
 
 
+def test_a_row_whose_steps_never_reach_its_option_says_so_and_never_yes(capsys):
+    """--steps 2 with PowerSGD from step 2: no step compressed, so the rows compare nothing of
+    PowerSGD; they print "not compared" and "not compressed in these steps", and run no rank."""
+    code = compare.main(["--world-sizes", "2", "--impl", "bucketed", "--steps", "2"])
+    text = capsys.readouterr().out
+    assert code == 0
+    rows = [line for line in text.splitlines() if line.startswith(("powersgd", "batched powersgd"))]
+    assert len(rows) == 3, text
+    for row in rows:
+        assert "not compared" in row and "not compressed in these steps (from step 2: run --steps 3 or more)" in row
+        assert " yes " not in row, row
+    set_to_none = next(line for line in text.splitlines() if line.startswith("gradient_as_bucket_view, set_to_none"))
+    assert "yes" in set_to_none and "step 0 before it acts, step 1 with it" in set_to_none
+
+
+@pytest.mark.parametrize("acts_from, steps, says", [
+    (0, 1, "step 0"), (0, 4, "steps 0-3"), (2, 2, None), (2, 1, None), (2, 3, "steps 0-1 plain, step 2 compressed"),
+    (2, 5, "steps 0-1 plain, steps 2-4 compressed"), (1, 2, "step 0 plain, step 1 compressed"),
+])
+def test_what_a_row_compared(acts_from, steps, says):
+    option = compare.Option({}, acts_from_step=acts_from, phases=("plain", "compressed"))
+    assert compare.what_was_compared(option, steps) == says
+
+
+def test_every_powersgd_row_acts_from_its_start_iteration_and_runs_on_shm():
+    """Where torch's hook runs with any number of buckets (on Gloo it dies with two or more)."""
+    rows = {label: o for label, o in compare.options("resnet50").items() if "powersgd" in label}
+    assert len(rows) == 3
+    for label, option in rows.items():
+        assert option.backend == "shm" and option.acts_from_step == 2, label
+
+
 def test_compare_exit_code_is_1_when_a_bitwise_check_fails(monkeypatch, capsys):
     def broken(per_rank):
         return {"bitwise": False, "largest_diff": 1.0, "first_step_differing": 0}
@@ -55,7 +87,7 @@ def test_same_bits_counts_identical_nans_as_equal():
 
 
 def _fp16_resnet50_batch2(env):
-    kwargs, _ = compare.options()["compress fp16"]
+    kwargs = compare.options()["compress fp16"].kwargs
     return compare.train_side_by_side(env, "bucketed", 1, model="resnet50", batch_size=2, image=32, **kwargs)
 
 
@@ -70,8 +102,8 @@ def test_fp16_overflow_on_resnet50_is_identical_on_both_sides(dist_run):
     res = parity.summarise(per_rank)
     assert res["bitwise"] and res["nonfinite"]["first_step"] == 0
     assert parity.describe_nonfinite(res).startswith("both sides overflow (inf/NaN) from step 0")
-    assert "run with 4 images per rank" in compare.options("resnet50", 2)["compress fp16"][1]
-    assert compare.options("resnet50", 2)["compress fp16"][0]["batch_size"] == 4
+    assert "run with 4 images per rank" in compare.options("resnet50", 2)["compress fp16"].note
+    assert compare.options("resnet50", 2)["compress fp16"].kwargs["batch_size"] == 4
 
 
 def test_compare_program_prints_the_sharded_table_and_the_shard_layout(capsys):
