@@ -20,6 +20,10 @@ from collectives import flight_recorder
 from collectives.flight_recorder import summary, verdict
 
 TIMEOUT_S = 3.0
+# Spawning the ranks, the timeout, the grace (3 s) and the records (up to ANSWER_WAIT_S): a bound
+# that tells a verdict given at the timeout from a run that waits on (it would wait forever). On a
+# quiet machine the whole takes about 10 s; on a loaded 2-core machine it took 63 s once.
+LOADED_BOUND_S = 180
 
 
 # -- planted hangs, for real -------------------------------------------------------------------------
@@ -86,8 +90,7 @@ def test_a_planted_hang_is_named_in_collective_terms(fn, world_size, says, monke
     if fn is _skips_one_all_reduce:  # and where the missing rank is instead
         assert first.endswith("rank 1 last entered all_reduce #3 (completed), and is now in _skips_one_all_reduce "
                               f"(test_flight_recorder.py:{_line_of(_skips_one_all_reduce, 'time.sleep(600)')})"), first
-    # the timeout, then the grace (3 s) and the records (~1 s); 10 s more for a loaded machine
-    assert time.monotonic() - start < TIMEOUT_S + 5 + flight_recorder.ANSWER_WAIT_S + 30
+    assert time.monotonic() - start < LOADED_BOUND_S
 
 
 @pytest.mark.slow
@@ -107,7 +110,7 @@ def test_a_planted_hang_on_shm_is_named_from_its_own_record(fn, world_size, says
         C.run(fn, world_size=world_size, backend="shm", timeout=TIMEOUT_S)
     first = str(info.value).splitlines()[0]
     assert first.startswith(says), str(info.value)
-    assert time.monotonic() - start < TIMEOUT_S + 5 + flight_recorder.ANSWER_WAIT_S + 30
+    assert time.monotonic() - start < LOADED_BOUND_S
 
 
 def _records_on_shm(env):
