@@ -10,6 +10,8 @@ representable result; count_wrong compares with that result after a run.
 
 from __future__ import annotations
 
+from typing import List
+
 import torch
 import torch.distributed as dist
 
@@ -40,10 +42,17 @@ def _modulus(op: str) -> int:
     return 2 if op == "prod" else 3  # values 1..m: products of up to ~20 ranks stay exact
 
 
+def _periodic(period: List[float], count: int, dtype, device) -> torch.Tensor:
+    """`period` repeated to `count` elements: one pass over the buffer (an index tensor and its
+    arithmetic took 0.35 s per 64 MiB buffer, most of a large cell's time)."""
+    tile = torch.tensor(period, dtype=torch.float64).to(dtype=dtype, device=device)
+    return tile.repeat(-(-count // len(period)))[:count]
+
+
 def pattern(rank: int, count: int, offset: int, op: str, dtype, device) -> torch.Tensor:
     """Rank r's element i (global index offset + i): ((offset + i + r) mod m) + 1."""
-    idx = torch.arange(offset, offset + count, dtype=torch.int64, device=device)
-    return ((idx + rank) % _modulus(op) + 1).to(dtype)
+    m = _modulus(op)
+    return _periodic([(offset + j + rank) % m + 1 for j in range(m)], count, dtype, device)
 
 
 def reduced(world: int, count: int, offset: int, op: str, dtype, device) -> torch.Tensor:
@@ -55,15 +64,15 @@ def reduced(world: int, count: int, offset: int, op: str, dtype, device) -> torc
         combined = {"sum": sum(values), "prod": float(torch.tensor(values, dtype=torch.float64).prod()),
                     "max": max(values), "min": min(values), "avg": sum(values) / world}[op]
         table.append(combined)
-    idx = torch.arange(offset, offset + count, dtype=torch.int64, device=device) % m
-    return torch.tensor(table, dtype=torch.float64, device=device)[idx].to(dtype)
+    return _periodic([table[(offset + j) % m] for j in range(m)], count, dtype, device)
 
 
-def make_case(collective: str, side: str, count: int, n: int, r: int, op: str, dtype, device):
+def make_case(collective: str, side: str, count: int, n: int, r: int, op: str, dtype, device, group=None):
     """(run, refill, expected) for this rank, or None where torch.distributed has no such variant.
 
-    run() is what gets timed; refill() puts the check data back; expected() is the closed form of
-    what the output should then hold (None on ranks whose output is undefined).
+    run() is what gets timed (on `group`, default the world's); refill() puts the check data
+    back; expected() is the closed form of what the output should then hold (None on ranks whose
+    output is undefined).
     """
     torch_op, c, root = OPS[op], count // n, 0
     fill = lambda k, off=0, rank=r: pattern(rank, k, off, op, dtype, device)  # noqa: E731
@@ -71,9 +80,9 @@ def make_case(collective: str, side: str, count: int, n: int, r: int, op: str, d
         if side == "oop":
             return None
         buf = fill(count)
-        run = {"all_reduce": lambda: dist.all_reduce(buf, op=torch_op),
-               "broadcast": lambda: dist.broadcast(buf, src=root),
-               "reduce": lambda: dist.reduce(buf, dst=root, op=torch_op)}[collective]
+        run = {"all_reduce": lambda: dist.all_reduce(buf, op=torch_op, group=group),
+               "broadcast": lambda: dist.broadcast(buf, src=root, group=group),
+               "reduce": lambda: dist.reduce(buf, dst=root, op=torch_op, group=group)}[collective]
         if collective == "broadcast":
             want = lambda: fill(count, rank=root)  # noqa: E731
         else:
@@ -82,19 +91,19 @@ def make_case(collective: str, side: str, count: int, n: int, r: int, op: str, d
     if collective == "all_gather":
         out = torch.empty(count, dtype=dtype, device=device)
         inp = fill(c) if side == "oop" else out[r * c:(r + 1) * c]  # in place: my chunk of the output
-        run = lambda: compat.all_gather_single(out, inp)  # noqa: E731
+        run = lambda: compat.all_gather_single(out, inp, group=group)  # noqa: E731
         want = lambda: torch.cat([fill(c, rank=j) for j in range(n)])  # noqa: E731
         return run, lambda: inp.copy_(fill(c)), lambda: (out, want())
     if collective == "reduce_scatter":
         inp = fill(count)
         out = torch.empty(c, dtype=dtype, device=device) if side == "oop" else inp[r * c:(r + 1) * c]
-        run = lambda: compat.reduce_scatter_single(out, inp, op=torch_op)  # noqa: E731
+        run = lambda: compat.reduce_scatter_single(out, inp, op=torch_op, group=group)  # noqa: E731
         return run, lambda: inp.copy_(fill(count)), lambda: (out, reduced(n, c, r * c, op, dtype, device))
     if collective == "all_to_all":
         if side == "ip":
             return None
         inp, out = fill(count), torch.empty(count, dtype=dtype, device=device)
-        run = lambda: dist.all_to_all_single(out, inp)  # noqa: E731
+        run = lambda: dist.all_to_all_single(out, inp, group=group)  # noqa: E731
         want = lambda: torch.cat([fill(c, r * c, rank=j) for j in range(n)])  # noqa: E731
         return run, lambda: inp.copy_(fill(count)), lambda: (out, want())
     raise ValueError(collective)
