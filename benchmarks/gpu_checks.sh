@@ -36,10 +36,10 @@ tests)
 bandwidth|nccl|gloo-cuda)
     [ "$what" = gloo-cuda ] || python3 -m benchmarks.bandwidth --world-size 1 --backend nccl --device cuda -c all -b 8 -e 1G -n 20 -w 5 \
         --limits --json "$OUT/bandwidth_nccl-${gpu}_1rank_$day.json" \
-        --plot "$OUT/bandwidth_nccl-${gpu}_1rank_$day.png" 2> >(grep -v " done (" >&2) | tee "$OUT/bandwidth_nccl-${gpu}_1rank_$day.txt"
+        --plot "$OUT/bandwidth_nccl-${gpu}_1rank_$day.png" 2> >(grep -v "^\[round " >&2) | tee "$OUT/bandwidth_nccl-${gpu}_1rank_$day.txt"
     [ "$what" = nccl ] || python3 -m benchmarks.bandwidth --world-size 2 --backend gloo --device cuda -c all -b 8 -e 256M -n 10 -w 3 \
         --limits --json "$OUT/bandwidth_gloo-cuda-${gpu}_2ranks_$day.json" \
-        --plot "$OUT/bandwidth_gloo-cuda-${gpu}_2ranks_$day.png" 2> >(grep -v " done (" >&2) | tee "$OUT/bandwidth_gloo-cuda-${gpu}_2ranks_$day.txt"
+        --plot "$OUT/bandwidth_gloo-cuda-${gpu}_2ranks_$day.png" 2> >(grep -v "^\[round " >&2) | tee "$OUT/bandwidth_gloo-cuda-${gpu}_2ranks_$day.txt"
     ;;
 train)
     for impl in torch naive flat bucketed; do

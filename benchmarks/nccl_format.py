@@ -41,8 +41,27 @@ def bandwidths(size_bytes: int, time_us: float, collective: str, world_size: int
     return algbw, algbw * bus_factor(collective, world_size)
 
 
-def _side_cols(with_limit: bool) -> List[str]:
-    return ["time", "algbw", "busbw"] + (["%limit"] if with_limit else []) + ["#wrong"]
+def _side_cols(with_limit: bool, with_spread: bool = False) -> List[str]:
+    return ["time"] + (["spread"] if with_spread else []) + ["algbw", "busbw"] + (["%limit"] if with_limit else []) \
+        + ["#wrong"]
+
+
+def size_label(nbytes: int) -> str:
+    """Bytes with a binary prefix, exact where the size is a whole number of its unit: 8 B,
+    1 KiB, 64 MiB (else one decimal: 1.5 KiB)."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift:
+            value = nbytes / (1 << shift)
+            return f"{value:.0f} {unit}" if value == int(value) else f"{value:.1f} {unit}"
+    return f"{nbytes} B"
+
+
+def spread_pct(side: Dict) -> Optional[float]:
+    """Half the range of a cell's per-round times, in % of its median (None: one round)."""
+    rounds = side.get("rounds_us") or []
+    if len(rounds) < 2 or not side.get("time_us"):
+        return None
+    return 50 * (max(rounds) - min(rounds)) / side["time_us"]
 
 
 WIDTH = 9  # every cell: a space, then the value right-aligned in 8 characters (or more: never merged)
@@ -64,24 +83,28 @@ def format_time(time_us: float) -> str:
     return text
 
 
-def header(with_limit: bool) -> str:
-    cols = _side_cols(with_limit)
+def header(with_limit: bool, with_spread: bool = False) -> str:
+    cols = _side_cols(with_limit, with_spread)
     width = WIDTH * len(cols)
     lead = sum(w for *_, w in LEAD)
     line1 = "#" + " " * (lead - 1) + f"{'out-of-place':^{width}}" + f"{'in-place':^{width}}"
     names = "".join(_cell(c) for c in cols)
     line2 = "#" + "".join(_cell(name, w) for name, _, w in LEAD)[1:] + names + names
-    units = {"time": "(us)", "algbw": "(GB/s)", "busbw": "(GB/s)", "%limit": "", "#wrong": ""}
+    units = {"time": "(us)", "spread": "(+-%)", "algbw": "(GB/s)", "busbw": "(GB/s)", "%limit": "", "#wrong": ""}
     unit_cols = "".join(_cell(units[c]) for c in cols)
     line3 = "#" + "".join(_cell(unit, w) for _, unit, w in LEAD)[1:] + unit_cols + unit_cols
     return "\n".join([line1, line2, line3])
 
 
-def _fmt_side(side: Optional[Dict], with_limit: bool) -> str:
-    n = len(_side_cols(with_limit))
+def _fmt_side(side: Optional[Dict], with_limit: bool, with_spread: bool = False) -> str:
+    n = len(_side_cols(with_limit, with_spread))
     if side is None:
         return "".join(_cell("N/A") for _ in range(n))
-    cells = [format_time(side["time_us"]), f"{side['algbw']:.2f}", f"{side['busbw']:.2f}"]
+    cells = [format_time(side["time_us"])]
+    if with_spread:
+        spread = spread_pct(side)
+        cells.append("N/A" if spread is None else f"{spread:.1f}")
+    cells += [f"{side['algbw']:.2f}", f"{side['busbw']:.2f}"]
     if with_limit:
         cells.append(f"{side['limit_pct']:.1f}%" if side.get("limit_pct") is not None else "N/A")
     wrong = side.get("wrong")
@@ -89,11 +112,11 @@ def _fmt_side(side: Optional[Dict], with_limit: bool) -> str:
     return "".join(_cell(c) for c in cells)
 
 
-def format_row(row: Dict, with_limit: bool) -> str:
+def format_row(row: Dict, with_limit: bool, with_spread: bool = False) -> str:
     """One table line; row has size, count, type, redop, root, and oop/ip dicts (or None: N/A)."""
     values = [str(row["size"]), str(row["count"]), row["type"], row["redop"], str(row["root"])]
     lead = "".join(_cell(v, w) for v, (_, _, w) in zip(values, LEAD))
-    return lead + "".join(_fmt_side(row.get(s), with_limit) for s in SIDES)
+    return lead + "".join(_fmt_side(row.get(s), with_limit, with_spread) for s in SIDES)
 
 
 def footer(rows: List[Dict]) -> str:
@@ -107,8 +130,8 @@ def footer(rows: List[Dict]) -> str:
 def parse_table(text: str) -> List[Dict]:
     """Read the data lines of a table written by format_row back into row dicts."""
     rows = []
-    with_limit = "%limit" in text
-    per_side = len(_side_cols(with_limit))
+    with_limit, with_spread = "%limit" in text, " spread " in text
+    per_side = len(_side_cols(with_limit, with_spread))
     for line in text.splitlines():
         if not line.strip() or line.lstrip().startswith("#"):
             continue
@@ -121,9 +144,11 @@ def parse_table(text: str) -> List[Dict]:
             if all(c == "N/A" for c in part):
                 row[side] = None
                 continue
-            values = dict(zip(_side_cols(with_limit), part))
+            values = dict(zip(_side_cols(with_limit, with_spread), part))
             parsed = {"time_us": float(values["time"]), "algbw": float(values["algbw"]), "busbw": float(values["busbw"]),
                       "wrong": None if values["#wrong"] == "N/A" else int(values["#wrong"])}
+            if with_spread:
+                parsed["spread_pct"] = None if values["spread"] == "N/A" else float(values["spread"])
             if with_limit:
                 parsed["limit_pct"] = None if values["%limit"] == "N/A" else float(values["%limit"].rstrip("%"))
             row[side] = parsed

@@ -7,15 +7,20 @@ nonsense, and a small end-to-end run writes its table, JSON, CSV and plot.
 
 import csv
 import json
+import math
 import pathlib
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from benchmarks import bandwidth as bench
 from benchmarks import cases
+from benchmarks.bandwidth_report import add_limits, faster_by_size, over_limit
 from benchmarks.nccl_format import bandwidths, bus_factor, format_row, header, parse_table
 from benchmarks.plot import plot_results
+from benchmarks.sweep import size_list
 
 RESULTS = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
@@ -80,6 +85,30 @@ def test_committed_results_parse_in_full(ranks):
                 assert got[side]["wrong"] == want[side]["wrong"] == 0
 
 
+def test_committed_side_by_side_results_parse_in_full():
+    """The main job's committed table: a block per collective and backend, every row of the JSON
+    in it with the same numbers, spread included, and no %limit over 100 left unexplained."""
+    stem = RESULTS / "bandwidth_gloo-vs-shm-cpu-2core_2ranks_2026-11-26"
+    saved = json.loads(stem.with_suffix(".json").read_text())
+    text = stem.with_suffix(".txt").read_text()
+    blocks = text.split("#\n# ")[1:]
+    assert len(blocks) == 12 and blocks[0].startswith("all_reduce on gloo") and blocks[6].startswith("all_reduce on shm")
+    parsed = [row for block in blocks for row in parse_table(block)]
+    assert len(parsed) == len(saved["rows"]) == 2 * 6 * 24
+    for got, want in zip(parsed, saved["rows"]):
+        assert (got["size"], got["count"]) == (want["size"], want["count"])
+        for side in ("oop", "ip"):
+            if want[side] is None:
+                assert got[side] is None
+                continue
+            assert got[side]["time_us"] == pytest.approx(want[side]["time_us"], rel=1e-3, abs=0.006)
+            assert got[side]["wrong"] == want[side]["wrong"] == 0
+            spread = 50 * (want[side]["time_us_max"] - want[side]["time_us_min"]) / want[side]["time_us"]
+            assert got[side]["spread_pct"] == pytest.approx(spread, abs=0.051)
+            if got[side]["limit_pct"] > 100:
+                assert f"# over the limit: {want['backend']} {want['collective']} at " in text
+
+
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
 def test_bus_bandwidth_factors_are_nccl_tests(n):
     assert bus_factor("all_reduce", n) == 2 * (n - 1) / n
@@ -92,8 +121,8 @@ def test_bus_bandwidth_factors_are_nccl_tests(n):
 
 def test_sizes():
     assert [bench.parse_size(s) for s in ("8", "64K", "16M", "1G", "2kb")] == [8, 65536, 16 << 20, 1 << 30, 2048]
-    assert bench.size_list(8, 64, 2) == [8, 16, 32, 64]
-    assert bench.size_list(8, 100, 4) == [8, 32]
+    assert size_list(8, 64, 2) == [8, 16, 32, 64]
+    assert size_list(8, 100, 4) == [8, 32]
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -103,6 +132,12 @@ def test_sizes():
     (["-o", "avg", "-d", "int32"], "-o avg needs a floating -d"),
     (["-b", "12X"], "not a number with an optional K, M or G suffix"),
     (["-c", "allreduce"], "invalid choice: 'allreduce'"),
+    (["--rounds", "0"], "--rounds must be at least 1, got 0"),
+    (["--budget-ms", "0"], "--budget-ms must be a positive number of milliseconds"),
+    (["--budget-ms", "nan"], "--budget-ms must be a positive number of milliseconds"),
+    (["--backend", "gloo", "gloo"], "--backend names a backend twice: gloo gloo"),
+    (["--backend", "gloo", "tcp"], "invalid choice: 'tcp'"),
+    (["--backend", "gloo", "shm", "--algorithm", "ring"], "--algorithm times one backend's point-to-point messages"),
 ])
 def test_flags_refuse_nonsense(argv, message, capsys):
     with pytest.raises(SystemExit) as info:
@@ -186,19 +221,141 @@ def test_end_to_end_small_run(tmp_path, capfd):  # capfd: the progress comes fro
     # -b 6: the sizes asked for (6, 24, 96, 384 B) are not what moves at the smallest: 1 float of
     # all_reduce (4 B), all_gather's count rounded up to one per rank (8 B); the size column says so
     rc = bench.main(["--world-size", "2", "-c", "all_reduce", "all_gather", "-b", "6", "-e", "1K", "-f", "4",
-                     "-n", "2", "-w", "1", "--limits", "--json", str(files["json"]), "--csv", str(files["csv"]),
-                     "--plot", str(files["png"])])
+                     "-n", "2", "-w", "1", "--rounds", "2", "--backend", "gloo", "shm", "--limits",
+                     "--json", str(files["json"]), "--csv", str(files["csv"]), "--plot", str(files["png"])])
     captured = capfd.readouterr()
     assert rc == 0
+    blocks = captured.out.split("#\n# ")[1:]  # one table per collective and backend
+    assert [b.splitlines()[0] for b in blocks] == ["all_reduce on gloo", "all_gather on gloo", "all_reduce on shm",
+                                                  "all_gather on shm"]
+    for block in blocks:
+        assert "# limit: busbw counts" in block and " spread " in block
     rows = parse_table(captured.out)
-    assert [r["size"] for r in rows] == [4, 24, 96, 384, 8, 24, 96, 384]
-    assert [r["count"] for r in rows] == [1, 6, 24, 96, 2, 6, 24, 96]
+    assert [r["size"] for r in rows] == [4, 24, 96, 384, 8, 24, 96, 384] * 2
+    assert [r["count"] for r in rows] == [1, 6, 24, 96, 2, 6, 24, 96] * 2
     assert all(r["ip"]["wrong"] == 0 for r in rows) and rows[0]["oop"] is None and rows[4]["oop"]["wrong"] == 0
     assert "# Out of bounds values : 0 OK" in captured.out and "point-to-point" in captured.out
-    assert "[all_gather] 384 B done (4/4)" in captured.err and "[all_gather]" not in captured.out
+    summary = captured.out.split("# faster backend, by size")[1].splitlines()[1:3]
+    assert [line.split(":")[0] for line in summary] == ["#   all_reduce", "#   all_gather"], summary
+    assert all(" gloo at " in line or " shm at " in line for line in summary), summary
+    assert "[round 2/2] done" in captured.err and "[round" not in captured.out
     saved = json.loads(files["json"].read_text())
-    assert saved["environment"]["world_size"] == 2 and len(saved["rows"]) == 8 and saved["limits"]["p2p_gbps"] > 0
-    assert len(list(csv.reader(files["csv"].open()))) == 9
+    assert saved["environment"]["backends"] == ["gloo", "shm"] and len(saved["rows"]) == 16
+    for row in saved["rows"]:  # every round kept
+        side = row["ip"]
+        assert len(side["rounds_us"]) == 2 and side["time_us_min"] <= side["time_us"] <= side["time_us_max"]
+    assert sorted((r["backend"], r["size"]) for r in saved["reference"]) == sorted(
+        (b, s) for b in ("gloo", "shm") for s in (6, 24, 96, 384))
+    assert all(len(r["rounds_us"]) == 2 and r["gbps"] > 0 for r in saved["reference"])
+    assert len(list(csv.reader(files["csv"].open()))) == 17
     assert files["png"].stat().st_size > 10_000
     plot_results([saved, saved], str(tmp_path / "two.png"))  # several runs on one plot
     assert (tmp_path / "two.png").stat().st_size > 10_000
+
+
+def _result(backends=("gloo", "shm"), collectives=("all_reduce", "broadcast"), sizes=(8, 1024, 1 << 20)):
+    """A result as benchmarks.bandwidth --json writes it, with made-up times: shm 10x faster
+    below 1 MiB and 2x slower at 1 MiB."""
+    rows, reference = [], []
+    for b in backends:
+        for c in collectives:
+            for size in sizes:
+                t = 100.0 * (1 + size / 1e4) * ((0.1 if size < 1 << 20 else 2.0) if b == "shm" else 1.0)
+                rounds = [t * 0.9, t, t * 1.2]
+                algbw, busbw = bandwidths(size, t, c, 2)
+                side = {"time_us": t, "rounds_us": rounds, "time_us_min": min(rounds), "time_us_max": max(rounds),
+                        "algbw": algbw, "busbw": busbw, "wrong": 0}
+                rows.append({"backend": b, "collective": c, "requested": size, "size": size, "count": size // 4,
+                             "type": "float", "redop": "sum", "root": -1, "oop": None, "ip": side})
+        for size in sizes:
+            t = 50.0 * (1 + size / 1e4)
+            reference.append({"backend": b, "size": size, "rounds_us": [t, t, t], "time_us": t, "gbps": size / t / 1e3})
+    env = {"backend": " ".join(backends), "backends": list(backends), "world_size": 2, "device": "cpu",
+           "date": "2026-11-26"}
+    return {"environment": env, "limits": {"copy_gbps": 10.0}, "reference": reference, "rows": rows}
+
+
+def test_the_figure_has_time_and_busbw_panels_on_log_axes_with_a_line_per_backend():
+    from benchmarks.busbw_plot import figure
+
+    fig = figure([_result()])
+    axes = fig.axes
+    assert len(axes) == 4  # two collectives, two panels each
+    for k, ax in enumerate(axes):
+        assert ax.get_xscale() == "log"
+        assert ax.get_yscale() == ("log" if k % 2 == 0 else "linear")
+        labels = [line.get_label() for line in ax.get_lines()]
+        assert sum(label.startswith(("gloo x2", "shm x2")) for label in labels) == 2, labels
+        ticks = [t.get_text() for t in ax.get_xticklabels()]
+        assert "8 B" in ticks and "1 KiB" in ticks and "1 MiB" in ticks, ticks
+    assert axes[0].get_ylabel() == "time (us)" and axes[1].get_ylabel() == "busbw (GB/s)"
+    assert any("limit" in line.get_label() for line in axes[1].get_lines())  # the limit curve
+
+
+def test_limit_is_the_reference_at_the_same_size_and_the_faster_backend_is_named_with_its_ratio():
+    result = _result()
+    add_limits(result["rows"], result["reference"])
+    for row in result["rows"]:
+        ref = next(r for r in result["reference"] if (r["backend"], r["size"]) == (row["backend"], row["size"]))
+        assert row["ip"]["limit_pct"] == pytest.approx(100 * row["ip"]["busbw"] / ref["gbps"])
+    lines = faster_by_size(result["rows"], ["gloo", "shm"])
+    assert lines[1] == "#   all_reduce: shm at 8 B-1 KiB (0.10x-0.10x gloo's time); gloo at 1 MiB (0.50x shm's time)"
+    assert faster_by_size(result["rows"], ["gloo"]) == []
+
+
+def test_a_busbw_past_its_limit_is_named_with_why():
+    result = _result(sizes=(8, 1 << 20))
+    add_limits(result["rows"], result["reference"])
+    lines = over_limit(result["rows"], result["reference"])
+    # shm at 8 B takes a fifth of the reference's time (busbw = algbw on 2 ranks); its rounds 0.9x-1.2x
+    assert lines == [
+        "# over the limit: shm all_reduce at 8 B (up to 500%): every rank sends and receives at once, both "
+        "directions of each link, where the reference sends one way",
+        "# over the limit: shm broadcast at 8 B (up to 500%): the collective's data takes another path than the "
+        "reference's on this backend"], lines
+    for row in result["rows"]:  # now within the spread: the reference's fastest round is 12x its median
+        if row["backend"] == "shm" and row["size"] == 8:
+            row["ip"]["limit_pct"] = 101.0
+    for ref in result["reference"]:
+        ref["rounds_us"] = [ref["time_us"] / 12] * 3
+    assert all("all within the rounds' spread" in line for line in over_limit(result["rows"], result["reference"]))
+
+
+def test_the_table_with_its_spread_column_round_trips():
+    rows = _result()["rows"][:3]
+    text = header(True, True) + "\n" + "\n".join(format_row(r, True, True) for r in rows)
+    parsed = parse_table(text)
+    assert [r["ip"]["spread_pct"] for r in parsed] == [15.0] * 3  # (1.2 - 0.9) / 2 of the median
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(0, 7), st.integers(1, 9), st.integers(0, 40), st.integers(0, 11),
+       st.sampled_from(["sum", "prod", "max", "min", "avg"]), st.sampled_from(["float32", "bfloat16", "int64"]))
+def test_check_data_is_its_closed_form(rank, world, count, offset, op, dtype_name):
+    """Rank r's element i is ((offset + i + r) mod m) + 1 and the reduction is op over the ranks'
+    values at that element, whatever the count (the tile repeats and is cut) and offset."""
+    if op == "avg" and dtype_name == "int64":
+        return
+    dtype, m = bench.DTYPES[dtype_name], 2 if op == "prod" else 3
+    got = cases.pattern(rank, count, offset, op, dtype, "cpu")
+    assert got.tolist() == [float((offset + i + rank) % m + 1) for i in range(count)]
+    combine = {"sum": sum, "prod": math.prod, "max": max, "min": min, "avg": lambda v: sum(v) / len(v)}[op]
+    want = [combine([(offset + i + r) % m + 1 for r in range(world)]) for i in range(count)]
+    assert torch.equal(cases.reduced(world, count, offset, op, dtype, "cpu"), torch.tensor(want, dtype=torch.float64).to(dtype))
+
+
+def test_agreement_counts_the_medians_inside_the_other_runs_range(tmp_path, capsys):
+    from benchmarks import bandwidth_agreement
+
+    a, b = _result(), _result()
+    for row in b["rows"]:  # b's medians: 5% slower (inside a's 0.9x-1.2x), and one 50% slower (outside by 30%)
+        row["ip"]["time_us"] *= 1.05
+    b["rows"][0]["ip"]["time_us"] = a["rows"][0]["ip"]["time_us"] * 1.5
+    paths = []
+    for name, result in (("a", a), ("b", b)):
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(result))
+    assert bandwidth_agreement.main([str(p) for p in paths]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].endswith("b.json's medians inside " + str(paths[0]) + "'s range: 11/12 (92%)")
+    assert out[1] == "  gloo all_reduce 8 B ip: 30.0% of the median outside"

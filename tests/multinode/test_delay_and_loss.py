@@ -79,7 +79,7 @@ def test_a_delayed_link_adds_its_delay_to_each_round_trip_and_the_benchmark_show
 
 def test_a_lossy_link_drops_its_share_and_the_collectives_stay_exact(tmp_path):
     cluster.up(2, loss="5%", impair=["node1"])
-    rows = _bandwidth(tmp_path, "loss", "-b", "64K", "-e", "4M", "-f", "4", "-n", "5", "-w", "1")
+    rows = _bandwidth(tmp_path, "loss", "-b", "64K", "-e", "4M", "-f", "4", "-n", "5", "-w", "1", "--rounds", "3")
     assert len(rows) == 4 and all(r["ip"]["wrong"] == 0 for r in rows), rows
     counts = _wire_counts("node1")
     assert counts["from_host"] > 2000, counts
