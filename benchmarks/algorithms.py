@@ -275,8 +275,7 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_sweep(args, parser)
-    if args.world_size < 1:
-        parser.error(f"--world-size must be at least 1, got {args.world_size}")
+    cli.check_at_least(parser, args, {"--world-size": 1})
     if args.replot:
         if not args.plot:
             parser.error("--replot needs --plot FILE.png")

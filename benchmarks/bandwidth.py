@@ -27,7 +27,6 @@ import argparse
 import csv
 import datetime
 import json
-import math
 import os
 import platform
 import sys
@@ -91,14 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
 def validate(args, parser) -> None:
     """Refuse nonsense with a message naming the flag, before any rank starts."""
     check_sweep(args, parser)
-    if args.iters < 1 or args.warmup_iters < 0:
-        parser.error("-n must be at least 1 and -w at least 0")
-    if args.world_size < 1:
-        parser.error("--world-size must be at least 1")
-    if args.rounds < 1:
-        parser.error(f"--rounds must be at least 1, got {args.rounds}")
-    if not (math.isfinite(args.budget_ms) and args.budget_ms > 0):
-        parser.error(f"--budget-ms must be a positive number of milliseconds, got {args.budget_ms}")
+    cli.check_at_least(parser, args, {"-n": 1, "-w": 0, "--world-size": 1, "--rounds": 1})
+    cli.check_positive(parser, args, "--budget-ms", "milliseconds")
+    cli.check_positive(parser, args, "--timeout", "seconds")
     args.backend = args.backend or []
     if len(set(args.backend)) != len(args.backend):
         parser.error(f"--backend names a backend twice: {' '.join(args.backend)}")

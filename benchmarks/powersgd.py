@@ -168,10 +168,9 @@ def build_parser():
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    for flag, value in (("--world-size", args.world_size), ("--rounds", args.rounds), ("--rank", args.rank),
-                        ("--batch-size", args.batch_size), ("--steps", args.steps), ("--ranks", min(args.ranks))):
-        if value < 1:
-            parser.error(f"{flag} must be at least 1, got {value}")
+    cli.check_at_least(parser, args, {"--world-size": 1, "--rounds": 1, "--rank": 1, "--batch-size": 1, "--steps": 1})
+    if min(args.ranks) < 1:
+        parser.error(f"--ranks must all be at least 1, got {args.ranks}")
     if args.plot and args.part != "curves":
         parser.error("--plot draws the curves part only")
     cli.check_outputs(parser, {"--json": args.json, "--plot": args.plot})

@@ -115,10 +115,7 @@ def build_parser():
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    for flag, value, least in (("--world-size", args.world_size, 2), ("--rounds", args.rounds, 2),
-                               ("--iters", args.iters, 1), ("--batch", args.batch, 1)):
-        if value < least:
-            parser.error(f"{flag} must be at least {least}, got {value}")
+    cli.check_at_least(parser, args, {"--world-size": 2, "--rounds": 2, "--iters": 1, "--batch": 1})
     cli.check_outputs(parser, {"--json": args.json})
     raw = collectives.run(measure, args.world_size, backend="gloo",
                           args=(args.rounds, args.iters, args.model, args.batch), timeout=3600)[0]

@@ -199,9 +199,7 @@ def main(argv=None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
     cli.check_outputs(p, {"--json": args.json, "--plot": args.plot})
-    for name in ("world_size", "rounds", "batch", "memory_batch"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    cli.check_at_least(p, args, {"--world-size": 1, "--rounds": 1, "--batch": 1, "--memory-batch": 1})
     if args.world_size < 2:
         p.error("--world-size must be at least 2: sharding over one rank shards nothing")
     if args.skip_time and args.skip_memory:

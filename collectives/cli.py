@@ -26,6 +26,7 @@ import contextlib
 import functools
 import importlib.util
 import json
+import math
 import os
 import sys
 from typing import Callable, Iterable, Optional
@@ -39,6 +40,32 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (--help for usage)\n")
+
+
+def _value_of(parser, args, flag: str):
+    """args' value for `flag` as typed ("--batch-size", "-n"), found by the parser's own option."""
+    for action in parser._actions:
+        if flag in action.option_strings:
+            return getattr(args, action.dest)
+    raise KeyError(f"{parser.prog} has no option {flag}")
+
+
+def check_at_least(parser, args, minimums) -> None:
+    """`FLAG must be at least N, got V` (a usage error) for the first flag under its minimum;
+    minimums: {flag as typed: least} (a flag left at None is not checked)."""
+    for flag, least in minimums.items():
+        value = _value_of(parser, args, flag)
+        if value is not None and value < least:
+            parser.error(f"{flag} must be at least {least}, got {value}")
+
+
+def check_positive(parser, args, flags, unit: str = "") -> None:
+    """`FLAG must be a positive number[ of UNIT], got V` for the first flag that is not a finite
+    number above 0 (nan, inf, 0, negative); a flag left at None is not checked."""
+    for flag in ([flags] if isinstance(flags, str) else flags):
+        value = _value_of(parser, args, flag)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            parser.error(f"{flag} must be a positive number{' of ' + unit if unit else ''}, got {value}")
 
 
 def format_seconds(seconds: float) -> str:

@@ -86,8 +86,7 @@ def build_parser():
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.world_size < 1:
-        parser.error("--world-size must be at least 1")
+    cli.check_at_least(parser, args, {"--world-size": 1})
 
     results = C.run(_body, world_size=args.world_size, args=(args.collectives, args.checked))
     total_wrong = sum(w for _, w in results)

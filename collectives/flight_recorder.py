@@ -36,6 +36,8 @@ import pickle
 import time
 from typing import Dict, List, Optional, Sequence
 
+from collectives import cli, settings
+
 # How long the launcher waits for the ranks' records; it stops as soon as every live rank has
 # answered, so only a rank that cannot answer (in C code holding Python's lock) costs all of it.
 # 3 s and then 5 s were too short on a loaded machine (a live rank's answer missed the verdict).
@@ -45,10 +47,7 @@ ANSWER_WAIT_S = 15.0
 def recording() -> bool:
     """Whether torch's flight recorder is on in this process (TORCH_FR_BUFFER_SIZE > 0; the
     launcher's environment is its ranks')."""
-    try:
-        return int(os.environ.get("TORCH_FR_BUFFER_SIZE", "0") or 0) > 0
-    except ValueError:
-        return False
+    return settings.whole("TORCH_FR_BUFFER_SIZE", 0) > 0
 
 
 def dump() -> Optional[dict]:
@@ -264,8 +263,7 @@ def build_parser():
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.last < 1:
-        parser.error(f"--last must be at least 1, got {args.last}")
+    cli.check_at_least(parser, args, {"--last": 1})
     try:
         records, world_size, notes = read_run(args.directory, args.prefix)
     except (OSError, ValueError, pickle.UnpicklingError, EOFError) as exc:

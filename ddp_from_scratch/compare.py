@@ -216,9 +216,7 @@ ranks a sum of two values does not depend on the order. The bucketed wrapper use
 
 def _validate(args, parser, image: int) -> None:
     """Refuse what would crash the ranks or report a false "not bitwise", before any rank starts."""
-    for name in ("steps", "batch_size"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    cli.check_at_least(parser, args, {"--steps": 1, "--batch-size": 1})
     if min(args.world_sizes) < 1:
         parser.error(f"--world-sizes must all be at least 1, got {args.world_sizes}")
     if image < 4:

@@ -17,7 +17,6 @@ Times are microseconds from the forward's start.
 from __future__ import annotations
 
 import json
-import math
 import sys
 from typing import Dict
 
@@ -160,14 +159,11 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     cli.check_outputs(parser, [("--out", args.out + ".json"), ("--out", args.out + ".png")])
-    for name in ("world_size", "batch_size", "steps"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    cli.check_at_least(parser, args, {"--world-size": 1, "--batch-size": 1, "--steps": 1})
     check_batch_fits(parser, args.model, args.batch_size, args.world_size)
     if args.bucket_cap_mb is not None and args.impl not in ("zero2", "zero2-bucketed"):
         parser.error(f"--bucket-cap-mb applies to --impl zero2 or zero2-bucketed here, not {args.impl}")
-    if args.bucket_cap_mb is not None and not (math.isfinite(args.bucket_cap_mb) and args.bucket_cap_mb > 0):
-        parser.error(f"--bucket-cap-mb must be a positive number of MiB, got {args.bucket_cap_mb}")
+    cli.check_positive(parser, args, "--bucket-cap-mb", "MiB")
     options = {"bucket_cap_mb": args.bucket_cap_mb} if args.bucket_cap_mb is not None else {}
     results = collectives.run(_traced_steps, args.world_size,
                               args=(args.model, args.batch_size, args.steps, args.impl, options))

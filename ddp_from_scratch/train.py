@@ -35,7 +35,6 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import math
 import os
 import sys
 import time
@@ -160,17 +159,12 @@ def build_parser() -> argparse.ArgumentParser:
 def validate(args, parser, world_size: int, local_ranks: Optional[int] = None) -> None:
     """Refuse every bad argument, dataset and checkpoint before any rank starts (parser.error: exit 2).
     `local_ranks`: the ranks on this machine, which share its memory (default: world_size)."""
-    for name, minimum in (("nproc", 1), ("batch_size", 1), ("epochs", 1), ("train_size", 1), ("test_size", 1),
-                          ("checkpoint_every", 1), ("stop_at_step", 1)):
-        value = getattr(args, name)
-        if value is not None and value < minimum:
-            parser.error(f"--{name.replace('_', '-')} must be at least {minimum}, got {value}")
+    cli.check_at_least(parser, args, {"--nproc": 1, "--batch-size": 1, "--epochs": 1, "--train-size": 1,
+                                      "--test-size": 1, "--checkpoint-every": 1, "--stop-at-step": 1})
     check_batch_fits(parser, args.model, args.batch_size, local_ranks or world_size)
     cli.check_outputs(parser, {"--json": args.json})
-    if not (math.isfinite(args.lr) and args.lr > 0):
-        parser.error(f"--lr must be a positive number, got {args.lr}")
-    if args.bucket_cap_mb is not None and not (math.isfinite(args.bucket_cap_mb) and args.bucket_cap_mb > 0):
-        parser.error(f"--bucket-cap-mb must be a positive number of MiB, got {args.bucket_cap_mb}")
+    cli.check_positive(parser, args, "--lr")
+    cli.check_positive(parser, args, "--bucket-cap-mb", "MiB")
     takers = ["torch"] + [n for n, s in STAGES.items() if "bucket_cap_mb" in s.takes]
     if args.bucket_cap_mb is not None and args.impl not in takers:
         parser.error(f"--bucket-cap-mb applies to --impl {', '.join(takers)}, not {args.impl}")
@@ -181,8 +175,8 @@ def validate(args, parser, world_size: int, local_ranks: Optional[int] = None) -
     if not powersgd and given:
         parser.error(f"{' and '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to --compress powersgd or batched_powersgd, "
                      f"not {'--compress ' + args.compress if args.compress else 'a run without --compress'}")
-    if powersgd and args.powersgd_rank is not None and args.powersgd_rank < 1:
-        parser.error(f"--powersgd-rank must be at least 1, got {args.powersgd_rank}")
+    if powersgd:
+        cli.check_at_least(parser, args, {"--powersgd-rank": 1})
     if powersgd and args.powersgd_start_iter is not None and args.powersgd_start_iter < 2:
         parser.error(f"--powersgd-start-iter must be at least 2 (error feedback and warm start keep memories per "
                      f"bucket, and DDP settles its buckets in the first steps), got {args.powersgd_start_iter}")

@@ -124,8 +124,7 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     cli.check_outputs(parser, {"--out": args.out, "--json": args.json})
-    if args.repeats < 1:
-        parser.error("--repeats must be at least 1")
+    cli.check_at_least(parser, args, {"--repeats": 1})
     if args.world_size < 2 or args.world_size % 2:
         parser.error(f"--world-size must be an even number of ranks (they exchange in pairs), got {args.world_size}")
     print(f"exchanges in pairs of {args.world_size} ranks, then local reductions on all at once ...",

@@ -57,8 +57,7 @@ def main(argv=None) -> int:
         cli.check_outputs(parser, [("--out", args.out + ".json"), ("--out", args.out + ".png")])
     if not 1 <= args.world_size <= 4096:
         parser.error(f"--world-size must be 1 to 4096, got {args.world_size}")
-    if args.bytes < 1:
-        parser.error(f"--bytes must be at least 1, got {args.bytes}")
+    cli.check_at_least(parser, args, {"--bytes": 1})
     if args.world_size > 62 and not args.no_table:
         parser.error("the step table names ranks by the bits of an int64: use --no-table above 62 ranks")
     if not 0 <= args.root < args.world_size:

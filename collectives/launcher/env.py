@@ -122,38 +122,68 @@ def _slurm_port(job_id: str) -> int:
     return 15000 + int(re.sub(r"\D", "", job_id) or "0") % 20000
 
 
+def check_settings(backend: str, environ: Optional[Mapping[str, str]] = None) -> None:
+    """Every setting a run on `backend` reads, read now, before any rank starts (the launcher's
+    environment is its ranks'): a bad value is a ValueError naming the variable."""
+    from collectives import settings
+
+    settings.whole("TORCH_FR_BUFFER_SIZE", 0, environ=environ)
+    if backend == "shm":
+        from collectives.shm.config import ShmConfig
+
+        ShmConfig.from_env(environ)
+
+
 def read_env(environ: Mapping[str, str]) -> dict:
     """Parse torchrun's or SLURM's variables into rank/world_size/local_rank/master address.
 
     Returns a dict with keys rank, world_size, local_rank, local_world_size, master_addr,
     master_port (the last two None when not launched). Pure function, so it is testable.
     """
+    def whole(name: str, default: Optional[int] = None, least: int = 0) -> int:
+        """The variable as a whole number of at least `least`, or a RuntimeError naming it."""
+        raw = environ.get(name)
+        if raw is None and default is not None:
+            return default
+        try:
+            value = int(raw)
+        except (TypeError, ValueError):
+            value = None
+        if value is None or value < least:
+            raise RuntimeError(f"{name}={raw!r}: must be a whole number of at least {least} (as torchrun and srun "
+                               "set it)")
+        return value
+
     if "RANK" in environ and "WORLD_SIZE" in environ:
         missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in environ]
         if missing:
             raise RuntimeError(f"RANK and WORLD_SIZE are set but {', '.join(missing)} is not")
-        world_size = int(environ["WORLD_SIZE"])
+        world_size = whole("WORLD_SIZE", least=1)
+        rank = whole("RANK")
+        if rank >= world_size:
+            raise RuntimeError(f"RANK={rank} is not a rank of a world of WORLD_SIZE={world_size} (0 to {world_size - 1})")
         return dict(
-            rank=int(environ["RANK"]),
+            rank=rank,
             world_size=world_size,
-            local_rank=int(environ.get("LOCAL_RANK", "0")),
-            local_world_size=int(environ.get("LOCAL_WORLD_SIZE", str(world_size))),
+            local_rank=whole("LOCAL_RANK", 0),
+            local_world_size=whole("LOCAL_WORLD_SIZE", world_size, least=1),
             master_addr=environ["MASTER_ADDR"],
-            master_port=int(environ["MASTER_PORT"]),
+            master_port=whole("MASTER_PORT", least=1),
         )
     if "SLURM_PROCID" in environ and "SLURM_NTASKS" in environ:
         nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST")
         if not nodelist:
             raise RuntimeError("SLURM_PROCID is set but SLURM_JOB_NODELIST is not")
-        world_size = int(environ["SLURM_NTASKS"])
-        nnodes = int(environ.get("SLURM_NNODES", "1"))
+        world_size = whole("SLURM_NTASKS", least=1)
+        nnodes = whole("SLURM_NNODES", 1, least=1)
         return dict(
-            rank=int(environ["SLURM_PROCID"]),
+            rank=whole("SLURM_PROCID"),
             world_size=world_size,
-            local_rank=int(environ.get("SLURM_LOCALID", "0")),
+            local_rank=whole("SLURM_LOCALID", 0),
             local_world_size=max(1, world_size // max(1, nnodes)),
             master_addr=environ.get("MASTER_ADDR") or first_slurm_host(nodelist),
-            master_port=int(environ.get("MASTER_PORT") or _slurm_port(environ.get("SLURM_JOB_ID", "0"))),
+            master_port=whole("MASTER_PORT", least=1) if environ.get("MASTER_PORT")
+            else _slurm_port(environ.get("SLURM_JOB_ID", "0")),
         )
     return dict(rank=0, world_size=1, local_rank=0, local_world_size=1, master_addr=None, master_port=None)
 

@@ -84,10 +84,11 @@ class RankPool:
         if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 0):
             raise ValueError(f"threads must be a non-negative int (0: torch's default), got {threads!r}")
         _check_timeout(start_timeout, "start_timeout")
-        from .env import pick_backend
+        from .env import check_settings, pick_backend
 
         self.world_size = world_size
         self.backend = pick_backend(world_size, backend)
+        check_settings(self.backend)
         self.threads = threads
         self.start_timeout = start_timeout
         self.setup = setup

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import collections
 import functools
-import os
 import threading
 import sys
 import time
 from typing import Dict, List, Optional
 
 import torch
+
+from collectives import settings
 
 MAX_FRAMES = 24
 @functools.lru_cache(maxsize=None)
@@ -57,10 +58,7 @@ class Recorder:
 
     @classmethod
     def from_env(cls) -> Optional["Recorder"]:
-        try:
-            size = int(os.environ.get("TORCH_FR_BUFFER_SIZE", "0") or 0)
-        except ValueError:
-            size = 0
+        size = settings.whole("TORCH_FR_BUFFER_SIZE", 0)
         return cls(size) if size > 0 else None
 
     def scheduled(self, op: str, inputs, outputs, p2p: bool = False) -> _Entry:

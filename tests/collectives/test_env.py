@@ -27,6 +27,28 @@ def test_torchrun_variables_without_master_are_refused():
         read_env({"RANK": "0", "WORLD_SIZE": "2"})
 
 
+TORCHRUN = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "29400"}
+SLURM = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "n1"}
+
+
+@pytest.mark.parametrize("env, says", [
+    ({**TORCHRUN, "WORLD_SIZE": "two"}, "WORLD_SIZE='two': must be a whole number of at least 1"),
+    ({**TORCHRUN, "WORLD_SIZE": "0"}, "WORLD_SIZE='0': must be a whole number of at least 1"),
+    ({**TORCHRUN, "RANK": "-1"}, "RANK='-1': must be a whole number of at least 0"),
+    ({**TORCHRUN, "RANK": "2"}, "RANK=2 is not a rank of a world of WORLD_SIZE=2 (0 to 1)"),
+    ({**TORCHRUN, "LOCAL_RANK": "x"}, "LOCAL_RANK='x': must be a whole number"),
+    ({**TORCHRUN, "LOCAL_WORLD_SIZE": "1.5"}, "LOCAL_WORLD_SIZE='1.5': must be a whole number"),
+    ({**TORCHRUN, "MASTER_PORT": "port"}, "MASTER_PORT='port': must be a whole number of at least 1"),
+    ({**SLURM, "SLURM_NTASKS": "many"}, "SLURM_NTASKS='many': must be a whole number of at least 1"),
+    ({**SLURM, "SLURM_PROCID": ""}, "SLURM_PROCID='': must be a whole number"),
+    ({**SLURM, "SLURM_NNODES": "0"}, "SLURM_NNODES='0': must be a whole number of at least 1"),
+])
+def test_a_variable_that_is_not_a_whole_number_is_named(env, says):
+    with pytest.raises(RuntimeError) as info:
+        read_env(env)
+    assert str(info.value).startswith(says), str(info.value)
+
+
 def test_slurm_variables():
     env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_NNODES": "2",
            "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "123456"}

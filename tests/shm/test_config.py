@@ -35,3 +35,36 @@ def test_a_bad_value_is_an_error_naming_the_variable(var, value, says):
     with pytest.raises(ValueError) as info:
         ShmConfig.from_env({var: value})
     assert str(info.value) == f"{var}={value!r}: {says}"
+
+
+def _never_called(env):
+    raise AssertionError("a rank started")
+
+
+@pytest.mark.parametrize("var, value, backend, says", [
+    ("COLLECTIVES_SHM_SLOT_MB", "lots", "shm", "COLLECTIVES_SHM_SLOT_MB='lots': must be a number"),
+    ("COLLECTIVES_SHM_WAIT", "bogus", "shm", "COLLECTIVES_SHM_WAIT='bogus': must be one of"),
+    ("TORCH_FR_BUFFER_SIZE", "lots", "gloo", "TORCH_FR_BUFFER_SIZE='lots': must be a whole number of at least 0"),
+    ("TORCH_FR_BUFFER_SIZE", "-5", "shm", "TORCH_FR_BUFFER_SIZE='-5': must be a whole number of at least 0"),
+])
+def test_a_bad_setting_stops_the_run_before_any_rank_starts(var, value, backend, says, monkeypatch):
+    """Read the same way as the shm backend's own: named, in the launcher, not in every rank."""
+    import collectives
+    from collectives.launcher import pool
+
+    monkeypatch.setenv(var, value)
+    monkeypatch.setattr(pool.RankPool, "start", lambda self: (_ for _ in ()).throw(AssertionError("a rank started")))
+    with pytest.raises(ValueError) as info:
+        collectives.run(_never_called, 2, backend=backend)
+    assert str(info.value).startswith(says), str(info.value)
+
+
+@pytest.mark.parametrize("value, size", [(None, 0), ("", 0), ("0", 0), ("2000", 2000), (" 7 ", 7)])
+def test_the_flight_recorder_setting_reads_whole_numbers(value, size, monkeypatch):
+    from collectives import settings
+
+    if value is None:
+        monkeypatch.delenv("TORCH_FR_BUFFER_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", value)
+    assert settings.whole("TORCH_FR_BUFFER_SIZE", 0) == size
