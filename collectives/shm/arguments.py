@@ -1,6 +1,6 @@
 """What the shm backend checks in a raw torch.distributed call's arguments before it moves a byte,
-as Gloo checks them: every tensor on the CPU, and outputs that fit their inputs (sizes, list
-lengths, dtypes). Each check returns "" when the arguments are fine, else what is wrong, for
+as Gloo checks them: every tensor on the CPU, outputs that fit their inputs (sizes, list
+lengths, dtypes) and can be written element by element, and an op that makes sense for the dtype. Each check returns "" when the arguments are fine, else what is wrong, for
 ShmBackend to refuse the call with (ops.ShmArgumentError, naming the call and the rank).
 
     why = wrong_sizes(output, input, world_size, "output", "input")   # all_gather_into_tensor
@@ -12,6 +12,9 @@ from __future__ import annotations
 from typing import List
 
 import torch
+
+from collectives.errors import CollectiveError
+from collectives.reduce_ops import check_op_dtype
 
 
 def _span(t: torch.Tensor):
@@ -36,6 +39,43 @@ def wrong_devices(**tensors) -> str:
             elif t.device.type != "cpu":
                 where = f"{name}[{i}]" if isinstance(value, (list, tuple)) else name
                 return f"{where} is on {t.device}; the shm backend moves CPU tensors only"
+    return ""
+
+
+def _shares_elements(t: torch.Tensor) -> bool:
+    """Whether two of a tensor's elements are one memory location (an expand()ed or stride-0
+    view): writing the result into it cannot work, and torch's copy refuses it mid-call."""
+    if any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride())):
+        return True
+    has_overlap = getattr(torch, "_debug_has_internal_overlap", None)
+    return bool(has_overlap) and has_overlap(t) == 1  # 1: yes; 0: no; 2: too hard to tell (then no)
+
+
+def unwritable(**tensors) -> str:
+    """"" when every output (lists allowed) can take a result element by element, else which
+    one cannot."""
+    for name, value in tensors.items():
+        for i, t in enumerate(value if isinstance(value, (list, tuple)) else [value]):
+            if isinstance(t, (list, tuple)):
+                bad = unwritable(**{f"{name}[{i}]": t})
+                if bad:
+                    return bad
+            elif _shares_elements(t):
+                where = f"{name}[{i}]" if isinstance(value, (list, tuple)) else name
+                return (f"{where} has elements that share memory (an expanded or stride-0 view, strides "
+                        f"{list(t.stride())}), so the result cannot be written into it; pass a tensor that owns its "
+                        "elements (.clone() or .contiguous())")
+    return ""
+
+
+def wrong_op(op: str, collective: str, tensors) -> str:
+    """"" when `op` makes sense for every tensor's dtype (the rule every backend here applies,
+    reduce_ops.check_op_dtype), else why not."""
+    for t in tensors:
+        try:
+            check_op_dtype(op, t.dtype, collective)
+        except CollectiveError as exc:
+            return str(exc).split(": ", 1)[1]
     return ""
 
 

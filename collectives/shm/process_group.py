@@ -37,7 +37,7 @@ from ..errors import CollectiveMismatchError
 from . import cma
 from .config import ShmConfig
 from . import native, routing
-from .arguments import overlap, wrong_devices, wrong_list, wrong_sizes, wrong_splits
+from .arguments import overlap, unwritable, wrong_devices, wrong_list, wrong_op, wrong_sizes, wrong_splits
 from .ops import ShmArgumentError, ShmCollectives
 from .point_to_point import PointToPoint
 from .recorder import Recorder
@@ -176,7 +176,7 @@ class ShmBackend:
     # -- in shared memory ----------------------------------------------------------------------
     def allreduce(self, tensors: List[torch.Tensor], opts=None):
         op = _op(opts)
-        why = wrong_devices(tensor=tensors)
+        why = wrong_devices(tensor=tensors) or unwritable(tensor=tensors) or wrong_op(op, "all_reduce", tensors)
         if why:
             return self._refuse("all_reduce", why)
 
@@ -186,7 +186,7 @@ class ShmBackend:
         return self._submit("all_reduce", job, tensors, _nbytes(tensors))
 
     def broadcast(self, tensors: List[torch.Tensor], opts):
-        why = wrong_devices(tensor=tensors)
+        why = wrong_devices(tensor=tensors) or ("" if self.rank() == opts.rootRank else unwritable(tensor=tensors))
         if why:
             return self._refuse("broadcast", why)
 
@@ -197,7 +197,7 @@ class ShmBackend:
 
     def reduce(self, tensors: List[torch.Tensor], opts):
         op = _op(opts)
-        why = wrong_devices(tensor=tensors)
+        why = wrong_devices(tensor=tensors) or unwritable(tensor=tensors) or wrong_op(op, "reduce", tensors)
         if why:
             return self._refuse("reduce", why)
 
@@ -208,7 +208,8 @@ class ShmBackend:
         return self._submit("reduce", job, tensors)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts=None):
-        why = wrong_devices(output=output, input=input) or wrong_sizes(output, input, self.size(), "output", "input")
+        why = wrong_devices(output=output, input=input) or wrong_sizes(output, input, self.size(), "output", "input") \
+            or unwritable(output=output)
         if why:
             return self._refuse("all_gather", why)
 
@@ -221,7 +222,8 @@ class ShmBackend:
     def allgather(self, output_tensors: List[List[torch.Tensor]], input_tensors: List[torch.Tensor], opts=None):
         why = wrong_devices(output_tensor_list=output_tensors, input=input_tensors) or next(
             (w for outs, inp in zip(output_tensors, input_tensors)
-             for w in [wrong_list(outs, inp, self.size(), "output_tensor_list")] if w), "")
+             for w in [wrong_list(outs, inp, self.size(), "output_tensor_list")] if w), "") \
+            or unwritable(output_tensor_list=output_tensors)
         if why:
             return self._refuse("all_gather", why)
 
@@ -236,7 +238,8 @@ class ShmBackend:
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts=None):
         op = _op(opts)
-        why = wrong_devices(output=output, input=input) or wrong_sizes(input, output, self.size(), "input", "output")
+        why = wrong_devices(output=output, input=input) or wrong_sizes(input, output, self.size(), "input", "output") \
+            or unwritable(output=output) or wrong_op(op, "reduce_scatter", [input])
         if why:
             return self._refuse("reduce_scatter", why)
         aliased = overlap(output, input)  # e.g. the output is this rank's chunk of the input
@@ -253,7 +256,8 @@ class ShmBackend:
         op = _op(opts)
         why = wrong_devices(output=output_tensors, input_list=input_tensors) or next(
             (w for out, ins in zip(output_tensors, input_tensors)
-             for w in [wrong_list(ins, out, self.size(), "input_list")] if w), "")
+             for w in [wrong_list(ins, out, self.size(), "input_list")] if w), "") \
+            or unwritable(output=output_tensors) or wrong_op(op, "reduce_scatter", output_tensors)
         if why:
             return self._refuse("reduce_scatter", why)
 
@@ -282,7 +286,8 @@ class ShmBackend:
 
     def gather(self, output_tensors, input_tensors, opts):
         root, outs = opts.rootRank, output_tensors[0] if output_tensors else []
-        why = self._wrong_rooted("gather", input_tensors, "input", outs, "gather_list", root, "destination")
+        why = self._wrong_rooted("gather", input_tensors, "input", outs, "gather_list", root, "destination") \
+            or unwritable(gather_list=outs)
         if why:
             return self._refuse("gather", why)
         inp = input_tensors[0]
@@ -297,7 +302,8 @@ class ShmBackend:
 
     def scatter(self, output_tensors, input_tensors, opts):
         root, ins = opts.rootRank, input_tensors[0] if input_tensors else []
-        why = self._wrong_rooted("scatter", output_tensors, "output", ins, "scatter_list", root, "source")
+        why = self._wrong_rooted("scatter", output_tensors, "output", ins, "scatter_list", root, "source") \
+            or unwritable(output=output_tensors)
         if why:
             return self._refuse("scatter", why)
         out = output_tensors[0]
@@ -311,7 +317,7 @@ class ShmBackend:
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         why = wrong_devices(output=output, input=input) or wrong_splits(
-            output, input, list(output_split_sizes), list(input_split_sizes), self.size())
+            output, input, list(output_split_sizes), list(input_split_sizes), self.size()) or unwritable(output=output)
         if why:
             return self._refuse("all_to_all", why)
         rows = lambda t, splits: list(splits) or [t.shape[0] // self.size()] * self.size()  # noqa: E731
@@ -336,6 +342,7 @@ class ShmBackend:
         dtypes = {t.dtype for t in list(output_tensors) + list(input_tensors)}
         if not why and len(dtypes) > 1:
             why = f"the tensors must share one dtype, not {', '.join(sorted(map(str, dtypes)))}"
+        why = why or unwritable(output_tensor_list=output_tensors)
         if why:
             return self._refuse("all_to_all", why)
         out_b = [t.numel() * t.element_size() for t in output_tensors]
@@ -357,6 +364,7 @@ class ShmBackend:
         why = wrong_devices(tensors=tensors)
         if not why and len({t.dtype for t in tensors}) > 1:
             why = "the tensors must share one dtype, as Gloo's allreduce_coalesced requires"
+        why = why or unwritable(tensors=tensors) or wrong_op(op, "all_reduce", tensors)
         if why:
             return self._refuse("all_reduce", why)
 

@@ -139,3 +139,54 @@ def test_one_rank_with_wrong_arguments_is_named_and_nobody_waits_for_it():
         said = results[rank][0]
         assert said.startswith("mismatch:") and "rank 1: all_gather with arguments that rank refused" in said, said
     assert [t for _, t in results] == [3.0, 3.0, 3.0]  # the group is still usable
+
+
+def _refused_by_torch_before(env, on_every_rank):
+    """Calls whose data torch itself would refuse mid-call (writing into an expanded tensor; an
+    average of integers), on every rank or on rank 0 only: what each raised, and whether the
+    group still sums afterwards."""
+    group = dist.new_group(backend="shm")
+    wrong = on_every_rank or env.rank == 0
+    calls = {
+        "all_reduce into an expanded tensor": lambda: dist.all_reduce(
+            torch.ones(1).expand(4) if wrong else torch.ones(4), group=group),
+        "broadcast into an expanded tensor": lambda: dist.broadcast(  # the root only reads: rank 1 is the root
+            torch.zeros(2, 1).expand(2, 3) if wrong and env.rank != 1 else torch.zeros(2, 3), src=1, group=group),
+        "all_gather into an expanded tensor": lambda: dist.all_gather_into_tensor(
+            torch.zeros(1).expand(2 * env.world_size) if wrong else torch.zeros(2 * env.world_size), torch.ones(2),
+            group=group),
+        "reduce_scatter into an expanded tensor": lambda: dist.reduce_scatter_tensor(
+            torch.zeros(1).expand(2) if wrong else torch.zeros(2), torch.ones(2 * env.world_size), group=group),
+        "all_reduce avg of int64": lambda: dist.all_reduce(
+            torch.ones(3, dtype=torch.int64), op=dist.ReduceOp.AVG if wrong else dist.ReduceOp.SUM, group=group),
+    }
+    said = {}
+    for label, call in calls.items():
+        try:
+            call()
+            said[label] = "no error"
+        except (ShmArgumentError, CollectiveMismatchError) as exc:
+            said[label] = f"{type(exc).__name__}: {exc}"
+        t = torch.ones(1)
+        dist.all_reduce(t, group=group)  # the group is still usable
+        said[label] = (said[label], t.item())
+    return said
+
+
+@pytest.mark.parametrize("on_every_rank", [True, False], ids=["every rank", "rank 0 only"])
+def test_what_torch_would_refuse_mid_call_is_refused_before_a_byte_moves(on_every_rank):
+    """These broke the group ("group BROKEN after") when torch's own copy or division raised
+    inside the call; now they are refused up front, named, and the group goes on."""
+    results = C.run(_refused_by_torch_before, world_size=2, timeout=60, args=(on_every_rank,))
+    for rank, said in enumerate(results):
+        for label, (text, after) in said.items():
+            assert after == 2.0, (rank, label, text)
+            if rank == 0 or on_every_rank:
+                if "broadcast" in label and rank == 1:  # the root, whose buffer is only read: not refused
+                    assert text.startswith("CollectiveMismatchError") and "refused" in text, text
+                    continue
+                assert text.startswith("ShmArgumentError"), (rank, label, text)
+                assert ("share memory (an expanded or stride-0 view" in text) == ("expanded" in label), text
+                assert ("op 'avg' on torch.int64 would have to round" in text) == ("avg" in label), text
+            else:  # rank 1, with right arguments, is told who refused
+                assert text.startswith("CollectiveMismatchError") and "refused" in text, (rank, label, text)
