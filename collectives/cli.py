@@ -147,6 +147,22 @@ def check_outputs(parser, outputs) -> None:
                 parser.error(f"{flag} {path}: drawing needs matplotlib: pip install -e '.[plot]'")
 
 
+def write_atomically(path: str, text: str) -> None:
+    """Write `text` to `path` whole or not at all: into a file beside it, then renamed over it (a
+    full disk or a kill halfway leaves the old file, or none, never half of the new one)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+
+
 def available_memory() -> Optional[int]:
     """Bytes of memory the kernel says can be allocated without swapping (MemAvailable), or None."""
     try:

@@ -168,5 +168,7 @@ class SyntheticCIFAR10(_Images):
         labels = rng.integers(0, 10, size, dtype=np.int64)
         # class-dependent colour so that a model can learn something from it
         base = (labels[:, None, None, None] * 23 + np.arange(3)[None, :, None, None] * 60) % 256
-        noise = rng.integers(0, 64, (size, 3, 32, 32))
-        super().__init__(((base + noise) % 256).astype(np.uint8), labels, augment=augment, seed=seed)
+        images = rng.integers(0, 64, (size, 3, 32, 32))  # the noise, then (in place: no int64 copies) the images
+        images += base
+        images %= 256
+        super().__init__(images.astype(np.uint8), labels, augment=augment, seed=seed)

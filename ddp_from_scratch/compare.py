@@ -44,7 +44,7 @@ from collectives.cli import command, eta
 
 from .bucket import describe as bucket_describe
 from .ddp import DistributedDataParallel
-from .models import MODELS, batch, check_batch_fits
+from .models import MODELS, batch, check_batch_fits, check_batchnorm_fits
 from .parity import StepCheck, count_nonfinite, relative_diff, same_bits, summarise, table_row
 from .sharded_parity import (PARITY_IMPLS, SHARDED_HEADERS, SHARDED_NOTE, must_be_bitwise, shard_layout_text,
                              train_sharded_side_by_side)
@@ -222,12 +222,7 @@ def _validate(args, parser, image: int) -> None:
     if image < 4:
         parser.error(f"--image must be at least 4 pixels, got {image}")
     check_batch_fits(parser, args.model, args.batch_size, max(args.world_sizes), image)
-    if args.model == "resnet50":
-        # BatchNorm needs two values per channel; ResNet-50's last stage is image / 32 pixels wide
-        side = max(1, -(-image // 32))
-        if args.batch_size * side * side < 2:
-            parser.error(f"--batch-size {args.batch_size} with --image {image}: ResNet-50's last BatchNorm would see one "
-                         "value per channel (torch refuses that in training); use --batch-size 2 or more")
+    check_batchnorm_fits(parser, args.model, args.batch_size, image)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -71,6 +71,17 @@ def check_batch_fits(parser, model: str, batch_size: int, ranks: int, image: int
                      f"{ranks} rank(s) x {batch_size} images x {per_image / 2**20:.2f} MiB of {model}'s layer outputs")
 
 
+def check_batchnorm_fits(parser, model: str, batch_size: int, image: int = 32) -> None:
+    """A usage error where training would give a BatchNorm one value per channel, which torch
+    refuses mid-forward: ResNet-50's last stage is image / 32 pixels wide, so it needs
+    batch_size x side^2 >= 2."""
+    if model == "resnet50":
+        side = max(1, -(-image // 32))
+        if batch_size * side * side < 2:
+            parser.error(f"--batch-size {batch_size} with {image}x{image} images: ResNet-50's last BatchNorm would see "
+                         "one value per channel (torch refuses that in training); use --batch-size 2 or more")
+
+
 def layer_output_bytes(model: nn.Module, image: int = 32) -> int:
     """The sum of every leaf module's output size, in bytes, for one image (eval mode, no grad)."""
     total = 0

@@ -23,7 +23,7 @@ from typing import Dict
 from collectives import cli
 from collectives.cli import command
 
-from .models import check_batch_fits
+from .models import check_batch_fits, check_batchnorm_fits
 
 
 
@@ -161,6 +161,7 @@ def main(argv=None) -> int:
     cli.check_outputs(parser, [("--out", args.out + ".json"), ("--out", args.out + ".png")])
     cli.check_at_least(parser, args, {"--world-size": 1, "--batch-size": 1, "--steps": 1})
     check_batch_fits(parser, args.model, args.batch_size, args.world_size)
+    check_batchnorm_fits(parser, args.model, args.batch_size)
     if args.bucket_cap_mb is not None and args.impl not in ("zero2", "zero2-bucketed"):
         parser.error(f"--bucket-cap-mb applies to --impl zero2 or zero2-bucketed here, not {args.impl}")
     cli.check_positive(parser, args, "--bucket-cap-mb", "MiB")

@@ -53,12 +53,15 @@ from . import cifar10
 from .checkpoint import (CheckpointError, check_resume, gather_state, load_checkpoint, load_state, run_settings, save,
                          weights_sha256)
 from .ddp import rebuilt_bucket_count
-from .models import MODELS, batch, check_batch_fits
+from .models import MODELS, batch, check_batch_fits, check_batchnorm_fits
 from .powersgd import CLI_NAMES as POWERSGD_CLI_NAMES, PowerSGD
 from .torch_hooks import POWERSGD_ON_GLOO, bf16_compress_hook_on_gloo, powersgd_hook, powersgd_state
 from .wrap import IMPLS, SHARDED_IMPLS, STAGES, wrap
 
-CIFAR_TRAIN_SIZE = 50_000
+CIFAR_TRAIN_SIZE, CIFAR_TEST_SIZE = 50_000, 10_000
+# Memory a rank holds per synthetic image while making the set (numpy's int64 noise, then the
+# 3,072-byte image): 27,913 bytes measured at the peak (cifar10.SyntheticCIFAR10, 20,000 images)
+SYNTHETIC_PEAK_BYTES = 28_000
 POWERSGD_DEFAULTS = {"powersgd_rank": 1, "powersgd_start_iter": 1000}  # torch's PowerSGDState's
 
 
@@ -162,6 +165,7 @@ def validate(args, parser, world_size: int, local_ranks: Optional[int] = None) -
     cli.check_at_least(parser, args, {"--nproc": 1, "--batch-size": 1, "--epochs": 1, "--train-size": 1,
                                       "--test-size": 1, "--checkpoint-every": 1, "--stop-at-step": 1})
     check_batch_fits(parser, args.model, args.batch_size, local_ranks or world_size)
+    check_batchnorm_fits(parser, args.model, args.batch_size)
     cli.check_outputs(parser, {"--json": args.json})
     cli.check_positive(parser, args, "--lr")
     cli.check_positive(parser, args, "--bucket-cap-mb", "MiB")
@@ -201,6 +205,9 @@ def validate(args, parser, world_size: int, local_ranks: Optional[int] = None) -
             parser.error(str(exc))
     else:
         train_images = CIFAR_TRAIN_SIZE
+        made = (args.train_size or CIFAR_TRAIN_SIZE) + (args.test_size or CIFAR_TEST_SIZE)
+        cli.check_memory(parser, "--train-size/--test-size", (local_ranks or world_size) * made * SYNTHETIC_PEAK_BYTES,
+                         f"{local_ranks or world_size} rank(s) each making {made:,} synthetic images")
     if args.train_size is not None and args.train_size > train_images and not args.synthetic:
         parser.error(f"--train-size {args.train_size} is more than the {train_images} training images")
     images = args.train_size or train_images
@@ -256,8 +263,8 @@ def torch_powersgd_refusal(args, local_ranks: int) -> Optional[str]:
 
 def _datasets(config):
     if config.synthetic:
-        train = cifar10.SyntheticCIFAR10(config.train_size or 50_000, augment=True, seed=config.seed)
-        test = cifar10.SyntheticCIFAR10(config.test_size or 10_000, seed=config.seed + 1)
+        train = cifar10.SyntheticCIFAR10(config.train_size or CIFAR_TRAIN_SIZE, augment=True, seed=config.seed)
+        test = cifar10.SyntheticCIFAR10(config.test_size or CIFAR_TEST_SIZE, seed=config.seed + 1)
     else:
         train = cifar10.CIFAR10(config.data, train=True, augment=True, seed=config.seed)
         test = cifar10.CIFAR10(config.data, train=False)
@@ -506,10 +513,14 @@ def main(argv=None) -> int:
     if summary is None:  # a torchrun/srun rank other than 0: rank 0 reports
         return 0
     text = json.dumps(summary)
-    print(text)
+    print(text, flush=True)
     if args.json:
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
+        try:
+            cli.write_atomically(args.json, text + "\n")
+        except OSError as exc:
+            print(f"python -m ddp_from_scratch.train: could not write --json {args.json} ({exc.strerror or exc}); the "
+                  "summary is the line above on stdout", file=sys.stderr)
+            return 1
     return 0
 
 

@@ -31,6 +31,8 @@ CASES = [
     (bandwidth.main, ["--timeout", "nan"], "--timeout must be a positive number of seconds, got nan"),
     (bandwidth.main, ["-n", "0"], "-n must be at least 1, got 0"),
     (bandwidth.main, ["-w", "-1"], "-w must be at least 0, got -1"),
+    (trace.main, ["--model", "resnet50", "--batch-size", "1"],
+     "ResNet-50's last BatchNorm would see one value per channel"),  # was a 138-line traceback from the ranks
     (trace.main, ["--impl", "zero2", "--bucket-cap-mb", "inf"], "--bucket-cap-mb must be a positive number of MiB, got inf"),
 ]
 

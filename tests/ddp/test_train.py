@@ -102,6 +102,34 @@ def test_torch_ddp_with_amp(tmp_path, capsys):
     assert summary["skipped_steps"] == 0  # bf16 on CPU: no GradScaler, nothing skipped
 
 
+def test_a_summary_that_cannot_be_written_is_said_in_one_line_and_still_printed(tmp_path, capsys, monkeypatch):
+    """A full disk at the end of training: the summary is on stdout, the error one line, rc 1,
+    and the old --json file is left whole (written beside it, then renamed)."""
+    from collectives import cli
+
+    out = tmp_path / "summary.json"
+    out.write_text('{"an": "older run"}\n')
+    real_open = open
+
+    def full_disk(path, *args, **kwargs):
+        if str(path).endswith(".tmp"):
+            raise OSError(28, "No space left on device")
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", full_disk)
+    assert train.main(COMMON + ["--epochs", "1", "--json", str(out)]) == 1
+    captured = capsys.readouterr()
+    summary = json.loads(captured.out.strip().splitlines()[-1])
+    assert summary["epochs"] == 1
+    lines = [line for line in captured.err.splitlines() if "could not write" in line]
+    assert lines == [f"python -m ddp_from_scratch.train: could not write --json {out} (No space left on device); the "
+                     "summary is the line above on stdout"], captured.err
+    monkeypatch.undo()
+    assert out.read_text() == '{"an": "older run"}\n' and list(tmp_path.iterdir()) == [out]
+    cli.write_atomically(str(out), "new\n")
+    assert out.read_text() == "new\n" and list(tmp_path.iterdir()) == [out]
+
+
 def _deterministic_flags(env, argv):
     seen = []
     real_train = train._train
@@ -159,6 +187,9 @@ def test_a_step_gradscaler_skips_is_reported_and_leaves_the_weights(factor, step
     (["--bucket-cap-mb", "0"], "--bucket-cap-mb must be a positive number of MiB"),
     (["--impl", "fsdp", "--bucket-cap-mb", "5"], "--bucket-cap-mb applies to --impl torch, bucketed, zero1, zero2, zero2-bucketed, not fsdp"),
     (["--impl", "flat", "--compress", "fp16"], "--compress applies to --impl bucketed and torch, not flat"),
+    (["--batch-size", "1"], "--batch-size 1 with 32x32 images: ResNet-50's last BatchNorm would see one value"),
+    (["--test-size", "100000000000"], "--train-size/--test-size: 2 rank(s) each making 100,000,050,000 synthetic "
+                                      "images need ~"),  # was a 38-line numpy MemoryError
     (["--powersgd-rank", "2"], "--powersgd-rank applies to --compress powersgd or batched_powersgd, not a run "
                                "without --compress"),
     (["--powersgd-start-iter", "5"], "--powersgd-start-iter applies to --compress powersgd"),
