@@ -47,7 +47,7 @@ ANSWER_WAIT_S = 15.0
 def recording() -> bool:
     """Whether torch's flight recorder is on in this process (TORCH_FR_BUFFER_SIZE > 0; the
     launcher's environment is its ranks')."""
-    return settings.whole("TORCH_FR_BUFFER_SIZE", 0) > 0
+    return settings.fr_buffer_size() > 0
 
 
 def dump() -> Optional[dict]:
@@ -246,14 +246,20 @@ def summary(records: Dict[int, dict], last: int = 3) -> List[str]:
     return lines
 
 
+# The reader's exit status beyond 0 (read, nothing found) and 2 (a usage error), for scripts
+MISSING, CANNOT_TELL, FOUND = 1, 3, 4
+
+
 def build_parser():
     from .cli import ArgumentParser
 
     parser = ArgumentParser(prog="python -m collectives.flight_recorder",
                             description="Read flight-recorder dumps (ours, or torch's from any job) and say what they show.",
                             epilog="Only the latest run's files are read: a file from an earlier run left in the folder "
-                                   "is named and left out. Exit status 1 when a rank of that run left no dump "
-                                   "(its part of the story is missing), 2 for a folder or file that cannot be read.")
+                                   "is named and left out. Exit status: 0 every rank's dump read and none shows a hang "
+                                   "or mismatch; 1 a rank of the run left no dump (its part of the story is missing); "
+                                   "2 a folder or file that cannot be read; 3 the dumps hold no calls, so they cannot "
+                                   "tell; 4 a hang or a mismatch found.")
     parser.add_argument("directory", help="the folder of dump files PREFIX<rank>")
     parser.add_argument("--prefix", default=None, help="the files' common prefix (default: found from the names)")
     parser.add_argument("--last", type=int, default=3, help="how many of each rank's last calls to list (default 3)")
@@ -273,11 +279,12 @@ def main(argv=None) -> int:
     missing = sorted(set(range(world_size or 0)) - set(records))
     if not records:
         print(f"no dump of the latest run is left to read in {args.directory}")
-        return 1
+        return MISSING
     if not any(record.get("entries") for record in records.values()):
         print(f"the records of rank(s) {sorted(records)} hold no calls (dumped without entries, as torch does with "
-              "includeCollectives=False, or before any call): they cannot show a hang or a mismatch")
-        return 1 if missing else 0
+              "includeCollectives=False, or before any call): they cannot show a hang or a mismatch"
+              + (f"; and rank(s) {missing} of the run's {world_size} left no dump" if missing else ""))
+        return MISSING if missing else CANNOT_TELL
     lines = verdict(records, ranks=range(world_size) if world_size else None)
     if lines:
         print("\n".join(lines))
@@ -287,7 +294,7 @@ def main(argv=None) -> int:
     else:
         print(f"the records of rank(s) {sorted(records)} show no hang or mismatch")
     print("\n".join(summary(records, args.last)))
-    return 1 if missing else 0
+    return FOUND if lines else MISSING if missing else 0
 
 
 def _op(entry: dict) -> str:

@@ -1,7 +1,8 @@
 """The environment variables that change how this library runs, read one way: a value that is not
 what the variable takes is a ValueError naming the variable and the value, never ignored.
 
-    size = settings.whole("TORCH_FR_BUFFER_SIZE", default=0)    # 0 when unset or empty
+    size = settings.fr_buffer_size()                           # torch's flight recorder: 0 when unset
+    slots = settings.whole("SOME_COUNT", default=1, least=1)     # a whole number, default when unset or empty
 
 The shm backend's own (COLLECTIVES_SHM_*) are read by collectives/shm/config.py the same way.
 The launcher reads every one a run needs before it spawns a rank (launcher.env.check_settings),
@@ -14,15 +15,29 @@ import os
 from typing import Mapping, Optional
 
 
-def whole(name: str, default: int, least: int = 0, environ: Optional[Mapping[str, str]] = None) -> int:
-    """The variable as a whole number of at least `least`; `default` when unset or empty."""
+def whole(name: str, default: Optional[int], least: int = 0, environ: Optional[Mapping[str, str]] = None) -> int:
+    """The variable as a whole number of at least `least`; `default` when unset or empty (None:
+    the variable is required)."""
     raw = (os.environ if environ is None else environ).get(name)
-    if raw is None or raw.strip() == "":
+    if (raw is None or raw.strip() == "") and default is not None:
         return default
     try:
         value = int(raw)
-    except ValueError:
+    except (TypeError, ValueError):
         value = None
     if value is None or value < least:
         raise ValueError(f"{name}={raw!r}: must be a whole number of at least {least}")
     return value
+
+
+def fr_buffer_size(environ: Optional[Mapping[str, str]] = None) -> int:
+    """TORCH_FR_BUFFER_SIZE, torch's flight-recorder size: 0 when unset. Read as torch reads it in
+    every rank as it starts, where anything but digits (an empty value too) aborts the rank in C++
+    (SIGABRT, which would read as a size or dtype mismatch): so refused here, before."""
+    value = (os.environ if environ is None else environ).get("TORCH_FR_BUFFER_SIZE")
+    if value is None:
+        return 0
+    if not value.strip().isdigit():
+        raise ValueError(f"TORCH_FR_BUFFER_SIZE={value!r} is not a whole number of entries (torch's flight recorder: "
+                         "0 or unset for off, 2000 to keep each rank's last 2000 calls)")
+    return int(value)

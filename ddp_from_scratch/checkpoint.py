@@ -31,6 +31,10 @@ RESUME_KEYS = ("world_size", "impl", "model", "batch_size", "seed", "lr", "synth
                "bucket_cap_mb", "compress")
 
 
+class RunComplete(Exception):
+    """The checkpoint holds every epoch asked for: there is nothing to resume."""
+
+
 class CheckpointError(ValueError):
     """The checkpoint is missing, damaged, or was written by a run with other settings."""
 
@@ -71,8 +75,7 @@ def check_resume(state: dict, settings: dict, path: str, epochs: int) -> None:
         raise CheckpointError(f"--resume: {path} was written with other settings: {'; '.join(differ)}. Resume with the "
                               "checkpoint's settings, or start a new --checkpoint folder")
     if state["epoch"] >= epochs:
-        raise CheckpointError(f"--resume: {path} has already trained {state['epoch']} of --epochs {epochs}; "
-                              "raise --epochs to train further")
+        raise RunComplete(f"{path} has already trained {state['epoch']} of --epochs {epochs}")
 
 
 def run_settings(config, world_size: int) -> dict:

@@ -50,7 +50,7 @@ from collectives.cli import command, eta
 from collectives.launcher.env import read_env
 
 from . import cifar10
-from .checkpoint import (CheckpointError, check_resume, gather_state, load_checkpoint, load_state, run_settings, save,
+from .checkpoint import (CheckpointError, RunComplete, check_resume, gather_state, load_checkpoint, load_state, run_settings, save,
                          weights_sha256)
 from .ddp import rebuilt_bucket_count
 from .models import MODELS, batch, check_batch_fits, check_batchnorm_fits
@@ -232,9 +232,15 @@ def validate(args, parser, world_size: int, local_ranks: Optional[int] = None) -
         path = os.path.join(args.checkpoint, "checkpoint.pt")
         if args.resume or (args.auto_resume and os.path.exists(path)):
             try:
-                check_resume(load_checkpoint(path), run_settings(args, world_size), path, args.epochs)
+                check_resume(load_checkpoint(path), run_settings(TrainConfig.from_args(args), world_size), path,
+                             args.epochs)
             except CheckpointError as exc:
                 parser.error(str(exc))
+            except RunComplete as exc:
+                if args.auto_resume:  # torchrun's agent restarting a worker after the last epoch was saved
+                    parser.exit(0, f"python -m ddp_from_scratch.train: --auto-resume: {exc}: the run is complete, "
+                                   "nothing to do\n")
+                parser.error(f"--resume: {exc}; raise --epochs to train further")
 
 
 def torch_powersgd_refusal(args, local_ranks: int) -> Optional[str]:

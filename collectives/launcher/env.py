@@ -26,6 +26,8 @@ from typing import Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from collectives import settings
+
 from .agent_watch import watch_agent
 
 DEFAULT_PG_TIMEOUT = datetime.timedelta(minutes=10)
@@ -125,9 +127,7 @@ def _slurm_port(job_id: str) -> int:
 def check_settings(backend: str, environ: Optional[Mapping[str, str]] = None) -> None:
     """Every setting a run on `backend` reads, read now, before any rank starts (the launcher's
     environment is its ranks'): a bad value is a ValueError naming the variable."""
-    from collectives import settings
-
-    settings.whole("TORCH_FR_BUFFER_SIZE", 0, environ=environ)
+    settings.fr_buffer_size(environ)
     if backend == "shm":
         from collectives.shm.config import ShmConfig
 
@@ -142,17 +142,10 @@ def read_env(environ: Mapping[str, str]) -> dict:
     """
     def whole(name: str, default: Optional[int] = None, least: int = 0) -> int:
         """The variable as a whole number of at least `least`, or a RuntimeError naming it."""
-        raw = environ.get(name)
-        if raw is None and default is not None:
-            return default
         try:
-            value = int(raw)
-        except (TypeError, ValueError):
-            value = None
-        if value is None or value < least:
-            raise RuntimeError(f"{name}={raw!r}: must be a whole number of at least {least} (as torchrun and srun "
-                               "set it)")
-        return value
+            return settings.whole(name, default, least, environ)
+        except ValueError as exc:
+            raise RuntimeError(f"{exc} (as torchrun and srun set it)") from None
 
     if "RANK" in environ and "WORLD_SIZE" in environ:
         missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in environ]

@@ -52,6 +52,7 @@ import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import RankFailure
+from .env import check_settings
 from .rank_main import run_rank
 from .rank_report import PEER_LOST, clean_stack, describe_exit, short, where_it_was
 from .reaper import Reaper
@@ -84,7 +85,7 @@ class RankPool:
         if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 0):
             raise ValueError(f"threads must be a non-negative int (0: torch's default), got {threads!r}")
         _check_timeout(start_timeout, "start_timeout")
-        from .env import check_settings, pick_backend
+        from .env import pick_backend
 
         self.world_size = world_size
         self.backend = pick_backend(world_size, backend)
@@ -117,7 +118,7 @@ class RankPool:
         if self.alive:
             return self
         self._kill()
-        check_flight_recorder_setting(os.environ)
+        check_settings(self.backend)  # again: the environment may have changed since the pool was made
         if self.backend == "shm":  # its C++ bridge, built here once rather than by every rank at once
             from ..shm import native
 
@@ -529,15 +530,6 @@ def _not_while_a_rank_imports_main() -> None:
         print(f"{mp.current_process().name}: collectives.run() was called while this rank imported your "
               "main module; call it under `if __name__ == \"__main__\":`", file=sys.stderr, flush=True)
         raise SystemExit(1)
-
-
-def check_flight_recorder_setting(environ) -> None:
-    """torch's flight recorder setting, read by every rank as it starts: a value that is not a whole
-    number makes each rank abort in C++ (SIGABRT, which would read as a size or dtype mismatch)."""
-    value = environ.get("TORCH_FR_BUFFER_SIZE")
-    if value is not None and not value.strip().isdigit():
-        raise ValueError(f"TORCH_FR_BUFFER_SIZE={value!r} is not a whole number of entries (torch's flight recorder: "
-                         "0 or unset for off, 2000 to keep each rank's last 2000 calls)")
 
 
 IN_STEP_TIMEOUT_S = 10.0  # the check after a failure is local to each rank: it answers at once or not at all

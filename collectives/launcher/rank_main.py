@@ -161,9 +161,21 @@ def _format_exception(exc: BaseException) -> str:
 
 
 def _one_line(exc: BaseException) -> str:
-    """ "ValueError: the first line of its message" (an exception whose str() fails says so)"""
+    """ "ValueError: the first line of its message" (an exception whose str() fails says so).
+
+    An error re-raised from another process carries the original's traceback in its message, and
+    its first line only says where it was caught ("Caught ValueError in DataLoader worker process
+    0."); the original's own last line, the dataset's error, is what the reader needs first, so it
+    follows: "ValueError in DataLoader worker process 0: ValueError: sample 3: ..."."""
     try:
         lines = str(exc).strip().splitlines()
     except Exception as failure:  # noqa: BLE001 - the rank must still report something
         return f"{type(exc).__name__} (its str() raised {type(failure).__name__})"
-    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+    if not lines:
+        return type(exc).__name__
+    if len(lines) > 1 and any(line.startswith("Original Traceback") for line in lines):
+        original = next((line.strip() for line in reversed(lines) if line.strip()), "")
+        where = lines[0].rstrip(".")
+        where = where[len("Caught "):] if where.startswith("Caught ") else where
+        return f"{where}: {original}"
+    return f"{type(exc).__name__}: {lines[0]}"

@@ -58,7 +58,7 @@ class Recorder:
 
     @classmethod
     def from_env(cls) -> Optional["Recorder"]:
-        size = settings.whole("TORCH_FR_BUFFER_SIZE", 0)
+        size = settings.fr_buffer_size()
         return cls(size) if size > 0 else None
 
     def scheduled(self, op: str, inputs, outputs, p2p: bool = False) -> _Entry:

@@ -343,11 +343,19 @@ def test_a_file_that_is_not_a_dump_is_named_in_one_line(content, says, tmp_path,
 
 
 def test_dumps_without_entries_say_they_cannot_show_anything(tmp_path, capsys):
+    """With their own exit status: 0 read as "no hang" in scripts. With a rank's dump missing too,
+    the missing rank's status (a planted reader that said 0 there passed every test)."""
     for rank in (0, 1):  # as torch writes them with includeCollectives=False
         (tmp_path / f"rank_{rank}").write_bytes(pickle.dumps(_DUMP))
-    assert flight_recorder.main([str(tmp_path)]) == 0
+    assert flight_recorder.main([str(tmp_path)]) == flight_recorder.CANNOT_TELL == 3
     out = capsys.readouterr().out
     assert "the records of rank(s) [0, 1] hold no calls" in out and "no hang or mismatch" not in out, out
+    stamped = tmp_path / "stamped"
+    stamped.mkdir()
+    flight_recorder.write({0: dict(_DUMP)}, str(stamped / "rank_"), 2)  # a run of 2; rank 1 wrote nothing
+    assert flight_recorder.main([str(stamped)]) == flight_recorder.MISSING == 1
+    out = capsys.readouterr().out
+    assert "hold no calls" in out and "rank(s) [1] of the run's 2 left no dump" in out, out
 
 
 @pytest.mark.parametrize("value", ["lots", "", "-5", "2k"])
@@ -446,3 +454,19 @@ def test_a_rank_that_raised_is_waiting_in_nothing_whatever_its_record_says_yet()
     assert verdict({0: behind}, ranks=range(2), dead=dead, ended=[0]) == [
         "rank(s) [1] died (rank 1 exited with code 3); rank(s) [0] last entered all_reduce(4 Float) #4 on group 0 "
         "[0, 1]"]
+
+
+def test_a_hang_found_in_dumps_has_its_own_exit_status_and_a_rank_at_the_worlds_edge_is_left_out(tmp_path, capsys):
+    """Exit 4 when the dumps show a hang (it was 0, what scripts read as "no hang"). And rank N's
+    dump in a world of N (the first rank past it) is another run's: left out, named (the
+    foreign rank in the test above is 5 in a world of 2, far past the edge)."""
+    groups = {"0": "[0, 1]"}
+    waiting = {**_DUMP, **_record([_entry(s, created=10 * 10**9) for s in (1, 2, 3)], {"0": 2}, groups=groups)}
+    behind = {**_DUMP, **_record([_entry(s) for s in (1, 2)], {"0": 2}, groups=groups)}
+    for rank, record in ((0, waiting), (1, behind), (2, behind)):  # rank 2: the edge of a world of 2
+        (tmp_path / f"rank_{rank}").write_bytes(pickle.dumps(record))
+    code = flight_recorder.main([str(tmp_path)])
+    out = capsys.readouterr().out.splitlines()
+    assert code == flight_recorder.FOUND == 4, out
+    assert out[0] == f"left out {tmp_path / 'rank_2'}: rank 2 is not in the latest run's world of 2 ranks", out
+    assert out[1].startswith("rank(s) [1] never entered all_reduce #3 on group 0 [0, 1]"), out

@@ -343,6 +343,9 @@ def test_a_dataloader_worker_that_raises_leaves_nothing_behind(tmp_path):
     finally:
         os.unlink(link)
     assert out.returncode == 1 and "planted in a DataLoader worker" in out.stderr, out.stderr[-3000:]
+    headline = next(line for line in out.stderr.splitlines() if "RankFailure: rank" in line)
+    assert "raised ValueError in DataLoader worker process" in headline and \
+        headline.endswith(": ValueError: planted in a DataLoader worker"), headline  # the dataset's own error first
     assert "leaked" not in out.stderr, out.stderr[-2000:]
     assert not list(tmp.iterdir()), [str(p) for p in tmp.rglob("*")]
 
@@ -655,3 +658,18 @@ def test_a_tmpdir_too_long_for_the_fork_servers_socket_starts_ranks_by_spawn(tmp
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines()[0] == "spawn [0, 1]", out.stdout
     assert "would have a path longer than a Unix socket's 107 bytes" in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize("message, says", [
+    ("plain message\nsecond line", "ValueError: plain message"),
+    ("Caught ValueError in DataLoader worker process 0.\nOriginal Traceback (most recent call last):\n"
+     "  File \"ds.py\", line 3, in __getitem__\n    raise ValueError(\"sample 3: truncated\")\n"
+     "ValueError: sample 3: truncated\n", "ValueError in DataLoader worker process 0: ValueError: sample 3: truncated"),
+    ("", "ValueError"),
+])
+def test_a_ranks_error_in_one_line_leads_with_the_original_error(message, says):
+    """The headline of a failure report: an error that carries another process's traceback in
+    its message (torch's DataLoader re-raises a worker's so) is headed by that error's own line."""
+    from collectives.launcher.rank_main import _one_line
+
+    assert _one_line(ValueError(message)) == says

@@ -280,9 +280,37 @@ def test_resume_with_other_settings_is_refused_naming_them(tmp_path, capsys):
                                  str(tmp_path / "ckpt"), "--resume"])
     err = capsys.readouterr().err
     assert "world_size 2 in the checkpoint, 3 now" in err and "batch_size 8 in the checkpoint, 4 now" in err
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as info:
         train.main(COMMON + ["--epochs", "1", "--checkpoint", str(tmp_path / "ckpt"), "--resume"])
-    assert "has already trained 1 of --epochs 1" in capsys.readouterr().err
+    assert info.value.code == 2 and "has already trained 1 of --epochs 1; raise --epochs" in capsys.readouterr().err
+
+
+def test_auto_resume_of_a_finished_run_says_it_is_complete_and_exits_0(tmp_path, capsys, monkeypatch):
+    """What torchrun's agent does when a worker dies after the last checkpoint: it starts the
+    same command again. That is success, not a usage error (it was rc 2)."""
+    from collectives.launcher import pool
+
+    _checkpoint(tmp_path / "ckpt")
+    monkeypatch.setattr(pool.RankPool, "start", lambda self: (_ for _ in ()).throw(AssertionError("a rank started")))
+    with pytest.raises(SystemExit) as info:
+        train.main(COMMON + ["--epochs", "1", "--checkpoint", str(tmp_path / "ckpt"), "--auto-resume"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert info.value.code == 0
+    assert err == [f"python -m ddp_from_scratch.train: --auto-resume: {tmp_path / 'ckpt' / 'checkpoint.pt'} has already "
+                   "trained 1 of --epochs 1: the run is complete, nothing to do"], err
+
+
+def test_a_powersgd_run_resumed_with_its_default_options_is_the_same_run(tmp_path):
+    """--powersgd-rank and --powersgd-start-iter left out mean torch's defaults, when saved and
+    when resumed alike (not None against 1 and 1000)."""
+    argv = ["--synthetic", "--compress", "powersgd", "--checkpoint", str(tmp_path)]
+    config = train.TrainConfig.from_args(train.build_parser().parse_args(argv))
+    said = train.run_settings(config, 2)["compress"]
+    assert said == "powersgd rank 1 from step 1000"
+    _checkpoint(tmp_path, compress=said)
+    args = train.build_parser().parse_args(COMMON + ["--epochs", "2", "--compress", "powersgd", "--checkpoint",
+                                                     str(tmp_path), "--resume"])
+    train.validate(args, train.build_parser(), 2, 2)  # no SystemExit: the same settings
 
 
 def _record_order(env, argv):

@@ -44,8 +44,7 @@ def _never_called(env):
 @pytest.mark.parametrize("var, value, backend, says", [
     ("COLLECTIVES_SHM_SLOT_MB", "lots", "shm", "COLLECTIVES_SHM_SLOT_MB='lots': must be a number"),
     ("COLLECTIVES_SHM_WAIT", "bogus", "shm", "COLLECTIVES_SHM_WAIT='bogus': must be one of"),
-    ("TORCH_FR_BUFFER_SIZE", "lots", "gloo", "TORCH_FR_BUFFER_SIZE='lots': must be a whole number of at least 0"),
-    ("TORCH_FR_BUFFER_SIZE", "-5", "shm", "TORCH_FR_BUFFER_SIZE='-5': must be a whole number of at least 0"),
+    ("TORCH_FR_BUFFER_SIZE", "-5", "shm", "TORCH_FR_BUFFER_SIZE='-5' is not a whole number of entries"),
 ])
 def test_a_bad_setting_stops_the_run_before_any_rank_starts(var, value, backend, says, monkeypatch):
     """Read the same way as the shm backend's own: named, in the launcher, not in every rank."""
@@ -59,12 +58,29 @@ def test_a_bad_setting_stops_the_run_before_any_rank_starts(var, value, backend,
     assert str(info.value).startswith(says), str(info.value)
 
 
-@pytest.mark.parametrize("value, size", [(None, 0), ("", 0), ("0", 0), ("2000", 2000), (" 7 ", 7)])
+@pytest.mark.parametrize("value, size", [(None, 0), ("0", 0), ("2000", 2000), (" 7 ", 7), ("", None), ("2k", None)])
 def test_the_flight_recorder_setting_reads_whole_numbers(value, size, monkeypatch):
+    """As torch reads it (an empty value aborts its ranks too), for every reader here."""
     from collectives import settings
 
     if value is None:
         monkeypatch.delenv("TORCH_FR_BUFFER_SIZE", raising=False)
     else:
         monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", value)
-    assert settings.whole("TORCH_FR_BUFFER_SIZE", 0) == size
+    if size is None:
+        with pytest.raises(ValueError, match="is not a whole number of entries"):
+            settings.fr_buffer_size()
+    else:
+        assert settings.fr_buffer_size() == size
+
+
+@pytest.mark.parametrize("value, says", [("x", "N='x': must be a whole number of at least 1"),
+                                         ("0", "N='0': must be a whole number of at least 1")])
+def test_a_whole_number_setting_names_the_variable(value, says, monkeypatch):
+    from collectives import settings
+
+    monkeypatch.setenv("N", value)
+    with pytest.raises(ValueError, match=says):
+        settings.whole("N", 5, least=1)
+    monkeypatch.setenv("N", "")
+    assert settings.whole("N", 5, least=1) == 5
