@@ -209,3 +209,36 @@ def _bad_calls(env):
 
 def test_bad_calls_are_refused_before_anything_is_sent(dist_run):
     assert dist_run(_bad_calls, 2) == [[2.0, 2.0]] * 2
+
+
+def _bytes_auto_chose_by(env):
+    """The bytes "auto" weighed for each collective, called on 10 float64 elements per rank."""
+    import collectives.algorithms as package
+
+    seen = {}
+    real = package.algorithm_for
+
+    def recording(collective, algorithm, nbytes, world_size, model=None):
+        seen[collective] = nbytes
+        return real(collective, algorithm, nbytes, world_size, model)
+
+    package.algorithm_for = recording
+    try:
+        for collective in A.ALGORITHMS:
+            count = 10 * env.world_size if collective in ("reduce_scatter", "scatter", "all_to_all") else 10
+            _flat_call(collective, "auto", torch.ones(count, dtype=torch.float64), "sum", 0)
+    finally:
+        package.algorithm_for = real
+    return seen
+
+
+def test_auto_weighs_the_bytes_the_collective_moves(dist_run):
+    """all_gather and gather move world_size times their input: auto chooses by that (a planted
+    table without all_gather among the gathering kinds chose by the input's bytes, and no test
+    saw it); the others by their input's."""
+    n = 3
+    seen = dist_run(_bytes_auto_chose_by, n)[0]
+    assert seen.keys() == A.ALGORITHMS.keys()
+    for collective, nbytes in seen.items():
+        per_rank = 10 * 8 * (n if collective in ("reduce_scatter", "scatter", "all_to_all") else 1)
+        assert nbytes == per_rank * (n if collective in ("all_gather", "gather") else 1), (collective, nbytes)

@@ -97,3 +97,22 @@ def test_cost_model_sharing_cores_scales_every_cpu_cost():
     shared = FAST.sharing(2)
     assert (shared.alpha, shared.beta, shared.gamma) == (2 * FAST.alpha, 2 * FAST.beta, 2 * FAST.gamma)
     assert "x2 for 2 ranks per core" in shared.source and FAST.sharing(1) is FAST
+
+
+@pytest.mark.parametrize("rate, shapes", [
+    ("34gbit", True), ("35gbit", True), ("100gbit", True), ("1000gbit", True),  # past 2^32 bytes per second
+    ("8589gbit", True), ("8589.9gbit", True),  # the burst, 4 ms of the rate, just fits 32 bits
+    ("8590gbit", False), ("9tbit", False),  # it does not
+])
+def test_the_rate_bound_is_the_token_buckets_burst_at_its_edge(rate, shapes):
+    """tc's limit is the burst (32 bits of bytes), not the rate: a bound planted on bytes per
+    second refused every rate from 34.4gbit up and passed tests that tried only 4gbit and
+    99999999gbit."""
+    from collectives import rates
+
+    assert (rates.burst(rate) <= rates.TBF_MAX_BURST) == shapes
+    if shapes:
+        assert rates.shapeable(rate) == rates.link_rate(rate)
+    else:
+        with pytest.raises(ValueError, match="more than tc's token bucket can shape"):
+            rates.shapeable(rate)

@@ -14,6 +14,7 @@ import re
 import signal
 import subprocess
 import sys
+import socket
 import tempfile
 import textwrap
 import threading
@@ -627,7 +628,6 @@ def test_a_peer_gone_mid_collective_is_a_backend_failure_naming_rank_host_and_co
     """Gloo's own words ("Connection closed by peer", or after a timeout "Timed out waiting
     10000ms for recv operation") name no rank, host or collective; the wrappers add them, in
     the call and in Work.wait()."""
-    import socket
 
     with pytest.raises(C.RankFailure):
         C.run(_peer_gone_mid_collective, world_size=2, args=(tmp_path, async_op), timeout=60)
@@ -673,3 +673,35 @@ def test_a_ranks_error_in_one_line_leads_with_the_original_error(message, says):
     from collectives.launcher.rank_main import _one_line
 
     assert _one_line(ValueError(message)) == says
+
+
+@pytest.mark.parametrize("length", [106, 107, 108, 109])
+def test_the_fork_servers_socket_fits_exactly_when_the_kernel_binds_it(length, monkeypatch):
+    """At the edge, against the kernel itself: a socket path of 107 bytes binds and one of 108 does
+    not (sun_path holds 108 with its NUL); forkserver is kept exactly when it binds (a planted
+    check that kept 108 passed every test, whose long path is about 130 bytes)."""
+    import shutil
+    from multiprocessing import forkserver, process
+
+    from collectives.launcher import pool
+
+    tail = "/listener-" + "x" * 8
+    base = tempfile.mkdtemp(prefix="cp-edge-", dir="/tmp")
+    folder = base + "/" + "d" * (length - len(tail) - len(base) - 1)
+    os.makedirs(folder)
+    try:
+        sock = socket.socket(socket.AF_UNIX)
+        try:
+            sock.bind(folder + tail)
+            binds = True
+        except OSError:
+            binds = False
+        finally:
+            sock.close()
+        monkeypatch.setattr(forkserver._forkserver, "_forkserver_address", None)
+        monkeypatch.setitem(process.current_process()._config, "tempdir", folder)
+        assert len((folder + tail).encode()) == length
+        assert binds == (length <= 107)
+        assert pool._forkserver_address_fits() == binds
+    finally:
+        shutil.rmtree(base)

@@ -210,3 +210,20 @@ def test_a_shaped_link_carries_at_most_its_rate(hosts):
     line_seconds = (8 << 20) * 8 / 80e6  # 0.84 s at the line rate
     assert shaped >= 0.9 * line_seconds, (shaped, line_seconds)
     assert shaped > 2 * free, (shaped, free)
+
+
+def test_up_takes_the_clusters_own_slurm_daemons_for_no_command(monkeypatch):
+    """What `up` and `down` would kill: commands on the hosts, never the cluster's own SLURM
+    daemons (an idle SLURM cluster was taken for a busy one by a planted check, and no test ran
+    `up` beside a SLURM cluster). Read from the state's pids and each host's processes."""
+    daemons = {11: ["slurmctld", "-D"], 12: ["slurmd", "-D"], 21: ["slurmd", "-D"]}
+    command = {31: ["python", "-m", "benchmarks.bandwidth"]}
+    table = {"node0": {11: daemons[11], 12: daemons[12]}, "node1": {21: daemons[21]}}
+    monkeypatch.setattr(cluster_hosts, "load_state", lambda: {"slurm": {"pids": [11, 12, 21]}})
+    monkeypatch.setattr(cluster_hosts, "_namespaces", lambda: [cluster_hosts.PREFIX + h for h in table])
+    monkeypatch.setattr(cluster_hosts, "processes", lambda host: table[host])
+    assert cluster_hosts.busy() == {}  # an idle SLURM cluster
+    table["node1"] = {**table["node1"], **command}
+    assert cluster_hosts.busy() == {"node1": command}
+    monkeypatch.setattr(cluster_hosts, "load_state", lambda: {})  # no SLURM: its daemons would be commands
+    assert cluster_hosts.busy() == {"node0": {11: daemons[11], 12: daemons[12]}, "node1": {21: daemons[21], **command}}
