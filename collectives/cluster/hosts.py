@@ -32,6 +32,7 @@ from typing import Dict, List, Optional
 
 from . import slurm as slurm_cluster, wire
 from ..cli import ArgumentParser
+from ..launcher.pids import alive
 from ..rates import burst, shapeable
 
 PREFIX = "cpc-"
@@ -213,13 +214,7 @@ def _listdir(path: str) -> List[str]:
         return []
 
 
-def _running(pid: int) -> bool:
-    """Whether pid runs (a zombie does not: `up`'s own wires are its children until it exits)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+_running = alive  # whether pid runs (a zombie does not: `up`'s own wires are its children until it exits)
 
 
 def _start_slurm(state: dict, hosts: List[str]) -> None:
