@@ -10,8 +10,9 @@ is the slowest rank's. The tables give medians over rounds and the median of the
 ratios to torch's DDP, with quartiles. A "torch again" row (a second, identical torch DDP) is
 the control: its ratio is what noise alone does. A "torch, no_sync" row (gradient sync switched
 off) shows what communication costs. Then a
-bucket_cap_mb sweep (ours and torch's), and the seeds' table: one process, DDP on 2 and on 4
-ranks, DDP on 2 ranks with AMP (bf16 autocast on CPU). Data is synthetic (CIFAR-shaped random
+bucket_cap_mb sweep (ours and torch's), and the configurations of the timing table in the tutorial
+"Understanding Distributed Training in PyTorch" (2024): one process, DDP on 2 and on 4 ranks, DDP on
+2 ranks with AMP (bf16 autocast on CPU). Data is synthetic (CIFAR-shaped random
 tensors): only the time is measured.
 """
 
@@ -74,7 +75,7 @@ def build_parser():
                         help="bucket_cap_mb values to sweep (none: no sweep)")
     parser.add_argument("--variants", nargs="+", choices=list(MAIN_VARIANTS), default=list(MAIN_VARIANTS),
                         help="rows of the first table (torch is always run: it is the reference)")
-    parser.add_argument("--skip-table", action="store_true", help="skip the seeds-style table (4 ranks, AMP)")
+    parser.add_argument("--skip-table", action="store_true", help="skip the tutorial's configurations (4 ranks, AMP)")
     parser.add_argument("--json", help="write every step time, median and ratio, and the environment to this file")
     return parser
 
@@ -116,7 +117,8 @@ def main(argv=None) -> int:
                  "DDP, 4 ranks": summarise(_run(args.model, 4, pair, args.rounds, args.batch_size), "torch"),
                  "DDP, 2 ranks + AMP (bf16)": summarise(_run(args.model, 2, pair, args.rounds, args.batch_size, amp=True), "torch")}
         report["seeds_table"] = table
-        print("\nthe seeds' table, per step (images per step = batch x ranks); 2 CPU cores shared by all ranks")
+        print("\nthe configurations of a DDP tutorial's timing table, per step (images per step = batch x ranks); 2 CPU "
+              "cores shared by all ranks")
         print(tabulate([[cfg, f"{t['torch']['median_s']:.3f}", f"{t['bucketed']['median_s']:.3f}", _ratio(t["bucketed"])]
                         for cfg, t in table.items()], headers=["configuration", "torch DDP s/step", "ours s/step", "ours / torch"]))
     if args.json:

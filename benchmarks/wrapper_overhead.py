@@ -165,11 +165,8 @@ def main(argv=None) -> int:
           f"the wrapper's own Python work: {report['wrapper_python_us']:.2f} us per call (torch call stubbed out); "
           f"'control' is the raw call after busy-waiting that long, so its 'added' shows this machine's noise")
     small, large = report["4 B"], [report[k] for k in ("64 KiB", "16 MiB")]
-    ok_small = small["wrapper_added_us"] <= 20
-    ok_large = all(r["wrapper_ratio"] <= 1.02 for r in large)
-    print(f"target: <= 20 us added at 4 B: {'met' if ok_small else 'MISSED'} ({small['wrapper_added_us']:+.1f} us); "
-          f"<= 1.02x at 64 KiB and 16 MiB: {'met' if ok_large else 'MISSED'} "
-          f"({', '.join('%.3fx' % r['wrapper_ratio'] for r in large)})")
+    print(f"the wrapper adds {small['wrapper_added_us']:+.1f} us at 4 B; it takes "
+          f"{', '.join('%.3fx' % r['wrapper_ratio'] for r in large)} the raw call's time at 64 KiB and 16 MiB")
     if args.json:
         environment = {
             "date": datetime.date.today().isoformat(), "torch": torch.__version__, "backend": "gloo",

@@ -1,7 +1,7 @@
 """ResNet-50 with torchvision's architecture, parameter names and initialisation.
 
 torchvision cannot be imported with the CPU build of torch used here, so this is our own copy of
-the model the seeds train (`torchvision.models.resnet50`): ResNet v1.5 (the stride-2 convolution
+the model the public DDP tutorials train (`torchvision.models.resnet50`): ResNet v1.5 (the stride-2 convolution
 of a downsampling block is its 3x3 one), bottleneck blocks [3, 4, 6, 3], the same state_dict
 keys and shapes, so a state_dict moves between the two.
 

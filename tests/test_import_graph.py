@@ -102,3 +102,19 @@ def test_every_program_builds_its_parser_in_build_parser():
                if "def main(" in p.read_text() and "def build_parser(" not in p.read_text()
                and p.name not in ("reaper.py", "cli.py")]  # reaper: one positional; cli: the decorator's docs
     assert not missing, missing
+
+
+def test_benchmarks_says_which_files_are_programs_and_which_helpers():
+    """benchmarks/__init__.py lists the programs (each a main) and the helpers (none), and the lists
+    are every module there: a file added to the folder says which it is."""
+    import benchmarks
+
+    bench = import_graph.ROOT / "benchmarks"
+    modules = {p.stem for p in bench.glob("*.py") if p.stem != "__init__"}
+    assert set(benchmarks.PROGRAMS) | set(benchmarks.HELPERS) == modules
+    assert not set(benchmarks.PROGRAMS) & set(benchmarks.HELPERS)
+    for name in modules:
+        assert _is_program(bench / f"{name}.py") == (name in benchmarks.PROGRAMS), name
+        assert f"    {name} " in benchmarks.__doc__ or f" {name}," in benchmarks.__doc__ or \
+            f" {name}\n" in benchmarks.__doc__, name
+    assert not list(bench.glob("test_*.py"))  # tests live in tests/

@@ -1,6 +1,6 @@
 """Small-message latency, wrappers against raw torch.distributed, with pytest-benchmark.
 
-    pytest benchmarks/test_latency.py --benchmark-enable
+    pytest tests/benchmarks/test_latency.py --benchmark-enable
 
 One rank pool (2 ranks) serves every case. Each round sends the ranks a batch of calls; inside
 the ranks every call is timed and the slowest rank's median per call goes into the report's
