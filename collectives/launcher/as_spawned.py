@@ -4,7 +4,7 @@ in the rank, before multiprocessing imports the launcher's main module or this p
     runpy.run_path(".../collectives/launcher/as_spawned.py", {"environ": {...}, "std_fds": [DupFd, DupFd]})
 
 A spawned rank is a fresh interpreter exec'd by the launcher as the launcher is at that moment:
-its environment, its stdout and stderr. A fork of the fork server (pool.rank_context) has the
+its environment, its stdout and stderr. A fork of the fork server (start_methods.rank_context) has the
 server's instead, from when the server started: a variable set since (monkeypatch.setenv,
 os.environ[...] = ... before collectives.run) would be missing where a module reads it at import,
 and output would go where the launcher's output went back then (pytest captures per test).

@@ -4,7 +4,7 @@
                                          lifeline, threads, setup, recorder))
 
 `ctx` is multiprocessing's forkserver (a server that imported torch once forks each rank) or its
-spawn context (each rank a fresh interpreter); see pool.rank_context. A forked rank has already
+spawn context (each rank a fresh interpreter); see start_methods.rank_context. A forked rank has already
 taken the launcher's environment, stdout and stderr when this runs (as_spawned.py).
 
 A rank puts itself in a process group of its own (so it and everything it starts can be killed

@@ -18,7 +18,7 @@ multiprocessing sockets live, and, if the launcher itself was killed, the launch
 multiprocessing folder with the fork server's socket): a SIGKILLed process removes nothing.
 
 Why the pids as well: `/proc/PID/environ` is the environment a process was *exec'd* with. A rank
-forked from the fork server (pool.rank_context) and whatever it forks without exec (DataLoader
+forked from the fork server (start_methods.rank_context) and whatever it forks without exec (DataLoader
 workers) show the server's, which has no mark; they stay in the rank's process group, and what
 they exec carries the mark again.
 

@@ -31,7 +31,7 @@ def test_curves_part_ways_where_compression_starts(dist_run):
 @pytest.mark.parametrize("argv, says", [
     (["bytes", "--plot", "x.png"], "--plot draws the curves part only"),
     (["time", "--rounds", "0"], "--rounds must be at least 1, got 0"),
-    (["bytes", "--ranks", "0", "2"], "--ranks must be at least 1, got 0"),
+    (["bytes", "--ranks", "0", "2"], "--ranks must all be at least 1, got [0, 2]"),
 ])
 def test_nonsense_is_one_line(argv, says, capsys):
     with pytest.raises(SystemExit) as info:

@@ -683,7 +683,7 @@ def test_the_fork_servers_socket_fits_exactly_when_the_kernel_binds_it(length, m
     import shutil
     from multiprocessing import forkserver, process
 
-    from collectives.launcher import pool
+    from collectives.launcher import start_methods
 
     tail = "/listener-" + "x" * 8
     base = tempfile.mkdtemp(prefix="cp-edge-", dir="/tmp")
@@ -702,6 +702,6 @@ def test_the_fork_servers_socket_fits_exactly_when_the_kernel_binds_it(length, m
         monkeypatch.setitem(process.current_process()._config, "tempdir", folder)
         assert len((folder + tail).encode()) == length
         assert binds == (length <= 107)
-        assert pool._forkserver_address_fits() == binds
+        assert start_methods.forkserver_address_fits() == binds
     finally:
         shutil.rmtree(base)
