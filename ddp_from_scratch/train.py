@@ -33,14 +33,11 @@ sharded it.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import dataclasses
 import json
 import os
 import sys
 import time
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -52,392 +49,19 @@ from collectives.cli import command, eta
 from collectives.launcher.env import read_env
 
 from . import cifar10
-from .checkpoint import (CheckpointError, RunComplete, check_resume, gather_state, load_checkpoint, load_state, run_settings, save,
-                         weights_sha256)
-from .ddp import rebuilt_bucket_count
-from .models import MODELS, batch, check_batch_fits, check_batchnorm_fits
+from .checkpoint import check_resume, gather_state, load_checkpoint, load_state, run_settings, save, weights_sha256
+from .models import MODELS
 from .powersgd import CLI_NAMES as POWERSGD_CLI_NAMES, PowerSGD
-from .torch_hooks import POWERSGD_ON_GLOO, bf16_compress_hook_on_gloo, powersgd_hook, powersgd_state
-from .wrap import IMPLS, SHARDED_IMPLS, STAGES, wrap
+from .torch_hooks import bf16_compress_hook_on_gloo, powersgd_hook, powersgd_state
+from .train_args import (CIFAR_TEST_SIZE, CIFAR_TRAIN_SIZE, TrainConfig, build_parser, powersgd_options,
+                         torch_powersgd_refusal, validate)
+from .wrap import SHARDED_IMPLS, STAGES, wrap
 
-CIFAR_TRAIN_SIZE, CIFAR_TEST_SIZE = 50_000, 10_000
-# Memory a rank holds per synthetic image while making the set (numpy's int64 noise, then the
-# 3,072-byte image): 27,913 bytes measured at the peak (cifar10.SyntheticCIFAR10, 20,000 images)
-SYNTHETIC_PEAK_BYTES = 28_000
-POWERSGD_DEFAULTS = {"powersgd_rank": 1, "powersgd_start_iter": 1000}  # torch's PowerSGDState's
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainConfig:
-    """One training run, as every rank reads it: the flags of build_parser (their defaults and
-    help are there). `TrainConfig.from_args(parser.parse_args(argv))`."""
-
-    impl: str
-    model: str
-    data: str
-    synthetic: bool
-    train_size: Optional[int]
-    test_size: Optional[int]
-    epochs: int
-    batch_size: int
-    lr: float
-    bucket_cap_mb: Optional[float]
-    compress: Optional[str]
-    powersgd_rank: int
-    powersgd_start_iter: int
-    amp: bool
-    seed: int
-    deterministic: bool
-    checkpoint: Optional[str]
-    checkpoint_every: Optional[int]
-    stop_at_step: Optional[int]
-    resume: bool
-    auto_resume: bool
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "TrainConfig":
-        given = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
-        for name, default in POWERSGD_DEFAULTS.items():  # not given on the command line
-            if given[name] is None:
-                given[name] = default
-        return cls(**given)
-
-    @property
-    def checkpoint_path(self) -> Optional[str]:
-        return os.path.join(self.checkpoint, "checkpoint.pt") if self.checkpoint else None
-
-    def end_of(self, epoch: int, steps: int) -> int:
-        """Where `epoch` (of `steps` steps) ends for this run: its last step, or --stop-at-step
-        when that falls within it (0 or less: the run stops before the epoch starts). The one
-        place --stop-at-step is read."""
-        return steps if self.stop_at_step is None else min(steps, self.stop_at_step - epoch * steps)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = cli.ArgumentParser(prog="python -m ddp_from_scratch.train", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--impl", choices=IMPLS + SHARDED_IMPLS, default="bucketed",
-                   help="which DDP, or a sharded step: " + "; ".join(f"{n}: {STAGES[n].summary}" for n in SHARDED_IMPLS))
-    p.add_argument("--nproc", type=int, default=2, help="ranks to spawn when not under torchrun/srun")
-    p.add_argument("--model", choices=list(MODELS), default="resnet50", help="ResNet-50 (10 classes) or a small CNN")
-    p.add_argument("--data", default="./data", help="folder with cifar-10-batches-py/ or cifar-10-python.tar.gz")
-    p.add_argument("--synthetic", action="store_true", help="a deterministic CIFAR-shaped stand-in instead of CIFAR-10")
-    p.add_argument("--train-size", type=int, default=None, help="use only the first N training images")
-    p.add_argument("--test-size", type=int, default=None, help="use only the first N test images")
-    p.add_argument("--epochs", type=int, default=1, help="epochs to train (in total, counting resumed ones)")
-    p.add_argument("--batch-size", type=int, default=32, help="images per rank per step (that tutorial uses 256 per GPU; "
-                        "'PyTorch parallel training DistributedDataParallel complete code example' 128 split over the workers)")
-    p.add_argument("--lr", type=float, default=0.001, help="SGD learning rate (momentum 0.9), as in that tutorial")
-    p.add_argument("--bucket-cap-mb", type=float, default=None,
-                   help="bucket size for --impl bucketed / torch / zero1 (DDP's buckets), MiB (default: torch's, 25 with a 1 MiB first bucket); "
-                        "for --impl zero2 or zero2-bucketed, reduce-scatter in buckets of this size during backward "
-                        "(default: zero2, one reduce-scatter of the whole model after it; zero2-bucketed, a quarter "
-                        "of the model)")
-    p.add_argument("--compress", choices=["fp16", "bf16", *POWERSGD_CLI_NAMES], default=None,
-                   help="compress the gradients all-reduced, for --impl bucketed (ours) and torch (torch's comm "
-                        "hooks): to fp16 or bf16, or PowerSGD's low-rank approximation (per gradient, or batched: "
-                        "each bucket as one square matrix)")
-    p.add_argument("--powersgd-rank", type=int, default=None, metavar="R",
-                   help="PowerSGD's matrix_approximation_rank: R (rows + cols) numbers sent per rows x cols gradient "
-                        f"(with --compress powersgd; {POWERSGD_DEFAULTS['powersgd_rank']} if not given)")
-    p.add_argument("--powersgd-start-iter", type=int, default=None, metavar="N",
-                   help="PowerSGD's start_powerSGD_iter: plain all_reduce for the first N steps (with --compress "
-                        f"powersgd; torch's default, {POWERSGD_DEFAULTS['powersgd_start_iter']}, if not given)")
-    p.add_argument("--amp", action="store_true", help="mixed precision: bf16 autocast on CPU, fp16 + GradScaler on CUDA")
-    p.add_argument("--seed", type=int, default=0, help="initialisation, shuffling and augmentation")
-    p.add_argument("--deterministic", action="store_true",
-                   help="deterministic kernels (cuDNN's deterministic mode, torch.use_deterministic_algorithms with "
-                        "warnings): on CUDA, runs otherwise differ in the losses' 3rd decimal from the 2nd step")
-    p.add_argument("--checkpoint", default=None, help="folder for checkpoint.pt, written each epoch")
-    p.add_argument("--checkpoint-every", type=int, default=None, metavar="K",
-                   help="also write the checkpoint every K steps within an epoch (a restart loses at most K steps)")
-    p.add_argument("--stop-at-step", type=int, default=None, metavar="N",
-                   help="stop after global step N (counting every epoch's steps), writing the checkpoint: to split "
-                        "a run over jobs shorter than it; --resume goes on from there")
-    p.add_argument("--resume", action="store_true", help="continue from --checkpoint/checkpoint.pt")
-    p.add_argument("--auto-resume", action="store_true",
-                   help="continue from --checkpoint/checkpoint.pt when it exists, else start: for workers that "
-                        "torchrun --max-restarts restarts with the same arguments")
-    p.add_argument("--json", default=None, help="also write the summary to this file")
-    return p
-
-
-def validate(args, parser, world_size: int, local_ranks: Optional[int] = None) -> None:
-    """Refuse every bad argument, dataset and checkpoint before any rank starts (parser.error: exit 2).
-    `local_ranks`: the ranks on this machine, which share its memory (default: world_size)."""
-    cli.check_at_least(parser, args, {"--nproc": 1, "--batch-size": 1, "--epochs": 1, "--train-size": 1,
-                                      "--test-size": 1, "--checkpoint-every": 1, "--stop-at-step": 1})
-    check_batch_fits(parser, args.model, args.batch_size, local_ranks or world_size)
-    check_batchnorm_fits(parser, args.model, args.batch_size)
-    cli.check_outputs(parser, {"--json": args.json})
-    cli.check_positive(parser, args, "--lr")
-    cli.check_positive(parser, args, "--bucket-cap-mb", "MiB")
-    takers = ["torch"] + [n for n, s in STAGES.items() if "bucket_cap_mb" in s.takes]
-    if args.bucket_cap_mb is not None and args.impl not in takers:
-        parser.error(f"--bucket-cap-mb applies to --impl {', '.join(takers)}, not {args.impl}")
-    if args.compress and args.impl not in ("bucketed", "torch"):
-        parser.error(f"--compress applies to --impl bucketed and torch, not {args.impl}")
-    powersgd = args.compress in POWERSGD_CLI_NAMES
-    given = [f"--{name.replace('_', '-')}" for name in POWERSGD_DEFAULTS if getattr(args, name) is not None]
-    if not powersgd and given:
-        parser.error(f"{' and '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to --compress powersgd or batched_powersgd, "
-                     f"not {'--compress ' + args.compress if args.compress else 'a run without --compress'}")
-    if powersgd:
-        cli.check_at_least(parser, args, {"--powersgd-rank": 1})
-    if powersgd and args.powersgd_start_iter is not None and args.powersgd_start_iter < 2:
-        parser.error(f"--powersgd-start-iter must be at least 2 (error feedback and warm start keep memories per "
-                     f"bucket, and DDP settles its buckets in the first steps), got {args.powersgd_start_iter}")
-    resuming = [flag for flag, given in (("--resume", args.resume), ("--auto-resume", args.auto_resume),
-                                         ("--stop-at-step", args.stop_at_step)) if given]
-    if powersgd and args.impl == "torch" and resuming:
-        parser.error(f"{resuming[0]} with --impl torch --compress {args.compress}: torch's DDP starts a resumed run "
-                     "in its first-iteration bucket layout, where PowerSGD's per-bucket memories (laid out for the "
-                     "rebuilt buckets) do not fit, so the run would not be the uninterrupted one; --impl bucketed "
-                     "restores its layout and resumes bitwise")
-    refusal = torch_powersgd_refusal(args, local_ranks or world_size)
-    if refusal:
-        parser.error(refusal)
-    if args.amp and args.impl in SHARDED_IMPLS:
-        parser.error(f"--amp applies to the DDP impls ({', '.join(IMPLS)}), not {args.impl}: the sharded steps' "
-                     "optimizers are not torch optimizers that GradScaler can step")
-    if not args.synthetic:
-        try:  # every file, so a damaged one is named now, not by a rank an epoch later
-            train_images = len(cifar10.load_arrays(args.data, train=True)[1])
-            cifar10.load_arrays(args.data, train=False)
-        except (cifar10.DatasetMissing, cifar10.DatasetCorrupt) as exc:
-            parser.error(str(exc))
-    else:
-        train_images = CIFAR_TRAIN_SIZE
-        made = (args.train_size or CIFAR_TRAIN_SIZE) + (args.test_size or CIFAR_TEST_SIZE)
-        cli.check_memory(parser, "--train-size/--test-size", (local_ranks or world_size) * made * SYNTHETIC_PEAK_BYTES,
-                         f"{local_ranks or world_size} rank(s) each making {made:,} synthetic images")
-    if args.train_size is not None and args.train_size > train_images and not args.synthetic:
-        parser.error(f"--train-size {args.train_size} is more than the {train_images} training images")
-    images = args.train_size or train_images
-    per_step = args.batch_size * world_size
-    if images // world_size // args.batch_size == 0:
-        parser.error(f"{images} training images make no full step of {args.batch_size} per rank on {world_size} "
-                     f"rank(s): use at least {per_step} images (--train-size) or a smaller --batch-size")
-    for flag, given in (("--resume", args.resume), ("--auto-resume", args.auto_resume),
-                        ("--checkpoint-every", args.checkpoint_every), ("--stop-at-step", args.stop_at_step)):
-        if given and not args.checkpoint:
-            parser.error(f"{flag} needs --checkpoint FOLDER (the folder checkpoint.pt is written to)")
-    if args.resume and args.auto_resume:
-        parser.error("--resume and --auto-resume: give one (--auto-resume also starts when there is no checkpoint)")
-    if args.checkpoint:
-        if os.path.exists(args.checkpoint) and not os.path.isdir(args.checkpoint):
-            parser.error(f"--checkpoint {args.checkpoint} is a file; it must be a folder (checkpoint.pt is written in it)")
-        try:
-            os.makedirs(args.checkpoint, exist_ok=True)
-        except OSError as exc:
-            parser.error(f"--checkpoint {args.checkpoint}: cannot write there ({exc.strerror or exc})")
-        cli.check_outputs(parser, {"--checkpoint": os.path.join(args.checkpoint, "checkpoint.pt")})
-        path = os.path.join(args.checkpoint, "checkpoint.pt")
-        if args.resume or (args.auto_resume and os.path.exists(path)):
-            try:
-                check_resume(load_checkpoint(path), run_settings(TrainConfig.from_args(args), world_size), path,
-                             args.epochs)
-            except CheckpointError as exc:
-                parser.error(str(exc))
-            except RunComplete as exc:
-                if args.auto_resume:  # torchrun's agent restarting a worker after the last epoch was saved
-                    parser.exit(0, f"python -m ddp_from_scratch.train: --auto-resume: {exc}: the run is complete, "
-                                   "nothing to do\n")
-                parser.error(f"--resume: {exc}; raise --epochs to train further")
-
-
-def torch_powersgd_refusal(args, local_ranks: int) -> Optional[str]:
-    """Why torch's PowerSGD hook cannot run these arguments, or None: on Gloo, with more than one
-    bucket, it kills the run (torch_hooks.POWERSGD_ON_GLOO says how)."""
-    from collectives.launcher.env import pick_backend
-
-    if args.impl != "torch" or args.compress not in POWERSGD_CLI_NAMES:
-        return None
-    try:
-        backend = pick_backend(local_ranks)
-    except ValueError:  # a bad COLLECTIVES_BACKEND: the launcher names it
-        return None
-    if backend != "gloo":
-        return None
-    x, y = batch(0, 0, 2, 32)
-    buckets = rebuilt_bucket_count(MODELS[args.model](), x, lambda out: F.cross_entropy(out, y),
-                                             args.bucket_cap_mb)
-    if buckets == 1:
-        return None
-    cap = "DDP's default buckets" if args.bucket_cap_mb is None else f"--bucket-cap-mb {args.bucket_cap_mb}"
-    return (f"--impl torch --compress {args.compress} on Gloo: model {args.model} with {cap} makes {buckets} buckets, "
-            f"and {POWERSGD_ON_GLOO}; use --impl bucketed (ours: the same arithmetic, bit for bit torch's hook), "
-            "COLLECTIVES_BACKEND=shm, or a --bucket-cap-mb that holds the whole model in one bucket")
-
-
-def _datasets(config):
-    if config.synthetic:
-        train = cifar10.SyntheticCIFAR10(config.train_size or CIFAR_TRAIN_SIZE, augment=True, seed=config.seed)
-        test = cifar10.SyntheticCIFAR10(config.test_size or CIFAR_TEST_SIZE, seed=config.seed + 1)
-    else:
-        train = cifar10.CIFAR10(config.data, train=True, augment=True, seed=config.seed)
-        test = cifar10.CIFAR10(config.data, train=False)
-    if config.train_size and not config.synthetic:
-        train = torch.utils.data.Subset(train, range(config.train_size))
-    if config.test_size and not config.synthetic:
-        test = torch.utils.data.Subset(test, range(config.test_size))
-    return train, test
-
-
-def _evaluate(model, test, env, batch_size) -> float:
-    sampler = DistributedSampler(test, num_replicas=env.world_size, rank=env.rank, shuffle=False)
-    # counted where the backend reduces (NCCL: the GPU)
-    correct_total = torch.zeros(2, dtype=torch.float64, device=env.device if env.backend == "nccl" else "cpu")
-    model.eval()
-    with torch.no_grad():
-        for x, y in DataLoader(test, batch_size=batch_size, sampler=sampler):
-            out = getattr(model, "module", model)(x.to(env.device))  # no gradient sync needed to evaluate
-            correct_total += torch.tensor([(out.argmax(1).cpu() == y).sum().item(), len(y)], dtype=torch.float64,
-                                          device=correct_total.device)
-    model.train()
-    collectives.all_reduce(correct_total)
-    return (correct_total[0] / correct_total[1]).item()
-
-
-def _sharded(net, config):
-    """(model, optimizer) for a sharded step; every rank has the same seeded weights already."""
-    model = wrap(net, config.impl, bucket_cap_mb=config.bucket_cap_mb)
-    if not STAGES[config.impl].ours:  # torch's fully_shard: a torch optimizer over its DTensors
-        return model, torch.optim.SGD(model.parameters(), lr=config.lr, momentum=0.9)
-    return model, model.optimizer(torch.optim.SGD, lr=config.lr, momentum=0.9)
-
-
-def scaled_step(scaler, loss, opt) -> bool:
-    """Backward and an optimizer step through a GradScaler (fp16 on CUDA). False when the scaler
-    skipped the step: a gradient held inf or NaN, so it left the weights as they were and halved
-    its scale (the only time the scale goes down)."""
-    before = scaler.get_scale()
-    scaler.scale(loss).backward()
-    scaler.step(opt)
-    scaler.update()
-    return scaler.get_scale() >= before
-
-
-@contextlib.contextmanager
-def deterministic_kernels(enabled: bool):
-    """cuDNN's deterministic mode and torch.use_deterministic_algorithms (warnings only, for ops
-    with no deterministic kernel) while training; the previous settings are restored after, since a
-    rank of a shared pool runs other work next."""
-    if not enabled:
-        yield
-        return
-    before = (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark,
-              torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
-    workspace = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
-    if workspace is None:  # deterministic cuBLAS needs it; read when cuBLAS first starts, later
-        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
-    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
-        yield
-    finally:
-        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[:2]
-        torch.use_deterministic_algorithms(before[2], warn_only=before[3])
-        if workspace is None:
-            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
-
+__all__ = ["TrainConfig", "build_parser", "main", "run_settings", "torch_powersgd_refusal", "train", "validate"]
 
 def train(env, config: TrainConfig) -> dict:
     with deterministic_kernels(config.deterministic):
         return _train(env, config)
-
-
-def _build(env, config):
-    """(model, optimizer) for config.impl on this rank's device."""
-    if config.impl in SHARDED_IMPLS:
-        return _sharded(MODELS[config.model]().to(env.device), config)
-    device_ids = [env.device.index] if config.impl == "torch" and env.device.type == "cuda" else None
-    options = {"device_ids": device_ids} if config.impl == "torch" else {"compress": _compress(config)}
-    model = wrap(MODELS[config.model]().to(env.device), config.impl, bucket_cap_mb=config.bucket_cap_mb, **options)
-    if config.impl == "torch" and config.compress:
-        state, hook = _torch_hook(config)
-        model.register_comm_hook(state, hook)
-        model.powersgd_state = state  # None but for PowerSGD; the checkpoint keeps its memories (checkpoint.py)
-    return model, torch.optim.SGD(model.parameters(), lr=config.lr, momentum=0.9)
-
-
-def _powersgd_options(config: TrainConfig) -> dict:
-    return {"matrix_approximation_rank": config.powersgd_rank, "start_powerSGD_iter": config.powersgd_start_iter}
-
-
-def _compress(config: TrainConfig):
-    """--compress for our bucketed DDP."""
-    if config.compress in POWERSGD_CLI_NAMES:
-        return PowerSGD(**_powersgd_options(config), batched=config.compress == "batched_powersgd")
-    return config.compress
-
-
-def _torch_hook(config: TrainConfig):
-    """(state, hook) of torch's comm hook for --compress, on torch's DDP."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-    if config.compress == "fp16":
-        return None, default_hooks.fp16_compress_hook
-    if config.compress == "bf16":
-        return None, bf16_compress_hook_on_gloo
-    state = powersgd_state(**_powersgd_options(config))
-    return state, powersgd_hook(batched=config.compress == "batched_powersgd")
-
-
-class _Progress:
-    """Rank 0's progress line on stderr: step, loss, images/s, the time left, skipped steps."""
-
-    def __init__(self, env, config, steps_to_do: int):
-        self.env, self.config, self.steps_to_do, self.steps_done = env, config, steps_to_do, 0
-        self.run_start = time.perf_counter()
-        self.tag = " [synthetic data]" if config.synthetic else ""
-        self.clear = "\033[K" if sys.stderr.isatty() else ""  # the rest of a longer earlier progress line
-
-    def step(self, epoch: int, step: int, steps: int, first: int, loss, epoch_start: float, skipped: int) -> None:
-        self.steps_done += 1
-        if self.env.rank != 0:
-            return
-        done = (step + 1 - first) * self.config.batch_size * self.env.world_size
-        now = time.perf_counter()
-        left = eta(self.steps_done, self.steps_to_do, now - self.run_start)
-        skips = f", {skipped} steps skipped by GradScaler (inf/NaN gradients)" if skipped else ""
-        print(f"\repoch {epoch + 1}/{self.config.epochs} step {step + 1}/{steps} loss {loss.item():.4f} "
-              f"{done / (now - epoch_start):.1f} images/s, {left}{skips}{self.tag}{self.clear}", end="",
-              file=sys.stderr, flush=True)
-
-
-def _train_epoch(env, config, model, opt, loader, scaler, epoch: int, first: int, steps: int, progress: _Progress,
-                 skipped: int, checkpoint) -> int:
-    """Steps `first`.. of one epoch of `steps` (`loader` starts at step `first`); `checkpoint(step)` after
-    every --checkpoint-every steps but the epoch's last. The number of steps GradScaler has skipped so far."""
-    amp_dtype = torch.float16 if env.device.type == "cuda" else torch.bfloat16
-    start, every = time.perf_counter(), config.checkpoint_every
-    for step, (x, y) in enumerate(loader, start=first):
-        x, y = x.to(env.device), y.to(env.device)
-        opt.zero_grad()
-        with torch.autocast(env.device.type, dtype=amp_dtype, enabled=config.amp):
-            loss = F.cross_entropy(model(x), y)
-        if scaler:
-            skipped += not scaled_step(scaler, loss, opt)
-        else:
-            loss.backward()
-            opt.step()
-        progress.step(epoch, step, steps, first, loss, start, skipped)
-        if every and (step + 1) % every == 0 and step + 1 < steps:
-            checkpoint(step + 1)
-    return skipped
-
-
-def _resume(env, config: TrainConfig, model, opt, settings: dict):
-    """(epoch, step) this run starts at: (0, 0), or where the checkpoint left off (--resume, or
-    --auto-resume when there is one), its state loaded into the model and the optimizer."""
-    path = config.checkpoint_path
-    if not (config.resume or (config.auto_resume and os.path.exists(path))):
-        return 0, 0
-    state = load_checkpoint(path, map_location=env.device)
-    check_resume(state, settings, path, config.epochs)  # under torchrun, the first place it can be checked
-    load_state(model, opt, state, config.impl)
-    return state["epoch"], state.get("step", 0)
 
 
 def _train(env, config: TrainConfig) -> dict:
@@ -495,6 +119,143 @@ def _train(env, config: TrainConfig) -> dict:
     return _summary(env, config, start_epoch, start_step, stopped_at, skipped, seconds, images, accuracy, digest)
 
 
+def _build(env, config):
+    """(model, optimizer) for config.impl on this rank's device."""
+    if config.impl in SHARDED_IMPLS:
+        return _sharded(MODELS[config.model]().to(env.device), config)
+    device_ids = [env.device.index] if config.impl == "torch" and env.device.type == "cuda" else None
+    options = {"device_ids": device_ids} if config.impl == "torch" else {"compress": _compress(config)}
+    model = wrap(MODELS[config.model]().to(env.device), config.impl, bucket_cap_mb=config.bucket_cap_mb, **options)
+    if config.impl == "torch" and config.compress:
+        state, hook = _torch_hook(config)
+        model.register_comm_hook(state, hook)
+        model.powersgd_state = state  # None but for PowerSGD; the checkpoint keeps its memories (checkpoint.py)
+    return model, torch.optim.SGD(model.parameters(), lr=config.lr, momentum=0.9)
+
+
+def _compress(config: TrainConfig):
+    """--compress for our bucketed DDP."""
+    if config.compress in POWERSGD_CLI_NAMES:
+        return PowerSGD(**powersgd_options(config), batched=config.compress == "batched_powersgd")
+    return config.compress
+
+
+def _torch_hook(config: TrainConfig):
+    """(state, hook) of torch's comm hook for --compress, on torch's DDP."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    if config.compress == "fp16":
+        return None, default_hooks.fp16_compress_hook
+    if config.compress == "bf16":
+        return None, bf16_compress_hook_on_gloo
+    state = powersgd_state(**powersgd_options(config))
+    return state, powersgd_hook(batched=config.compress == "batched_powersgd")
+
+
+def _sharded(net, config):
+    """(model, optimizer) for a sharded step; every rank has the same seeded weights already."""
+    model = wrap(net, config.impl, bucket_cap_mb=config.bucket_cap_mb)
+    if not STAGES[config.impl].ours:  # torch's fully_shard: a torch optimizer over its DTensors
+        return model, torch.optim.SGD(model.parameters(), lr=config.lr, momentum=0.9)
+    return model, model.optimizer(torch.optim.SGD, lr=config.lr, momentum=0.9)
+
+
+def _datasets(config):
+    if config.synthetic:
+        train = cifar10.SyntheticCIFAR10(config.train_size or CIFAR_TRAIN_SIZE, augment=True, seed=config.seed)
+        test = cifar10.SyntheticCIFAR10(config.test_size or CIFAR_TEST_SIZE, seed=config.seed + 1)
+    else:
+        train = cifar10.CIFAR10(config.data, train=True, augment=True, seed=config.seed)
+        test = cifar10.CIFAR10(config.data, train=False)
+    if config.train_size and not config.synthetic:
+        train = torch.utils.data.Subset(train, range(config.train_size))
+    if config.test_size and not config.synthetic:
+        test = torch.utils.data.Subset(test, range(config.test_size))
+    return train, test
+
+
+def _resume(env, config: TrainConfig, model, opt, settings: dict):
+    """(epoch, step) this run starts at: (0, 0), or where the checkpoint left off (--resume, or
+    --auto-resume when there is one), its state loaded into the model and the optimizer."""
+    path = config.checkpoint_path
+    if not (config.resume or (config.auto_resume and os.path.exists(path))):
+        return 0, 0
+    state = load_checkpoint(path, map_location=env.device)
+    check_resume(state, settings, path, config.epochs)  # under torchrun, the first place it can be checked
+    load_state(model, opt, state, config.impl)
+    return state["epoch"], state.get("step", 0)
+
+
+class _Progress:
+    """Rank 0's progress line on stderr: step, loss, images/s, the time left, skipped steps."""
+
+    def __init__(self, env, config, steps_to_do: int):
+        self.env, self.config, self.steps_to_do, self.steps_done = env, config, steps_to_do, 0
+        self.run_start = time.perf_counter()
+        self.tag = " [synthetic data]" if config.synthetic else ""
+        self.clear = "\033[K" if sys.stderr.isatty() else ""  # the rest of a longer earlier progress line
+
+    def step(self, epoch: int, step: int, steps: int, first: int, loss, epoch_start: float, skipped: int) -> None:
+        self.steps_done += 1
+        if self.env.rank != 0:
+            return
+        done = (step + 1 - first) * self.config.batch_size * self.env.world_size
+        now = time.perf_counter()
+        left = eta(self.steps_done, self.steps_to_do, now - self.run_start)
+        skips = f", {skipped} steps skipped by GradScaler (inf/NaN gradients)" if skipped else ""
+        print(f"\repoch {epoch + 1}/{self.config.epochs} step {step + 1}/{steps} loss {loss.item():.4f} "
+              f"{done / (now - epoch_start):.1f} images/s, {left}{skips}{self.tag}{self.clear}", end="",
+              file=sys.stderr, flush=True)
+
+
+def _train_epoch(env, config, model, opt, loader, scaler, epoch: int, first: int, steps: int, progress: _Progress,
+                 skipped: int, checkpoint) -> int:
+    """Steps `first`.. of one epoch of `steps` (`loader` starts at step `first`); `checkpoint(step)` after
+    every --checkpoint-every steps but the epoch's last. The number of steps GradScaler has skipped so far."""
+    amp_dtype = torch.float16 if env.device.type == "cuda" else torch.bfloat16
+    start, every = time.perf_counter(), config.checkpoint_every
+    for step, (x, y) in enumerate(loader, start=first):
+        x, y = x.to(env.device), y.to(env.device)
+        opt.zero_grad()
+        with torch.autocast(env.device.type, dtype=amp_dtype, enabled=config.amp):
+            loss = F.cross_entropy(model(x), y)
+        if scaler:
+            skipped += not scaled_step(scaler, loss, opt)
+        else:
+            loss.backward()
+            opt.step()
+        progress.step(epoch, step, steps, first, loss, start, skipped)
+        if every and (step + 1) % every == 0 and step + 1 < steps:
+            checkpoint(step + 1)
+    return skipped
+
+
+def scaled_step(scaler, loss, opt) -> bool:
+    """Backward and an optimizer step through a GradScaler (fp16 on CUDA). False when the scaler
+    skipped the step: a gradient held inf or NaN, so it left the weights as they were and halved
+    its scale (the only time the scale goes down)."""
+    before = scaler.get_scale()
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    return scaler.get_scale() >= before
+
+
+def _evaluate(model, test, env, batch_size) -> float:
+    sampler = DistributedSampler(test, num_replicas=env.world_size, rank=env.rank, shuffle=False)
+    # counted where the backend reduces (NCCL: the GPU)
+    correct_total = torch.zeros(2, dtype=torch.float64, device=env.device if env.backend == "nccl" else "cpu")
+    model.eval()
+    with torch.no_grad():
+        for x, y in DataLoader(test, batch_size=batch_size, sampler=sampler):
+            out = getattr(model, "module", model)(x.to(env.device))  # no gradient sync needed to evaluate
+            correct_total += torch.tensor([(out.argmax(1).cpu() == y).sum().item(), len(y)], dtype=torch.float64,
+                                          device=correct_total.device)
+    model.train()
+    collectives.all_reduce(correct_total)
+    return (correct_total[0] / correct_total[1]).item()
+
+
 def _summary(env, config: TrainConfig, start_epoch, start_step, stopped_at, skipped, seconds, images, accuracy,
              digest) -> dict:
     """The run's JSON summary (the last line on stdout)."""
@@ -502,11 +263,35 @@ def _summary(env, config: TrainConfig, start_epoch, start_step, stopped_at, skip
             "backend": env.backend, "epochs": config.epochs, "resumed_from_epoch": start_epoch,
             "resumed_from_step": start_step, "stopped_at_step": stopped_at,
             "batch_size_per_rank": config.batch_size, "amp": config.amp, "compress": config.compress,
-            **({"powersgd": _powersgd_options(config)} if config.compress in POWERSGD_CLI_NAMES else {}),
+            **({"powersgd": powersgd_options(config)} if config.compress in POWERSGD_CLI_NAMES else {}),
             "skipped_steps": skipped,
             "deterministic": config.deterministic, "train_seconds": seconds,
             "images_per_second": images / seconds if seconds else None, "test_accuracy": accuracy,
             "synthetic_data": config.synthetic, "weights_sha256": digest}
+
+
+@contextlib.contextmanager
+def deterministic_kernels(enabled: bool):
+    """cuDNN's deterministic mode and torch.use_deterministic_algorithms (warnings only, for ops
+    with no deterministic kernel) while training; the previous settings are restored after, since a
+    rank of a shared pool runs other work next."""
+    if not enabled:
+        yield
+        return
+    before = (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark,
+              torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    workspace = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    if workspace is None:  # deterministic cuBLAS needs it; read when cuBLAS first starts, later
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[:2]
+        torch.use_deterministic_algorithms(before[2], warn_only=before[3])
+        if workspace is None:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
 
 
 @command

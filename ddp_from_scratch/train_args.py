@@ -1,0 +1,241 @@
+"""The training program's command line: every flag (build_parser), the run they describe
+(TrainConfig, what every rank reads), and the checks that refuse a bad argument, dataset or
+checkpoint before any rank starts (validate). train.py is the loop.
+
+    args = build_parser().parse_args(argv)
+    validate(args, parser, world_size)               # parser.error (exit 2) on anything wrong
+    config = TrainConfig.from_args(args)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from typing import Optional
+
+import torch.nn.functional as F
+
+from collectives import cli
+
+from . import cifar10
+from .checkpoint import CheckpointError, RunComplete, check_resume, load_checkpoint, run_settings
+from .ddp import rebuilt_bucket_count
+from .models import MODELS, batch, check_batch_fits, check_batchnorm_fits
+from .powersgd import CLI_NAMES as POWERSGD_CLI_NAMES
+from .torch_hooks import POWERSGD_ON_GLOO
+from .wrap import IMPLS, SHARDED_IMPLS, STAGES
+
+CIFAR_TRAIN_SIZE, CIFAR_TEST_SIZE = 50_000, 10_000
+# Memory a rank holds per synthetic image while making the set (numpy's int64 noise, then the
+# 3,072-byte image): 27,913 bytes measured at the peak (cifar10.SyntheticCIFAR10, 20,000 images)
+SYNTHETIC_PEAK_BYTES = 28_000
+TRAIN_DESCRIPTION = "Train ResNet-50 on CIFAR-10 with torch's DDP or one of ours, as the public DDP tutorials do."
+POWERSGD_DEFAULTS = {"powersgd_rank": 1, "powersgd_start_iter": 1000}  # torch's PowerSGDState's
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """One training run, as every rank reads it: the flags of build_parser (their defaults and
+    help are there). `TrainConfig.from_args(parser.parse_args(argv))`."""
+
+    impl: str
+    model: str
+    data: str
+    synthetic: bool
+    train_size: Optional[int]
+    test_size: Optional[int]
+    epochs: int
+    batch_size: int
+    lr: float
+    bucket_cap_mb: Optional[float]
+    compress: Optional[str]
+    powersgd_rank: int
+    powersgd_start_iter: int
+    amp: bool
+    seed: int
+    deterministic: bool
+    checkpoint: Optional[str]
+    checkpoint_every: Optional[int]
+    stop_at_step: Optional[int]
+    resume: bool
+    auto_resume: bool
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "TrainConfig":
+        given = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
+        for name, default in POWERSGD_DEFAULTS.items():  # not given on the command line
+            if given[name] is None:
+                given[name] = default
+        return cls(**given)
+
+    @property
+    def checkpoint_path(self) -> Optional[str]:
+        return os.path.join(self.checkpoint, "checkpoint.pt") if self.checkpoint else None
+
+    def end_of(self, epoch: int, steps: int) -> int:
+        """Where `epoch` (of `steps` steps) ends for this run: its last step, or --stop-at-step
+        when that falls within it (0 or less: the run stops before the epoch starts). The one
+        place --stop-at-step is read."""
+        return steps if self.stop_at_step is None else min(steps, self.stop_at_step - epoch * steps)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = cli.ArgumentParser(prog="python -m ddp_from_scratch.train", description=TRAIN_DESCRIPTION,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--impl", choices=IMPLS + SHARDED_IMPLS, default="bucketed",
+                   help="which DDP, or a sharded step: " + "; ".join(f"{n}: {STAGES[n].summary}" for n in SHARDED_IMPLS))
+    p.add_argument("--nproc", type=int, default=2, help="ranks to spawn when not under torchrun/srun")
+    p.add_argument("--model", choices=list(MODELS), default="resnet50", help="ResNet-50 (10 classes) or a small CNN")
+    p.add_argument("--data", default="./data", help="folder with cifar-10-batches-py/ or cifar-10-python.tar.gz")
+    p.add_argument("--synthetic", action="store_true", help="a deterministic CIFAR-shaped stand-in instead of CIFAR-10")
+    p.add_argument("--train-size", type=int, default=None, help="use only the first N training images")
+    p.add_argument("--test-size", type=int, default=None, help="use only the first N test images")
+    p.add_argument("--epochs", type=int, default=1, help="epochs to train (in total, counting resumed ones)")
+    p.add_argument("--batch-size", type=int, default=32, help="images per rank per step (that tutorial uses 256 per GPU; "
+                        "'PyTorch parallel training DistributedDataParallel complete code example' 128 split over the workers)")
+    p.add_argument("--lr", type=float, default=0.001, help="SGD learning rate (momentum 0.9), as in that tutorial")
+    p.add_argument("--bucket-cap-mb", type=float, default=None,
+                   help="bucket size for --impl bucketed / torch / zero1 (DDP's buckets), MiB (default: torch's, 25 with a 1 MiB first bucket); "
+                        "for --impl zero2 or zero2-bucketed, reduce-scatter in buckets of this size during backward "
+                        "(default: zero2, one reduce-scatter of the whole model after it; zero2-bucketed, a quarter "
+                        "of the model)")
+    p.add_argument("--compress", choices=["fp16", "bf16", *POWERSGD_CLI_NAMES], default=None,
+                   help="compress the gradients all-reduced, for --impl bucketed (ours) and torch (torch's comm "
+                        "hooks): to fp16 or bf16, or PowerSGD's low-rank approximation (per gradient, or batched: "
+                        "each bucket as one square matrix)")
+    p.add_argument("--powersgd-rank", type=int, default=None, metavar="R",
+                   help="PowerSGD's matrix_approximation_rank: R (rows + cols) numbers sent per rows x cols gradient "
+                        f"(with --compress powersgd; {POWERSGD_DEFAULTS['powersgd_rank']} if not given)")
+    p.add_argument("--powersgd-start-iter", type=int, default=None, metavar="N",
+                   help="PowerSGD's start_powerSGD_iter: plain all_reduce for the first N steps (with --compress "
+                        f"powersgd; torch's default, {POWERSGD_DEFAULTS['powersgd_start_iter']}, if not given)")
+    p.add_argument("--amp", action="store_true", help="mixed precision: bf16 autocast on CPU, fp16 + GradScaler on CUDA")
+    p.add_argument("--seed", type=int, default=0, help="initialisation, shuffling and augmentation")
+    p.add_argument("--deterministic", action="store_true",
+                   help="deterministic kernels (cuDNN's deterministic mode, torch.use_deterministic_algorithms with "
+                        "warnings): on CUDA, runs otherwise differ in the losses' 3rd decimal from the 2nd step")
+    p.add_argument("--checkpoint", default=None, help="folder for checkpoint.pt, written each epoch")
+    p.add_argument("--checkpoint-every", type=int, default=None, metavar="K",
+                   help="also write the checkpoint every K steps within an epoch (a restart loses at most K steps)")
+    p.add_argument("--stop-at-step", type=int, default=None, metavar="N",
+                   help="stop after global step N (counting every epoch's steps), writing the checkpoint: to split "
+                        "a run over jobs shorter than it; --resume goes on from there")
+    p.add_argument("--resume", action="store_true", help="continue from --checkpoint/checkpoint.pt")
+    p.add_argument("--auto-resume", action="store_true",
+                   help="continue from --checkpoint/checkpoint.pt when it exists, else start: for workers that "
+                        "torchrun --max-restarts restarts with the same arguments")
+    p.add_argument("--json", default=None, help="also write the summary to this file")
+    return p
+
+
+def validate(args, parser, world_size: int, local_ranks: Optional[int] = None) -> None:
+    """Refuse every bad argument, dataset and checkpoint before any rank starts (parser.error: exit 2).
+    `local_ranks`: the ranks on this machine, which share its memory (default: world_size)."""
+    cli.check_at_least(parser, args, {"--nproc": 1, "--batch-size": 1, "--epochs": 1, "--train-size": 1,
+                                      "--test-size": 1, "--checkpoint-every": 1, "--stop-at-step": 1})
+    check_batch_fits(parser, args.model, args.batch_size, local_ranks or world_size)
+    check_batchnorm_fits(parser, args.model, args.batch_size)
+    cli.check_outputs(parser, {"--json": args.json})
+    cli.check_positive(parser, args, "--lr")
+    cli.check_positive(parser, args, "--bucket-cap-mb", "MiB")
+    takers = ["torch"] + [n for n, s in STAGES.items() if "bucket_cap_mb" in s.takes]
+    if args.bucket_cap_mb is not None and args.impl not in takers:
+        parser.error(f"--bucket-cap-mb applies to --impl {', '.join(takers)}, not {args.impl}")
+    if args.compress and args.impl not in ("bucketed", "torch"):
+        parser.error(f"--compress applies to --impl bucketed and torch, not {args.impl}")
+    powersgd = args.compress in POWERSGD_CLI_NAMES
+    given = [f"--{name.replace('_', '-')}" for name in POWERSGD_DEFAULTS if getattr(args, name) is not None]
+    if not powersgd and given:
+        parser.error(f"{' and '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to --compress powersgd or batched_powersgd, "
+                     f"not {'--compress ' + args.compress if args.compress else 'a run without --compress'}")
+    if powersgd:
+        cli.check_at_least(parser, args, {"--powersgd-rank": 1})
+    if powersgd and args.powersgd_start_iter is not None and args.powersgd_start_iter < 2:
+        parser.error(f"--powersgd-start-iter must be at least 2 (error feedback and warm start keep memories per "
+                     f"bucket, and DDP settles its buckets in the first steps), got {args.powersgd_start_iter}")
+    resuming = [flag for flag, given in (("--resume", args.resume), ("--auto-resume", args.auto_resume),
+                                         ("--stop-at-step", args.stop_at_step)) if given]
+    if powersgd and args.impl == "torch" and resuming:
+        parser.error(f"{resuming[0]} with --impl torch --compress {args.compress}: torch's DDP starts a resumed run "
+                     "in its first-iteration bucket layout, where PowerSGD's per-bucket memories (laid out for the "
+                     "rebuilt buckets) do not fit, so the run would not be the uninterrupted one; --impl bucketed "
+                     "restores its layout and resumes bitwise")
+    refusal = torch_powersgd_refusal(args, local_ranks or world_size)
+    if refusal:
+        parser.error(refusal)
+    if args.amp and args.impl in SHARDED_IMPLS:
+        parser.error(f"--amp applies to the DDP impls ({', '.join(IMPLS)}), not {args.impl}: the sharded steps' "
+                     "optimizers are not torch optimizers that GradScaler can step")
+    if not args.synthetic:
+        try:  # every file, so a damaged one is named now, not by a rank an epoch later
+            train_images = len(cifar10.load_arrays(args.data, train=True)[1])
+            cifar10.load_arrays(args.data, train=False)
+        except (cifar10.DatasetMissing, cifar10.DatasetCorrupt) as exc:
+            parser.error(str(exc))
+    else:
+        train_images = CIFAR_TRAIN_SIZE
+        made = (args.train_size or CIFAR_TRAIN_SIZE) + (args.test_size or CIFAR_TEST_SIZE)
+        cli.check_memory(parser, "--train-size/--test-size", (local_ranks or world_size) * made * SYNTHETIC_PEAK_BYTES,
+                         f"{local_ranks or world_size} rank(s) each making {made:,} synthetic images")
+    if args.train_size is not None and args.train_size > train_images and not args.synthetic:
+        parser.error(f"--train-size {args.train_size} is more than the {train_images} training images")
+    images = args.train_size or train_images
+    per_step = args.batch_size * world_size
+    if images // world_size // args.batch_size == 0:
+        parser.error(f"{images} training images make no full step of {args.batch_size} per rank on {world_size} "
+                     f"rank(s): use at least {per_step} images (--train-size) or a smaller --batch-size")
+    for flag, given in (("--resume", args.resume), ("--auto-resume", args.auto_resume),
+                        ("--checkpoint-every", args.checkpoint_every), ("--stop-at-step", args.stop_at_step)):
+        if given and not args.checkpoint:
+            parser.error(f"{flag} needs --checkpoint FOLDER (the folder checkpoint.pt is written to)")
+    if args.resume and args.auto_resume:
+        parser.error("--resume and --auto-resume: give one (--auto-resume also starts when there is no checkpoint)")
+    if args.checkpoint:
+        if os.path.exists(args.checkpoint) and not os.path.isdir(args.checkpoint):
+            parser.error(f"--checkpoint {args.checkpoint} is a file; it must be a folder (checkpoint.pt is written in it)")
+        try:
+            os.makedirs(args.checkpoint, exist_ok=True)
+        except OSError as exc:
+            parser.error(f"--checkpoint {args.checkpoint}: cannot write there ({exc.strerror or exc})")
+        cli.check_outputs(parser, {"--checkpoint": os.path.join(args.checkpoint, "checkpoint.pt")})
+        path = os.path.join(args.checkpoint, "checkpoint.pt")
+        if args.resume or (args.auto_resume and os.path.exists(path)):
+            try:
+                check_resume(load_checkpoint(path), run_settings(TrainConfig.from_args(args), world_size), path,
+                             args.epochs)
+            except CheckpointError as exc:
+                parser.error(str(exc))
+            except RunComplete as exc:
+                if args.auto_resume:  # torchrun's agent restarting a worker after the last epoch was saved
+                    parser.exit(0, f"python -m ddp_from_scratch.train: --auto-resume: {exc}: the run is complete, "
+                                   "nothing to do\n")
+                parser.error(f"--resume: {exc}; raise --epochs to train further")
+
+
+def torch_powersgd_refusal(args, local_ranks: int) -> Optional[str]:
+    """Why torch's PowerSGD hook cannot run these arguments, or None: on Gloo, with more than one
+    bucket, it kills the run (torch_hooks.POWERSGD_ON_GLOO says how)."""
+    from collectives.launcher.env import pick_backend
+
+    if args.impl != "torch" or args.compress not in POWERSGD_CLI_NAMES:
+        return None
+    try:
+        backend = pick_backend(local_ranks)
+    except ValueError:  # a bad COLLECTIVES_BACKEND: the launcher names it
+        return None
+    if backend != "gloo":
+        return None
+    x, y = batch(0, 0, 2, 32)
+    buckets = rebuilt_bucket_count(MODELS[args.model](), x, lambda out: F.cross_entropy(out, y),
+                                             args.bucket_cap_mb)
+    if buckets == 1:
+        return None
+    cap = "DDP's default buckets" if args.bucket_cap_mb is None else f"--bucket-cap-mb {args.bucket_cap_mb}"
+    return (f"--impl torch --compress {args.compress} on Gloo: model {args.model} with {cap} makes {buckets} buckets, "
+            f"and {POWERSGD_ON_GLOO}; use --impl bucketed (ours: the same arithmetic, bit for bit torch's hook), "
+            "COLLECTIVES_BACKEND=shm, or a --bucket-cap-mb that holds the whole model in one bucket")
+
+
+def powersgd_options(config: TrainConfig) -> dict:
+    return {"matrix_approximation_rank": config.powersgd_rank, "start_powerSGD_iter": config.powersgd_start_iter}
