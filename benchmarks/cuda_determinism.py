@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from collectives import cli
-from ddp_from_scratch.resnet import resnet50
+from ddp_from_scratch.workload.resnet import resnet50
 
 
 def _step(model, x, y):

@@ -22,7 +22,7 @@ from tabulate import tabulate
 
 from collectives import cli
 from collectives.cli import command
-from ddp_from_scratch.resnet import resnet50
+from ddp_from_scratch.workload.resnet import resnet50
 
 
 def _hooked(kind: str):

@@ -30,7 +30,7 @@ from tabulate import tabulate
 import collectives
 from collectives import cli
 from collectives.cli import command
-from ddp_from_scratch.models import MODELS
+from ddp_from_scratch.workload.models import MODELS
 from ddp_from_scratch.wrap import wrap
 
 from .sweep import alternate_steps, summarise
@@ -44,7 +44,7 @@ MAIN_VARIANTS = {"torch": ("torch", ("torch", None)), "control": ("torch again (
 
 
 # branchy is left out: a head no rank uses needs find_unused_parameters, which these variants do not set
-MODEL_NAMES = {"resnet50": "ResNet-50", "small": "the small CNN (ddp_from_scratch.models.SmallNet)"}
+MODEL_NAMES = {"resnet50": "ResNet-50", "small": "the small CNN (ddp_from_scratch.workload.models.SmallNet)"}
 
 
 def _make(model: str, kind: str, cap: Optional[float], timeline: bool = True):

@@ -36,8 +36,8 @@ from tabulate import tabulate
 import collectives
 from collectives import cli
 from collectives.cli import command
-from ddp_from_scratch.models import MODELS, batch
-from ddp_from_scratch.powersgd import PowerSGD, compressed_numel
+from ddp_from_scratch.workload.models import MODELS, batch
+from ddp_from_scratch.steps.powersgd import PowerSGD, compressed_numel
 from ddp_from_scratch.wrap import wrap
 
 from .sweep import alternate_steps, summarise
@@ -86,7 +86,7 @@ def count_bytes(env, model_name: str, ranks) -> list:
 
 # -- curves ----------------------------------------------------------------------------------------
 def curves(env, steps: int, batch_size: int, lr: float) -> dict:
-    from ddp_from_scratch.cifar10 import SyntheticCIFAR10
+    from ddp_from_scratch.workload.cifar10 import SyntheticCIFAR10
 
     data = SyntheticCIFAR10(steps * batch_size * env.world_size, seed=0)
     runs = {**variants((1, 4)),

@@ -30,7 +30,7 @@ import torch.distributed as dist
 import collectives
 from collectives import cli
 from collectives.shm import backend_of
-from ddp_from_scratch.models import MODELS
+from ddp_from_scratch.workload.models import MODELS
 
 from .sweep import alternate_steps
 

@@ -7,7 +7,7 @@ Two parts, in one world of spawned Gloo ranks:
 
 1. Memory: each stage (our DDP, with and without gradient_as_bucket_view, ZeRO-1, ZeRO-2 in one
    unit and in 25 MiB buckets, FSDP, and torch's fully_shard) trains ResNet-50 for two steps
-   while ddp_from_scratch.memory.HeldBytes
+   while ddp_from_scratch.parts.memory.HeldBytes
    samples what the rank holds (parameters, gradients, optimizer state; activations excluded);
    the peak of the second step (momentum exists by then) is reported per rank, largest rank, and
    as a ratio to DDP. Beside it, what each wrapper's own accounting predicts (FORMULAS; psi =
@@ -34,9 +34,9 @@ import collectives
 from collectives import cli
 from collectives.cli import command
 from ddp_from_scratch.wrap import SHARDED, STAGES as REGISTRY, wrap
-from ddp_from_scratch.fsdp import unit_plan
-from ddp_from_scratch.memory import HeldBytes
-from ddp_from_scratch.models import MODELS
+from ddp_from_scratch.steps.fsdp import unit_plan
+from ddp_from_scratch.parts.memory import HeldBytes
+from ddp_from_scratch.workload.models import MODELS
 
 from .sweep import alternate_steps, summarise
 

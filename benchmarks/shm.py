@@ -40,7 +40,7 @@ from collectives import cli
 from collectives.cli import command
 from collectives.shm import backend_of
 from collectives.shm.ops import SMALL_BYTES, all_reduce_traffic
-from ddp_from_scratch.resnet import resnet50
+from ddp_from_scratch.workload.resnet import resnet50
 
 from .sweep import alternate_calls, alternate_steps, check_sweep, parse_size, size_list, summarise
 from .limits import aggregate_copy_gbps, memory_copy_gbps

@@ -22,7 +22,7 @@ import zipfile
 import torch
 import torch.distributed as dist
 
-from .powersgd import CLI_NAMES as POWERSGD_CLI_NAMES
+from .steps.powersgd import CLI_NAMES as POWERSGD_CLI_NAMES
 from .wrap import SHARDED_IMPLS
 
 
@@ -108,8 +108,8 @@ def gather_state(model, opt, impl: str) -> dict:
 def _powersgd_state(model):
     """This rank's PowerSGD state, ours (compress=PowerSGD) or torch's hook's (train.py keeps it
     on the model as `powersgd_state`); None without PowerSGD."""
-    from .powersgd import PowerSGD
-    from .torch_hooks import powersgd_state_dict
+    from .steps.powersgd import PowerSGD
+    from .parts.torch_hooks import powersgd_state_dict
 
     if isinstance(getattr(model, "compress", None), PowerSGD):
         return model.compress.state_dict()
@@ -134,8 +134,8 @@ def load_state(model, opt, state: dict, impl: str) -> None:
         if hasattr(model, "load_bucket_layout_state"):
             model.load_bucket_layout_state(state.get("buckets"))
         if state.get("powersgd") is not None:
-            from .powersgd import PowerSGD
-            from .torch_hooks import load_powersgd_state_dict
+            from .steps.powersgd import PowerSGD
+            from .parts.torch_hooks import load_powersgd_state_dict
 
             mine = state["powersgd"][dist.get_rank()]
             if isinstance(getattr(model, "compress", None), PowerSGD):

@@ -42,13 +42,13 @@ from collectives import cli
 import collectives
 from collectives.cli import command, eta
 
-from .bucket import describe as bucket_describe
-from .ddp import DistributedDataParallel
-from .models import MODELS, batch, check_batch_fits, check_batchnorm_fits
-from .parity import StepCheck, count_nonfinite, relative_diff, same_bits, summarise, table_row
+from .parts.bucket import describe as bucket_describe
+from .steps.ddp import DistributedDataParallel
+from .workload.models import MODELS, batch, check_batch_fits, check_batchnorm_fits
+from .parts.parity import StepCheck, count_nonfinite, relative_diff, same_bits, summarise, table_row
 from .sharded_parity import (PARITY_IMPLS, SHARDED_HEADERS, SHARDED_NOTE, must_be_bitwise, shard_layout_text,
                              train_sharded_side_by_side)
-from .torch_hooks import bf16_compress_hook_on_gloo, powersgd_hook, powersgd_state
+from .parts.torch_hooks import bf16_compress_hook_on_gloo, powersgd_hook, powersgd_state
 from .wrap import WRAPPERS, wrap
 
 def train_side_by_side(env, wrapper, steps: int, model="small", batch_size: int = 4, image: int = 12,
@@ -124,7 +124,7 @@ def _powersgd(note: str, **options) -> Option:
     order those threads reach them (Gloo aborts on the size mismatch), or every worker thread
     waits on an all_reduce none is left to run (a hang). docs/powersgd.md shows both. On shm a
     collective completes in the thread that calls it, so the callbacks run in the hook's order."""
-    from .powersgd import PowerSGD
+    from .steps.powersgd import PowerSGD
 
     batched = options.pop("batched", False)
     state = functools.partial(powersgd_state, **options)  # made in the rank

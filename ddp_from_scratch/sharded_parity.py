@@ -16,10 +16,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .parity import StepCheck, count_nonfinite, relative_diff, same_bits
-from .fsdp import unit_plan
-from .models import MODELS, batch
-from .sharding import ShardLayout
+from .parts.parity import StepCheck, count_nonfinite, relative_diff, same_bits
+from .steps.fsdp import unit_plan
+from .workload.models import MODELS, batch
+from .parts.sharding import ShardLayout
 from .wrap import SHARDED, STAGES, torch_fully_shard, wrap
 
 

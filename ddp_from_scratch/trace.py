@@ -23,7 +23,7 @@ from typing import Dict
 from collectives import cli
 from collectives.cli import command
 
-from .models import check_batch_fits, check_batchnorm_fits
+from .workload.models import check_batch_fits, check_batchnorm_fits
 
 
 
@@ -111,8 +111,8 @@ def _traced_steps(env, model_name: str, batch_size: int, steps: int, impl: str =
     import torch
     import torch.nn.functional as F
 
-    from .ddp import DistributedDataParallel
-    from .models import MODELS, batch
+    from .steps.ddp import DistributedDataParallel
+    from .workload.models import MODELS, batch
     from .wrap import wrap
 
     torch.manual_seed(0)
@@ -134,7 +134,7 @@ def _traced_steps(env, model_name: str, batch_size: int, steps: int, impl: str =
 
 
 def build_parser():
-    from .models import MODELS
+    from .workload.models import MODELS
     from .wrap import SHARDED, STAGES
 
     parser = cli.ArgumentParser(description="Record our DDP's bucket timeline (or a sharded step's all-gathers "

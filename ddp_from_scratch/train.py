@@ -48,11 +48,11 @@ from collectives import cli
 from collectives.cli import command, eta
 from collectives.launcher.env import read_env
 
-from . import cifar10
+from .workload import cifar10
 from .checkpoint import check_resume, gather_state, load_checkpoint, load_state, run_settings, save, weights_sha256
-from .models import MODELS
-from .powersgd import CLI_NAMES as POWERSGD_CLI_NAMES, PowerSGD
-from .torch_hooks import bf16_compress_hook_on_gloo, powersgd_hook, powersgd_state
+from .workload.models import MODELS
+from .steps.powersgd import CLI_NAMES as POWERSGD_CLI_NAMES, PowerSGD
+from .parts.torch_hooks import bf16_compress_hook_on_gloo, powersgd_hook, powersgd_state
 from .train_args import (CIFAR_TEST_SIZE, CIFAR_TRAIN_SIZE, TrainConfig, build_parser, powersgd_options,
                          torch_powersgd_refusal, validate)
 from .wrap import SHARDED_IMPLS, STAGES, wrap

@@ -18,12 +18,12 @@ import torch.nn.functional as F
 
 from collectives import cli
 
-from . import cifar10
+from .workload import cifar10
 from .checkpoint import CheckpointError, RunComplete, check_resume, load_checkpoint, run_settings
-from .ddp import rebuilt_bucket_count
-from .models import MODELS, batch, check_batch_fits, check_batchnorm_fits
-from .powersgd import CLI_NAMES as POWERSGD_CLI_NAMES
-from .torch_hooks import POWERSGD_ON_GLOO
+from .steps.ddp import rebuilt_bucket_count
+from .workload.models import MODELS, batch, check_batch_fits, check_batchnorm_fits
+from .steps.powersgd import CLI_NAMES as POWERSGD_CLI_NAMES
+from .parts.torch_hooks import POWERSGD_ON_GLOO
 from .wrap import IMPLS, SHARDED_IMPLS, STAGES
 
 CIFAR_TRAIN_SIZE, CIFAR_TEST_SIZE = 50_000, 10_000

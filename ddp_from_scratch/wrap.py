@@ -22,12 +22,12 @@ from typing import Callable, Dict, List, Optional, Union
 
 from torch import nn
 
-from .ddp import DistributedDataParallel
-from .flat import FlatDataParallel
-from .fsdp import FullyShardedDataParallel, unit_plan
-from .naive import NaiveDataParallel
-from .zero1 import ZeroOneDataParallel
-from .zero2 import ZeroTwoDataParallel
+from .steps.ddp import DistributedDataParallel
+from .steps.flat import FlatDataParallel
+from .steps.fsdp import FullyShardedDataParallel, unit_plan
+from .steps.naive import NaiveDataParallel
+from .steps.zero1 import ZeroOneDataParallel
+from .steps.zero2 import ZeroTwoDataParallel
 
 
 def torch_fully_shard(module: nn.Module, units="children") -> nn.Module:

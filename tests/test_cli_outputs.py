@@ -22,7 +22,7 @@ from collectives import cli
 from collectives.algorithms import fit, show
 from collectives.launcher.pool import RankPool
 from ddp_from_scratch import compare, trace, train
-from ddp_from_scratch.models import LAYER_OUTPUT_BYTES, MODELS, layer_output_bytes
+from ddp_from_scratch.workload.models import LAYER_OUTPUT_BYTES, MODELS, layer_output_bytes
 
 # (program, arguments before the output path, the flag named, what the program appends to the path)
 OUTPUTS = [

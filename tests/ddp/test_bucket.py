@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 from torch import nn
 
-from ddp_from_scratch import bucket as bucketing
-from ddp_from_scratch.models import SmallNet, batch
-from ddp_from_scratch.ddp import DistributedDataParallel
+from ddp_from_scratch.parts import bucket as bucketing
+from ddp_from_scratch.workload.models import SmallNet, batch
+from ddp_from_scratch.steps.ddp import DistributedDataParallel
 
 sizes = st.lists(st.integers(1, 5000), min_size=1, max_size=30)  # elements per parameter
 limits = st.tuples(st.integers(1, 40000), st.integers(1, 40000))  # (first bucket, cap) in bytes

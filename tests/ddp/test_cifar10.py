@@ -15,8 +15,8 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
-from ddp_from_scratch import cifar10
-from ddp_from_scratch.cifar10 import CIFAR10, DatasetMissing, SyntheticCIFAR10, augment, sample_generator
+from ddp_from_scratch.workload import cifar10
+from ddp_from_scratch.workload.cifar10 import CIFAR10, DatasetMissing, SyntheticCIFAR10, augment, sample_generator
 
 PER_BATCH = 4
 

@@ -7,7 +7,8 @@ says whether everything that should be bitwise equal was.
 import pytest
 import torch
 
-from ddp_from_scratch import compare, parity
+from ddp_from_scratch import compare
+from ddp_from_scratch.parts import parity
 
 
 def test_compare_program_prints_the_tables_and_the_layouts(capsys):

@@ -14,7 +14,7 @@ import collectives as C
 from ddp_from_scratch.compare import train_side_by_side
 from ddp_from_scratch.sharded_parity import train_sharded_side_by_side
 from ddp_from_scratch.wrap import SHARDED, WRAPPERS
-from ddp_from_scratch.zero2 import ZeroTwoDataParallel
+from ddp_from_scratch.steps.zero2 import ZeroTwoDataParallel
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
 

@@ -1,4 +1,4 @@
-"""ddp_from_scratch.memory.HeldBytes counts what a rank holds, each storage once.
+"""ddp_from_scratch.parts.memory.HeldBytes counts what a rank holds, each storage once.
 
     pytest tests/ddp/test_memory.py -q
 """
@@ -6,7 +6,7 @@
 import torch
 from torch import nn
 
-from ddp_from_scratch.memory import HeldBytes
+from ddp_from_scratch.parts.memory import HeldBytes
 
 
 def test_parameters_the_optimizer_steps_count_even_when_no_module_holds_them():
@@ -46,9 +46,9 @@ def test_buffers_of_collectives_in_flight_count_as_comm():
 def _in_flight_at_each_sample(env):
     import torch.nn.functional as F
 
-    from ddp_from_scratch.fsdp import FullyShardedDataParallel
-    from ddp_from_scratch.models import SmallNet, batch
-    from ddp_from_scratch.zero2 import ZeroTwoDataParallel
+    from ddp_from_scratch.steps.fsdp import FullyShardedDataParallel
+    from ddp_from_scratch.workload.models import SmallNet, batch
+    from ddp_from_scratch.steps.zero2 import ZeroTwoDataParallel
 
     out = {}
     for name, cls in (("zero2", ZeroTwoDataParallel), ("fsdp", FullyShardedDataParallel)):

@@ -19,10 +19,10 @@ from torch import nn
 
 import collectives
 from ddp_from_scratch.compare import bf16_compress_hook_on_gloo, train_side_by_side
-from ddp_from_scratch.ddp import DistributedDataParallel as BucketedDataParallel
-from ddp_from_scratch.flat import FlatDataParallel
-from ddp_from_scratch.models import Branchy, SmallNet, batch
-from ddp_from_scratch.naive import NaiveDataParallel
+from ddp_from_scratch.steps.ddp import DistributedDataParallel as BucketedDataParallel
+from ddp_from_scratch.steps.flat import FlatDataParallel
+from ddp_from_scratch.workload.models import Branchy, SmallNet, batch
+from ddp_from_scratch.steps.naive import NaiveDataParallel
 
 
 def assert_bitwise(per_rank, what: str, only_params: bool = False) -> None:

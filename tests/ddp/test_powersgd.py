@@ -1,4 +1,4 @@
-"""Our PowerSGD (ddp_from_scratch/powersgd.py) against torch's powerSGD_hook on the same model,
+"""Our PowerSGD (ddp_from_scratch/steps/powersgd.py) against torch's powerSGD_hook on the same model,
 data and seeds, every parameter and gradient compared bit for bit after every step, across the
 start iteration (plain DDP, then compressed), at 2, 3 and 4 ranks, on Gloo and on shm; that the
 compression is real (the gradients are the rank-r approximation, the elements all-reduced are the
@@ -22,8 +22,8 @@ from torch import nn
 import collectives
 from collectives.testing import run_on_ranks
 from ddp_from_scratch.compare import train_side_by_side
-from ddp_from_scratch.models import MODELS, batch
-from ddp_from_scratch.powersgd import PowerSGD, compressed_numel, orthogonalize
+from ddp_from_scratch.workload.models import MODELS, batch
+from ddp_from_scratch.steps.powersgd import PowerSGD, compressed_numel, orthogonalize
 from ddp_from_scratch.wrap import wrap
 
 STEPS = 5
@@ -44,7 +44,7 @@ CONFIGS = {
 def _torch_side(options):
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as P
 
-    from ddp_from_scratch.torch_hooks import powersgd_state
+    from ddp_from_scratch.parts.torch_hooks import powersgd_state
 
     state = powersgd_state(**{k: v for k, v in options.items() if k != "batched"})
     return state, (P.batched_powerSGD_hook if options.get("batched") else P.powerSGD_hook)
@@ -53,7 +53,7 @@ def _torch_side(options):
 def _side_by_side(env, options, steps=STEPS, model="small", bucket_cap_mb=0.01, fixed_batched_hook=False):
     hook = _torch_side(options)
     if options.get("batched") and fixed_batched_hook:
-        from ddp_from_scratch.torch_hooks import batched_powerSGD_hook_fixed
+        from ddp_from_scratch.parts.torch_hooks import batched_powerSGD_hook_fixed
         hook = (hook[0], batched_powerSGD_hook_fixed)
     checks = train_side_by_side(env, "bucketed", steps, model=model, torch_comm_hook=hook,
                                 ours_kwargs={"compress": PowerSGD(**options)},
@@ -76,8 +76,8 @@ class Mlp(nn.Module):
 
 def _buckets(model, cap_bytes):
     """How many buckets torch's DDP has after its rebuild (cap_bytes None: its default caps)."""
-    from ddp_from_scratch.ddp import rebuilt_bucket_count
-    from ddp_from_scratch.models import batch as make_batch
+    from ddp_from_scratch.steps.ddp import rebuilt_bucket_count
+    from ddp_from_scratch.workload.models import batch as make_batch
 
     x, y = make_batch(0, 0, 2, 12)
     net = MODELS["small"]() if model == "small" else Mlp()

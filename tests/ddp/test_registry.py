@@ -9,12 +9,12 @@ from hypothesis import strategies as st
 
 from benchmarks import sharded as sharded_benchmark
 from ddp_from_scratch import compare, trace, train
-from ddp_from_scratch.bucket import runs_of_at_most
-from ddp_from_scratch.fsdp import FullyShardedDataParallel
-from ddp_from_scratch.models import SmallNet
-from ddp_from_scratch.sharding import DDP_ONLY_OPTIONS
+from ddp_from_scratch.parts.bucket import runs_of_at_most
+from ddp_from_scratch.steps.fsdp import FullyShardedDataParallel
+from ddp_from_scratch.workload.models import SmallNet
+from ddp_from_scratch.parts.sharding import DDP_ONLY_OPTIONS
 from ddp_from_scratch.wrap import SHARDED, STAGES, wrap
-from ddp_from_scratch.zero2 import ZeroTwoDataParallel
+from ddp_from_scratch.steps.zero2 import ZeroTwoDataParallel
 
 
 def _choices(parser, dest):

@@ -7,7 +7,7 @@ placement, and (when torchvision can be imported) the same outputs from the same
 import pytest
 import torch
 
-from ddp_from_scratch.resnet import resnet50
+from ddp_from_scratch.workload.resnet import resnet50
 
 
 @pytest.mark.parametrize("num_classes, count", [(10, 23_528_522), (1000, 25_557_032)])

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ddp_from_scratch.ddp import DistributedDataParallel
+from ddp_from_scratch.steps.ddp import DistributedDataParallel
 
 
 def _mlp():

@@ -10,8 +10,8 @@ import pytest
 
 import torch.nn.functional as F
 
-from ddp_from_scratch.models import SmallNet, batch
-from ddp_from_scratch.ddp import DistributedDataParallel
+from ddp_from_scratch.workload.models import SmallNet, batch
+from ddp_from_scratch.steps.ddp import DistributedDataParallel
 from ddp_from_scratch.trace import plot_timeline, write_chrome_trace
 
 
@@ -62,7 +62,7 @@ def test_trace_program_writes_every_rank_and_prints_the_layouts(tmp_path, capsys
 
 
 def test_sharded_spans_are_drawn_and_traced(tmp_path):
-    from ddp_from_scratch.timeline import Timeline
+    from ddp_from_scratch.parts.timeline import Timeline
     from ddp_from_scratch.trace import chrome_trace_events, plot_timeline
 
     t = Timeline([["a.weight"], ["b.weight", "b.bias"]], [1024, 4 << 20])

@@ -316,7 +316,7 @@ def test_a_powersgd_run_resumed_with_its_default_options_is_the_same_run(tmp_pat
 def _record_order(env, argv):
     """Train for real on this rank, recording which sample each __getitem__ served and the
     augmentation epoch it used."""
-    from ddp_from_scratch import cifar10
+    from ddp_from_scratch.workload import cifar10
 
     seen = []
     original = cifar10._Images.__getitem__

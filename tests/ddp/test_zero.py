@@ -18,17 +18,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import collectives
-from ddp_from_scratch import sharding as shard_module
-from ddp_from_scratch.parity import summarise
+from ddp_from_scratch.parts import sharding as shard_module
+from ddp_from_scratch.parts.parity import summarise
 from ddp_from_scratch.sharded_parity import PARITY_IMPLS, _gather_dim0, must_be_bitwise, train_sharded_side_by_side
 from ddp_from_scratch.wrap import SHARDED, wrap
-from ddp_from_scratch.fsdp import FullyShardedDataParallel, unit_plan, units_of
-from ddp_from_scratch.models import Branchy, SmallNet, batch
-from ddp_from_scratch.resnet import resnet50
-from ddp_from_scratch.sharding import ShardLayout
-from ddp_from_scratch.zero1 import ZeroOneDataParallel
-from ddp_from_scratch.memory import HeldBytes
-from ddp_from_scratch.zero2 import ZeroTwoDataParallel, reduce_buckets
+from ddp_from_scratch.steps.fsdp import FullyShardedDataParallel, unit_plan, units_of
+from ddp_from_scratch.workload.models import Branchy, SmallNet, batch
+from ddp_from_scratch.workload.resnet import resnet50
+from ddp_from_scratch.parts.sharding import ShardLayout
+from ddp_from_scratch.steps.zero1 import ZeroOneDataParallel
+from ddp_from_scratch.parts.memory import HeldBytes
+from ddp_from_scratch.steps.zero2 import ZeroTwoDataParallel, reduce_buckets
 
 STEPS = 3
 

@@ -16,7 +16,7 @@ import torch.distributed._functional_collectives as funcol
 from collectives.errors import CollectiveMismatchError
 from collectives.shm import backend_of
 from collectives.testing import distributed
-from ddp_from_scratch.parity import same_bits
+from ddp_from_scratch.parts.parity import same_bits
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int8,
           torch.uint8, torch.bool, torch.complex64]

@@ -14,9 +14,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-from ddp_from_scratch.models import batch
+from ddp_from_scratch.workload.models import batch
 from ddp_from_scratch.sharded_parity import _full_params, train_sharded_side_by_side
-from ddp_from_scratch.parity import summarise
+from ddp_from_scratch.parts.parity import summarise
 
 from ..ddp.test_zero import STEPS, Nested
 

@@ -47,11 +47,11 @@ from torch import nn
 
 import collectives
 
-from . import bucket as bucketing
-from .base import DataParallelBase
+from ..parts import bucket as bucketing
+from ..parts.base import DataParallelBase
 from .powersgd import PowerSGD
-from .timeline import Timeline
-from .unused import reachable_parameters
+from ..parts.timeline import Timeline
+from ..parts.unused import reachable_parameters
 
 MiB = 1 << 20
 DEFAULT_BUCKET_CAP_MB = 25

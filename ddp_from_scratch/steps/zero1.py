@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .ddp import DistributedDataParallel
-from .sharding import ShardedStage
+from ..parts.sharding import ShardedStage
 
 
 class ZeroOneDataParallel(ShardedStage, DistributedDataParallel):

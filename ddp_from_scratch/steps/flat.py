@@ -13,7 +13,7 @@ import torch
 
 import collectives
 
-from .base import DataParallelBase
+from ..parts.base import DataParallelBase
 
 
 class FlatDataParallel(DataParallelBase):

@@ -38,8 +38,8 @@ from torch import nn
 
 import collectives
 
-from .sharding import refuse_ddp_options
-from .unused import tensors_in
+from ..parts.sharding import refuse_ddp_options
+from ..parts.unused import tensors_in
 from .zero2 import ZeroTwoDataParallel
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import collectives
 
-from .base import DataParallelBase
+from ..parts.base import DataParallelBase
 
 
 class NaiveDataParallel(DataParallelBase):

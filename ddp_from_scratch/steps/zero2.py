@@ -47,10 +47,10 @@ from torch import nn
 
 import collectives
 
-from .base import DataParallelBase
-from .bucket import runs_of_at_most
-from .sharding import ShardedStage, ShardLayout, refuse_ddp_options
-from .timeline import Timeline
+from ..parts.base import DataParallelBase
+from ..parts.bucket import runs_of_at_most
+from ..parts.sharding import ShardedStage, ShardLayout, refuse_ddp_options
+from ..parts.timeline import Timeline
 
 
 def reduce_buckets(nbytes: List[int], cap_mb: float) -> List[List[int]]:
