@@ -28,18 +28,23 @@ def overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b1 and b0 < a1
 
 
+def _first(tensors: dict, bad) -> str:
+    """What bad(where, tensor) says of the first tensor it finds wrong ("" if none): tensors are
+    {name: a tensor or a list of them (lists nested)}, named name[i] inside a list."""
+    for name, value in tensors.items():
+        listed = isinstance(value, (list, tuple))
+        for i, t in enumerate(value if listed else [value]):
+            where = f"{name}[{i}]" if listed else name
+            found = _first({where: t}, bad) if isinstance(t, (list, tuple)) else bad(where, t)
+            if found:
+                return found
+    return ""
+
+
 def wrong_devices(**tensors) -> str:
     """"" when every tensor is on the CPU (lists allowed), else which one is not."""
-    for name, value in tensors.items():
-        for i, t in enumerate(value if isinstance(value, (list, tuple)) else [value]):
-            if isinstance(t, (list, tuple)):
-                bad = wrong_devices(**{f"{name}[{i}]": t})
-                if bad:
-                    return bad
-            elif t.device.type != "cpu":
-                where = f"{name}[{i}]" if isinstance(value, (list, tuple)) else name
-                return f"{where} is on {t.device}; the shm backend moves CPU tensors only"
-    return ""
+    return _first(tensors, lambda where, t: "" if t.device.type == "cpu" else
+                  f"{where} is on {t.device}; the shm backend moves CPU tensors only")
 
 
 def _shares_elements(t: torch.Tensor) -> bool:
@@ -54,18 +59,10 @@ def _shares_elements(t: torch.Tensor) -> bool:
 def unwritable(**tensors) -> str:
     """"" when every output (lists allowed) can take a result element by element, else which
     one cannot."""
-    for name, value in tensors.items():
-        for i, t in enumerate(value if isinstance(value, (list, tuple)) else [value]):
-            if isinstance(t, (list, tuple)):
-                bad = unwritable(**{f"{name}[{i}]": t})
-                if bad:
-                    return bad
-            elif _shares_elements(t):
-                where = f"{name}[{i}]" if isinstance(value, (list, tuple)) else name
-                return (f"{where} has elements that share memory (an expanded or stride-0 view, strides "
-                        f"{list(t.stride())}), so the result cannot be written into it; pass a tensor that owns its "
-                        "elements (.clone() or .contiguous())")
-    return ""
+    return _first(tensors, lambda where, t: "" if not _shares_elements(t) else
+                  f"{where} has elements that share memory (an expanded or stride-0 view, strides "
+                  f"{list(t.stride())}), so the result cannot be written into it; pass a tensor that owns its "
+                  "elements (.clone() or .contiguous())")
 
 
 def wrong_op(op: str, collective: str, tensors) -> str:
