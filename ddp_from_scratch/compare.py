@@ -179,7 +179,8 @@ def options(model: str = "small", batch_size: int = 4) -> Dict[str, Option]:
             matrix_approximation_rank=3, start_powerSGD_iter=2, use_error_feedback=False, warm_start=False),
         "batched powersgd rank 2": _powersgd(
             "the bucket as one square matrix, against torch's batched_powerSGD_hook with its orthogonalization of "
-            "a 2-D matrix fixed (torch 2.13's raises AssertionError: batched_powerSGD_hook_fixed)",
+            "a 2-D matrix fixed (torch 2.13's raises AssertionError) and a bucket of fewer than rank^2 elements "
+            "run with rank = side (batched_powerSGD_hook_fixed)",
             matrix_approximation_rank=2, start_powerSGD_iter=2, batched=True),
     }
 
