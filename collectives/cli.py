@@ -29,7 +29,7 @@ import json
 import math
 import os
 import sys
-from typing import Callable, Iterable, Optional
+from typing import BinaryIO, Callable, Iterable, Optional, Union
 
 from .errors import RankFailure
 
@@ -147,14 +147,19 @@ def check_outputs(parser, outputs) -> None:
                 parser.error(f"{flag} {path}: drawing needs matplotlib: pip install -e '.[plot]'")
 
 
-def write_atomically(path: str, text: str) -> None:
-    """Write `text` to `path` whole or not at all: into a file beside it, then renamed over it (a
-    full disk or a kill halfway leaves the old file, or none, never half of the new one)."""
+def write_atomically(path: str, content: Union[str, Callable[[BinaryIO], None]]) -> None:
+    """Write `content` (text, or a function that writes into the open binary file, as torch.save
+    does) to `path` whole or not at all: into a file beside it, then renamed over it. A full disk,
+    an error half-way or a kill leaves the old file, or none, never half of the new one, and no
+    temporary file."""
     folder = os.path.dirname(os.path.abspath(path))
     tmp = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.tmp")
     try:
-        with open(tmp, "w") as f:
-            f.write(text)
+        with open(tmp, "wb") as f:
+            if callable(content):
+                content(f)
+            else:
+                f.write(content.encode())
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

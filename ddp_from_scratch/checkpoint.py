@@ -14,13 +14,14 @@ different machines are compared.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import pickle
 import zipfile
 
 import torch
 import torch.distributed as dist
+
+from collectives import cli
 
 from .steps.powersgd import CLI_NAMES as POWERSGD_CLI_NAMES
 from .wrap import SHARDED_IMPLS
@@ -148,15 +149,8 @@ def save(path: str, config, saved: dict, epochs_done: int, settings: dict, step:
     """Rank 0 writes the checkpoint atomically: a crash, or a write that fails (a full disk), leaves
     the previous one whole and no .tmp behind. `epochs_done` whole epochs and `step` steps of the next."""
     os.makedirs(config.checkpoint, exist_ok=True)
-    tmp = path + ".tmp"
-    try:
-        torch.save({**saved, "epoch": epochs_done, "step": step, "synthetic": config.synthetic,
-                    "settings": settings}, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(tmp)
-        raise
+    state = {**saved, "epoch": epochs_done, "step": step, "synthetic": config.synthetic, "settings": settings}
+    cli.write_atomically(path, lambda f: torch.save(state, f))
 
 
 def weights_sha256(state: dict) -> str:
