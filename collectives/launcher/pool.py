@@ -84,7 +84,6 @@ class RankPool(FailureDiagnosis):
 
         self.world_size = world_size
         self.backend = pick_backend(world_size, backend)
-        check_settings(self.backend)
         self.threads = threads
         self.start_timeout = start_timeout
         self.setup = setup
@@ -113,7 +112,7 @@ class RankPool(FailureDiagnosis):
         if self.alive:
             return self
         self._kill()
-        check_settings(self.backend)  # again: the environment may have changed since the pool was made
+        check_settings(self.backend)  # before any rank starts (the ranks' environment is this one, now)
         if self.backend == "shm":  # its C++ bridge, built here once rather than by every rank at once
             from ..shm import native
 

@@ -52,7 +52,7 @@ def test_a_bad_setting_stops_the_run_before_any_rank_starts(var, value, backend,
     from collectives.launcher import pool
 
     monkeypatch.setenv(var, value)
-    monkeypatch.setattr(pool.RankPool, "start", lambda self: (_ for _ in ()).throw(AssertionError("a rank started")))
+    monkeypatch.setattr(pool, "rank_context", lambda method: (_ for _ in ()).throw(AssertionError("a rank started")))
     with pytest.raises(ValueError) as info:
         collectives.run(_never_called, 2, backend=backend)
     assert str(info.value).startswith(says), str(info.value)
