@@ -28,28 +28,37 @@ def overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b1 and b0 < a1
 
 
-def _first(tensors: dict, bad) -> str:
-    """What bad(where, tensor) says of the first tensor it finds wrong ("" if none): tensors are
-    {name: a tensor or a list of them (lists nested)}, named name[i] inside a list."""
+def _first(tensors: dict, is_bad, say) -> str:
+    """say(where, tensor) for the first tensor that is_bad(tensor) ("" if none): tensors are
+    {name: a tensor or a list of them (lists nested)}, named name[i] inside a list. On every
+    call's path, so the name is only made for a tensor found wrong."""
     for name, value in tensors.items():
-        listed = isinstance(value, (list, tuple))
-        for i, t in enumerate(value if listed else [value]):
-            where = f"{name}[{i}]" if listed else name
-            found = _first({where: t}, bad) if isinstance(t, (list, tuple)) else bad(where, t)
-            if found:
-                return found
+        if not isinstance(value, (list, tuple)):
+            if is_bad(value):
+                return say(name, value)
+            continue
+        for i, t in enumerate(value):
+            if isinstance(t, (list, tuple)):
+                found = _first({f"{name}[{i}]": t}, is_bad, say)
+                if found:
+                    return found
+            elif is_bad(t):
+                return say(f"{name}[{i}]", t)
     return ""
 
 
 def wrong_devices(**tensors) -> str:
     """"" when every tensor is on the CPU (lists allowed), else which one is not."""
-    return _first(tensors, lambda where, t: "" if t.device.type == "cpu" else
-                  f"{where} is on {t.device}; the shm backend moves CPU tensors only")
+    return _first(tensors, lambda t: t.device.type != "cpu",
+                  lambda where, t: f"{where} is on {t.device}; the shm backend moves CPU tensors only")
 
 
 def _shares_elements(t: torch.Tensor) -> bool:
     """Whether two of a tensor's elements are one memory location (an expand()ed or stride-0
-    view): writing the result into it cannot work, and torch's copy refuses it mid-call."""
+    view): writing the result into it cannot work, and torch's copy refuses it mid-call. A
+    contiguous tensor cannot (the common case, answered first)."""
+    if t.is_contiguous():
+        return False
     if any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride())):
         return True
     has_overlap = getattr(torch, "_debug_has_internal_overlap", None)
@@ -59,10 +68,10 @@ def _shares_elements(t: torch.Tensor) -> bool:
 def unwritable(**tensors) -> str:
     """"" when every output (lists allowed) can take a result element by element, else which
     one cannot."""
-    return _first(tensors, lambda where, t: "" if not _shares_elements(t) else
-                  f"{where} has elements that share memory (an expanded or stride-0 view, strides "
-                  f"{list(t.stride())}), so the result cannot be written into it; pass a tensor that owns its "
-                  "elements (.clone() or .contiguous())")
+    return _first(tensors, _shares_elements,
+                  lambda where, t: f"{where} has elements that share memory (an expanded or stride-0 view, strides "
+                                   f"{list(t.stride())}), so the result cannot be written into it; pass a tensor that "
+                                   "owns its elements (.clone() or .contiguous())")
 
 
 def wrong_op(op: str, collective: str, tensors) -> str:

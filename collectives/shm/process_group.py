@@ -94,8 +94,9 @@ class ShmBackend:
         self._queue: "queue.Queue" = queue.Queue()
         self._pending = 0
         self._idle = threading.Condition()
-        self._worker = threading.Thread(target=self._serve, daemon=True, name="shm-collectives")
-        self._worker.start()
+        worker = threading.Thread(target=self._serve, daemon=True, name="shm-collectives")
+        worker.start()
+        self._worker_id = worker.ident
 
     def rank(self) -> int:
         return self._rank
@@ -141,7 +142,7 @@ class ShmBackend:
         if self.recorder is not None:  # the flight record (recorder.py): in torch's format
             job = self._recorded(job, op, value)
         with self._idle:
-            nested = threading.current_thread() is self._worker
+            nested = threading.get_ident() == self._worker_id
             inline = nested or (self._pending == 0 and nbytes <= self.config.inline_bytes)
             if not inline:
                 self._pending += 1
