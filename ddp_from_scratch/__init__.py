@@ -9,7 +9,8 @@ fsdp), parts/ (what they are built from and proven with), workload/ (the models 
   wrap.py            the one registry of stages by name (STAGES) and wrap(model, name)
   sharded_parity.py  the sharded stages side by side with torch's fully_shard and DDP
   checkpoint.py      what train saves and resumes from
-  compare.py         side-by-side parity with torch's DDP (python -m ddp_from_scratch.compare)
+  compare.py         side-by-side parity with torch's DDP (python -m ddp_from_scratch.compare);
+                     compare_options.py the rows of its options table
   trace.py           the bucket timeline as a Chrome trace and a PNG (python -m ddp_from_scratch.trace)
   train.py           the training loop (python -m ddp_from_scratch.train); train_args.py its command line
 Each imports only what is below it (tests/import_graph.py checks the layers).

@@ -7,7 +7,7 @@ says whether everything that should be bitwise equal was.
 import pytest
 import torch
 
-from ddp_from_scratch import compare
+from ddp_from_scratch import compare, compare_options
 from ddp_from_scratch.parts import parity
 
 
@@ -42,7 +42,7 @@ def test_a_row_whose_steps_never_reach_its_option_says_so_and_never_yes(capsys):
     (2, 5, "steps 0-1 plain, steps 2-4 compressed"), (1, 2, "step 0 plain, step 1 compressed"),
 ])
 def test_what_a_row_compared(acts_from, steps, says):
-    option = compare.Option({}, acts_from_step=acts_from, phases=("plain", "compressed"))
+    option = compare_options.Option({}, acts_from_step=acts_from, phases=("plain", "compressed"))
     assert compare.what_was_compared(option, steps) == says
 
 
