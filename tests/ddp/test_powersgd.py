@@ -409,3 +409,37 @@ def test_torchs_orthogonalization_refuses_more_columns_than_rows_which_a_small_b
     original = getattr(P._orthogonalize, "original", P._orthogonalize)  # torch's own, if a rank here fixed it
     with pytest.raises(AssertionError):
         original(torch.randn(1, 3, 4))
+
+
+def _torchs_buckets_and_the_count(env, model, cap_bytes):
+    """(buckets torch's DDP hands its comm hook in the step after its rebuild, what
+    rebuilt_bucket_count says before any rank trains): train refuses torch's PowerSGD on Gloo by
+    that count, so it must be torch's own."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    from ddp_from_scratch.steps.ddp import rebuilt_bucket_count
+
+    cap = cap_bytes and cap_bytes / 2**20
+    build = (lambda: MODELS["small"]()) if model == "small" else Mlp
+    torch.manual_seed(0)
+    ddp = nn.parallel.DistributedDataParallel(build(), bucket_cap_mb=cap)
+    seen = []
+
+    def counting(state, bucket):
+        seen.append(bucket.index())
+        return default_hooks.allreduce_hook(state, bucket)
+
+    ddp.register_comm_hook(None, counting)
+    for step in range(2):
+        seen.clear()
+        x, y = batch(step, env.rank, 4, 12)
+        F.cross_entropy(ddp(x), y).backward()
+    x, y = batch(0, 0, 2, 12)
+    return len(set(seen)), rebuilt_bucket_count(build(), x, lambda out: F.cross_entropy(out, y), cap)
+
+
+@settings(max_examples=12, deadline=None)
+@given(model=st.sampled_from(["small", "mlp"]), cap_bytes=st.one_of(st.none(), st.integers(1, 120_000)))
+def test_the_bucket_count_before_training_is_torchs_after_its_rebuild(model, cap_bytes):
+    torchs, counted = run_on_ranks(_torchs_buckets_and_the_count, 2, args=(model, cap_bytes), timeout=120)[0]
+    assert counted == torchs, (model, cap_bytes, torchs, counted)

@@ -6,6 +6,7 @@ our sharded steps run on it against fully_shard on it.
     pytest tests/shm/test_torch_stack.py -q
 """
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
@@ -112,27 +113,32 @@ def test_our_sharded_steps_on_shm_are_bitwise_fully_shard_on_shm(dist_run):
 
 
 def _collectives_from_callbacks(env, large):
-    """A Future callback that all-reduces and waits, as torch's PowerSGD hook's do, chained on an
-    all_reduce past the inline size (so it completes on shm's worker thread) or under it; the main
-    thread goes on with another all_reduce meanwhile. What every call ended with."""
+    """Two Future callbacks in a chain, each all-reducing and waiting, as torch's PowerSGD hook's do
+    (P, then Q), on an all_reduce past the inline size (so it completes on shm's worker thread) or
+    under it; the main thread goes on with another all_reduce meanwhile. What every call ended with."""
     first = torch.full((large,), env.rank + 1.0)
-    nested = torch.full((3,), 10.0 * (env.rank + 1))
+    p = torch.full((3,), 10.0 * (env.rank + 1))
+    q = torch.full((2,), 1000.0 * (env.rank + 1))
     after = torch.full((5,), 100.0 * (env.rank + 1))
 
-    def in_callback(fut):
-        return dist.all_reduce(nested, async_op=True).get_future().wait()[0]
+    def reduce_in_callback(t):
+        return lambda fut: dist.all_reduce(t, async_op=True).get_future().wait()[0]
 
-    chained = dist.all_reduce(first, async_op=True).get_future().then(in_callback)
+    chained = dist.all_reduce(first, async_op=True).get_future().then(reduce_in_callback(p)).then(reduce_in_callback(q))
     dist.all_reduce(after)
     chained.wait()
-    return first[:2].tolist(), nested.tolist(), after.tolist()
+    return first[:2].tolist(), p.tolist(), q.tolist(), after.tolist()
 
 
-def test_a_collective_issued_and_waited_in_a_callback_runs_in_the_same_order_on_every_rank(dist_run):
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_collective_issued_and_waited_in_a_callback_runs_in_the_same_order_on_every_rank(world_size, dist_run):
     """Past 64 KiB the first all_reduce completes on the worker thread, whose callback issues the
     next one and waits: queued behind itself it would wait forever. It runs at once, so every
     rank runs it right after the call it follows, before the main thread's next one (each
     rank's values show which call met which)."""
+    total = sum(range(1, world_size + 1))
     for large in (100_000, 10):
-        for first, nested, after in dist_run(_collectives_from_callbacks, 2, args=(large,), backend="shm", timeout=60):
-            assert first == [3.0, 3.0] and nested == [30.0] * 3 and after == [300.0] * 5, (large, first, nested, after)
+        for first, p, q, after in dist_run(_collectives_from_callbacks, world_size, args=(large,), backend="shm",
+                                           timeout=60):
+            assert (first, p, q, after) == ([total] * 2, [10.0 * total] * 3, [1000.0 * total] * 2,
+                                            [100.0 * total] * 5), (large, first, p, q, after)
