@@ -2,7 +2,7 @@
 what the variable takes is a ValueError naming the variable and the value, never ignored.
 
     size = settings.fr_buffer_size()                           # torch's flight recorder: 0 when unset
-    slots = settings.whole("SOME_COUNT", default=1, least=1)     # a whole number, default when unset or empty
+    world = settings.whole("WORLD_SIZE", None, least=1)         # a whole number; None: the variable is required
 
 The shm backend's own (COLLECTIVES_SHM_*) are read by collectives/shm/config.py the same way.
 The launcher reads every one a run needs before it spawns a rank (launcher.env.check_settings),

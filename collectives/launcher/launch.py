@@ -25,7 +25,8 @@ from typing import Any, Callable, List, Optional, Sequence
 import os
 
 from .env import init_from_env, read_env, shutdown
-from .pool import RankPool, check_call
+from .call_checks import check_call
+from .pool import RankPool
 
 
 def run(

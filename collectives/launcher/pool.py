@@ -55,7 +55,6 @@ from .rank_main import run_rank
 from .reaper import Reaper
 from .start_methods import not_while_a_rank_imports_main, rank_context, start_method_for, started_as_if_spawned
 
-__all__ = ["RankPool", "check_call", "pickled", "rank_context", "start_method_for"]
 
 
 class RankPool(FailureDiagnosis):

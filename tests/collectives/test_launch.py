@@ -644,7 +644,7 @@ def test_a_tmpdir_too_long_for_the_fork_servers_socket_starts_ranks_by_spawn(tmp
     forkserver is refused saying why."""
     long = tmp_path / ("d" * (100 - len(str(tmp_path))) if len(str(tmp_path)) < 90 else "d")
     long.mkdir()
-    program = ("import collectives, collectives.launcher.pool as P\n"
+    program = ("import collectives, collectives.launcher.start_methods as P\n"
                "def rank(env): return env.rank\n"
                "if __name__ == '__main__':\n"
                "    print(P.start_method_for(), collectives.run(rank, 2))\n"
