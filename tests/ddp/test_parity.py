@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import collectives
-from ddp_from_scratch.compare import bf16_compress_hook_on_gloo, train_side_by_side
+from ddp_from_scratch.compare import train_side_by_side
+from ddp_from_scratch.parts.torch_hooks import bf16_compress_hook_on_gloo
 from ddp_from_scratch.steps.ddp import DistributedDataParallel as BucketedDataParallel
 from ddp_from_scratch.steps.flat import FlatDataParallel
 from ddp_from_scratch.workload.models import Branchy, SmallNet, batch
