@@ -30,8 +30,10 @@ gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr -cs 'A-Za
 
 case $what in
 tests)
-    python3 -m pytest -q -rfEs tests/collectives/test_gpu.py tests/ddp/test_gpu_ddp.py 2>&1 | tee "$OUT/gpu-tests.txt"
-    python3 -m pytest -q -rfEs -k "cuda or gpu or nccl" tests 2>&1 | tee -a "$OUT/gpu-tests.txt"
+    # the GPU files, then every other test whose name says cuda, gpu or nccl (those two files not again)
+    python3 -m pytest -n 4 -q -rfEs tests/collectives/test_gpu.py tests/ddp/test_gpu_ddp.py 2>&1 | tee "$OUT/gpu-tests.txt"
+    python3 -m pytest -n 4 -q -rfEs -k "cuda or gpu or nccl" tests --ignore=tests/collectives/test_gpu.py \
+        --ignore=tests/ddp/test_gpu_ddp.py 2>&1 | tee -a "$OUT/gpu-tests.txt"
     ;;
 bandwidth|nccl|gloo-cuda)
     [ "$what" = gloo-cuda ] || python3 -m benchmarks.bandwidth --world-size 1 --backend nccl --device cuda -c all -b 8 -e 1G -n 20 -w 5 \
