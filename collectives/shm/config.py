@@ -7,6 +7,8 @@
     COLLECTIVES_SHM_CMA=auto             cross-memory attach: auto (where ranks have cores), 1/on, 0/off
     COLLECTIVES_SHM_CMA_MIN_KB=16384     all_reduces this large or larger use it, KiB (cma.py)
     COLLECTIVES_SHM_WAIT=futex           how a rank waits at a barrier: futex, spin, yield or sleep (wait.py)
+    COLLECTIVES_SHM_PATH=native          native: the collectives run in C++ (forward.cpp's engine); python:
+                                         every call runs in Python (ops.py, the reference the docs teach)
 
     config = ShmConfig.from_env()        # ShmBackend does this once, and hands it down
 
@@ -24,7 +26,8 @@ from typing import Mapping, Optional
 ALIGN = 64  # every slot, half-slot and mailbox half starts 64-byte aligned
 
 WAIT_STRATEGIES = ("futex", "spin", "yield", "sleep")  # how a rank waits at a barrier (wait.py)
-_CHOICES = {"cma": ("auto", "1", "on", "0", "off"), "wait": WAIT_STRATEGIES}
+PATHS = ("native", "python")  # where a group's calls run (docs/shm.md: the native path)
+_CHOICES = {"cma": ("auto", "1", "on", "0", "off"), "wait": WAIT_STRATEGIES, "path": PATHS}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +39,7 @@ class ShmConfig:
     cma: str = "auto"
     cma_min_kb: float = float(16 << 10)
     wait: str = "futex"
+    path: str = "native"
 
     @property
     def slot_bytes(self) -> int:

@@ -8,16 +8,24 @@
 // torch's own arguments (tensors, torch's option objects) and wraps the torch Future it returns
 // in a Work whose wait() raises the collective's error.
 //
+// With the native path on (COLLECTIVES_SHM_PATH=native, the default), the calls it takes run in
+// C++ with no GIL (native_engine.h, native_paths.h, native_wait.h), and the others go to Python
+// through the same engine's queue, so both keep one order.
+//
 // Built on first import by torch.utils.cpp_extension (collectives/shm/native.py).
 
 #include <torch/csrc/utils/pybind.h>  // not torch/extension.h: the whole C++ API, a third of the build time
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
+#include <torch/csrc/Dtype.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
+
+#include "native_engine.h"
 
 namespace py = pybind11;
 using c10::intrusive_ptr;
 using c10d::Work;
+using shm_native::Engine;
 
 namespace {
 
@@ -95,6 +103,23 @@ class ForwardBackend : public c10d::Backend {
 
   const std::string getBackendName() const override { return name_; }
   py::object impl() const { return impl_; }
+  void set_engine(std::shared_ptr<Engine> engine) { engine_ = std::move(engine); }
+
+  // A native call (no GIL: released if the caller holds it), else null for the Python path.
+  template <typename F>
+  intrusive_ptr<Work> native(c10d::OpType type, F&& f) {
+    if (!engine_) {
+      return nullptr;
+    }
+    shm_native::FuturePtr fut;
+    if (PyGILState_Check()) {
+      py::gil_scoped_release no_gil;
+      fut = f(*engine_);
+    } else {
+      fut = f(*engine_);
+    }
+    return fut ? c10::make_intrusive<FutureWork>(fut, type) : nullptr;
+  }
 
   // The error a finished Python Future carries as its value (set_exception), or none. Needs the GIL.
   static std::exception_ptr python_error(c10::ivalue::Future& done) {
@@ -152,9 +177,13 @@ class ForwardBackend : public c10d::Backend {
   }
 
   intrusive_ptr<Work> broadcast(std::vector<at::Tensor>& t, const c10d::BroadcastOptions& o) override {
+    if (auto w = native(c10d::OpType::BROADCAST, [&](Engine& e) { return e.broadcast(t, static_cast<int>(o.rootRank)); }))
+      return w;
     return call("broadcast", c10d::OpType::BROADCAST, t, o);
   }
   intrusive_ptr<Work> allreduce(std::vector<at::Tensor>& t, const c10d::AllreduceOptions& o) override {
+    if (auto w = native(c10d::OpType::ALLREDUCE, [&](Engine& e) { return e.all_reduce(t, o.reduceOp); }))
+      return w;
     return call("allreduce", c10d::OpType::ALLREDUCE, t, o);
   }
   intrusive_ptr<Work> allreduce_coalesced(std::vector<at::Tensor>& t,
@@ -162,6 +191,9 @@ class ForwardBackend : public c10d::Backend {
     return call("allreduce_coalesced", c10d::OpType::ALLREDUCE_COALESCED, t, o);
   }
   intrusive_ptr<Work> reduce(std::vector<at::Tensor>& t, const c10d::ReduceOptions& o) override {
+    if (auto w = native(c10d::OpType::REDUCE,
+                        [&](Engine& e) { return e.reduce(t, o.reduceOp, static_cast<int>(o.rootRank)); }))
+      return w;
     return call("reduce", c10d::OpType::REDUCE, t, o);
   }
   intrusive_ptr<Work> allgather(std::vector<std::vector<at::Tensor>>& out, std::vector<at::Tensor>& in,
@@ -169,6 +201,8 @@ class ForwardBackend : public c10d::Backend {
     return call("allgather", c10d::OpType::ALLGATHER, out, in, o);
   }
   intrusive_ptr<Work> _allgather_base(at::Tensor& out, at::Tensor& in, const c10d::AllgatherOptions& o) override {
+    if (auto w = native(c10d::OpType::_ALLGATHER_BASE, [&](Engine& e) { return e.all_gather(out, in); }))
+      return w;
     return call("all_gather_single", c10d::OpType::_ALLGATHER_BASE, out, in, o);
   }
   intrusive_ptr<Work> allgather_coalesced(std::vector<std::vector<at::Tensor>>& out, std::vector<at::Tensor>& in,
@@ -193,6 +227,9 @@ class ForwardBackend : public c10d::Backend {
   }
   intrusive_ptr<Work> _reduce_scatter_base(at::Tensor& out, at::Tensor& in,
                                            const c10d::ReduceScatterOptions& o) override {
+    if (auto w = native(c10d::OpType::_REDUCE_SCATTER_BASE,
+                        [&](Engine& e) { return e.reduce_scatter(out, in, o.reduceOp); }))
+      return w;
     return call("reduce_scatter_single", c10d::OpType::_REDUCE_SCATTER_BASE, out, in, o);
   }
   intrusive_ptr<Work> reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& out, std::vector<at::Tensor>& in,
@@ -217,6 +254,8 @@ class ForwardBackend : public c10d::Backend {
     return call("recv_anysource", c10d::OpType::RECVANYSOURCE, t, tag);
   }
   intrusive_ptr<Work> barrier(const c10d::BarrierOptions& o) override {
+    if (auto w = native(c10d::OpType::BARRIER, [&](Engine& e) { return e.barrier(); }))
+      return w;
     return call("barrier", c10d::OpType::BARRIER, o);
   }
   void monitoredBarrier(const c10d::BarrierOptions& o, bool wait_all_ranks) override {
@@ -226,7 +265,109 @@ class ForwardBackend : public c10d::Backend {
  private:
   py::object impl_;
   std::string name_;
+  std::shared_ptr<Engine> engine_;
 };
+
+// A Python object kept by C++ code that may drop it in a thread without the GIL.
+struct PyHolder {
+  explicit PyHolder(py::object o) : obj(std::move(o)) {}
+  ~PyHolder() {
+    if (Py_IsInitialized()) {
+      py::gil_scoped_acquire gil;
+      obj = py::object();
+    } else {
+      obj.release();
+    }
+  }
+  py::object obj;
+};
+
+// The engine of a group, from process_group.ShmBackend._native_setup()'s dict; make_error(kind,
+// text, what, bank) is the Python exception a failed native call raises.
+std::shared_ptr<Engine> make_engine(py::dict d, py::object make_error) {
+  shm_native::Setup s;
+  s.words.control = reinterpret_cast<volatile int32_t*>(d["control"].cast<uintptr_t>());
+  s.words.step0 = d["step0"].cast<int>();
+  s.words.pid0 = d["pid0"].cast<int>();
+  s.words.sleep0 = d["sleep0"].cast<int>();
+  s.words.call0 = d["call0"].cast<int>();
+  s.words.call_words = d["call_words"].cast<int>();
+  s.words.abort_word = d["abort"].cast<int>();
+  s.words.abort_seen_by = d["abort_seen_by"].cast<int>();
+  s.words.abort_why = d["abort_why"].cast<int>();
+  s.config.control_bytes = d["control_bytes"].cast<int64_t>();
+  s.config.slot_bytes = d["slot_bytes"].cast<int64_t>();
+  s.config.piece_bytes = d["piece_bytes"].cast<int64_t>();
+  s.config.small_bytes = d["small_bytes"].cast<int64_t>();
+  s.rank = d["rank"].cast<int>();
+  s.size = d["size"].cast<int>();
+  s.strategy = static_cast<shm_native::Strategy>(d["strategy"].cast<int>());
+  s.timeout_s = d["timeout_s"].cast<double>();
+  s.spin_s_idle = d["spin_s_idle"].cast<double>();
+  s.inline_bytes = d["inline_bytes"].cast<int64_t>();
+  s.cma_min_bytes = d["cma_min_bytes"].cast<int64_t>();
+  s.round = d["round"].cast<int64_t>();
+  s.calls = d["calls"].cast<int64_t>();
+  s.step = d["step"].cast<int>();
+  for (auto& c : s.dtype_codes) c = -1;
+  auto scalar_type = [](py::handle dtype) {  // a torch.dtype's ScalarType number
+    if (!THPDtype_Check(dtype.ptr())) throw std::invalid_argument("make_engine: expected a torch.dtype");
+    return static_cast<int>(reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type);
+  };
+  for (auto pair : d["dtype_codes"].cast<py::list>()) {  // [(torch.dtype, ops.DTYPE_CODES code)]
+    auto t = pair.cast<py::tuple>();
+    const int st = scalar_type(t[0]);
+    if (st >= 0 && st < 64) s.dtype_codes[st] = t[1].cast<int>();
+  }
+  std::memset(s.reducible, 0, sizeof s.reducible);
+  for (auto pair : d["reducible"].cast<py::list>()) {  // [(ops.OPS index, torch.dtype)]
+    auto t = pair.cast<py::tuple>();
+    const int op = t[0].cast<int>(), st = scalar_type(t[1]);
+    if (op > 0 && op < 8 && st >= 0 && st < 64) s.reducible[op][st] = 1;
+  }
+  auto kinds = d["kind_codes"].cast<py::list>();  // in native_engine.h's Kind order
+  for (size_t k = 0; k < kinds.size() && k < 16; ++k) s.kind_codes[k] = kinds[k].cast<int>();
+  auto engine = std::make_shared<Engine>(s);
+  auto maker = std::make_shared<PyHolder>(std::move(make_error));
+  engine->to_error = [maker](const shm_native::NativeError& e) -> std::exception_ptr {
+    py::gil_scoped_acquire gil;
+    py::object bank = py::none();
+    std::string what;
+    if (auto m = dynamic_cast<const shm_native::Mismatch*>(&e)) {
+      bank = py::cast(m->bank);
+      what = m->what;
+    }
+    py::object error = maker->obj(static_cast<int>(e.kind), std::string(e.what()), what, bank);
+    std::string text =
+        py::str(py::type::of(error).attr("__name__")).cast<std::string>() + ": " + py::str(error).cast<std::string>();
+    return std::make_exception_ptr(PythonError(error.ptr(), text));
+  };
+  return engine;
+}
+
+// A call the Python path runs, in the engine's order: run(round, calls, step, spin_s) runs the
+// job with the engine's counters and returns the counters it left (process_group.py: _submit).
+void submit_python(Engine& engine, py::object run, int64_t nbytes) {
+  auto holder = std::make_shared<PyHolder>(std::move(run));
+  Engine* e = &engine;
+  engine.submit(
+      [e, holder] {
+        py::gil_scoped_acquire gil;
+        auto& ops = e->ops();
+        auto& waiter = e->waiter();
+        try {
+          py::tuple left = holder->obj(ops.round, ops.calls, waiter.step, waiter.spin_s);
+          ops.round = left[0].cast<int64_t>();
+          ops.calls = left[1].cast<int64_t>();
+          waiter.step = left[2].cast<int>();
+        } catch (py::error_already_set& err) {  // _run catches the job's errors: this is a bug
+          err.restore();
+          PyErr_Print();
+          waiter.abort();
+        }
+      },
+      nbytes);
+}
 
 }  // namespace
 
@@ -244,5 +385,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<ForwardBackend, c10d::Backend, intrusive_ptr<ForwardBackend>>(m, "ForwardBackend")
       .def(py::init<py::object, int, int, std::string>(), py::arg("impl"), py::arg("rank"), py::arg("size"),
            py::arg("name"))
-      .def_property_readonly("impl", &ForwardBackend::impl);
+      .def_property_readonly("impl", &ForwardBackend::impl)
+      .def("set_engine", &ForwardBackend::set_engine);
+  py::class_<Engine, std::shared_ptr<Engine>>(m, "Engine")
+      .def("submit_python", &submit_python, py::arg("run"), py::arg("nbytes"))
+      .def("drain", &Engine::drain, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("round", [](Engine& e) { return e.ops().round; })
+      .def_property_readonly("calls", [](Engine& e) { return e.ops().calls; })
+      .def_property_readonly("step", [](Engine& e) { return e.waiter().step; });
+  m.def("make_engine", &make_engine, py::arg("setup"), py::arg("make_error"));
 }

@@ -14,12 +14,17 @@ ninja; without them load() says which is missing and how to install it.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import sys
 import threading
 
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "forward.cpp")
+_HERE = os.path.dirname(os.path.abspath(__file__))
+SOURCE = os.path.join(_HERE, "forward.cpp")
+# the native path's headers, which forward.cpp includes: torch's cache keys a build on its sources
+# and flags only, so their digest goes into the flags and a changed header is rebuilt too
+HEADERS = [os.path.join(_HERE, name) for name in ("native_wait.h", "native_paths.h", "native_engine.h")]
 NAME = "collectives_shm_forward"
 _lock = threading.Lock()
 _module = None
@@ -39,6 +44,14 @@ def _missing() -> str:
     return ""
 
 
+def _headers_digest() -> str:
+    digest = hashlib.sha1()
+    for path in HEADERS:
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    return digest.hexdigest()[:16]
+
+
 def load():
     """The compiled module (ForwardBackend), building it first if torch's cache has none for this
     source and this torch."""
@@ -56,7 +69,8 @@ def load():
             print(f"collectives.shm: building the backend's C++ bridge to torch once (about 20 s) in {build_dir}",
                   file=sys.stderr, flush=True)
         try:
-            _module = cpp_extension.load(NAME, [SOURCE], extra_cflags=["-O2"], verbose=False)
+            _module = cpp_extension.load(NAME, [SOURCE], extra_cflags=["-O2", f"-DSHM_HEADERS={_headers_digest()}"],
+                                         verbose=False)
         except Exception as exc:  # noqa: BLE001 - a compiler's error, made into one that says what failed
             raise BuildError(f"building the shm backend's C++ bridge ({SOURCE}) failed in {build_dir}: {exc}") from exc
         return _module

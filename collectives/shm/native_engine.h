@@ -1,0 +1,289 @@
+// The native path's engine: one per shm group and rank. It runs the group's calls one after
+// another in the order they were issued (the same order on every rank), as process_group.py's
+// worker does: a small call with nothing queued before it runs at once in the calling thread, a
+// call issued by the worker thread itself (a Future's callback, e.g. the PowerSGD hook) runs at
+// once before those queued behind it, and every other call is queued for the worker thread, so
+// DDP's reducer overlaps it with backward. A call's Work waits on a torch Future.
+//
+// The calls the native path takes (native_paths.h) run here with no GIL; every other call (the
+// list forms, gather, scatter, all_to_all, monitored_barrier, non-contiguous tensors, the large
+// all_reduces that go by cross-memory attach, a refused call) is a task that runs the Python
+// method's job with the GIL, in the same queue, with the engine's counters handed to the Python
+// objects and back (forward.cpp builds those tasks), so both kinds keep one order and one state.
+
+#pragma once
+
+#include <ATen/core/ivalue.h>
+#include <ATen/core/ivalue_inl.h>
+
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+
+#include "native_paths.h"
+
+namespace shm_native {
+
+using FuturePtr = c10::intrusive_ptr<c10::ivalue::Future>;
+
+struct Setup {  // what process_group.py hands the engine (ShmBackend._native_setup)
+  Words words;
+  Config config;
+  int rank = 0, size = 1;
+  Strategy strategy = FUTEX;
+  double timeout_s = 600, spin_s_idle = 0;
+  int64_t inline_bytes = 64 << 10;
+  int64_t cma_min_bytes = -1;  // all_reduces this large go by cross-memory attach (Python); -1: never
+  int64_t round = 0, calls = 0;
+  int step = 0;
+  int dtype_codes[64];         // ScalarType -> ops.DTYPE_CODES (-1: not known)
+  uint8_t reducible[8][64];    // [op][ScalarType]: the native path sums it (check_op_dtype's rule, no widening)
+  int kind_codes[16];          // native kinds below -> ops.KINDS index + 1
+};
+
+enum Kind { K_BROADCAST = 0, K_ALL_REDUCE, K_REDUCE, K_ALL_GATHER, K_REDUCE_SCATTER, K_BARRIER };
+inline const char* kind_name(int k) {
+  static const char* names[] = {"broadcast", "all_reduce", "reduce", "all_gather", "reduce_scatter", "barrier"};
+  return names[k];
+}
+
+class Engine {
+ public:
+  using Task = std::function<void()>;
+
+  explicit Engine(const Setup& s)
+      : setup_(s),
+        core_(std::make_shared<Core>(s)) {
+    core_->worker = std::thread([core = core_] { core->serve(); });
+    core_->worker_id = core_->worker.get_id();
+  }
+
+  ~Engine() {
+    {
+      std::lock_guard<std::mutex> lock(core_->m);
+      core_->stop = true;
+    }
+    core_->cv.notify_all();
+    // joined when idle; a worker still in a call (a group destroyed mid-call) is left to finish it
+    if (core_->idle()) core_->worker.join(); else core_->worker.detach();
+  }
+
+  // the error a failed native call's Future carries (forward.cpp: the Python exception of the same kind)
+  std::function<std::exception_ptr(const NativeError&)> to_error;
+
+  const Setup& setup() const { return setup_; }
+  Waiter& waiter() { return core_->waiter; }
+  Collectives& ops() { return core_->ops; }
+
+  // Run `task` now or queue it (see the top of this file); returns whether it ran now.
+  bool submit(Task task, int64_t nbytes) { return core_->submit(std::move(task), nbytes); }
+
+  // until every call issued so far has finished
+  void drain() { core_->drain(); }
+
+  // -- the native calls: a Future, or null when the Python path must take the call ----------------
+  static bool plain(const at::Tensor& t) {
+    return t.device().is_cpu() && t.layout() == at::kStrided && t.is_contiguous() && !t.is_conj() && !t.is_neg();
+  }
+  int dtype_code(const at::Tensor& t) const {
+    const int st = static_cast<int>(t.scalar_type());
+    return st >= 0 && st < 64 ? setup_.dtype_codes[st] : -1;
+  }
+  bool reducible(int op, const at::Tensor& t) const {
+    const int st = static_cast<int>(t.scalar_type());
+    return op > 0 && op < 8 && st >= 0 && st < 64 && setup_.reducible[op][st];
+  }
+  // ReduceOp -> (native op, avg); op 0 when the native path does not take it
+  static std::pair<int, bool> op_of(const c10d::ReduceOp& r) {
+    switch (r.op_) {
+      case c10d::ReduceOp::SUM: return {OP_SUM, false};
+      case c10d::ReduceOp::AVG: return {OP_SUM, true};
+      case c10d::ReduceOp::PRODUCT: return {OP_PRODUCT, false};
+      case c10d::ReduceOp::MIN: return {OP_MIN, false};
+      case c10d::ReduceOp::MAX: return {OP_MAX, false};
+      case c10d::ReduceOp::BAND: return {OP_BAND, false};
+      case c10d::ReduceOp::BOR: return {OP_BOR, false};
+      case c10d::ReduceOp::BXOR: return {OP_BXOR, false};
+      default: return {0, false};
+    }
+  }
+
+  FuturePtr all_reduce(std::vector<at::Tensor>& ts, const c10d::ReduceOp& rop) {
+    auto [op, avg] = op_of(rop);
+    if (ts.size() != 1 || !plain(ts[0]) || !reducible(op, ts[0]) || dtype_code(ts[0]) < 0 ||
+        (avg && !ts[0].is_floating_point() && !ts[0].is_complex()))
+      return nullptr;
+    const int64_t nbytes = ts[0].nbytes();
+    if (setup_.cma_min_bytes >= 0 && nbytes >= setup_.cma_min_bytes) return nullptr;
+    at::Tensor t = ts[0];
+    return run(K_ALL_REDUCE, ts, ts, nbytes, [this, t, op = op, avg = avg](Collectives& c) {
+      c.begin(setup_.kind_codes[K_ALL_REDUCE], "all_reduce", dtype_code(t), t.numel(), op);
+      c.reduce(static_cast<char*>(t.data_ptr()), t.numel(), t.scalar_type(), t.element_size(), op, true);
+      if (avg) t.div_(setup_.size);
+    });
+  }
+
+  FuturePtr reduce(std::vector<at::Tensor>& ts, const c10d::ReduceOp& rop, int root) {
+    auto [op, avg] = op_of(rop);
+    if (ts.size() != 1 || !plain(ts[0]) || !reducible(op, ts[0]) || dtype_code(ts[0]) < 0 || root < 0 ||
+        root >= setup_.size || (avg && !ts[0].is_floating_point() && !ts[0].is_complex()))
+      return nullptr;
+    at::Tensor t = ts[0];
+    return run(K_REDUCE, ts, ts, t.nbytes(), [this, t, op = op, avg = avg, root](Collectives& c) {
+      const bool mine = setup_.rank == root;
+      c.begin(setup_.kind_codes[K_REDUCE], "reduce", dtype_code(t), t.numel(), op, root);
+      c.reduce(static_cast<char*>(t.data_ptr()), t.numel(), t.scalar_type(), t.element_size(), op, mine);
+      if (avg && mine) t.div_(setup_.size);
+    });
+  }
+
+  FuturePtr broadcast(std::vector<at::Tensor>& ts, int root) {
+    if (ts.size() != 1 || !plain(ts[0]) || dtype_code(ts[0]) < 0 || root < 0 || root >= setup_.size) return nullptr;
+    at::Tensor t = ts[0];
+    return run(K_BROADCAST, ts, ts, t.nbytes(), [this, t, root](Collectives& c) {
+      c.begin(setup_.kind_codes[K_BROADCAST], "broadcast", dtype_code(t), t.numel(), OP_NONE, root);
+      c.broadcast(static_cast<char*>(t.data_ptr()), t.numel(), t.element_size(), root);
+    });
+  }
+
+  FuturePtr all_gather(at::Tensor& out, at::Tensor& in) {
+    if (!plain(out) || !plain(in) || out.scalar_type() != in.scalar_type() || dtype_code(in) < 0 ||
+        out.numel() != setup_.size * in.numel())
+      return nullptr;
+    std::vector<at::Tensor> outs{out}, ins{in};
+    return run(K_ALL_GATHER, ins, outs, out.nbytes(), [this, out, in](Collectives& c) {
+      c.begin(setup_.kind_codes[K_ALL_GATHER], "all_gather", dtype_code(in), in.numel());
+      c.all_gather(static_cast<char*>(out.data_ptr()), static_cast<const char*>(in.data_ptr()), in.numel(),
+                   in.element_size());
+    });
+  }
+
+  FuturePtr reduce_scatter(at::Tensor& out, at::Tensor& in, const c10d::ReduceOp& rop) {
+    auto [op, avg] = op_of(rop);
+    if (!plain(out) || !plain(in) || out.scalar_type() != in.scalar_type() || !reducible(op, in) ||
+        dtype_code(in) < 0 || in.numel() != setup_.size * out.numel() || overlaps(out, in) ||
+        (avg && !in.is_floating_point() && !in.is_complex()))
+      return nullptr;
+    std::vector<at::Tensor> outs{out}, ins{in};
+    return run(K_REDUCE_SCATTER, ins, outs, out.nbytes(), [this, out, in, op = op, avg = avg](Collectives& c) {
+      c.begin(setup_.kind_codes[K_REDUCE_SCATTER], "reduce_scatter", dtype_code(in), in.numel(), op);
+      c.reduce_scatter(static_cast<char*>(out.data_ptr()), static_cast<const char*>(in.data_ptr()), in.numel(),
+                       in.scalar_type(), in.element_size(), op);
+      if (avg) out.div_(setup_.size);
+    });
+  }
+
+  FuturePtr barrier() {
+    std::vector<at::Tensor> none;
+    return run(K_BARRIER, none, none, 0, [this](Collectives& c) { c.barrier(setup_.kind_codes[K_BARRIER]); });
+  }
+
+ private:
+  static bool overlaps(const at::Tensor& a, const at::Tensor& b) {
+    const char* a0 = static_cast<const char*>(a.data_ptr());
+    const char* b0 = static_cast<const char*>(b.data_ptr());
+    return a.nbytes() && b.nbytes() && a0 < b0 + b.nbytes() && b0 < a0 + a.nbytes();
+  }
+
+  template <typename Body>
+  FuturePtr run(int kind, const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& outputs,
+                int64_t nbytes, Body body) {
+    auto fut = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors());
+    std::vector<at::Tensor> value = outputs;
+    Core* core = core_.get();
+    core_->submit(
+        [core, fut, value, body = std::move(body), to_error = &to_error]() mutable {
+          try {
+            body(core->ops);
+          } catch (const NativeError& e) {
+            if (e.kind == ErrorKind::Peer) core->waiter.abort();
+            fut->setError((*to_error)(e));
+            return;
+          } catch (const std::exception& e) {
+            core->waiter.abort();
+            fut->setError((*to_error)(NativeError(ErrorKind::Peer, core->waiter.what + " on rank " +
+                                                                   std::to_string(core->rank) + ": " + e.what())));
+            return;
+          }
+          fut->markCompleted(c10::IValue(value));
+        },
+        nbytes);
+    return fut;
+  }
+
+  struct Core {
+    explicit Core(const Setup& s)
+        : rank(s.rank), inline_bytes(s.inline_bytes),
+          waiter(s.words, s.rank, s.size, s.strategy, s.timeout_s, s.spin_s_idle),
+          ops(s.words, s.rank, s.size, s.config, &waiter) {
+      waiter.step = s.step;
+      ops.round = s.round;
+      ops.calls = s.calls;
+    }
+    int rank;
+    int64_t inline_bytes;
+    Waiter waiter;
+    Collectives ops;
+    std::mutex m;
+    std::condition_variable cv, idle_cv;
+    std::deque<Task> queue;
+    int pending = 0;
+    bool stop = false;
+    std::thread worker;
+    std::thread::id worker_id;
+
+    bool idle() {
+      std::lock_guard<std::mutex> lock(m);
+      return pending == 0;
+    }
+
+    bool submit(Task task, int64_t nbytes) {
+      const bool nested = std::this_thread::get_id() == worker_id;
+      {
+        std::lock_guard<std::mutex> lock(m);
+        if (!(nested || (pending == 0 && nbytes <= inline_bytes))) {
+          ++pending;
+          queue.push_back(std::move(task));
+          cv.notify_one();
+          return false;
+        }
+      }
+      waiter.spin_s = waiter.spin_s_idle;  // the caller waits anyway: spin a little first
+      task();
+      return true;
+    }
+
+    void serve() {
+      while (true) {
+        Task task;
+        {
+          std::unique_lock<std::mutex> lock(m);
+          cv.wait(lock, [this] { return stop || !queue.empty(); });
+          if (queue.empty()) return;  // stopped
+          task = std::move(queue.front());
+          queue.pop_front();
+        }
+        waiter.spin_s = 0;  // the calling thread is computing (DDP's backward): do not take its core
+        task();
+        {
+          std::lock_guard<std::mutex> lock(m);
+          --pending;
+        }
+        idle_cv.notify_all();
+      }
+    }
+
+    void drain() {
+      std::unique_lock<std::mutex> lock(m);
+      idle_cv.wait(lock, [this] { return pending == 0; });
+    }
+  };
+
+  Setup setup_;
+  std::shared_ptr<Core> core_;
+};
+
+}  // namespace shm_native

@@ -1,0 +1,298 @@
+// The native path's barrier: wait.py in C++, on the same words of the same segment, so a rank on
+// the Python path and a rank on the native path meet at the same barriers.
+//
+// Rank r announces step k by storing k in its own word, then waits until every rank's word is at
+// least k. How it waits (COLLECTIVES_SHM_WAIT): spin, yield, sleep (50 us), or futex: spin while
+// the machine has a core for every runnable thread, then yield for 2 ms, then sleep in the kernel
+// on the first missing rank's word until that rank writes it and wakes it.
+//
+// "While the machine has a core for every runnable thread" is read from the machine, not from the
+// rank count: /proc/loadavg's fourth field counts the threads that run or wait for a core now. More
+// of them than online cores means some thread, perhaps the rank this one waits for, has no core:
+// a spinning rank would take one from it, so it stops spinning at once (the read costs a few
+// microseconds, and is made only when a wait did not end within its first microseconds).
+//
+// Faults, as in wait.py: every 50 ms of waiting a rank checks the abort word, that every peer's
+// process runs (/proc/<pid>/stat, as launcher/pids.py reads it) and its timeout; it then raises
+// the same errors with the same words.
+
+#pragma once
+
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <sched.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+#include <immintrin.h>
+
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace shm_native {
+
+// Which Python exception a native error becomes (the classes the Python path raises).
+enum class ErrorKind { Peer, Mismatch, Argument };
+
+struct NativeError : std::runtime_error {
+  NativeError(ErrorKind k, const std::string& text) : std::runtime_error(text), kind(k) {}
+  ErrorKind kind;
+};
+
+enum Strategy { FUTEX = 0, SPIN = 1, YIELD = 2, SLEEP = 3 };
+constexpr int DIED = 0, FAILED = 1, LATE = 2;  // the ABORT_WHY word's values (wait.py)
+
+inline double now_s() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+inline int32_t load(volatile int32_t* w) { return __atomic_load_n(w, __ATOMIC_ACQUIRE); }
+inline void store(volatile int32_t* w, int32_t v) { __atomic_store_n(w, v, __ATOMIC_RELEASE); }
+
+inline void futex_wait(volatile int32_t* w, int32_t expected, double timeout_s) {
+  struct timespec ts;
+  ts.tv_sec = static_cast<time_t>(timeout_s);
+  ts.tv_nsec = static_cast<long>((timeout_s - ts.tv_sec) * 1e9);
+  syscall(SYS_futex, const_cast<int32_t*>(w), FUTEX_WAIT, expected, &ts, nullptr, 0);
+}
+
+inline void futex_wake(volatile int32_t* w) {
+  syscall(SYS_futex, const_cast<int32_t*>(w), FUTEX_WAKE, 1 << 30, nullptr, nullptr, 0);
+}
+
+// Whether a process runs: it exists and is neither a zombie nor dead (launcher/pids.py's rule; a
+// stat that cannot be read for another reason counts as running).
+inline bool process_alive(int pid) {
+  char path[64];
+  std::snprintf(path, sizeof path, "/proc/%d/stat", pid);
+  int fd = ::open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    return !(errno == ENOENT || errno == ESRCH);
+  }
+  char buf[1024];
+  ssize_t n = ::read(fd, buf, sizeof buf - 1);
+  ::close(fd);
+  if (n <= 0) {
+    return true;
+  }
+  buf[n] = 0;
+  const char* close_paren = nullptr;
+  for (const char* p = buf; *p; ++p) {
+    if (*p == ')') close_paren = p;
+  }
+  if (!close_paren) {
+    return true;
+  }
+  const char* s = close_paren + 1;
+  while (*s == ' ') ++s;
+  return !(*s == 'Z' || *s == 'X');
+}
+
+// Threads running or waiting for a core, against the cores online: whether a spinning waiter
+// would take a core some runnable thread needs. Read from /proc/loadavg ("0.52 0.58 0.59 3/612 ...").
+class MachineLoad {
+ public:
+  MachineLoad() : cores_(static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN))) {
+    fd_ = ::open("/proc/loadavg", O_RDONLY | O_CLOEXEC);
+  }
+  ~MachineLoad() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  // -1 when it cannot be read (the caller then keeps the rank-count rule)
+  int runnable() const {
+    if (fd_ < 0) return -1;
+    char buf[128];
+    ssize_t n = ::pread(fd_, buf, sizeof buf - 1, 0);
+    if (n <= 0) return -1;
+    buf[n] = 0;
+    int fields = 0;
+    for (char* p = buf; *p; ++p) {
+      if (*p == ' ' && ++fields == 3) {
+        return std::atoi(p + 1);
+      }
+    }
+    return -1;
+  }
+  // some runnable thread has no core now
+  bool oversubscribed() const {
+    int r = runnable();
+    return r >= 0 && r > cores_;
+  }
+  int cores() const { return cores_; }
+
+ private:
+  int fd_ = -1;
+  int cores_;
+};
+
+struct Words {  // the segment's control words this rank reads and writes (segment.py's layout)
+  volatile int32_t* control = nullptr;
+  int step0 = 0, pid0 = 0, sleep0 = 0, call0 = 0, call_words = 4;
+  int abort_word = 0, abort_seen_by = 1, abort_why = 2;
+  volatile int32_t* step(int r) const { return control + step0 + r; }
+  volatile int32_t* sleeping(int r) const { return control + sleep0 + r; }
+  int32_t pid(int r) const { return load(control + pid0 + r); }
+};
+
+class Waiter {
+ public:
+  Waiter(Words words, int rank, int size, Strategy strategy, double timeout_s, double spin_s_idle)
+      : w_(words), rank_(rank), size_(size), strategy_(strategy), timeout_s(timeout_s),
+        spin_s_idle(spin_s_idle), spin_s(spin_s_idle) {}
+
+  int step = 0;             // this rank's last announced step (the segment's word, mirrored)
+  std::string what;         // the collective under way, for the errors
+  double timeout_s;
+  double spin_s_idle;       // how long to spin when the caller waits anyway
+  double spin_s;            // 0 while the caller computes (the worker thread's calls)
+  bool read_machine = true; // stop spinning when runnable threads outnumber cores
+
+  void barrier() {
+    ++step;
+    store(w_.step(rank_), step);
+    if (strategy_ == FUTEX && anyone_sleeping()) {
+      futex_wake(w_.step(rank_));
+    }
+    wait_for(step);
+  }
+
+  int first_missing(int s) const {
+    for (int r = 0; r < size_; ++r) {
+      if (load(w_.step(r)) < s) return r;
+    }
+    return -1;
+  }
+
+  void wait_for(int s) {
+    int missing = first_missing(s);
+    if (missing < 0) return;
+    // a few reads first (a few microseconds): a peer that is already on its way arrives within them
+    for (int i = 0; i < 64 && missing >= 0; ++i) {
+      _mm_pause();
+      missing = first_missing(s);
+    }
+    if (missing < 0) return;
+    const double start = now_s();
+    double next_check = start + FAULT_CHECK_S;
+    bool may_spin = strategy_ == SPIN || spin_s > 0;
+    if (may_spin && strategy_ != SPIN && read_machine && load_.oversubscribed()) {
+      may_spin = false;  // a runnable thread has no core: this one gives its own away
+    }
+    double spin_until = start + (strategy_ == FUTEX && may_spin ? spin_s : 0.0);
+    double next_load = start + LOAD_CHECK_S;
+    while (true) {
+      missing = first_missing(s);
+      if (missing < 0) return;
+      const double now = now_s();
+      if (now >= next_check) {
+        check_peers(missing, now - start);
+        next_check = now + FAULT_CHECK_S;
+      }
+      switch (strategy_) {
+        case SPIN:
+          _mm_pause();
+          continue;
+        case YIELD:
+          sched_yield();
+          continue;
+        case SLEEP: {
+          struct timespec ts{0, 50000};
+          nanosleep(&ts, nullptr);
+          continue;
+        }
+        case FUTEX:
+          break;
+      }
+      if (now < spin_until) {
+        if (read_machine && now >= next_load) {
+          next_load = now + LOAD_CHECK_S;
+          if (load_.oversubscribed()) spin_until = now;  // stop spinning at once
+        }
+        _mm_pause();
+        continue;
+      }
+      if (now < spin_until + YIELD_S) {
+        sched_yield();
+        continue;
+      }
+      const int32_t seen = load(w_.step(missing));
+      if (seen < s) {
+        // say so first: the rank that writes the word wakes sleepers only
+        store(w_.sleeping(rank_), 1);
+        futex_wait(w_.step(missing), seen, FAULT_CHECK_S);
+        store(w_.sleeping(rank_), 0);
+      }
+    }
+  }
+
+  bool anyone_sleeping() const {
+    for (int r = 0; r < size_; ++r) {
+      if (load(w_.sleeping(r))) return true;
+    }
+    return false;
+  }
+
+  void check_peers(int missing, double waited) {
+    check_abort();
+    for (int r = 0; r < size_; ++r) {
+      const int32_t pid = w_.pid(r);
+      if (r != rank_ && pid && !process_alive(pid)) {
+        abort(r, DIED);
+        throw NativeError(ErrorKind::Peer, what + " on rank " + std::to_string(rank_) + ": rank " + std::to_string(r) +
+                                               " (pid " + std::to_string(pid) + ") died while this rank waited for it");
+      }
+    }
+    if (waited > timeout_s) {
+      abort(missing, LATE);
+      char t[32];
+      std::snprintf(t, sizeof t, "%g", timeout_s);
+      throw NativeError(ErrorKind::Peer, what + " on rank " + std::to_string(rank_) + ": rank " + std::to_string(missing) +
+                                             " did not reach step " + std::to_string(step) + " within the " + t +
+                                             " s timeout (is it in another collective, or stuck?)");
+    }
+  }
+
+  void check_abort() {
+    const int culprit = load(w_.control + w_.abort_word) - 1;
+    if (culprit < 0) return;
+    const int seen_by = load(w_.control + w_.abort_seen_by) - 1;
+    const int why = load(w_.control + w_.abort_why);
+    std::string how;
+    if (why == LATE) {
+      how = "did not reach a collective within rank " + std::to_string(seen_by) +
+            "'s timeout, which gave up on it (a late rank breaks the group, as on Gloo)";
+    } else if (why == FAILED || seen_by == culprit) {
+      how = "failed (its error is on that rank)";
+    } else {
+      how = "died (rank " + std::to_string(seen_by) + " saw it)";
+    }
+    throw NativeError(ErrorKind::Peer, what + " on rank " + std::to_string(rank_) + ": rank " + std::to_string(culprit) +
+                                           " " + how + ", so this call cannot run: the group is broken, make a new one");
+  }
+
+  // Tell every other rank to stop waiting (culprit -1: this rank, whose own call failed).
+  void abort(int culprit = -1, int why = FAILED) {
+    if (!load(w_.control + w_.abort_word)) {
+      store(w_.control + w_.abort_seen_by, rank_ + 1);
+      store(w_.control + w_.abort_why, why);
+      store(w_.control + w_.abort_word, (culprit < 0 ? rank_ : culprit) + 1);
+    }
+    for (int r = 0; r < size_; ++r) futex_wake(w_.step(r));
+  }
+
+  static constexpr double FAULT_CHECK_S = 0.05;
+  static constexpr double YIELD_S = 2e-3;
+  static constexpr double LOAD_CHECK_S = 1e-4;
+
+ private:
+  Words w_;
+  int rank_, size_;
+  Strategy strategy_;
+  MachineLoad load_;
+};
+
+}  // namespace shm_native
