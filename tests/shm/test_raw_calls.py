@@ -17,6 +17,8 @@ import collectives as C
 from collectives.errors import CollectiveMismatchError
 from collectives.shm.ops import ShmArgumentError
 
+from . import PATHS
+
 SENTINEL = -7  # what the memory around every output holds; it must still hold it afterwards
 CASES = 60
 
@@ -131,7 +133,9 @@ def _one_rank_wrong(env):
     return said, t.item()
 
 
-def test_one_rank_with_wrong_arguments_is_named_and_nobody_waits_for_it():
+@pytest.mark.parametrize("path", PATHS)
+def test_one_rank_with_wrong_arguments_is_named_and_nobody_waits_for_it(path, monkeypatch):
+    monkeypatch.setenv("COLLECTIVES_SHM_PATH", path)
     results = C.run(_one_rank_wrong, world_size=3, timeout=60)
     assert results[1][0].startswith("refused: all_gather on rank 1 of the shm group: output has 7 elements; it must "
                                     "have world_size x input's, 3 x 2 = 6; nothing was moved"), results[1][0]
@@ -173,8 +177,10 @@ def _refused_by_torch_before(env, on_every_rank):
     return said
 
 
-@pytest.mark.parametrize("on_every_rank", [True, False], ids=["every rank", "rank 0 only"])
-def test_what_torch_would_refuse_mid_call_is_refused_before_a_byte_moves(on_every_rank):
+@pytest.mark.parametrize("on_every_rank, path", [(True, "native"), (False, "native"), (False, "python")],
+                         ids=["every rank", "rank 0 only", "rank 0 only, python path"])
+def test_what_torch_would_refuse_mid_call_is_refused_before_a_byte_moves(on_every_rank, path, monkeypatch):
+    monkeypatch.setenv("COLLECTIVES_SHM_PATH", path)
     """These broke the group ("group BROKEN after") when torch's own copy or division raised
     inside the call; now they are refused up front, named, and the group goes on."""
     results = C.run(_refused_by_torch_before, world_size=2, timeout=60, args=(on_every_rank,))

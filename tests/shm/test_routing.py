@@ -6,6 +6,7 @@ splits included, and against the closed forms torch.distributed's own tests expe
     pytest tests/shm/test_routing.py -q
 """
 
+import os
 from datetime import timedelta
 
 import pytest
@@ -17,6 +18,8 @@ from collectives.errors import CollectiveMismatchError
 from collectives.shm import backend_of
 from collectives.testing import distributed
 from ddp_from_scratch.parts.parity import same_bits
+
+from . import PATHS
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int8,
           torch.uint8, torch.bool, torch.complex64]
@@ -320,9 +323,13 @@ def test_a_peer_outside_the_group_is_refused_and_the_messages_go_on(env):
             assert into.tolist() == [10.0 + src] * 2
 
 
-def _late_for_monitored_barrier(env):
+def _late_for_monitored_barrier(env, path):
     """Rank 1 comes to monitored_barrier only after ranks 0 and 2 have given up on it."""
-    group = dist.new_group(backend="shm")
+    os.environ["COLLECTIVES_SHM_PATH"] = path  # read as the group is made
+    try:
+        group = dist.new_group(backend="shm")
+    finally:
+        del os.environ["COLLECTIVES_SHM_PATH"]
     store = dist.distributed_c10d._get_default_store()
     said = []
     if env.rank == 1:
@@ -347,11 +354,12 @@ def _late_for_monitored_barrier(env):
     return said
 
 
-def test_after_monitored_barrier_names_a_late_rank_every_rank_raises(dist_run):
+@pytest.mark.parametrize("path", PATHS)
+def test_after_monitored_barrier_names_a_late_rank_every_rank_raises(dist_run, path):
     """Once monitored_barrier has given up on a late rank the group is broken, as on Gloo: every
     later call raises on every rank, the late one included, naming it. Before, the late rank's
     calls met nobody's (the others were ahead) and returned sums of stale slots (102, 30, 300)."""
-    said = dist_run(_late_for_monitored_barrier, 3, backend="shm", timeout=120)
+    said = dist_run(_late_for_monitored_barrier, 3, backend="shm", args=(path,), timeout=120)
     broken = "rank 1 did not reach a collective within rank {}'s timeout, which gave up on it (a late rank breaks " \
              "the group, as on Gloo), so this call cannot run: the group is broken, make a new one"
     for r, (barrier, *reduces, world) in enumerate(said):

@@ -28,6 +28,7 @@ from collectives.shm import backend_of
 from collectives.testing import distributed
 
 from ..algorithms.reference import expected, inputs_for
+from . import PATHS
 from ..collectives.test_launch import assert_all_gone, kill_launcher_script
 
 
@@ -199,7 +200,9 @@ def _one_rank_dies(env):
     C.all_reduce(torch.ones(4))  # ranks 0 and 2 wait here for rank 1, which is gone
 
 
-def test_a_dead_peer_is_named_not_waited_for():
+@pytest.mark.parametrize("path", PATHS)
+def test_a_dead_peer_is_named_not_waited_for(path, monkeypatch):
+    monkeypatch.setenv("COLLECTIVES_SHM_PATH", path)
     pool = RankPool(3, backend="shm").start()  # started outside the timing: a loaded machine starts ranks slowly
     ranks = pool.pids
     start = time.monotonic()
@@ -230,8 +233,10 @@ LAUNCHER = textwrap.dedent("""
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
-def test_nothing_is_left_in_dev_shm_when_everything_is_killed(sig, tmp_path):
+@pytest.mark.parametrize("sig, path", [(signal.SIGKILL, "native"), (signal.SIGTERM, "native"),
+                                       (signal.SIGKILL, "python")])
+def test_nothing_is_left_in_dev_shm_when_everything_is_killed(sig, path, tmp_path, monkeypatch):
+    monkeypatch.setenv("COLLECTIVES_SHM_PATH", path)
     below, _, _ = kill_launcher_script(LAUNCHER, sig, tmp_path)
     assert_all_gone(below)
     assert shm.leftovers(below) == [], shm.leftovers(below)  # made by the launcher's processes
@@ -316,9 +321,11 @@ def _every_disagreement_is_named(env):
     return said
 
 
-def test_ranks_that_disagree_all_get_a_named_error_and_the_group_stays_usable(monkeypatch):
+@pytest.mark.parametrize("path", PATHS)
+def test_ranks_that_disagree_all_get_a_named_error_and_the_group_stays_usable(path, monkeypatch):
     """Gloo aborts (size, dtype) or hangs (op) here; shared memory would read past the shorter
     tensor or add a float64's bytes as float32s: a silent wrong answer. Each case on 3 ranks."""
+    monkeypatch.setenv("COLLECTIVES_SHM_PATH", path)
     monkeypatch.setenv("COLLECTIVES_SHM_SLOT_MB", str(64 / 1024))  # 64 KiB: many rounds for 160 KB
     for rank, said in enumerate(C.run(_every_disagreement_is_named, 3, backend="shm", timeout=120)):
         for case, message in said.items():

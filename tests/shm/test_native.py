@@ -1,0 +1,152 @@
+"""The native path (C++) leaves the same bits as the Python path (ops.py, the reference), for every
+collective it takes and the calls it hands back to Python, and the two paths meet in one group.
+
+A property test draws the collective, dtype, op, size (0 bytes to past a slot: slots are 4 KiB and
+step 3's pieces 256 B here, so the small path, the pieces and the rounds all run), world size,
+root, a non-contiguous tensor (which the native path hands to Python) and whether the call is
+queued for the worker thread or run in the caller. Each rank runs the same call with the same
+inputs on three groups over the same ranks: every rank native, every rank Python, and even ranks
+native with odd ranks Python; the outputs must be equal byte for byte.
+
+    pytest tests/shm/test_native.py -q
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from collectives.errors import CollectiveError
+from collectives.reduce_ops import TORCH_OPS, check_op_dtype
+from collectives.shm import backend_of
+from collectives.shm.process_group import NATIVE_DTYPES
+from collectives.testing import run_on_ranks
+
+SETTINGS = {"COLLECTIVES_SHM_SLOT_MB": str(4 / 1024), "COLLECTIVES_SHM_PIECE_KB": "0.25"}
+SLOT_BYTES = 4096
+COLLECTIVES = ("all_reduce", "reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor", "barrier")
+REDUCING = ("all_reduce", "reduce", "reduce_scatter_tensor")
+DTYPE_NAMES = [str(d).replace("torch.", "") for d in NATIVE_DTYPES]
+_groups: dict = {}
+
+
+def _made(rank: int, queued: bool) -> dict:
+    """The three groups (native, python, mixed) of this rank, made once per pool: in the same
+    order on every rank, each with its settings in the environment while it is made."""
+    key = queued
+    if key not in _groups:
+        made = {}
+        for variant in ("native", "python", "mixed"):
+            path = variant if variant != "mixed" else ("native" if rank % 2 == 0 else "python")
+            env = {**SETTINGS, "COLLECTIVES_SHM_PATH": path, "COLLECTIVES_SHM_INLINE_BYTES": "0" if queued else "65536"}
+            saved = {k: os.environ.get(k) for k in env}
+            os.environ.update(env)
+            try:
+                made[variant] = dist.new_group(backend="shm")
+            finally:
+                for k, v in saved.items():
+                    os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+            assert backend_of(made[variant]).path == path, (variant, backend_of(made[variant]).path)
+        _groups[key] = made
+    return _groups[key]
+
+
+def _values(seed: int, rank: int, numel: int, dtype: torch.dtype, op: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 1009 + rank)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, (numel,), generator=g).bool()
+    if dtype.is_floating_point and dtype.itemsize > 1:
+        scale = 1.5 if op == "product" else 100.0  # products of 4 ranks stay finite in float16
+        return (torch.randn(numel, generator=g, dtype=torch.float64) * scale).to(dtype)
+    if dtype.is_complex:
+        return torch.randn(numel, generator=g, dtype=dtype)
+    if dtype.is_floating_point:  # float8: moved, never reduced
+        return torch.randn(numel, generator=g).to(dtype)
+    info = torch.iinfo(dtype)
+    low, high = max(info.min, -1000), min(info.max, 1000)
+    return torch.randint(low, high, (numel,), generator=g, dtype=torch.int64).to(dtype)
+
+
+def _call(group, collective: str, x: torch.Tensor, op: str, root: int, noncontiguous: bool):
+    """Run one call on `group`; the tensor it wrote, as bytes."""
+    size = dist.get_world_size(group)
+    root = dist.get_global_rank(group, root)
+    rop = TORCH_OPS[op] if op else None
+    if collective == "barrier":
+        dist.barrier(group=group)
+        return torch.empty(0, dtype=torch.uint8)
+    if collective in ("all_reduce", "reduce", "broadcast"):
+        t = x.clone()
+        if noncontiguous:  # every other element of a buffer twice as long: the Python path takes it
+            buf = torch.zeros(2 * t.numel(), dtype=t.dtype)
+            buf[::2] = t
+            t = buf[::2]
+        if collective == "all_reduce":
+            dist.all_reduce(t, op=rop, group=group)
+        elif collective == "reduce":
+            dist.reduce(t, dst=root, op=rop, group=group)
+        else:
+            dist.broadcast(t, src=root, group=group)
+        out = t.contiguous()
+    elif collective == "all_gather_into_tensor":
+        out = torch.empty(size * x.numel(), dtype=x.dtype)
+        dist.all_gather_into_tensor(out, x, group=group)
+    else:
+        out = torch.empty(x.numel() // size, dtype=x.dtype)
+        dist.reduce_scatter_tensor(out, x, op=rop, group=group)
+    return out.view(torch.uint8) if out.numel() else torch.empty(0, dtype=torch.uint8)
+
+
+def _same_on_every_variant(env, case):
+    collective, dtype_name, op, numel, root, seed, noncontiguous, queued = case
+    dtype = getattr(torch, dtype_name)
+    groups = _made(env.rank, queued)
+    n = numel * env.world_size if collective == "reduce_scatter_tensor" else numel
+    x = _values(seed, env.rank, n, dtype, op)
+    got = {variant: _call(g, collective, x, op, root % env.world_size, noncontiguous) for variant, g in groups.items()}
+    return {variant: bool(torch.equal(got["python"], out)) for variant, out in got.items()}
+
+
+@st.composite
+def cases(draw):
+    collective = draw(st.sampled_from(COLLECTIVES))
+    dtype = draw(st.sampled_from(DTYPE_NAMES))
+    op = ""
+    if collective in REDUCING:
+        ops = [o for o in TORCH_OPS if _allowed(o, getattr(torch, dtype))]
+        if not ops:  # float8: moved, never reduced
+            collective = draw(st.sampled_from(("broadcast", "all_gather_into_tensor")))
+        else:
+            op = draw(st.sampled_from(ops))
+    itemsize = getattr(torch, dtype).itemsize
+    numel = draw(st.integers(0, 3 * SLOT_BYTES // itemsize))  # 0 bytes to 3 slots
+    return (collective, dtype, op, numel, draw(st.integers(0, 3)), draw(st.integers(0, 2 ** 16)),
+            draw(st.booleans()) and collective in ("all_reduce", "reduce", "broadcast"), draw(st.booleans()))
+
+
+def _allowed(op: str, dtype: torch.dtype) -> bool:
+    try:
+        check_op_dtype(op, dtype, "all_reduce")
+    except CollectiveError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+@settings(max_examples=25, deadline=None)
+@given(case=cases())
+@example(case=("all_reduce", "float32", "sum", 2, 0, 1, False, False))          # 8 bytes, the small path
+@example(case=("all_reduce", "float32", "sum", 2000, 0, 1, False, True))       # the pieces and two rounds, queued
+@example(case=("reduce", "bfloat16", "avg", 3000, 1, 2, False, False))          # ATen's kernel, root 1's division
+@example(case=("reduce_scatter_tensor", "int64", "product", 700, 0, 3, False, False))
+@example(case=("all_reduce", "uint32", "sum", 100, 0, 4, False, False))         # widened: Python on both
+@example(case=("broadcast", "float8_e4m3fn", "", 5000, 2, 5, True, True))      # rounds, non-contiguous
+@example(case=("all_gather_into_tensor", "bool", "", 0, 0, 6, False, False))    # 0 bytes
+def test_the_native_path_leaves_the_python_paths_bits(world_size, case):
+    for rank, same in enumerate(run_on_ranks(_same_on_every_variant, world_size, args=(case,), backend="gloo")):
+        assert all(same.values()), f"rank {rank} of {world_size}, {case}: equal to the Python path's bytes: {same}"
