@@ -88,12 +88,18 @@ FREE = "torch DDP, all_reduce moving nothing"
 
 
 def free_all_reduce_group():
-    """A new shm group (every rank calls it) whose all_reduce returns at once and moves nothing;
-    its other collectives work. torch's DDP on it costs what DDP's own work (every gradient
-    copied into its buckets and back) and this Python ProcessGroup's calls cost without the
-    communication: the floor for any backend under torch's DDP (no_sync skips DDP's copies too)."""
+    """A new shm group (every rank calls it) whose all_reduce returns a finished Future at once
+    and moves nothing; its other collectives work. torch's DDP on it costs what DDP's own work
+    (every gradient copied into its buckets and back), torch's dispatch and the backend's Work
+    cost without the communication: the floor for any backend under torch's DDP (no_sync skips
+    DDP's copies too). On the native path (the default) the engine does it; on the Python path
+    its all_reduce is replaced."""
     group = dist.new_group(backend="shm")
-    backend_of(group)._shm.all_reduce = lambda flat, op: None
+    impl = backend_of(group)
+    if impl._engine is not None:
+        impl._engine.moves_nothing = True
+    else:
+        impl._shm.all_reduce = lambda flat, op: None
     return group
 
 
@@ -119,11 +125,14 @@ def run_all(env, config):
         out["roofline_gbps"] = max(row["roofline_gbps"] for row in out["bandwidth"])
         out["latency"] = {"gloo": _latency_and_cpu(None), "shm": _latency_and_cpu(shm_group)}
         strategies = {}
-        waiter = shm_group._waiter
-        for strategy in ("futex", "spin", "yield", "sleep"):
-            waiter.strategy = strategy
-            strategies[strategy] = _latency_and_cpu(shm_group)
-        waiter.strategy = "futex"
+        for strategy in ("futex", "spin", "yield", "sleep"):  # a group each: the setting is read as it is made
+            saved = os.environ.get("COLLECTIVES_SHM_WAIT")
+            os.environ["COLLECTIVES_SHM_WAIT"] = strategy
+            try:
+                group = dist.new_group(backend="shm")
+            finally:
+                os.environ.pop("COLLECTIVES_SHM_WAIT") if saved is None else os.environ.update(COLLECTIVES_SHM_WAIT=saved)
+            strategies[strategy] = _latency_and_cpu(group)
         out["strategies"] = strategies
     if not config["skip_ddp"]:
         if env.rank == 0:

@@ -390,6 +390,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Engine, std::shared_ptr<Engine>>(m, "Engine")
       .def("submit_python", &submit_python, py::arg("run"), py::arg("nbytes"))
       .def("drain", &Engine::drain, py::call_guard<py::gil_scoped_release>())
+      .def_readwrite("moves_nothing", &Engine::moves_nothing)
       .def_property_readonly("round", [](Engine& e) { return e.ops().round; })
       .def_property_readonly("calls", [](Engine& e) { return e.ops().calls; })
       .def_property_readonly("step", [](Engine& e) { return e.waiter().step; });

@@ -71,6 +71,10 @@ class Engine {
     if (core_->idle()) core_->worker.join(); else core_->worker.detach();
   }
 
+  // A floor for benchmarks (benchmarks.shm_native): all_reduce returns a finished Future at once and
+  // moves nothing, so a call costs torch's dispatch, this Backend and its Future, no more.
+  bool moves_nothing = false;
+
   // the error a failed native call's Future carries (forward.cpp: the Python exception of the same kind)
   std::function<std::exception_ptr(const NativeError&)> to_error;
 
@@ -116,6 +120,11 @@ class Engine {
     if (ts.size() != 1 || !plain(ts[0]) || !reducible(op, ts[0]) || dtype_code(ts[0]) < 0 ||
         (avg && !ts[0].is_floating_point() && !ts[0].is_complex()))
       return nullptr;
+    if (moves_nothing) {
+      auto fut = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors());
+      fut->markCompleted(c10::IValue(ts));
+      return fut;
+    }
     const int64_t nbytes = ts[0].nbytes();
     if (setup_.cma_min_bytes >= 0 && nbytes >= setup_.cma_min_bytes) return nullptr;
     at::Tensor t = ts[0];

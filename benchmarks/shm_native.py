@@ -1,0 +1,221 @@
+"""The shm backend's native path against its Python path, Gloo, a floor and DeepSpeed's
+shared-memory all_reduce, side by side in one run: float32 sum all_reduce, 8 B to 64 MiB.
+
+    python -m benchmarks.shm_native --world-size 2 --json shm-native-2.json
+    python -m benchmarks.shm_native --world-size 4
+    python -m benchmarks.shm_native --world-size 2 --busy 1 -e 4M   # a process busy on one core beside the ranks
+
+The variants are groups over the same ranks: "gloo"; "shm python" and "shm native"
+(COLLECTIVES_SHM_PATH, read as a group is made); "floor", a native group whose all_reduce returns
+a finished Future at once and moves nothing (torch's dispatch of dist.all_reduce, the Backend and
+its Future: what any backend of this design costs); and "deepspeed", deepspeed.comm's
+inference_all_reduce (its C++ shared-memory op), where DeepSpeed can be imported (pip install
+deepspeed; else a line says why it is left out).
+
+Each round the sizes come in a shuffled order and, for each size, the variants in a shuffled
+order (the same on every rank); a variant's turn is a barrier on its group, then back-to-back
+calls, timed together: as many as the first round (a warm-up, not counted) found to fit in
+--budget-ms (at least 1, at most --iters; the same number on every rank). A cell is the
+median over rounds of the slowest rank's microseconds per call. Before its first turn every
+variant all-reduces rank + 1 once and counts the elements that are not the closed form
+n (n + 1) / 2 (#wrong).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import collectives
+from collectives import cli
+from collectives.shm import backend_of
+
+from .sweep import parse_size, size_list
+
+VARIANTS = ("gloo", "shm python", "shm native", "floor", "deepspeed")
+
+
+def _shm_group(path: str):
+    saved = os.environ.get("COLLECTIVES_SHM_PATH")
+    os.environ["COLLECTIVES_SHM_PATH"] = path
+    try:
+        return dist.new_group(backend="shm")
+    finally:
+        if saved is None:
+            del os.environ["COLLECTIVES_SHM_PATH"]
+        else:
+            os.environ["COLLECTIVES_SHM_PATH"] = saved
+
+
+def _deepspeed():
+    """deepspeed.comm's inference_all_reduce on the world, or (None, why not)."""
+    try:
+        import deepspeed.comm as ds
+    except Exception as exc:  # noqa: BLE001 - any import failure is a reason to leave it out
+        return None, f"deepspeed cannot be imported ({type(exc).__name__}: {exc}); pip install deepspeed"
+    try:
+        os.environ["LOCAL_SIZE"] = str(dist.get_world_size())  # its shared-memory op runs only when it says so
+        ds.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+        probe = torch.full((4,), float(dist.get_rank() + 1))
+        ds.inference_all_reduce(probe)
+    except Exception as exc:  # noqa: BLE001
+        return None, f"deepspeed's inference_all_reduce failed here ({type(exc).__name__}: {exc})"
+    return ds.inference_all_reduce, ""
+
+
+def _deepspeed_files() -> list:
+    try:
+        return [os.path.join("/dev/shm", n) for n in os.listdir("/dev/shm") if n.startswith("deepspeed_")]
+    except OSError:
+        return []
+
+
+def _busy(k: int):
+    """k processes that each keep one core busy (a loop in Python), until killed."""
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(k)]
+
+
+def measure(env, config) -> dict:
+    torch.set_num_threads(1)
+    n = env.world_size
+    groups = {"gloo": dist.new_group(backend="gloo"), "shm python": _shm_group("python"),
+              "shm native": _shm_group("native"), "floor": _shm_group("native")}
+    backend_of(groups["floor"])._engine.moves_nothing = True
+    calls = {name: (lambda t, g=g: dist.all_reduce(t, group=g)) for name, g in groups.items()}
+    ds_call, ds_why = _deepspeed() if "deepspeed" in config["variants"] else (None, "not asked for")
+    if ds_call is not None:
+        calls["deepspeed"] = ds_call
+    calls = {k: v for k, v in calls.items() if k in config["variants"]}
+    wrong = {}
+    for name, call in calls.items():
+        if name == "floor":
+            continue
+        t = torch.full((1000,), float(env.rank + 1))
+        call(t)
+        wrong[name] = int((t != n * (n + 1) / 2).sum())
+    sizes = size_list(config["minbytes"], config["maxbytes"], config["stepfactor"])
+    sizes += [config["maxbytes"]] if sizes[-1] != config["maxbytes"] else []  # the largest size always
+    buffers = {nbytes: torch.zeros(max(1, nbytes // 4)) for nbytes in sizes}
+    times = {name: {nbytes: [] for nbytes in sizes} for name in calls}
+    order = random.Random(0)
+    counts: dict = {}
+    busy = _busy(config["busy"]) if env.rank == 0 and config["busy"] else []
+    try:
+        for rnd in range(config["rounds"] + 1):
+            for nbytes in order.sample(sizes, len(sizes)):
+                for name in order.sample(list(calls), len(calls)):
+                    call, t = calls[name], buffers[nbytes]
+                    k = counts.get((name, nbytes), 1)  # the same on every rank: the first round sets it
+                    dist.barrier(group=groups.get(name))
+                    start = time.perf_counter()
+                    for _ in range(k):
+                        call(t)
+                    per = (time.perf_counter() - start) / k
+                    slowest = torch.tensor([per], dtype=torch.float64)
+                    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # on the Gloo world, outside what is timed
+                    if rnd:
+                        times[name][nbytes].append(slowest.item() * 1e6)
+                    else:  # the first round warms up, and sets how many calls fit the budget
+                        fit = int(config["budget_ms"] / 1e3 / max(slowest.item(), 1e-9))
+                        counts[(name, nbytes)] = max(1, min(config["iters"], fit))
+            if env.rank == 0:
+                print(f"[round {rnd}/{config['rounds']}]", file=sys.stderr, flush=True)
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+    return {"world_size": n, "sizes": sizes, "times_us": {k: {str(s): v for s, v in per.items()}
+                                                           for k, per in times.items()},
+            "wrong": wrong, "deepspeed_left_out": "" if ds_call is not None else ds_why,
+            "busy": config["busy"], "cores": len(os.sched_getaffinity(0))}
+
+
+def _size(nbytes: int) -> str:
+    for unit, shift in (("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift and nbytes % (1 << shift) == 0:
+            return f"{nbytes >> shift} {unit}"
+    return f"{nbytes} B"
+
+
+def report(result: dict) -> str:
+    names = list(result["times_us"])
+    med = {k: {int(s): statistics.median(v) for s, v in per.items()} for k, per in result["times_us"].items()}
+    head = ["bytes"] + [f"{k} us" for k in names]
+    ratios = [k for k in ("gloo", "shm python", "deepspeed") if k in med and "shm native" in med]
+    head += [f"native / {k}" for k in ratios]
+    rows = []
+    for s in result["sizes"]:
+        row = [_size(s)] + [f"{med[k][s]:.1f}" for k in names]
+        row += [f"{med['shm native'][s] / med[k][s]:.3f}" for k in ratios]
+        rows.append(row)
+    busy = f", {result['busy']} process(es) busy beside them" if result["busy"] else ""
+    lines = [f"float32 sum all_reduce on {result['world_size']} ranks, {result['cores']} cores{busy}: microseconds per "
+             "call, the slowest rank's, median over rounds (variants alternated within each round)"]
+    widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
+    for r in [head] + rows:
+        lines.append("  ".join(str(c).rjust(w) for c, w in zip(r, widths)))
+    if "floor" in med and "shm native" in med:
+        s0 = result["sizes"][0]
+        lines.append(f"{_size(s0)}: shm native costs {med['shm native'][s0] - med['floor'][s0]:.2f} us over the floor "
+                     "(the same call on a group whose all_reduce returns at once)")
+    lines.append("#wrong (rank + 1 all-reduced once, against n (n + 1) / 2): "
+                 + ", ".join(f"{k} {v}" for k, v in result["wrong"].items()))
+    if result["deepspeed_left_out"]:
+        lines.append(f"deepspeed left out: {result['deepspeed_left_out']}")
+    return "\n".join(lines)
+
+
+def build_parser():
+    parser = cli.ArgumentParser(prog="python -m benchmarks.shm_native", description=__doc__.splitlines()[0])
+    parser.add_argument("--world-size", type=int, default=2, help="ranks to spawn (default 2)")
+    parser.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("8"), help="smallest size (default 8)")
+    parser.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("64M"),
+                        help="largest size (default 64M)")
+    parser.add_argument("-f", "--stepfactor", type=int, default=8, help="multiply the size by this (default 8)")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS,
+                        help="what to time (default: all; deepspeed where it can be imported)")
+    parser.add_argument("--rounds", type=int, default=7, help="rounds (default 7); the first one more warms up")
+    parser.add_argument("--iters", type=int, default=500, help="calls per turn at most (default 500)")
+    parser.add_argument("--budget-ms", type=float, default=10.0, help="the calls of a turn take about this long (default 10)")
+    parser.add_argument("--busy", type=int, default=0, help="processes to keep busy beside the ranks (default 0)")
+    parser.add_argument("--json", default=None, help="also write every round's times here")
+    return parser
+
+
+@cli.command
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    cli.check_at_least(parser, args, {"--world-size": 2, "--rounds": 1, "--iters": 1, "--stepfactor": 2,
+                                      "--busy": 0})
+    cli.check_positive(parser, args, ["--budget-ms"])
+    cli.check_outputs(parser, {"--json": args.json})
+    config = {k: getattr(args, k) for k in ("minbytes", "maxbytes", "stepfactor", "rounds", "iters", "budget_ms",
+                                            "busy")}
+    config["variants"] = list(dict.fromkeys(args.variants))
+    before = set(_deepspeed_files())
+    try:
+        result = collectives.run(measure, args.world_size, backend="gloo", args=(config,), timeout=3600)[0]
+    finally:
+        left = [f for f in _deepspeed_files() if f not in before]
+        for f in left:  # DeepSpeed leaves its buffer (69 MB a rank) in /dev/shm after every run
+            os.unlink(f)
+    print(report(result))
+    if left:
+        print(f"removed what DeepSpeed left in /dev/shm: {len(left)} files ({', '.join(map(os.path.basename, left))})")
+    if args.json:
+        result["command"] = " ".join(["python -m benchmarks.shm_native", *(argv if argv is not None else sys.argv[1:])])
+        cli.write_atomically(args.json, json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
