@@ -81,7 +81,7 @@ struct Call {
   int32_t words[4] = {0, 0, 0, 0};
 };
 
-// The words of a disagreement (every rank's, in rank order), for Python to describe (ops._disagreement).
+// The words of a disagreement (every rank's, in rank order), for Python to describe (ops.disagreement).
 struct Mismatch : NativeError {
   Mismatch(std::string what, std::vector<int32_t> bank)
       : NativeError(ErrorKind::Mismatch, "the ranks' calls disagree"), what(std::move(what)), bank(std::move(bank)) {}

@@ -121,7 +121,7 @@ def _describe(words) -> str:
     return text
 
 
-def _disagreement(what: str, rank: int, bank) -> str:
+def disagreement(what: str, rank: int, bank) -> str:
     """The error's text: each distinct call with the ranks that made it (the first 8 of them)."""
     calls: dict = {}
     for q, words in enumerate(bank):
@@ -189,7 +189,7 @@ class ShmCollectives:
         # look here, or it would run a collective the others gave up (a late rank's next call)
         self.waiter.check_abort()
         if bank.tobytes() != pending * self.size:  # bytes, not numpy: this is on every call's path
-            raise CollectiveMismatchError(_disagreement(self.waiter.what, self.rank, list(_WORDS.iter_unpack(bank))))
+            raise CollectiveMismatchError(disagreement(self.waiter.what, self.rank, list(_WORDS.iter_unpack(bank))))
 
     def next_round(self) -> int:
         """The half of every slot the next round uses (0 or 1): rounds alternate halves, so a rank

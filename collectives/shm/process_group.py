@@ -38,7 +38,7 @@ from . import cma
 from .config import ShmConfig
 from . import native, routing
 from .arguments import overlap, unwritable, wrong_devices, wrong_list, wrong_op, wrong_sizes, wrong_splits
-from .ops import DTYPE_CODES, KINDS, OPS, SMALL_BYTES, ShmArgumentError, ShmCollectives, _disagreement
+from .ops import DTYPE_CODES, KINDS, OPS, SMALL_BYTES, ShmArgumentError, ShmCollectives, disagreement
 from .point_to_point import PointToPoint
 from .recorder import Recorder
 from .segment import ABORT, ABORT_SEEN_BY, ABORT_WHY, CALL0, CALL_WORDS, CONTROL_BYTES, PID0, SLEEP0, STEP0, Segment
@@ -132,7 +132,7 @@ class ShmBackend:
         """The Python exception a failed native call raises: the Python path's, with its words."""
         if kind == 1:
             calls = [tuple(bank[4 * q:4 * q + 4]) for q in range(self._size)]
-            return CollectiveMismatchError(_disagreement(what, self._rank, calls))
+            return CollectiveMismatchError(disagreement(what, self._rank, calls))
         return ShmArgumentError(text) if kind == 2 else PeerFailure(text)
 
     def rank(self) -> int:
