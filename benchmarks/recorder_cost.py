@@ -38,8 +38,7 @@ from .sweep import alternate_steps
 def _group(recording: bool):
     """An shm group whose backend records (or not): the recorder is chosen when the group is made."""
     saved = os.environ.pop("TORCH_FR_BUFFER_SIZE", None)
-    if recording:
-        os.environ["TORCH_FR_BUFFER_SIZE"] = "2000"
+    os.environ["TORCH_FR_BUFFER_SIZE"] = "2000" if recording else "0"  # shm records unless told 0
     try:
         group = dist.new_group(backend="shm")
     finally:

@@ -44,23 +44,26 @@ from collectives import cli, settings
 ANSWER_WAIT_S = 15.0
 
 
-def recording() -> bool:
-    """Whether torch's flight recorder is on in this process (TORCH_FR_BUFFER_SIZE > 0; the
-    launcher's environment is its ranks')."""
-    return settings.fr_buffer_size() > 0
+def recording(backend: Optional[str] = None) -> bool:
+    """Whether the ranks keep a flight record (the launcher's environment is its ranks'): torch's
+    (TORCH_FR_BUFFER_SIZE > 0), or, on an shm world, the shm backend's, which is on unless
+    TORCH_FR_BUFFER_SIZE=0."""
+    default = settings.SHM_FR_ENTRIES if backend is not None and str(backend).lower() == "shm" else 0
+    return settings.fr_buffer_size(default=default) > 0
 
 
 def dump() -> Optional[dict]:
     """This rank's record in torch's dump format, with each group's member ranks filled in (Gloo
     leaves them empty), and the time of the dump; None when nothing is recorded."""
-    if not recording():
-        return None
     import torch
     import torch.distributed as dist
 
+    world = dist.distributed_c10d._world
+    shm_groups = [pg for pg in world.pg_names if str(dist.get_backend(pg)).lower() == "shm"]
+    if not recording() and not shm_groups:
+        return None
     record = pickle.loads(torch._C._distributed_c10d._dump_fr_trace(
         includeCollectives=True, includeStackTraces=True, onlyActive=False))
-    world = dist.distributed_c10d._world
     config = {}
     for pg, name in world.pg_names.items():
         ranks = sorted(world.pg_group_ranks.get(pg, {}))

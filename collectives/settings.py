@@ -30,13 +30,16 @@ def whole(name: str, default: Optional[int], least: int = 0, environ: Optional[M
     return value
 
 
-def fr_buffer_size(environ: Optional[Mapping[str, str]] = None) -> int:
+SHM_FR_ENTRIES = 2000  # the shm backend records by default, as many entries as torch keeps on NCCL
+
+
+def fr_buffer_size(environ: Optional[Mapping[str, str]] = None, default: int = 0) -> int:
     """TORCH_FR_BUFFER_SIZE, torch's flight-recorder size: 0 when unset. Read as torch reads it in
     every rank as it starts, where anything but digits (an empty value too) aborts the rank in C++
     (SIGABRT, which would read as a size or dtype mismatch): so refused here, before."""
     value = (os.environ if environ is None else environ).get("TORCH_FR_BUFFER_SIZE")
     if value is None:
-        return 0
+        return default
     if not value.strip().isdigit():
         raise ValueError(f"TORCH_FR_BUFFER_SIZE={value!r} is not a whole number of entries (torch's flight recorder: "
                          "0 or unset for off, 2000 to keep each rank's last 2000 calls)")

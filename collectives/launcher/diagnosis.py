@@ -122,7 +122,7 @@ class FailureDiagnosis:
         stopped += [r for r in order[1:] if r not in stopped and PEER_LOST.search(failures[r])]
         # A hang: what torch's flight records say, when the ranks keep them (TORCH_FR_BUFFER_SIZE).
         from ..flight_recorder import recording
-        told = self._flight_records(where if pending else {}, pending) if recording() else []
+        told = self._flight_records(where if pending else {}, pending) if recording(self.backend) else []
         if pending or not self._in_step():
             self._kill()  # the next submit starts fresh ranks
         failed = [r for r in order if r not in stopped]

@@ -18,6 +18,7 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 #include <torch/csrc/Dtype.h>
+#include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 
 #include "native_engine.h"
@@ -52,8 +53,8 @@ class PythonError : public std::runtime_error {
 // returns true when the future failed).
 class FutureWork : public Work {
  public:
-  FutureWork(intrusive_ptr<c10::ivalue::Future> fut, c10d::OpType type)
-      : Work(-1, type), fut_(std::move(fut)) {}
+  FutureWork(intrusive_ptr<c10::ivalue::Future> fut, c10d::OpType type, std::shared_ptr<Engine> engine = nullptr)
+      : Work(-1, type), fut_(std::move(fut)), engine_(std::move(engine)) {}
 
   bool isCompleted() override { return fut_->completed(); }
   bool isSuccess() const override { return fut_->completed() && !fut_->hasError(); }
@@ -61,6 +62,12 @@ class FutureWork : public Work {
     return fut_->completed() && fut_->hasError() ? fut_->exception_ptr() : nullptr;
   }
   bool wait(std::chrono::milliseconds /* timeout: the backend's own */) override {
+    // a native call's waiter: the engine's worker may spin while someone waits for it
+    struct Waiting {
+      std::atomic<int>* n;
+      explicit Waiting(std::atomic<int>* c) : n(c) { if (n) n->fetch_add(1); }
+      ~Waiting() { if (n) n->fetch_sub(1); }
+    } waiting(engine_ && !fut_->completed() ? &engine_->callers_waiting() : nullptr);
     if (PyGILState_Check()) {
       py::gil_scoped_release no_gil;  // the worker thread that completes it needs the GIL
       fut_->wait();
@@ -85,6 +92,7 @@ class FutureWork : public Work {
 
  private:
   intrusive_ptr<c10::ivalue::Future> fut_;
+  std::shared_ptr<Engine> engine_;
 };
 
 class ForwardBackend : public c10d::Backend {
@@ -118,7 +126,7 @@ class ForwardBackend : public c10d::Backend {
     } else {
       fut = f(*engine_);
     }
-    return fut ? c10::make_intrusive<FutureWork>(fut, type) : nullptr;
+    return fut ? c10::make_intrusive<FutureWork>(fut, type, engine_) : nullptr;
   }
 
   // The error a finished Python Future carries as its value (set_exception), or none. Needs the GIL.
@@ -325,6 +333,7 @@ std::shared_ptr<Engine> make_engine(py::dict d, py::object make_error) {
     const int op = t[0].cast<int>(), st = scalar_type(t[1]);
     if (op > 0 && op < 8 && st >= 0 && st < 64) s.reducible[op][st] = 1;
   }
+  s.recorder_entries = d["recorder_entries"].cast<int64_t>();
   auto kinds = d["kind_codes"].cast<py::list>();  // in native_engine.h's Kind order
   for (size_t k = 0; k < kinds.size() && k < 16; ++k) s.kind_codes[k] = kinds[k].cast<int>();
   auto engine = std::make_shared<Engine>(s);
@@ -391,6 +400,32 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("submit_python", &submit_python, py::arg("run"), py::arg("nbytes"))
       .def("drain", &Engine::drain, py::call_guard<py::gil_scoped_release>())
       .def_readwrite("moves_nothing", &Engine::moves_nothing)
+      .def("next_ids", [](Engine& e, bool p2p) {  // (record id, collective seq, p2p seq, op id)
+        int64_t r, c, p, o;
+        e.recorder().next_ids(p2p, &r, &c, &p, &o);
+        return py::make_tuple(r, c, p, o);
+      })
+      .def("recorded", [](Engine& e) {  // the native calls' entries, oldest first (recorder.py reads them)
+        py::list out;
+        for (const auto& x : e.recorder().entries()) {
+          if (x.record_id < 0) continue;
+          py::list in_sizes, out_sizes;
+          for (int i = 0; i < x.in_dims; ++i) in_sizes.append(x.in_sizes[i]);
+          for (int i = 0; i < x.out_dims; ++i) out_sizes.append(x.out_sizes[i]);
+          out.append(py::make_tuple(x.record_id, x.collective_seq_id, x.op_id, std::string(shm_native::kind_name(x.kind)),
+                                    x.created, x.started, x.completed, x.state,
+                                    x.dtype < 0 ? py::object(py::none())
+                                                : py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(
+                                                      torch::getTHPDtype(static_cast<at::ScalarType>(x.dtype)))),
+                                    x.in_dims < 0 ? py::object(py::none()) : py::object(in_sizes),
+                                    x.out_dims < 0 ? py::object(py::none()) : py::object(out_sizes), x.thread));
+        }
+        return out;
+      })
+      .def("recorder_status", [](Engine& e) {
+        auto& r = e.recorder();
+        return py::make_tuple(r.last_enqueued, r.last_started, r.last_completed);
+      })
       .def_property_readonly("round", [](Engine& e) { return e.ops().round; })
       .def_property_readonly("calls", [](Engine& e) { return e.ops().calls; })
       .def_property_readonly("step", [](Engine& e) { return e.waiter().step; });

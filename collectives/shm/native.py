@@ -24,7 +24,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE = os.path.join(_HERE, "forward.cpp")
 # the native path's headers, which forward.cpp includes: torch's cache keys a build on its sources
 # and flags only, so their digest goes into the flags and a changed header is rebuilt too
-HEADERS = [os.path.join(_HERE, name) for name in ("native_wait.h", "native_paths.h", "native_engine.h")]
+HEADERS = [os.path.join(_HERE, name) for name in ("native_wait.h", "native_paths.h", "native_recorder.h", "native_engine.h")]
 NAME = "collectives_shm_forward"
 _lock = threading.Lock()
 _module = None

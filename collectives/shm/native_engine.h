@@ -24,6 +24,7 @@
 #include <thread>
 
 #include "native_paths.h"
+#include "native_recorder.h"
 
 namespace shm_native {
 
@@ -42,6 +43,7 @@ struct Setup {  // what process_group.py hands the engine (ShmBackend._native_se
   int dtype_codes[64];         // ScalarType -> ops.DTYPE_CODES (-1: not known)
   uint8_t reducible[8][64];    // [op][ScalarType]: the native path sums it (check_op_dtype's rule, no widening)
   int kind_codes[16];          // native kinds below -> ops.KINDS index + 1
+  int64_t recorder_entries = 0;  // the flight record's size (0: off)
 };
 
 enum Kind { K_BROADCAST = 0, K_ALL_REDUCE, K_REDUCE, K_ALL_GATHER, K_REDUCE_SCATTER, K_BARRIER };
@@ -80,6 +82,9 @@ class Engine {
 
   const Setup& setup() const { return setup_; }
   Waiter& waiter() { return core_->waiter; }
+  Recorder& recorder() { return core_->recorder; }
+  // callers blocked in a Work's wait on this group: the worker thread may spin for them
+  std::atomic<int>& callers_waiting() { return core_->callers_waiting; }
   Collectives& ops() { return core_->ops; }
 
   // Run `task` now or queue it (see the top of this file); returns whether it ran now.
@@ -203,8 +208,11 @@ class Engine {
     auto fut = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors());
     std::vector<at::Tensor> value = outputs;
     Core* core = core_.get();
+    const int64_t slot = core_->recorder.scheduled(kind, inputs.empty() ? nullptr : &inputs[0],
+                                                   outputs.empty() ? nullptr : &outputs[0]);
     core_->submit(
-        [core, fut, value, body = std::move(body), to_error = &to_error]() mutable {
+        [core, fut, value, slot, body = std::move(body), to_error = &to_error]() mutable {
+          if (slot >= 0) core->recorder.started(slot, std::this_thread::get_id() != core->worker_id);
           try {
             body(core->ops);
           } catch (const NativeError& e) {
@@ -217,6 +225,7 @@ class Engine {
                                                                    std::to_string(core->rank) + ": " + e.what())));
             return;
           }
+          core->recorder.completed(slot);
           fut->markCompleted(c10::IValue(value));
         },
         nbytes);
@@ -227,15 +236,18 @@ class Engine {
     explicit Core(const Setup& s)
         : rank(s.rank), inline_bytes(s.inline_bytes),
           waiter(s.words, s.rank, s.size, s.strategy, s.timeout_s, s.spin_s_idle),
-          ops(s.words, s.rank, s.size, s.config, &waiter) {
+          ops(s.words, s.rank, s.size, s.config, &waiter), recorder(s.recorder_entries) {
       waiter.step = s.step;
+      waiter.callers_waiting = &callers_waiting;
       ops.round = s.round;
       ops.calls = s.calls;
     }
     int rank;
     int64_t inline_bytes;
+    std::atomic<int> callers_waiting{0};
     Waiter waiter;
     Collectives ops;
+    Recorder recorder;
     std::mutex m;
     std::condition_variable cv, idle_cv;
     std::deque<Task> queue;

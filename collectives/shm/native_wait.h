@@ -6,11 +6,15 @@
 // the machine has a core for every runnable thread, then yield for 2 ms, then sleep in the kernel
 // on the first missing rank's word until that rank writes it and wakes it.
 //
-// "While the machine has a core for every runnable thread" is read from the machine, not from the
-// rank count: /proc/loadavg's fourth field counts the threads that run or wait for a core now. More
-// of them than online cores means some thread, perhaps the rank this one waits for, has no core:
-// a spinning rank would take one from it, so it stops spinning at once (the read costs a few
-// microseconds, and is made only when a wait did not end within its first microseconds).
+// "While ... a core": a waiting rank reads whether the rank it waits for is being kept off a core.
+// The kernel counts, per thread, the time it spent runnable but waiting for a core (the second
+// field of /proc/<pid>/schedstat, for the peer's main thread, which makes the calls that run in
+// the caller). While it spins, the waiting rank reads that count every 20 us; once it grows, the
+// peer has no core (another process holds it) and a spinning rank would keep it waiting longer:
+// it stops spinning at once, yields, then sleeps on the futex. Where schedstat cannot be read it
+// falls back to the machine: /proc/loadavg's runnable threads against the cores online.
+// A worker thread's call (the caller computes, DDP's backward) spins only while a caller waits
+// on a Work of the group (callers_waiting).
 //
 // Faults, as in wait.py: every 50 ms of waiting a rank checks the abort word, that every peer's
 // process runs (/proc/<pid>/stat, as launcher/pids.py reads it) and its timeout; it then raises
@@ -28,7 +32,9 @@
 
 #include <chrono>
 #include <cstdint>
+#include <atomic>
 #include <cstdio>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -129,6 +135,37 @@ class MachineLoad {
   int cores_;
 };
 
+// The time a peer's main thread has spent runnable but off a core, in ns (/proc/<pid>/schedstat's
+// second field), or -1 when it cannot be read.
+class PeerDelay {
+ public:
+  ~PeerDelay() {
+    for (auto& [pid, fd] : fds_) ::close(fd);
+  }
+  int64_t run_delay(int pid) {
+    int fd = -1;
+    for (auto& [p, f] : fds_) {
+      if (p == pid) fd = f;
+    }
+    if (fd < 0) {
+      char path[64];
+      std::snprintf(path, sizeof path, "/proc/%d/schedstat", pid);
+      fd = ::open(path, O_RDONLY | O_CLOEXEC);
+      if (fd < 0) return -1;
+      fds_.emplace_back(pid, fd);
+    }
+    char buf[96];
+    ssize_t n = ::pread(fd, buf, sizeof buf - 1, 0);
+    if (n <= 0) return -1;
+    buf[n] = 0;
+    char* space = std::strchr(buf, ' ');
+    return space ? std::atoll(space + 1) : -1;
+  }
+
+ private:
+  std::vector<std::pair<int, int>> fds_;
+};
+
 struct Words {  // the segment's control words this rank reads and writes (segment.py's layout)
   volatile int32_t* control = nullptr;
   int step0 = 0, pid0 = 0, sleep0 = 0, call0 = 0, call_words = 4;
@@ -149,7 +186,8 @@ class Waiter {
   double timeout_s;
   double spin_s_idle;       // how long to spin when the caller waits anyway
   double spin_s;            // 0 while the caller computes (the worker thread's calls)
-  bool read_machine = true; // stop spinning when runnable threads outnumber cores
+  bool read_machine = true; // stop spinning when the peer waited for a core (or, failing that, the machine is full)
+  const std::atomic<int>* callers_waiting = nullptr;  // callers blocked in a Work's wait on this group
 
   void barrier() {
     ++step;
@@ -178,12 +216,17 @@ class Waiter {
     if (missing < 0) return;
     const double start = now_s();
     double next_check = start + FAULT_CHECK_S;
-    bool may_spin = strategy_ == SPIN || spin_s > 0;
-    if (may_spin && strategy_ != SPIN && read_machine && load_.oversubscribed()) {
-      may_spin = false;  // a runnable thread has no core: this one gives its own away
-    }
-    double spin_until = start + (strategy_ == FUTEX && may_spin ? spin_s : 0.0);
+    const bool waited_on = callers_waiting && callers_waiting->load(std::memory_order_relaxed) > 0;
+    const bool may_spin = strategy_ == SPIN || spin_s > 0 || waited_on;
+    double spin_until = start + (strategy_ == FUTEX && may_spin ? std::max(spin_s, waited_on ? spin_s_idle : 0.0) : 0.0);
     double next_load = start + LOAD_CHECK_S;
+    int watched = -1;
+    int64_t delay0 = -1;
+    if (strategy_ == FUTEX && may_spin && read_machine) {
+      watched = missing;
+      delay0 = peers_.run_delay(w_.pid(missing));
+      if (delay0 < 0 && load_.oversubscribed()) spin_until = start;  // no schedstat: the machine decides
+    }
     while (true) {
       missing = first_missing(s);
       if (missing < 0) return;
@@ -210,7 +253,14 @@ class Waiter {
       if (now < spin_until) {
         if (read_machine && now >= next_load) {
           next_load = now + LOAD_CHECK_S;
-          if (load_.oversubscribed()) spin_until = now;  // stop spinning at once
+          if (missing != watched) {  // waiting for another rank now: watch that one
+            watched = missing;
+            delay0 = peers_.run_delay(w_.pid(missing));
+          } else if (delay0 >= 0) {
+            if (peers_.run_delay(w_.pid(missing)) > delay0) spin_until = now;  // the peer waits for a core
+          } else if (load_.oversubscribed()) {
+            spin_until = now;
+          }
         }
         _mm_pause();
         continue;
@@ -286,13 +336,14 @@ class Waiter {
 
   static constexpr double FAULT_CHECK_S = 0.05;
   static constexpr double YIELD_S = 2e-3;
-  static constexpr double LOAD_CHECK_S = 1e-4;
+  static constexpr double LOAD_CHECK_S = 2e-5;
 
  private:
   Words w_;
   int rank_, size_;
   Strategy strategy_;
   MachineLoad load_;
+  PeerDelay peers_;
 };
 
 }  // namespace shm_native

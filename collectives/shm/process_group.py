@@ -40,6 +40,7 @@ from . import native, routing
 from .arguments import overlap, unwritable, wrong_devices, wrong_list, wrong_op, wrong_sizes, wrong_splits
 from .ops import DTYPE_CODES, KINDS, OPS, SMALL_BYTES, ShmArgumentError, ShmCollectives, disagreement
 from .point_to_point import PointToPoint
+from ..settings import SHM_FR_ENTRIES
 from .recorder import Recorder
 from .segment import ABORT, ABORT_SEEN_BY, ABORT_WHY, CALL0, CALL_WORDS, CONTROL_BYTES, PID0, SLEEP0, STEP0, Segment
 from .wait import SPIN_S_OWN_CORE, PeerFailure, Waiter
@@ -92,13 +93,14 @@ class ShmBackend:
         if not self.cma_off_reason:
             self._shm.cma = cma.CrossMemory(self._segment, rank, self._waiter)
         self._p2p = PointToPoint(self)
-        self.recorder = Recorder.from_env()  # None unless TORCH_FR_BUFFER_SIZE is set
+        # the flight record (recorder.py): on by default, TORCH_FR_BUFFER_SIZE entries (0: off)
+        self.recorder = Recorder.from_env(default=SHM_FR_ENTRIES)
         self._engine = None  # the native path's engine (forward.cpp), once create() has made it
         self._queue: "queue.Queue" = queue.Queue()
         self._pending = 0
         self._idle = threading.Condition()
         self._worker_id = None
-        if config.path == "python" or self.recorder is not None:  # the native path records nothing yet
+        if config.path == "python":  # the native path's engine (create()) has its own thread
             worker = threading.Thread(target=self._serve, daemon=True, name="shm-collectives")
             worker.start()
             self._worker_id = worker.ident
@@ -126,6 +128,7 @@ class ShmBackend:
             "dtype_codes": [(d, DTYPE_CODES[d]) for d in NATIVE_DTYPES],
             "reducible": _reducible(),
             "kind_codes": [KINDS.index(k) + 1 for k in NATIVE_KINDS],
+            "recorder_entries": self.recorder.max_entries if self.recorder is not None else 0,
         }
 
     def _native_error(self, kind: int, text: str, what: str, bank):
@@ -538,9 +541,11 @@ def create(store, rank: int, size: int, timeout: timedelta):
     impl = ShmBackend(store, rank, size, timeout)
     module = native.load()
     forward = module.ForwardBackend(impl, rank, size, "shm")
-    if impl._worker_id is None:  # the native path (not with the Python recorder on)
+    if impl._worker_id is None:  # the native path
         impl._engine = module.make_engine(impl._native_setup(), impl._native_error)
         forward.set_engine(impl._engine)
+        if impl.recorder is not None:  # one record: the engine's calls and the Python path's
+            impl.recorder.native = impl._engine
     return forward
 
 

@@ -127,12 +127,17 @@ def _records_on_shm(env):
     return dump()
 
 
-def test_shm_records_its_calls_in_torchs_format(tmp_path, monkeypatch):
+@pytest.mark.parametrize("path", ["native", "python"])
+def test_shm_records_its_calls_in_torchs_format(path, tmp_path, monkeypatch):
+    """On either path of the shm backend (COLLECTIVES_SHM_PATH): the native path records the calls
+    it runs in C++ (native_recorder.h) with the ids the Python path's entries draw from, so the
+    two merge into one record; its entries carry no frames, the Python path's do."""
     import subprocess
     import sys
 
     from collectives.flight_recorder import write
 
+    monkeypatch.setenv("COLLECTIVES_SHM_PATH", path)
     monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "3")  # the last 3 collectives are kept, and the message
     records = C.run(_records_on_shm, 2, backend="shm", timeout=30)
     write(dict(enumerate(records)), str(tmp_path / "rank_"))
@@ -147,7 +152,11 @@ def test_shm_records_its_calls_in_torchs_format(tmp_path, monkeypatch):
             ("shm:send 0->1" if rank == 0 else "shm:recv 1<-0", 0, 1, "completed")], mine
         assert mine[0]["input_sizes"] == [[4]] and mine[0]["input_dtypes"] == ["Double"]
         assert mine[1]["input_dtypes"] == ["Int"] and mine[0]["process_group"][0] == "0"
-        assert any(f["name"] == "_records_on_shm" for f in mine[0]["frames"]), mine[0]["frames"]
+        assert any(f["name"] == "_records_on_shm" for f in mine[2]["frames"]), mine[2]["frames"]  # Python's p2p
+        if path == "python":
+            assert any(f["name"] == "_records_on_shm" for f in mine[0]["frames"]), mine[0]["frames"]
+        else:
+            assert mine[0]["frames"] == [] and mine[0]["thread_name"] == "shm native", mine[0]
         assert record["pg_status"][str(mine[0]["pg_id"])]["last_completed_collective"] == 4
 
 

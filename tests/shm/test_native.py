@@ -92,7 +92,7 @@ def _call(group, collective: str, x: torch.Tensor, op: str, root: int, noncontig
             dist.reduce(t, dst=root, op=rop, group=group)
         else:
             dist.broadcast(t, src=root, group=group)
-        out = t.contiguous()
+        out = t.clone(memory_format=torch.contiguous_format)  # a 1-element view of stride 2 is "contiguous" too
     elif collective == "all_gather_into_tensor":
         out = torch.empty(size * x.numel(), dtype=x.dtype)
         dist.all_gather_into_tensor(out, x, group=group)

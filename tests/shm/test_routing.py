@@ -333,14 +333,14 @@ def _late_for_monitored_barrier(env, path):
     store = dist.distributed_c10d._get_default_store()
     said = []
     if env.rank == 1:
-        store.wait(["gave up 0", "gave up 2"])
+        store.wait([f"gave up {path} 0", f"gave up {path} 2"])  # per path: the pool's store outlives a test
     try:
         group.monitored_barrier(timedelta(seconds=0.5), False)
         said.append("passed")
     except Exception as exc:  # noqa: BLE001
         said.append(str(exc))
     if env.rank != 1:
-        store.set(f"gave up {env.rank}", "1")
+        store.set(f"gave up {path} {env.rank}", "1")
     for k in range(3):
         t = torch.tensor([10.0 ** k * (env.rank + 1)])
         try:

@@ -210,7 +210,11 @@ def test_a_dead_peer_is_named_not_waited_for(path, monkeypatch):
         pool.submit(_one_rank_dies, timeout=600)
     assert time.monotonic() - start < 300  # not the 600 s timeout (a few s here: the 3 s grace, the teardown)
     message = str(info.value)
-    assert message.startswith("rank 1 exited with code 3"), message
+    # shm records by default: the verdict leads, in collective terms, with no setting
+    verdict, headline = message.splitlines()[:2]
+    assert verdict.startswith("flight recorder: rank(s) [1] died (rank 1 exited with code 3); rank(s) [0, 2] last "
+                              "entered all_reduce(4 Float)"), message
+    assert headline.startswith("rank 1 exited with code 3"), message
     assert (info.value.first, info.value.failed, info.value.stopped) == (1, [1], [0, 2]), message
     for r in (0, 2):  # each names rank 1: it saw the death itself, or the abort word the other left
         assert f"PeerFailure: all_reduce on rank {r}: rank 1 " in message, message

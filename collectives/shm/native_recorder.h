@@ -1,0 +1,119 @@
+// The native path's flight record: a ring buffer of the last N calls the engine ran in C++, in
+// the fields of torch's flight-recorder entries, read only when a record is dumped
+// (recorder.py turns them into torch's entry dicts, merged with the calls the Python path
+// recorded, by record id).
+//
+// A call costs two clock reads (created, completed; a queued call a third, started), a few
+// stores and two atomic increments: no lock, no allocation. The ids come from counters the
+// Python recorder draws from too (next_ids), so the group has one sequence of record ids and of
+// collective sequence numbers whichever path ran a call. Native entries carry no stack frames
+// (torch's C++ callers have no Python ones; a Python caller's would need the GIL).
+
+#pragma once
+
+#include <ATen/ATen.h>
+#include <time.h>
+
+#include <atomic>
+#include <cstdint>
+#include <thread>
+#include <vector>
+
+namespace shm_native {
+
+inline int64_t wall_ns() {
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  return static_cast<int64_t>(ts.tv_sec) * 1000000000LL + ts.tv_nsec;
+}
+
+struct RecEntry {
+  static constexpr int MAX_DIMS = 8;
+  int64_t record_id = -1, collective_seq_id = 0, op_id = 0;
+  int64_t created = 0, started = 0, completed = 0;
+  int32_t state = 0;  // 0 scheduled, 1 started, 2 completed
+  int32_t kind = 0;   // native_engine.h's Kind
+  int32_t dtype = -1; // ScalarType of the input (-1: no tensor)
+  int32_t in_dims = -1, out_dims = -1;  // -1: no tensor
+  int64_t in_sizes[MAX_DIMS], out_sizes[MAX_DIMS];
+  uint64_t thread = 0;
+};
+
+class Recorder {
+ public:
+  explicit Recorder(int64_t capacity) : ring_(static_cast<size_t>(capacity > 0 ? capacity : 0)) {}
+
+  bool on() const { return !ring_.empty(); }
+
+  // ids for a call of either path: (record id, collective seq id or 0, p2p seq id or 0, op id)
+  void next_ids(bool p2p, int64_t* record_id, int64_t* coll, int64_t* p2p_id, int64_t* op_id) {
+    *record_id = next_record_.fetch_add(1, std::memory_order_relaxed);
+    if (p2p) {
+      *coll = 0;
+      *p2p_id = *op_id = p2p_seq_.fetch_add(1, std::memory_order_relaxed) + 1;
+    } else {
+      *p2p_id = 0;
+      *coll = *op_id = coll_seq_.fetch_add(1, std::memory_order_relaxed) + 1;
+    }
+  }
+
+  // A new entry for a native call; returns its slot, or -1 when recording is off.
+  int64_t scheduled(int kind, const at::Tensor* in, const at::Tensor* out) {
+    if (ring_.empty()) return -1;
+    const int64_t slot = written_.fetch_add(1, std::memory_order_relaxed);
+    RecEntry& e = ring_[static_cast<size_t>(slot) % ring_.size()];
+    int64_t p2p_id;
+    next_ids(false, &e.record_id, &e.collective_seq_id, &p2p_id, &e.op_id);
+    e.created = wall_ns();
+    e.started = e.completed = 0;
+    e.state = 0;
+    e.kind = kind;
+    e.dtype = in ? static_cast<int32_t>(in->scalar_type()) : -1;
+    e.in_dims = shape(in, e.in_sizes);
+    e.out_dims = shape(out, e.out_sizes);
+    e.thread = static_cast<uint64_t>(std::hash<std::thread::id>{}(std::this_thread::get_id()));
+    last_enqueued = e.collective_seq_id;
+    return slot;
+  }
+
+  void started(int64_t slot, bool at_once) {
+    if (slot < 0) return;
+    RecEntry& e = ring_[static_cast<size_t>(slot) % ring_.size()];
+    e.started = at_once ? e.created : wall_ns();
+    e.state = 1;
+    last_started = e.collective_seq_id;
+  }
+
+  void completed(int64_t slot) {
+    if (slot < 0) return;
+    RecEntry& e = ring_[static_cast<size_t>(slot) % ring_.size()];
+    e.completed = wall_ns();
+    e.state = 2;
+    last_completed = e.collective_seq_id;
+  }
+
+  // the entries held now, oldest first (read at dump time)
+  std::vector<RecEntry> entries() const {
+    std::vector<RecEntry> out;
+    const int64_t n = written_.load(std::memory_order_relaxed);
+    const int64_t cap = static_cast<int64_t>(ring_.size());
+    for (int64_t s = n > cap ? n - cap : 0; s < n; ++s) out.push_back(ring_[static_cast<size_t>(s % cap)]);
+    return out;
+  }
+
+  int64_t capacity() const { return static_cast<int64_t>(ring_.size()); }
+  int64_t last_enqueued = -1, last_started = -1, last_completed = -1;
+
+ private:
+  static int32_t shape(const at::Tensor* t, int64_t* sizes) {
+    if (!t) return -1;
+    const int32_t d = static_cast<int32_t>(std::min<int64_t>(t->dim(), RecEntry::MAX_DIMS));
+    for (int32_t i = 0; i < d; ++i) sizes[i] = t->size(i);
+    return d;
+  }
+
+  std::vector<RecEntry> ring_;
+  std::atomic<int64_t> written_{0}, next_record_{0}, coll_seq_{0}, p2p_seq_{0};
+};
+
+}  // namespace shm_native
