@@ -6,13 +6,13 @@
 // the machine has a core for every runnable thread, then yield for 2 ms, then sleep in the kernel
 // on the first missing rank's word until that rank writes it and wakes it.
 //
-// "While ... a core": a waiting rank reads whether the rank it waits for is being kept off a core.
-// The kernel counts, per thread, the time it spent runnable but waiting for a core (the second
-// field of /proc/<pid>/schedstat, for the peer's main thread, which makes the calls that run in
-// the caller). While it spins, the waiting rank reads that count every 20 us; once it grows, the
-// peer has no core (another process holds it) and a spinning rank would keep it waiting longer:
-// it stops spinning at once, yields, then sleeps on the futex. Where schedstat cannot be read it
-// falls back to the machine: /proc/loadavg's runnable threads against the cores online.
+// "While ... a core": a waiting rank reads the machine while it spins, every 20 us. It stops
+// spinning (yields, then sleeps on the futex) once (a) /proc/loadavg has counted more runnable
+// threads than cores online at 3 checks in a row (a thread, perhaps the rank it waits for, has
+// been kept off a core for 40 us or more; a moment's extra thread on a full machine, which the
+// spinners themselves fill, does not stop them), or (b) the rank it waits for has waited for a
+// core: the time its main thread spent runnable but off a core (/proc/<pid>/schedstat's second
+// field) has grown, which the kernel counts each time that thread gets a core back.
 // A worker thread's call (the caller computes, DDP's backward) spins only while a caller waits
 // on a Work of the group (callers_waiting).
 //
@@ -222,10 +222,11 @@ class Waiter {
     double next_load = start + LOAD_CHECK_S;
     int watched = -1;
     int64_t delay0 = -1;
+    int full = 0;  // checks in a row that found more runnable threads than cores
     if (strategy_ == FUTEX && may_spin && read_machine) {
       watched = missing;
       delay0 = peers_.run_delay(w_.pid(missing));
-      if (delay0 < 0 && load_.oversubscribed()) spin_until = start;  // no schedstat: the machine decides
+      full = load_.oversubscribed() ? 1 : 0;
     }
     while (true) {
       missing = first_missing(s);
@@ -253,14 +254,15 @@ class Waiter {
       if (now < spin_until) {
         if (read_machine && now >= next_load) {
           next_load = now + LOAD_CHECK_S;
+          full = load_.oversubscribed() ? full + 1 : 0;
           if (missing != watched) {  // waiting for another rank now: watch that one
             watched = missing;
             delay0 = peers_.run_delay(w_.pid(missing));
-          } else if (delay0 >= 0) {
-            if (peers_.run_delay(w_.pid(missing)) > delay0) spin_until = now;  // the peer waits for a core
-          } else if (load_.oversubscribed()) {
-            spin_until = now;
+          } else if (delay0 >= 0 && peers_.run_delay(w_.pid(missing)) > delay0) {
+            spin_until = now;  // the peer waited for a core (counted once it got one again)
           }
+          if (full >= FULL_CHECKS) spin_until = now;  // threads have waited for cores for 3 checks in a row
+
         }
         _mm_pause();
         continue;
@@ -337,6 +339,7 @@ class Waiter {
   static constexpr double FAULT_CHECK_S = 0.05;
   static constexpr double YIELD_S = 2e-3;
   static constexpr double LOAD_CHECK_S = 2e-5;
+  static constexpr int FULL_CHECKS = 3;
 
  private:
   Words w_;
