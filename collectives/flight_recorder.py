@@ -2,8 +2,9 @@
 
 torch keeps a ring buffer of every rank's collectives (its "flight recorder": per process group,
 a sequence number, the op, sizes, dtypes, the Python frames) when TORCH_FR_BUFFER_SIZE is set in
-the ranks' environment; Gloo records into it as NCCL does. With it set, a run that times out
-asks every live rank for its record (a thread in each rank answers, so a rank blocked inside a
+the ranks' environment; Gloo records into it as NCCL does. The shm backend keeps its own record
+in the same format, on by default (TORCH_FR_BUFFER_SIZE=0 turns it off). Where the ranks record,
+a run that times out asks every live rank for its record (a thread in each rank answers, so a rank blocked inside a
 collective answers too) and the failure leads with what the records say:
 
     COLLECTIVES_... TORCH_FR_BUFFER_SIZE=2000 python prog.py

@@ -25,8 +25,13 @@ namespace shm_native {
 
 enum Op { OP_NONE = 0, OP_SUM = 1, OP_PRODUCT = 2, OP_MIN = 3, OP_MAX = 4, OP_BAND = 5, OP_BOR = 6, OP_BXOR = 7 };
 
+#if defined(__x86_64__)
+#define SHM_VECTOR_WIDTHS __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define SHM_VECTOR_WIDTHS
+#endif
 #define SHM_SUM_LOOP(NAME, T, U)                                                            \
-  __attribute__((target_clones("avx512f", "avx2", "default"))) inline void NAME(           \
+  SHM_VECTOR_WIDTHS inline void NAME(                                                       \
       T* __restrict out, const T* a, const T* b, int64_t n) {                                \
     for (int64_t i = 0; i < n; ++i) out[i] = static_cast<T>(static_cast<U>(a[i]) + static_cast<U>(b[i])); \
   }

@@ -3,8 +3,10 @@
 // (recorder.py turns them into torch's entry dicts, merged with the calls the Python path
 // recorded, by record id).
 //
-// A call costs two clock reads (created, completed; a queued call a third, started), a few
-// stores and two atomic increments: no lock, no allocation. The ids come from counters the
+// A call costs two reads of the CPU's time-stamp counter (created, completed; a queued call a
+// third, started), a few stores and two atomic increments: no lock, no allocation, no system
+// clock. The counter is turned into wall-clock nanoseconds when the record is read, from two
+// (counter, wall clock) pairs: one taken when the recorder was made, one at the reading. The ids come from counters the
 // Python recorder draws from too (next_ids), so the group has one sequence of record ids and of
 // collective sequence numbers whichever path ran a call. Native entries carry no stack frames
 // (torch's C++ callers have no Python ones; a Python caller's would need the GIL).
@@ -13,6 +15,14 @@
 
 #include <ATen/ATen.h>
 #include <time.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <x86intrin.h>
+#define SHM_TICKS() static_cast<uint64_t>(__rdtsc())
+#else  // elsewhere the system clock, in nanoseconds (the conversion at reading is then 1:1)
+#define SHM_TICKS() static_cast<uint64_t>(shm_native::wall_ns())
+#endif
+
+#include <pthread.h>
 
 #include <atomic>
 #include <cstdint>
@@ -41,7 +51,8 @@ struct RecEntry {
 
 class Recorder {
  public:
-  explicit Recorder(int64_t capacity) : ring_(static_cast<size_t>(capacity > 0 ? capacity : 0)) {}
+  explicit Recorder(int64_t capacity)
+      : ring_(static_cast<size_t>(capacity > 0 ? capacity : 0)), tsc0_(SHM_TICKS()), ns0_(wall_ns()) {}
 
   bool on() const { return !ring_.empty(); }
 
@@ -64,14 +75,14 @@ class Recorder {
     RecEntry& e = ring_[static_cast<size_t>(slot) % ring_.size()];
     int64_t p2p_id;
     next_ids(false, &e.record_id, &e.collective_seq_id, &p2p_id, &e.op_id);
-    e.created = wall_ns();
+    e.created = static_cast<int64_t>(SHM_TICKS());
     e.started = e.completed = 0;
     e.state = 0;
     e.kind = kind;
     e.dtype = in ? static_cast<int32_t>(in->scalar_type()) : -1;
     e.in_dims = shape(in, e.in_sizes);
     e.out_dims = shape(out, e.out_sizes);
-    e.thread = static_cast<uint64_t>(std::hash<std::thread::id>{}(std::this_thread::get_id()));
+    e.thread = static_cast<uint64_t>(pthread_self());
     last_enqueued = e.collective_seq_id;
     return slot;
   }
@@ -79,7 +90,7 @@ class Recorder {
   void started(int64_t slot, bool at_once) {
     if (slot < 0) return;
     RecEntry& e = ring_[static_cast<size_t>(slot) % ring_.size()];
-    e.started = at_once ? e.created : wall_ns();
+    e.started = at_once ? e.created : static_cast<int64_t>(SHM_TICKS());
     e.state = 1;
     last_started = e.collective_seq_id;
   }
@@ -87,17 +98,27 @@ class Recorder {
   void completed(int64_t slot) {
     if (slot < 0) return;
     RecEntry& e = ring_[static_cast<size_t>(slot) % ring_.size()];
-    e.completed = wall_ns();
+    e.completed = static_cast<int64_t>(SHM_TICKS());
     e.state = 2;
     last_completed = e.collective_seq_id;
   }
 
-  // the entries held now, oldest first (read at dump time)
+  // the entries held now, oldest first, their times in wall-clock nanoseconds (read at dump time)
   std::vector<RecEntry> entries() const {
     std::vector<RecEntry> out;
     const int64_t n = written_.load(std::memory_order_relaxed);
     const int64_t cap = static_cast<int64_t>(ring_.size());
-    for (int64_t s = n > cap ? n - cap : 0; s < n; ++s) out.push_back(ring_[static_cast<size_t>(s % cap)]);
+    const double tsc1 = static_cast<double>(SHM_TICKS());
+    const double ns1 = static_cast<double>(wall_ns());
+    const double per_tick = tsc1 > tsc0_ ? (ns1 - ns0_) / (tsc1 - tsc0_) : 0.0;
+    auto ns = [&](int64_t t) { return t ? static_cast<int64_t>(ns0_ + (t - static_cast<double>(tsc0_)) * per_tick) : 0; };
+    for (int64_t s = n > cap ? n - cap : 0; s < n; ++s) {
+      RecEntry e = ring_[static_cast<size_t>(s % cap)];
+      e.created = ns(e.created);
+      e.started = ns(e.started);
+      e.completed = ns(e.completed);
+      out.push_back(e);
+    }
     return out;
   }
 
@@ -113,6 +134,8 @@ class Recorder {
   }
 
   std::vector<RecEntry> ring_;
+  uint64_t tsc0_;
+  int64_t ns0_;
   std::atomic<int64_t> written_{0}, next_record_{0}, coll_seq_{0}, p2p_seq_{0};
 };
 

@@ -28,7 +28,14 @@
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#define SHM_PAUSE() _mm_pause()
+#elif defined(__aarch64__)
+#define SHM_PAUSE() __asm__ __volatile__("yield")
+#else
+#define SHM_PAUSE() ((void)0)
+#endif
 
 #include <chrono>
 #include <cstdint>
@@ -210,7 +217,7 @@ class Waiter {
     if (missing < 0) return;
     // a few reads first (a few microseconds): a peer that is already on its way arrives within them
     for (int i = 0; i < 64 && missing >= 0; ++i) {
-      _mm_pause();
+      SHM_PAUSE();
       missing = first_missing(s);
     }
     if (missing < 0) return;
@@ -238,7 +245,7 @@ class Waiter {
       }
       switch (strategy_) {
         case SPIN:
-          _mm_pause();
+          SHM_PAUSE();
           continue;
         case YIELD:
           sched_yield();
@@ -264,7 +271,7 @@ class Waiter {
           if (full >= FULL_CHECKS) spin_until = now;  // threads have waited for cores for 3 checks in a row
 
         }
-        _mm_pause();
+        SHM_PAUSE();
         continue;
       }
       if (now < spin_until + YIELD_S) {
