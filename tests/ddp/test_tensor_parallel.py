@@ -1,0 +1,147 @@
+"""Tensor parallelism from the project's collectives (ddp_from_scratch/tensor_parallel): the MLP
+block split over 2 ranks against the one-rank block and against torch's parallelize_module with
+ColwiseParallel and RowwiseParallel on the same weights and data, the messages against Megatron's
+closed form, and bad sizes refused by name.
+
+    pytest tests/ddp/test_tensor_parallel.py -q
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from collectives.testing import run_on_ranks
+from ddp_from_scratch.tensor_parallel.mlp import TensorParallelMLP, one_rank_mlp
+from ddp_from_scratch.tensor_parallel.operators import counting
+
+B, S, H = 3, 8, 16
+
+
+def _data(seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, S, H, generator=g), torch.randn(B, S, H, generator=g)
+
+
+def _one_rank():
+    full = one_rank_mlp(H)
+    x, dy = _data()
+    x.requires_grad_(True)
+    y = full(x)
+    y.backward(dy)
+    return full, x, y
+
+
+def _ours(env, backend, sequence_parallel):
+    group = dist.new_group(backend=backend)
+    p, r = env.world_size, env.rank
+    full, x_full, y_full = _one_rank()
+    mlp = TensorParallelMLP(one_rank_mlp(H), group, sequence_parallel=sequence_parallel)
+    x, dy = _data()
+    if sequence_parallel:  # this rank's slice of the sequence in, its slice of the output out
+        k = S // p
+        x, dy = x[:, r * k:(r + 1) * k].contiguous(), dy[:, r * k:(r + 1) * k].contiguous()
+    x.requires_grad_(True)
+    with counting() as forward:
+        y = mlp(x)
+    with counting() as backward:
+        y.backward(dy)
+    k4 = 4 * H // p
+    want = y_full[:, r * (S // p):(r + 1) * (S // p)] if sequence_parallel else y_full
+    want_dx = x_full.grad[:, r * (S // p):(r + 1) * (S // p)] if sequence_parallel else x_full.grad
+    return {
+        "y": (y.detach(), want.detach()),
+        "dx": (x.grad, want_dx),
+        "up.weight.grad": (mlp.up.weight.grad, full[0].weight.grad[r * k4:(r + 1) * k4]),
+        "up.bias.grad": (mlp.up.bias.grad, full[0].bias.grad[r * k4:(r + 1) * k4]),
+        "down.weight.grad": (mlp.down.weight.grad, full[2].weight.grad[:, r * k4:(r + 1) * k4]),
+        # the down-projection's bias is whole on every rank: with sequence parallelism each rank's
+        # gradient covers its slice only (a DP-style all_reduce over the TP group completes it)
+        "down.bias.grad": (mlp.down.bias.grad, None if sequence_parallel else full[2].bias.grad),
+        "messages": (forward, backward),
+    }
+
+
+@pytest.mark.parametrize("backend", ["gloo", "shm"])
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+def test_the_split_mlp_is_the_one_rank_mlp_and_sends_megatrons_messages(backend, sequence_parallel):
+    """Within float32 rounding of the one-rank block (each output element is a sum over 4h
+    features, split in p partial sums and added in another order), and exactly Megatron's
+    messages: one all_reduce of batch x seq x hidden forward and one backward; with sequence
+    parallelism an all_gather of each rank's slice and a reduce_scatter of the whole, each way."""
+    for rank, got in enumerate(run_on_ranks(_ours, 2, args=(backend, sequence_parallel), backend="gloo")):
+        for name, (mine, want) in got.items():
+            if name == "messages" or want is None:
+                continue
+            torch.testing.assert_close(mine, want, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank}, {name}: {m}")
+        forward, backward = got["messages"]
+        if sequence_parallel:
+            assert forward == [("all_gather", B * S // 2 * H), ("reduce_scatter", B * S * H)], forward
+            assert backward == [("all_gather", B * S // 2 * H), ("reduce_scatter", B * S * H)], backward
+        else:
+            assert forward == [("all_reduce", B * S * H)] and backward == [("all_reduce", B * S * H)], (forward, backward)
+
+
+def _against_torch(env, backend, bias_in_partial_sums):
+    """torch's ColwiseParallel / RowwiseParallel on a copy of the same block, on a DeviceMesh over
+    the same group, beside ours."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    group = dist.new_group(backend=backend)
+    mesh = DeviceMesh.from_group(group, "cpu")
+    theirs = parallelize_module(one_rank_mlp(H), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    ours = TensorParallelMLP(one_rank_mlp(H), group, bias_in_partial_sums=bias_in_partial_sums)
+    x, dy = _data()
+    out = {}
+    for label, mlp in (("ours", ours), ("torch", theirs)):
+        xi = x.clone().requires_grad_(True)
+        y = mlp(xi)
+        y = y.full_tensor() if hasattr(y, "full_tensor") else y
+        y.backward(dy)
+        local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
+        up, down = (mlp.up, mlp.down) if label == "ours" else (mlp[0], mlp[2])
+        out[label] = {"y": y.detach(), "dx": xi.grad, "up.weight.grad": local(up.weight.grad),
+                      "up.bias.grad": local(up.bias.grad), "down.weight.grad": local(down.weight.grad),
+                      "down.bias.grad": local(down.bias.grad)}
+    return {k: (out["ours"][k], out["torch"][k]) for k in out["ours"]}
+
+
+@pytest.mark.parametrize("backend", ["gloo", "shm"])
+def test_the_split_mlp_is_bitwise_torchs_colwise_and_rowwise_parallel(backend):
+    """With torch's order for the down-projection's bias (b / p in each partial sum), every output,
+    gradient and input gradient is torch's bit for bit: the same kernels on the same shards, the
+    same all_reduces of the same partial sums."""
+    for rank, got in enumerate(run_on_ranks(_against_torch, 2, args=(backend, True), backend="gloo")):
+        for name, (mine, theirs) in got.items():
+            assert torch.equal(mine, theirs), f"rank {rank}, {name}: {(mine - theirs).abs().max()}"
+
+
+def test_megatrons_bias_order_differs_from_torchs_in_the_last_bits_only():
+    """Megatron's order (the bias once, after the sum) against torch's: y and everything after it
+    differ by at most a few units in the last place (one rounding of b / p per rank, and the
+    bias added before the sum instead of after); what comes before the bias is the same bits."""
+    for rank, got in enumerate(run_on_ranks(_against_torch, 2, args=("gloo", False), backend="gloo")):
+        for name, (mine, theirs) in got.items():
+            if name in ("up.weight.grad", "up.bias.grad", "down.weight.grad", "dx", "down.bias.grad"):
+                torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=1e-6, msg=lambda m: f"rank {rank}, {name}: {m}")
+            else:
+                bound = 4 * torch.finfo(torch.float32).eps * theirs.abs().max()  # 4 units in the last place of the largest
+                assert (mine - theirs).abs().max() <= bound, f"rank {rank}, {name}: {(mine - theirs).abs().max()}"
+                assert not torch.equal(mine, theirs), f"rank {rank}, {name}: the orders gave the same bits here"
+
+
+def _refused(env):
+    group = dist.new_group(backend="gloo")
+    try:
+        TensorParallelMLP(one_rank_mlp(4, ffn=7), group)  # 7 inner features over 2 ranks
+    except ValueError as exc:
+        return str(exc)
+    return "accepted"
+
+
+def test_a_size_the_tp_size_does_not_divide_is_refused_by_name():
+    for said in run_on_ranks(_refused, 2, backend="gloo"):
+        assert said == ("the MLP's up-projection's out_features is 7, which the tensor-parallel size 2 does not "
+                        "divide: choose a size that is a multiple of 2"), said
