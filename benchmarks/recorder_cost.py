@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 import collectives
 from collectives import cli
-from collectives.shm import backend_of
+from collectives.shm import backend_of, new_group_with
 from ddp_from_scratch.workload.models import MODELS
 
 from .sweep import alternate_steps
@@ -42,14 +42,7 @@ from .sweep import alternate_steps
 
 def _group(recording: bool):
     """An shm group whose backend records (or not): the recorder is chosen when the group is made."""
-    saved = os.environ.pop("TORCH_FR_BUFFER_SIZE", None)
-    os.environ["TORCH_FR_BUFFER_SIZE"] = "2000" if recording else "0"  # shm records unless told 0
-    try:
-        group = dist.new_group(backend="shm")
-    finally:
-        os.environ.pop("TORCH_FR_BUFFER_SIZE", None)
-        if saved is not None:
-            os.environ["TORCH_FR_BUFFER_SIZE"] = saved
+    group = new_group_with({"TORCH_FR_BUFFER_SIZE": "2000" if recording else "0"})  # shm records unless told 0
     assert (backend_of(group).recorder is not None) == recording
     return group
 

@@ -38,7 +38,7 @@ from torch import nn
 import collectives
 from collectives import cli
 from collectives.cli import command
-from collectives.shm import backend_of
+from collectives.shm import backend_of, new_group_with
 from collectives.shm.ops import SMALL_BYTES, all_reduce_traffic
 from ddp_from_scratch.workload.resnet import resnet50
 
@@ -126,13 +126,7 @@ def run_all(env, config):
         out["latency"] = {"gloo": _latency_and_cpu(None), "shm": _latency_and_cpu(shm_group)}
         strategies = {}
         for strategy in ("futex", "spin", "yield", "sleep"):  # a group each: the setting is read as it is made
-            saved = os.environ.get("COLLECTIVES_SHM_WAIT")
-            os.environ["COLLECTIVES_SHM_WAIT"] = strategy
-            try:
-                group = dist.new_group(backend="shm")
-            finally:
-                os.environ.pop("COLLECTIVES_SHM_WAIT") if saved is None else os.environ.update(COLLECTIVES_SHM_WAIT=saved)
-            strategies[strategy] = _latency_and_cpu(group)
+            strategies[strategy] = _latency_and_cpu(new_group_with({"COLLECTIVES_SHM_WAIT": strategy}))
         out["strategies"] = strategies
     if not config["skip_ddp"]:
         if env.rank == 0:

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 import collectives
 from collectives import cli
-from collectives.shm import backend_of
+from collectives.shm import backend_of, new_group_with
 
 from .sweep import parse_size, size_list
 
@@ -44,15 +44,7 @@ VARIANTS = ("gloo", "shm python", "shm native", "floor", "deepspeed")
 
 
 def _shm_group(path: str):
-    saved = os.environ.get("COLLECTIVES_SHM_PATH")
-    os.environ["COLLECTIVES_SHM_PATH"] = path
-    try:
-        return dist.new_group(backend="shm")
-    finally:
-        if saved is None:
-            del os.environ["COLLECTIVES_SHM_PATH"]
-        else:
-            os.environ["COLLECTIVES_SHM_PATH"] = saved
+    return new_group_with({"COLLECTIVES_SHM_PATH": path})
 
 
 def _deepspeed():

@@ -29,21 +29,14 @@ import torch.distributed as dist
 
 import collectives
 from collectives import cli
+from collectives.shm import new_group_with
 from collectives.shm.wait import STRATEGIES
 
 from .sweep import parse_size
 
 
 def _group(strategy: str):
-    saved = os.environ.get("COLLECTIVES_SHM_WAIT")
-    os.environ["COLLECTIVES_SHM_WAIT"] = strategy
-    try:
-        return dist.new_group(backend="shm")
-    finally:
-        if saved is None:
-            del os.environ["COLLECTIVES_SHM_WAIT"]
-        else:
-            os.environ["COLLECTIVES_SHM_WAIT"] = saved
+    return new_group_with({"COLLECTIVES_SHM_WAIT": strategy})
 
 
 def _slowest(*values: float):

@@ -22,7 +22,7 @@ attach (cma.py: reading and writing another rank's tensor directly).
 
 import torch.distributed as dist
 
-from .process_group import ShmBackend, backend_of, create
+from .process_group import ShmBackend, backend_of, create, new_group_with
 from .segment import leftovers, sweep
 from .wait import PeerFailure
 
@@ -37,4 +37,4 @@ def register() -> None:
 
 register()
 
-__all__ = ["BACKEND", "register", "ShmBackend", "backend_of", "PeerFailure", "leftovers", "sweep"]
+__all__ = ["BACKEND", "register", "ShmBackend", "backend_of", "new_group_with", "PeerFailure", "leftovers", "sweep"]

@@ -549,6 +549,28 @@ def create(store, rank: int, size: int, timeout: timedelta):
     return forward
 
 
+def new_group_with(settings: dict, ranks=None):
+    """dist.new_group(ranks, backend="shm") made with these environment settings (COLLECTIVES_SHM_*,
+    TORCH_FR_BUFFER_SIZE: a group reads them as it is made), the environment restored after.
+    Every rank calls it, as new_group.
+
+        native = new_group_with({"COLLECTIVES_SHM_PATH": "native"})
+        python = new_group_with({"COLLECTIVES_SHM_PATH": "python", "COLLECTIVES_SHM_WAIT": "spin"})
+    """
+    import os
+
+    saved = {k: os.environ.get(k) for k in settings}
+    os.environ.update({k: str(v) for k, v in settings.items()})
+    try:
+        return dist.new_group(ranks, backend="shm")
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def backend_of(group=None) -> ShmBackend:
     """The ShmBackend behind an shm group (default: the world), e.g. to read its cma_off_reason."""
     group = dist.group.WORLD if group is None else group

@@ -13,8 +13,6 @@ native with odd ranks Python; the outputs must be equal byte for byte.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -23,7 +21,7 @@ from hypothesis import strategies as st
 
 from collectives.errors import CollectiveError
 from collectives.reduce_ops import TORCH_OPS, check_op_dtype
-from collectives.shm import backend_of
+from collectives.shm import backend_of, new_group_with
 from collectives.shm.process_group import NATIVE_DTYPES
 from collectives.testing import run_on_ranks
 
@@ -43,14 +41,8 @@ def _made(rank: int, queued: bool) -> dict:
         made = {}
         for variant in ("native", "python", "mixed"):
             path = variant if variant != "mixed" else ("native" if rank % 2 == 0 else "python")
-            env = {**SETTINGS, "COLLECTIVES_SHM_PATH": path, "COLLECTIVES_SHM_INLINE_BYTES": "0" if queued else "65536"}
-            saved = {k: os.environ.get(k) for k in env}
-            os.environ.update(env)
-            try:
-                made[variant] = dist.new_group(backend="shm")
-            finally:
-                for k, v in saved.items():
-                    os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+            made[variant] = new_group_with({**SETTINGS, "COLLECTIVES_SHM_PATH": path,
+                                            "COLLECTIVES_SHM_INLINE_BYTES": "0" if queued else "65536"})
             assert backend_of(made[variant]).path == path, (variant, backend_of(made[variant]).path)
         _groups[key] = made
     return _groups[key]

@@ -6,7 +6,6 @@ splits included, and against the closed forms torch.distributed's own tests expe
     pytest tests/shm/test_routing.py -q
 """
 
-import os
 from datetime import timedelta
 
 import pytest
@@ -15,7 +14,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from collectives.errors import CollectiveMismatchError
-from collectives.shm import backend_of
+from collectives.shm import backend_of, new_group_with
 from collectives.testing import distributed
 from ddp_from_scratch.parts.parity import same_bits
 
@@ -325,11 +324,7 @@ def test_a_peer_outside_the_group_is_refused_and_the_messages_go_on(env):
 
 def _late_for_monitored_barrier(env, path):
     """Rank 1 comes to monitored_barrier only after ranks 0 and 2 have given up on it."""
-    os.environ["COLLECTIVES_SHM_PATH"] = path  # read as the group is made
-    try:
-        group = dist.new_group(backend="shm")
-    finally:
-        del os.environ["COLLECTIVES_SHM_PATH"]
+    group = new_group_with({"COLLECTIVES_SHM_PATH": path})
     store = dist.distributed_c10d._get_default_store()
     said = []
     if env.rank == 1:

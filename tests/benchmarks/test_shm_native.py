@@ -1,0 +1,35 @@
+"""benchmarks.shm_native: a short run times every variant at every size on the same ranks, counts
+no wrong element, and the report has a row per size; a bad flag is a usage error. (How fast each
+variant is, is the benchmark's to say, not a test's.)
+
+    pytest tests/benchmarks/test_shm_native.py -q
+"""
+
+import json
+
+import pytest
+
+from benchmarks import shm_native
+
+
+def test_a_short_run_times_every_variant_at_every_size(tmp_path, capsys):
+    out = tmp_path / "native.json"
+    argv = ["--rounds", "2", "-b", "8", "-e", "64K", "-f", "64", "--budget-ms", "1",
+            "--variants", "gloo", "shm python", "shm native", "floor", "--json", str(out)]
+    assert shm_native.main(argv) == 0
+    printed = capsys.readouterr().out
+    saved = json.loads(out.read_text())
+    assert saved["sizes"] == [8, 512, 32768, 65536]  # the largest size always, though 64 x 512 passes it
+    assert saved["wrong"] == {"gloo": 0, "shm python": 0, "shm native": 0}
+    for name in ("gloo", "shm python", "shm native", "floor"):
+        assert all(len(saved["times_us"][name][str(s)]) == 2 for s in saved["sizes"]), name
+    for row in ("8 B", "512 B", "32 KiB", "64 KiB"):
+        assert f"\n{row.rjust(6)}" in printed, printed
+    assert "8 B: shm native costs" in printed and "deepspeed left out: not asked for" in printed
+    assert saved["command"].startswith("python -m benchmarks.shm_native --rounds 2")
+
+
+def test_a_budget_that_is_not_positive_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as info:
+        shm_native.main(["--budget-ms", "0"])
+    assert info.value.code == 2 and "--budget-ms" in capsys.readouterr().err
