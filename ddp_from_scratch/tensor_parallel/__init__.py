@@ -3,6 +3,7 @@
     operators.py   Megatron's f and g (and sequence parallelism's all_gather / reduce_scatter forms)
     layers.py      a column-parallel and a row-parallel Linear made from a whole nn.Linear
     mlp.py         the MLP block split over a TP group: one all_reduce forward, one backward
+    attention.py   the self-attention block split by heads: one all_reduce forward, one backward
 
     python -m pytest tests/ddp/test_tensor_parallel.py -q     # proven against one rank and torch's
 """

@@ -1,0 +1,72 @@
+"""A transformer's self-attention block split over a TP group by heads, made from the one-rank
+block so both start from the same weights.
+
+    attn = TensorParallelAttention(one_rank_attention(hidden, heads), group)   # x: (batch, seq, hidden)
+
+Each rank keeps heads / p of the heads: the rows of the q, k and v projections that make them
+(column-parallel: output features r * h/p to (r + 1) * h/p), attention over those heads alone
+(no head needs another's), and the matching columns of the output projection (row-parallel), whose
+partial sums g all-reduces. f sits once on the input, before the three projections, so the
+input's gradient (a sum over q, k and v and over ranks) is all-reduced once: one all_reduce of
+batch x seq x hidden elements forward and one backward, as the MLP block; two of each per
+transformer block, Megatron's closed form.
+
+A head count the TP size does not divide, or a hidden size the head count does not divide, is
+refused, naming both numbers.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .layers import ColumnParallelLinear, RowParallelLinear
+from .operators import f
+
+
+class Attention(nn.Module):
+    """The one-rank block: q, k, v and output projections, causal scaled dot-product attention."""
+
+    def __init__(self, hidden: int, heads: int):
+        super().__init__()
+        if hidden % heads:
+            raise ValueError(f"the hidden size {hidden} does not split into {heads} heads: choose a multiple of {heads}")
+        self.heads = heads
+        self.q, self.k, self.v, self.out = (nn.Linear(hidden, hidden) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(attend(self.q(x), self.k(x), self.v(x), self.heads))
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int) -> torch.Tensor:
+    """Causal attention of (batch, seq, heads x head_dim) projections, head by head."""
+    b, s, width = q.shape
+    split = lambda t: t.view(b, s, heads, width // heads).transpose(1, 2)  # noqa: E731
+    y = F.scaled_dot_product_attention(split(q), split(k), split(v), is_causal=True)
+    return y.transpose(1, 2).reshape(b, s, width)
+
+
+def one_rank_attention(hidden: int, heads: int, seed: int = 0) -> Attention:
+    torch.manual_seed(seed)
+    return Attention(hidden, heads)
+
+
+class TensorParallelAttention(nn.Module):
+    def __init__(self, full: Attention, group, bias_in_partial_sums: bool = False):
+        super().__init__()
+        p = dist.get_world_size(group)
+        if full.heads % p:
+            raise ValueError(f"the attention's {full.heads} heads do not split over the tensor-parallel size {p}: "
+                             f"choose a head count that is a multiple of {p}")
+        self.group, self.heads = group, full.heads // p
+        self.q, self.k, self.v = (ColumnParallelLinear(lin, group, name=f"the attention's {n} projection")
+                                  for n, lin in (("q", full.q), ("k", full.k), ("v", full.v)))
+        self.out = RowParallelLinear(full.out, group, name="the attention's output projection",
+                                     bias_in_partial_sums=bias_in_partial_sums)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = f(x, self.group)  # once for the three projections: one all_reduce of the input's gradient
+        q, k, v = (F.linear(x, lin.weight, lin.bias) for lin in (self.q, self.k, self.v))
+        return self.out(attend(q, k, v, self.heads))
