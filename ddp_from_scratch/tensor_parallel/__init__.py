@@ -4,6 +4,7 @@
     layers.py      a column-parallel and a row-parallel Linear made from a whole nn.Linear
     mlp.py         the MLP block split over a TP group: one all_reduce forward, one backward
     attention.py   the self-attention block split by heads: one all_reduce forward, one backward
+    vocab.py       the embedding split by vocabulary, and the cross-entropy of logits split the same way
 
     python -m pytest tests/ddp/test_tensor_parallel.py -q     # proven against one rank and torch's
 """

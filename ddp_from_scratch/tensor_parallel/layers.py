@@ -34,7 +34,7 @@ def tp_size_and_rank(group) -> tuple:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-def _split(n: int, p: int, what: str) -> int:
+def split_size(n: int, p: int, what: str) -> int:
     if n % p:
         raise ValueError(f"{what} is {n}, which the tensor-parallel size {p} does not divide: "
                          f"choose a size that is a multiple of {p}")
@@ -47,7 +47,7 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, full: nn.Linear, group, name: str = "ColumnParallelLinear"):
         super().__init__()
         p, r = tp_size_and_rank(group)
-        k = _split(full.out_features, p, f"{name}'s out_features")
+        k = split_size(full.out_features, p, f"{name}'s out_features")
         self.group = group
         self.weight = nn.Parameter(full.weight.detach()[r * k:(r + 1) * k].clone())
         self.bias = nn.Parameter(full.bias.detach()[r * k:(r + 1) * k].clone()) if full.bias is not None else None
@@ -75,7 +75,7 @@ class RowParallelLinear(nn.Module):
     def __init__(self, full: nn.Linear, group, name: str = "RowParallelLinear", bias_in_partial_sums: bool = False):
         super().__init__()
         p, r = tp_size_and_rank(group)
-        k = _split(full.in_features, p, f"{name}'s in_features")
+        k = split_size(full.in_features, p, f"{name}'s in_features")
         self.group, self.size, self.bias_in_partial_sums = group, p, bias_in_partial_sums
         self.weight = nn.Parameter(full.weight.detach()[:, r * k:(r + 1) * k].clone())
         self.bias = nn.Parameter(full.bias.detach().clone()) if full.bias is not None else None

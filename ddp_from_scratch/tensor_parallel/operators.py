@@ -52,28 +52,28 @@ def counting():
         MESSAGES = saved
 
 
-def _said(name: str, t: torch.Tensor) -> None:
+def note_message(name: str, t: torch.Tensor) -> None:
     if MESSAGES is not None:
         MESSAGES.append((name, t.numel()))
 
 
-def _all_reduce(t: torch.Tensor, group) -> torch.Tensor:
+def all_reduced(t: torch.Tensor, group) -> torch.Tensor:
     out = t.contiguous().clone()
-    _said("all_reduce", out)
+    note_message("all_reduce", out)
     C.all_reduce(out, group=group)
     return out
 
 
 def _all_gather_seq(t: torch.Tensor, group) -> torch.Tensor:
     """(b, s/p, h) on every rank -> (b, s, h), rank order along the sequence."""
-    _said("all_gather", t)
+    note_message("all_gather", t)
     rows = C.all_gather(t.transpose(0, 1).contiguous(), group=group)  # sequence first: gathered on dim 0
     return rows.transpose(0, 1).contiguous()
 
 
 def _reduce_scatter_seq(t: torch.Tensor, group) -> torch.Tensor:
     """(b, s, h) partial sums -> this rank's (b, s/p, h) slice of the sum."""
-    _said("reduce_scatter", t)
+    note_message("reduce_scatter", t)
     mine = C.reduce_scatter(t.transpose(0, 1).contiguous(), group=group)
     return mine.transpose(0, 1).contiguous()
 
@@ -86,13 +86,13 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group), None
+        return all_reduced(grad, ctx.group), None
 
 
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
-        return _all_reduce(x, group)
+        return all_reduced(x, group)
 
     @staticmethod
     def backward(ctx, grad):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from collectives.testing import run_on_ranks
 from ddp_from_scratch.tensor_parallel.mlp import TensorParallelMLP, one_rank_mlp
@@ -248,3 +249,79 @@ def test_a_head_count_the_tp_size_does_not_divide_is_refused_by_name():
         assert said == ["the attention's 3 heads do not split over the tensor-parallel size 2: choose a head count "
                         "that is a multiple of 2",
                         "the hidden size 12 does not split into 5 heads: choose a multiple of 5"], said
+
+
+# -- the vocabulary: embedding rows and the cross-entropy of split logits -------------------------
+VOCAB = 12
+
+
+def _tokens(seed: int = 2):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (B, S), generator=g), torch.randint(0, VOCAB, (B, S), generator=g)
+
+
+def _vocab(env, backend):
+    from torch import nn
+
+    from ddp_from_scratch.tensor_parallel.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
+
+    group = dist.new_group(backend=backend)
+    r, k = env.rank, VOCAB // env.world_size
+    torch.manual_seed(0)
+    full = nn.Embedding(VOCAB, H)
+    tokens, targets = _tokens()
+    dy = _data()[1]
+    full(tokens).backward(dy)
+    embed = VocabParallelEmbedding(full, group)
+    embed.weight.grad = None
+    with counting() as forward:
+        x = embed(tokens)
+    x.backward(dy)
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(B, S, VOCAB, generator=g, requires_grad=True)
+    want = F.cross_entropy(logits.view(-1, VOCAB), targets.view(-1))
+    want.backward()
+    mine = logits.detach()[..., r * k:(r + 1) * k].clone().requires_grad_(True)
+    with counting() as ce_forward:
+        loss = vocab_parallel_cross_entropy(mine, targets, group)
+    with counting() as ce_backward:
+        loss.backward()
+    return {"lookup": (x.detach(), full(tokens).detach()), "embedding grad": (embed.weight.grad, full.weight.grad[r * k:(r + 1) * k]),
+            "loss": (loss.detach(), want.detach()), "logits grad": (mine.grad, logits.grad[..., r * k:(r + 1) * k]),
+            "messages": (forward, ce_forward, ce_backward)}
+
+
+@pytest.mark.parametrize("backend", ["gloo", "shm"])
+def test_the_split_vocabulary_is_the_one_rank_embedding_and_cross_entropy(backend):
+    """The embedding bit for bit the one-rank lookup and its gradient (each row comes from one
+    rank, zeros from the others); the cross-entropy of logits split by vocabulary within float32
+    rounding of F.cross_entropy on the whole logits, and its gradient; three all_reduces of one
+    number per token forward (max, normaliser, target), none backward."""
+    for rank, got in enumerate(run_on_ranks(_vocab, 2, args=(backend,), backend="gloo")):
+        for name in ("lookup", "embedding grad"):
+            mine, want = got[name]
+            assert torch.equal(mine, want), f"rank {rank}, {name}: {(mine - want).abs().max()}"
+        for name in ("loss", "logits grad"):
+            mine, want = got[name]
+            torch.testing.assert_close(mine, want, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank}, {name}: {m}")
+        forward, ce_forward, ce_backward = got["messages"]
+        assert forward == [("all_reduce", B * S * H)], forward
+        assert ce_forward == [("all_reduce", B * S)] * 3 and ce_backward == [], (ce_forward, ce_backward)
+
+
+def _vocab_refused(env):
+    from torch import nn
+
+    from ddp_from_scratch.tensor_parallel.vocab import VocabParallelEmbedding
+
+    try:
+        VocabParallelEmbedding(nn.Embedding(11, 4), dist.new_group(backend="gloo"))
+    except ValueError as exc:
+        return str(exc)
+    return "accepted"
+
+
+def test_a_vocabulary_the_tp_size_does_not_divide_is_refused_by_name():
+    for said in run_on_ranks(_vocab_refused, 2, backend="gloo"):
+        assert said == ("the embedding's vocabulary is 11, which the tensor-parallel size 2 does not divide: "
+                        "choose a size that is a multiple of 2"), said

@@ -1,0 +1,82 @@
+"""The vocabulary split over a TP group: the embedding's rows, and a cross-entropy computed from
+each rank's shard of the logits without gathering them (Megatron's VocabParallelEmbedding and
+vocab_parallel_cross_entropy).
+
+    embed = VocabParallelEmbedding(nn.Embedding(vocab, hidden), group)  # rank r: tokens r*V/p .. (r+1)*V/p - 1
+    x = embed(tokens)                                                   # (batch, seq, hidden), whole on every rank
+    loss = vocab_parallel_cross_entropy(local_logits, targets, group)  # local_logits: (..., V/p), this rank's columns
+
+The embedding: each rank looks up the tokens in its range, writes zeros for the others, and g
+all-reduces: every token's row comes from exactly one rank and zeros from the rest, so the sum
+is the one-rank lookup bit for bit. One all_reduce of batch x seq x hidden forward, none backward.
+
+The cross-entropy of logits split by vocabulary, loss = log(sum_v e^(z_v - m)) - (z_target - m):
+an all_reduce (max) of each token's local maximum gives m; an all_reduce (sum) of the local sums
+of e^(z - m) gives the normaliser; an all_reduce (sum) of the target's shifted logit, which one
+rank holds and the others give as 0, gives z_target - m. Three all_reduces of one number per
+token, instead of gathering batch x seq x vocab logits. Backward needs none: the gradient of
+rank r's logits is softmax - one_hot on its own columns, times the loss's gradient.
+
+A vocabulary the TP size does not divide is refused, naming both numbers.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import collectives as C
+
+from .layers import split_size
+from .operators import all_reduced, g, note_message
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, full: nn.Embedding, group):
+        super().__init__()
+        p, r = dist.get_world_size(group), dist.get_rank(group)
+        k = split_size(full.num_embeddings, p, "the embedding's vocabulary")
+        self.group, self.start, self.end = group, r * k, (r + 1) * k
+        self.weight = nn.Parameter(full.weight.detach()[self.start:self.end].clone())
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        mine = (tokens >= self.start) & (tokens < self.end)
+        local = torch.where(mine, tokens - self.start, torch.zeros_like(tokens))
+        rows = F.embedding(local, self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
+        return g(rows, self.group)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, start, group):
+        m = logits.detach().amax(dim=-1)
+        note_message("all_reduce", m)
+        C.all_reduce(m, op="max", group=group)
+        shifted = logits - m.unsqueeze(-1)
+        exp = shifted.exp()
+        total = all_reduced(exp.sum(dim=-1), group)
+        k = logits.shape[-1]
+        mine = (targets >= start) & (targets < start + k)
+        local = torch.where(mine, targets - start, torch.zeros_like(targets))
+        picked = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1) * mine.to(shifted.dtype)
+        target = all_reduced(picked, group)
+        ctx.save_for_backward(exp / total.unsqueeze(-1), local, mine)
+        return total.log() - target
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, local, mine = ctx.saved_tensors
+        out = softmax.clone()
+        out.scatter_add_(-1, local.unsqueeze(-1), -mine.to(out.dtype).unsqueeze(-1))
+        return out * grad.unsqueeze(-1), None, None, None
+
+
+def vocab_parallel_cross_entropy(local_logits: torch.Tensor, targets: torch.Tensor, group,
+                                 reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy of logits split by vocabulary over `group` (this rank: columns r*V/p to
+    (r+1)*V/p - 1); per token, or its mean (reduction="mean", as F.cross_entropy)."""
+    start = dist.get_rank(group) * local_logits.shape[-1]
+    per_token = _VocabParallelCrossEntropy.apply(local_logits, targets, start, group)
+    return per_token.mean() if reduction == "mean" else per_token
