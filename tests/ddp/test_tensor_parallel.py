@@ -325,3 +325,71 @@ def test_a_vocabulary_the_tp_size_does_not_divide_is_refused_by_name():
     for said in run_on_ranks(_vocab_refused, 2, backend="gloo"):
         assert said == ("the embedding's vocabulary is 11, which the tensor-parallel size 2 does not divide: "
                         "choose a size that is a multiple of 2"), said
+
+
+# -- TP x DP on a 2 x 2 mesh of subgroups, the DP dimension under the bucketed DDP ----------------
+def _tp_by_dp(env, backend):
+    from ddp_from_scratch.steps.ddp import DistributedDataParallel
+    from ddp_from_scratch.tensor_parallel.mesh import Mesh2D
+
+    mesh = Mesh2D(tp=2, backend=backend)
+    d, t = mesh.coordinates(env.rank)
+    model = DistributedDataParallel(TensorParallelMLP(one_rank_mlp(H), mesh.tp), group=mesh.dp)
+    x, dy = _data(seed=10 + d)  # each DP group its own batch; the two TP ranks of a group the same
+    x.requires_grad_(True)  # as inside a model (an embedding below it): f's backward then all-reduces
+    with counting() as tp_messages:
+        model(x).backward(dy)
+    full = one_rank_mlp(H)  # the one-rank model on both batches, the loss averaged over them
+    for dd in range(mesh.dp_size):
+        xd, dyd = _data(seed=10 + dd)
+        full(xd).backward(dyd / mesh.dp_size)
+    k4 = 4 * H // mesh.tp_size
+    mlp = model.module
+    pairs = {"up.weight.grad": (mlp.up.weight.grad, full[0].weight.grad[t * k4:(t + 1) * k4]),
+             "up.bias.grad": (mlp.up.bias.grad, full[0].bias.grad[t * k4:(t + 1) * k4]),
+             "down.weight.grad": (mlp.down.weight.grad, full[2].weight.grad[:, t * k4:(t + 1) * k4]),
+             "down.bias.grad": (mlp.down.bias.grad, full[2].bias.grad)}
+    groups = ([sorted(dist.get_process_group_ranks(g)) for g in (mesh.tp, mesh.dp)])
+    return pairs, tp_messages, groups
+
+
+@pytest.mark.parametrize("backend", ["gloo", "shm"])
+def test_tp_by_dp_on_a_2x2_mesh_is_the_one_rank_model_on_both_batches(backend):
+    """4 ranks as 2 (DP) x 2 (TP): TP groups [0, 1] and [2, 3], DP groups [0, 2] and [1, 3]. Each
+    DP group trains its own batch, the bucketed DDP averages the gradients over its DP group;
+    every rank's shard of every gradient is then the one-rank model's gradient of the mean loss
+    over both batches (within float32 rounding), and TP sent Megatron's messages in its group."""
+    for rank, (pairs, tp_messages, groups) in enumerate(run_on_ranks(_tp_by_dp, 4, args=(backend,), backend="gloo")):
+        assert groups == [[0, 1] if rank < 2 else [2, 3], [rank % 2, rank % 2 + 2]], (rank, groups)
+        for name, (mine, want) in pairs.items():
+            torch.testing.assert_close(mine, want, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank}, {name}: {m}")
+        assert tp_messages == [("all_reduce", B * S * H)] * 2, tp_messages  # g forward, f backward
+
+
+def _bad_meshes(env):
+    from ddp_from_scratch.tensor_parallel.mesh import Mesh2D
+
+    said = []
+    for kwargs in ({"tp": 3}, {"tp": 2, "ranks": [0, 1, 2, 7]}):
+        try:
+            Mesh2D(**kwargs)
+            said.append("accepted")
+        except ValueError as exc:
+            said.append(str(exc))
+    mesh = Mesh2D(tp=2, ranks=[0, 1])  # every rank makes it; ranks 2 and 3 get no groups
+    try:
+        mesh.coordinates(3)
+    except ValueError as exc:
+        said.append(str(exc))
+    said.append((mesh.tp is None, mesh.dp is None))
+    return said
+
+
+def test_a_mesh_that_does_not_fit_and_a_rank_outside_it_are_refused_by_name():
+    for rank, said in enumerate(run_on_ranks(_bad_meshes, 4, backend="gloo")):
+        assert said[0] == ("a mesh with tensor-parallel size 3 does not fit 4 ranks: the TP size must divide the "
+                           "number of ranks"), said[0]
+        assert said[1] == ("the mesh's ranks [0, 1, 2, 7] must be distinct ranks of the world of 4 (0 to 3); [7] "
+                           "are not"), said[1]
+        assert said[2] == "rank 3 is not in the mesh's ranks [0, 1]", said[2]
+        assert said[3] == (rank >= 2, rank >= 2), (rank, said[3])
