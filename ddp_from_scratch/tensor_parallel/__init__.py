@@ -5,6 +5,7 @@
     mlp.py         the MLP block split over a TP group: one all_reduce forward, one backward
     attention.py   the self-attention block split by heads: one all_reduce forward, one backward
     vocab.py       the embedding split by vocabulary, and the cross-entropy of logits split the same way
+    model.py       the small transformer (workload/transformer.py) split over a TP group
     mesh.py        ranks as DP x TP subgroups: TP inside a group, the bucketed DDP across them
 
     python -m pytest tests/ddp/test_tensor_parallel.py -q     # proven against one rank and torch's

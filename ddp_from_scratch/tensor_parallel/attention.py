@@ -22,30 +22,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ..workload.transformer import Attention, attend
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .operators import f
-
-
-class Attention(nn.Module):
-    """The one-rank block: q, k, v and output projections, causal scaled dot-product attention."""
-
-    def __init__(self, hidden: int, heads: int):
-        super().__init__()
-        if hidden % heads:
-            raise ValueError(f"the hidden size {hidden} does not split into {heads} heads: choose a multiple of {heads}")
-        self.heads = heads
-        self.q, self.k, self.v, self.out = (nn.Linear(hidden, hidden) for _ in range(4))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(attend(self.q(x), self.k(x), self.v(x), self.heads))
-
-
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int) -> torch.Tensor:
-    """Causal attention of (batch, seq, heads x head_dim) projections, head by head."""
-    b, s, width = q.shape
-    split = lambda t: t.view(b, s, heads, width // heads).transpose(1, 2)  # noqa: E731
-    y = F.scaled_dot_product_attention(split(q), split(k), split(v), is_causal=True)
-    return y.transpose(1, 2).reshape(b, s, width)
 
 
 def one_rank_attention(hidden: int, heads: int, seed: int = 0) -> Attention:

@@ -393,3 +393,45 @@ def test_a_mesh_that_does_not_fit_and_a_rank_outside_it_are_refused_by_name():
                            "are not"), said[1]
         assert said[2] == "rank 3 is not in the mesh's ranks [0, 1]", said[2]
         assert said[3] == (rank >= 2, rank >= 2), (rank, said[3])
+
+
+# -- the small transformer, whole ------------------------------------------------------------------
+def _transformer(env, backend):
+    from ddp_from_scratch.tensor_parallel.model import TensorParallelTransformer
+    from ddp_from_scratch.workload.transformer import TinyTransformer, token_batch
+
+    group = dist.new_group(backend=backend)
+    vocab, hidden, heads, layers, batch, seq = 32, 16, 4, 2, 2, 8
+    torch.manual_seed(0)
+    full = TinyTransformer(vocab, hidden, heads, layers)
+    torch.manual_seed(0)
+    tp = TensorParallelTransformer(TinyTransformer(vocab, hidden, heads, layers), group)
+    tokens, targets = token_batch(0, 0, batch, seq, vocab)
+    want = full.loss(tokens, targets)
+    want.backward()
+    with counting() as forward:
+        loss = tp.loss(tokens, targets)
+    with counting() as backward:
+        loss.backward()
+    r, k = env.rank, vocab // env.world_size
+    pairs = {"loss": (loss.detach(), want.detach()),
+             "embed.weight.grad": (tp.embed.weight.grad, full.embed.weight.grad[r * k:(r + 1) * k]),
+             "head.weight.grad": (tp.head.weight.grad, full.head.weight.grad[r * k:(r + 1) * k]),
+             "ln.weight.grad": (tp.ln.weight.grad, full.ln.weight.grad),
+             "blocks.1.ln2.bias.grad": (tp.blocks[1].ln2.bias.grad, full.blocks[1].ln2.bias.grad),
+             "blocks.0.mlp.down.bias.grad": (tp.blocks[0].mlp.down.bias.grad, full.blocks[0].mlp[2].bias.grad)}
+    return pairs, forward, backward, (batch, seq, hidden, layers)
+
+
+@pytest.mark.parametrize("backend", ["gloo", "shm"])
+def test_the_split_transformer_is_the_one_rank_transformer_with_megatrons_messages(backend):
+    """The small transformer over 2 ranks: its loss and gradients (sharded ones against the one-rank
+    model's shard, whole ones against the whole) within float32 rounding; and the messages of the
+    closed form in model.py: 1 + 2L all_reduces of b x s x h forward and 3 of b x s (the
+    cross-entropy), 2L + 1 of b x s x h backward."""
+    for rank, (pairs, forward, backward, (b, s, h, layers)) in enumerate(
+            run_on_ranks(_transformer, 2, args=(backend,), backend="gloo")):
+        for name, (mine, want) in pairs.items():
+            torch.testing.assert_close(mine, want, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank}, {name}: {m}")
+        assert sorted(forward) == sorted([("all_reduce", b * s * h)] * (1 + 2 * layers) + [("all_reduce", b * s)] * 3), forward
+        assert backward == [("all_reduce", b * s * h)] * (2 * layers + 1), backward

@@ -1,0 +1,79 @@
+"""A small decoder-only transformer (GPT-style, pre-LayerNorm) on synthetic tokens: the model the
+tensor-parallel steps split (ddp_from_scratch/tensor_parallel/model.py).
+
+    model = TinyTransformer(vocab=64, hidden=32, heads=4, layers=2)
+    tokens, targets = token_batch(step=0, rank=0, batch_size=4, seq=16, vocab=64)
+    loss = model.loss(tokens, targets)          # cross-entropy of the next tokens
+
+Embedding, then per block x + attention(LayerNorm(x)) and x + MLP(LayerNorm(x)), a last
+LayerNorm and an untied head to the vocabulary. No positional embedding: the causal attention
+already tells positions apart enough for a synthetic-token workload, and the model stays the
+size of its four parts.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+
+class Attention(nn.Module):
+    """The one-rank block: q, k, v and output projections, causal scaled dot-product attention."""
+
+    def __init__(self, hidden: int, heads: int):
+        super().__init__()
+        if hidden % heads:
+            raise ValueError(f"the hidden size {hidden} does not split into {heads} heads: choose a multiple of {heads}")
+        self.heads = heads
+        self.q, self.k, self.v, self.out = (nn.Linear(hidden, hidden) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(attend(self.q(x), self.k(x), self.v(x), self.heads))
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int) -> torch.Tensor:
+    """Causal attention of (batch, seq, heads x head_dim) projections, head by head."""
+    b, s, width = q.shape
+    split = lambda t: t.view(b, s, heads, width // heads).transpose(1, 2)  # noqa: E731
+    y = F.scaled_dot_product_attention(split(q), split(k), split(v), is_causal=True)
+    return y.transpose(1, 2).reshape(b, s, width)
+
+
+class Block(nn.Module):
+    def __init__(self, hidden: int, heads: int):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+        self.attn = Attention(hidden, heads)
+        self.mlp = nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden))
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyTransformer(nn.Module):
+    def __init__(self, vocab: int = 64, hidden: int = 32, heads: int = 4, layers: int = 2):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.blocks = nn.ModuleList(Block(hidden, heads) for _ in range(layers))
+        self.ln = nn.LayerNorm(hidden)
+        self.head = nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x))
+
+    def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self(tokens)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def token_batch(step: int, rank: int, batch_size: int, seq: int, vocab: int):
+    """Synthetic tokens and their next-token targets, different per (step, rank)."""
+    g = torch.Generator().manual_seed(step * 1000 + rank)
+    tokens = torch.randint(0, vocab, (batch_size, seq + 1), generator=g)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
