@@ -1,0 +1,147 @@
+"""Data, tensor and 2-D parallelism of the small transformer side by side in one run: step time and
+the bytes each rank all-reduces per step.
+
+    python -m benchmarks.tensor_parallel --world-size 4
+    python -m benchmarks.tensor_parallel --world-size 4 --backend shm --json tp.json
+
+Every variant trains the same global batch (--batch-size sequences per data-parallel rank of the
+DP variant, so world_size x that in all) of the same model (ddp_from_scratch/workload/transformer.py):
+
+    DP        the whole model on every rank, the project's bucketed DDP over all ranks
+    TP        the model split over all ranks (ddp_from_scratch/tensor_parallel/model.py), each rank the whole batch
+    TP x DP   a 2-D mesh, TP over --tp ranks, the bucketed DDP over the others, each DP group its share
+
+Each round every variant does one SGD step (forward, backward, gradients averaged, update), in a
+shuffled order the same on every rank, after a barrier; a step's time is the slowest rank's; the
+table gives medians over rounds. Bytes: the elements of every all_reduce a rank issues in a step,
+times 4 (float32): TP's activations (counted by tensor_parallel.operators.counting) and DP's
+gradient buckets (the parameters the rank holds), both as the payload each all_reduce carries.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import collectives
+from collectives import cli
+from ddp_from_scratch.steps.ddp import DistributedDataParallel
+from ddp_from_scratch.tensor_parallel.mesh import Mesh2D
+from ddp_from_scratch.tensor_parallel.model import TensorParallelTransformer
+from ddp_from_scratch.tensor_parallel.operators import counting
+from ddp_from_scratch.tensor_parallel.vocab import vocab_parallel_cross_entropy
+from ddp_from_scratch.workload.transformer import TinyTransformer, token_batch
+
+
+def _model(config) -> TinyTransformer:
+    torch.manual_seed(0)
+    return TinyTransformer(config["vocab"], config["hidden"], config["heads"], config["layers"])
+
+
+def measure(env, config) -> dict:
+    torch.set_num_threads(1)
+    n, b, seq, vocab = env.world_size, config["batch_size"], config["seq"], config["vocab"]
+    backend = config["backend"]
+    tp_all = Mesh2D(tp=n, backend=backend)  # TP over every rank
+    mesh = Mesh2D(tp=config["tp"], backend=backend)  # TP x DP
+    world = dist.new_group(backend=backend)
+    # label: (model, sequences per rank, which batch this rank draws, the TP group whose logits are split)
+    variants = {
+        "DP": (DistributedDataParallel(_model(config), group=world), b, env.rank, None),
+        "TP": (TensorParallelTransformer(_model(config), tp_all.tp), n * b, 0, tp_all.tp),
+        "TP x DP": (DistributedDataParallel(TensorParallelTransformer(_model(config), mesh.tp), group=mesh.dp),
+                    n * b // mesh.dp_size, mesh.coordinates(env.rank)[0], mesh.tp),
+    }
+    opts = {k: torch.optim.SGD(v[0].parameters(), lr=0.01) for k, v in variants.items()}
+    times = {k: [] for k in variants}
+    elements = {}
+    order = random.Random(0)
+    for rnd in range(config["rounds"] + 1):
+        for label in order.sample(list(variants), len(variants)):
+            model, batch, shard, tp_group = variants[label]
+            tokens, targets = token_batch(rnd, shard, batch, seq, vocab)
+            dist.barrier()
+            start = time.perf_counter()
+            with counting() as tp_messages:
+                logits = model(tokens)  # through the DDP wrapper where there is one: its hooks see the forward
+                loss = (vocab_parallel_cross_entropy(logits, targets, tp_group) if tp_group is not None else
+                        F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)))
+                loss.backward()
+            opts[label].step()
+            opts[label].zero_grad()
+            took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+            dist.all_reduce(took, op=dist.ReduceOp.MAX)  # on the Gloo world, outside what is timed
+            if rnd:
+                times[label].append(took.item())
+            else:
+                held = sum(p.numel() for p in model.parameters())
+                elements[label] = {"tp": sum(e for _, e in tp_messages), "dp": held if label != "TP" else 0}
+    return {"world_size": n, "tp": config["tp"], "times_s": times, "elements": elements}
+
+
+def report(result: dict, config: dict) -> str:
+    lines = [f"the small transformer (vocab {config['vocab']}, hidden {config['hidden']}, {config['heads']} heads, "
+             f"{config['layers']} blocks, seq {config['seq']}) on {result['world_size']} ranks, global batch "
+             f"{result['world_size'] * config['batch_size']}, {config['backend']}; TP x DP is {result['tp']} x "
+             f"{result['world_size'] // result['tp']}; medians over rounds, the slowest rank:",
+             f"  {'variant':<8} {'s / step':>9} {'/ DP':>6} {'TP bytes / step':>16} {'DP bytes / step':>16}"]
+    dp = statistics.median(result["times_s"]["DP"])
+    for label, t in result["times_s"].items():
+        e = result["elements"][label]
+        lines.append(f"  {label:<8} {statistics.median(t):>9.4f} {statistics.median(t) / dp:>6.2f} "
+                     f"{e['tp'] * 4:>16,} {e['dp'] * 4:>16,}")
+    lines.append("bytes: the payload of every all_reduce a rank issues in one step (float32), activations (TP) "
+                 "and gradient buckets (DP)")
+    return "\n".join(lines)
+
+
+def build_parser():
+    parser = cli.ArgumentParser(prog="python -m benchmarks.tensor_parallel", description=__doc__.splitlines()[0])
+    parser.add_argument("--world-size", type=int, default=4, help="ranks to spawn (default 4)")
+    parser.add_argument("--tp", type=int, default=2, help="the TP size of the TP x DP mesh (default 2)")
+    parser.add_argument("--backend", default="gloo", choices=["gloo", "shm"], help="for every group (default gloo)")
+    parser.add_argument("--batch-size", type=int, default=4, help="sequences per DP rank (default 4)")
+    parser.add_argument("--seq", type=int, default=32, help="tokens per sequence (default 32)")
+    parser.add_argument("--vocab", type=int, default=256)
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=21, help="rounds (default 21); one more warms up")
+    parser.add_argument("--json", default=None, help="also write every round's times here")
+    return parser
+
+
+@cli.command
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    cli.check_at_least(parser, args, {"--world-size": 2, "--tp": 1, "--batch-size": 1, "--seq": 1, "--rounds": 1,
+                                      "--vocab": 1, "--hidden": 1, "--heads": 1, "--layers": 1})
+    cli.check_outputs(parser, {"--json": args.json})
+    for flag, value in (("--tp", args.tp), ("--world-size", args.world_size)):
+        for what, size in (("--heads", args.heads), ("--vocab", args.vocab), ("--hidden x 4", 4 * args.hidden)):
+            if size % value:
+                parser.error(f"{flag} {value} must divide {what} ({size}): the model is split over that many ranks")
+    if args.world_size % args.tp:
+        parser.error(f"--tp {args.tp} must divide --world-size {args.world_size}")
+    if args.hidden % args.heads:
+        parser.error(f"--heads {args.heads} must divide --hidden {args.hidden}")
+    config = {k: getattr(args, k) for k in ("tp", "backend", "batch_size", "seq", "vocab", "hidden", "heads",
+                                            "layers", "rounds")}
+    result = collectives.run(measure, args.world_size, backend="gloo", args=(config,), timeout=3600)[0]
+    print(report(result, config))
+    if args.json:
+        result["command"] = " ".join(["python -m benchmarks.tensor_parallel", *(argv if argv is not None else sys.argv[1:])])
+        cli.write_atomically(args.json, json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,35 @@
+"""benchmarks.tensor_parallel: a short run times the three variants, and the bytes it reports are
+the closed forms: TP's activations, (1 + 2L) b s h + 3 b s forward and (2L + 1) b s h backward
+elements, for the batch each TP rank holds; DP's, the parameters a rank holds.
+
+    pytest tests/benchmarks/test_tensor_parallel_benchmark.py -q
+"""
+
+import json
+
+import pytest
+
+from benchmarks import tensor_parallel
+
+
+def test_a_short_run_reports_the_closed_form_bytes(tmp_path, capsys):
+    out = tmp_path / "tp.json"
+    args = ["--world-size", "2", "--tp", "2", "--rounds", "1", "--batch-size", "2", "--seq", "4", "--vocab", "8",
+            "--hidden", "8", "--heads", "2", "--layers", "1", "--json", str(out)]
+    assert tensor_parallel.main(args) == 0
+    saved = json.loads(out.read_text())
+    h, s, layers, n = 8, 4, 1, 2
+    b = n * 2  # TP: every rank the whole global batch
+    tp = (1 + 2 * layers) * b * s * h + 3 * b * s + (2 * layers + 1) * b * s * h
+    whole = 8 * 8 + layers * (2 * 2 * h + 4 * (h * h + h) + (h * 4 * h + 4 * h) + (4 * h * h + h)) + 2 * h + h * 8
+    assert saved["elements"]["TP"] == {"tp": tp, "dp": 0}, saved["elements"]
+    assert saved["elements"]["DP"] == {"tp": 0, "dp": whole}, saved["elements"]
+    assert saved["elements"]["TP x DP"]["tp"] == tp  # a mesh of 2 x 1: the same TP, a DP group of one
+    assert all(len(t) == 1 for t in saved["times_s"].values())
+    assert "TP x DP" in capsys.readouterr().out
+
+
+def test_sizes_the_ranks_do_not_divide_are_usage_errors(capsys):
+    with pytest.raises(SystemExit) as info:
+        tensor_parallel.main(["--world-size", "4", "--tp", "3"])
+    assert info.value.code == 2 and "--tp 3 must divide" in capsys.readouterr().err
