@@ -20,40 +20,34 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..workload.transformer import TinyTransformer
+from ..workload.transformer import Block, TinyTransformer
 from .attention import TensorParallelAttention
 from .layers import ColumnParallelLinear
 from .mlp import TensorParallelMLP
 from .vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
 
-class _Block(nn.Module):
-    def __init__(self, full, group):
-        super().__init__()
+class _Block(Block):
+    """The one-rank block's forward (residuals around attention and MLP) on split parts."""
+
+    def __init__(self, full: Block, group):
+        nn.Module.__init__(self)
         self.ln1, self.ln2 = full.ln1, full.ln2
         self.attn = TensorParallelAttention(full.attn, group)
         self.mlp = TensorParallelMLP(full.mlp, group)
 
-    def forward(self, x):
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
 
+class TensorParallelTransformer(TinyTransformer):
+    """The one-rank model's forward on split parts: it returns this rank's shard of the logits,
+    (batch, seq, vocab / p), and its loss takes them split."""
 
-class TensorParallelTransformer(nn.Module):
     def __init__(self, full: TinyTransformer, group):
-        super().__init__()
+        nn.Module.__init__(self)
         self.group = group
         self.embed = VocabParallelEmbedding(full.embed, group)
         self.blocks = nn.ModuleList(_Block(b, group) for b in full.blocks)
         self.ln = full.ln
         self.head = ColumnParallelLinear(full.head, group, name="the head")
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """This rank's shard of the logits: (batch, seq, vocab / p)."""
-        x = self.embed(tokens)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln(x))
 
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return vocab_parallel_cross_entropy(self(tokens), targets, self.group)
