@@ -9,8 +9,8 @@ The variants are groups over the same ranks: "gloo"; "shm python" and "shm nativ
 (COLLECTIVES_SHM_PATH, read as a group is made); "floor", a native group whose all_reduce returns
 a finished Future at once and moves nothing (torch's dispatch of dist.all_reduce, the Backend and
 its Future: what any backend of this design costs); and "deepspeed", deepspeed.comm's
-inference_all_reduce (its C++ shared-memory op), where DeepSpeed can be imported (pip install
-deepspeed; else a line says why it is left out).
+inference_all_reduce (its C++ shared-memory op), where DeepSpeed can be imported (the optional
+extra: pip install -e ".[deepspeed]"; else a line says why it is left out).
 
 Each round the sizes come in a shuffled order and, for each size, the variants in a shuffled
 order (the same on every rank); a variant's turn is a barrier on its group, then back-to-back
@@ -52,7 +52,7 @@ def _deepspeed():
     try:
         import deepspeed.comm as ds
     except Exception as exc:  # noqa: BLE001 - any import failure is a reason to leave it out
-        return None, f"deepspeed cannot be imported ({type(exc).__name__}: {exc}); pip install deepspeed"
+        return None, f"deepspeed cannot be imported ({type(exc).__name__}: {exc}); pip install -e \".[deepspeed]\""
     try:
         os.environ["LOCAL_SIZE"] = str(dist.get_world_size())  # its shared-memory op runs only when it says so
         ds.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
