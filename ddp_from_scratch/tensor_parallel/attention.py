@@ -11,6 +11,9 @@ input's gradient (a sum over q, k and v and over ranks) is all-reduced once: one
 batch x seq x hidden elements forward and one backward, as the MLP block; two of each per
 transformer block, Megatron's closed form.
 
+With sequence_parallel=True the input and output are this rank's slice of the sequence: an
+all_gather of the slices replaces f, a reduce_scatter replaces g, as in the MLP block (mlp.py).
+
 A head count the TP size does not divide, or a hidden size the head count does not divide, is
 refused, naming both numbers.
 """
@@ -24,7 +27,7 @@ from torch import nn
 
 from ..workload.transformer import Attention, attend
 from .layers import ColumnParallelLinear, RowParallelLinear
-from .operators import f
+from .operators import f, gather_sequence, scatter_sequence
 
 
 def one_rank_attention(hidden: int, heads: int, seed: int = 0) -> Attention:
@@ -33,19 +36,25 @@ def one_rank_attention(hidden: int, heads: int, seed: int = 0) -> Attention:
 
 
 class TensorParallelAttention(nn.Module):
-    def __init__(self, full: Attention, group, bias_in_partial_sums: bool = False):
+    def __init__(self, full: Attention, group, bias_in_partial_sums: bool = False, sequence_parallel: bool = False):
         super().__init__()
         p = dist.get_world_size(group)
         if full.heads % p:
             raise ValueError(f"the attention's {full.heads} heads do not split over the tensor-parallel size {p}: "
                              f"choose a head count that is a multiple of {p}")
-        self.group, self.heads = group, full.heads // p
+        self.group, self.heads, self.sequence_parallel = group, full.heads // p, sequence_parallel
         self.q, self.k, self.v = (ColumnParallelLinear(lin, group, name=f"the attention's {n} projection")
                                   for n, lin in (("q", full.q), ("k", full.k), ("v", full.v)))
         self.out = RowParallelLinear(full.out, group, name="the attention's output projection",
                                      bias_in_partial_sums=bias_in_partial_sums)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = f(x, self.group)  # once for the three projections: one all_reduce of the input's gradient
+        if self.sequence_parallel:  # x: this rank's slice of the sequence; so is the result
+            x = gather_sequence(x, self.group)
+        else:
+            x = f(x, self.group)  # once for the three projections: one all_reduce of the input's gradient
         q, k, v = (F.linear(x, lin.weight, lin.bias) for lin in (self.q, self.k, self.v))
-        return self.out(attend(q, k, v, self.heads))
+        y = attend(q, k, v, self.heads)
+        if not self.sequence_parallel:
+            return self.out(y)
+        return scatter_sequence(F.linear(y, self.out.weight), self.group) + self.out.bias

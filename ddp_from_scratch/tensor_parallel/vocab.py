@@ -30,12 +30,13 @@ from torch import nn
 import collectives as C
 
 from .layers import split_size
-from .operators import all_reduced, g, note_message
+from .operators import all_reduced, g, note_message, scatter_sequence
 
 
 class VocabParallelEmbedding(nn.Module):
-    def __init__(self, full: nn.Embedding, group):
+    def __init__(self, full: nn.Embedding, group, sequence_parallel: bool = False):
         super().__init__()
+        self.sequence_parallel = sequence_parallel  # the result: this rank's slice of the sequence
         p, r = dist.get_world_size(group), dist.get_rank(group)
         k = split_size(full.num_embeddings, p, "the embedding's vocabulary")
         self.group, self.start, self.end = group, r * k, (r + 1) * k
@@ -45,7 +46,7 @@ class VocabParallelEmbedding(nn.Module):
         mine = (tokens >= self.start) & (tokens < self.end)
         local = torch.where(mine, tokens - self.start, torch.zeros_like(tokens))
         rows = F.embedding(local, self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
-        return g(rows, self.group)
+        return scatter_sequence(rows, self.group) if self.sequence_parallel else g(rows, self.group)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

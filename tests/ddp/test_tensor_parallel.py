@@ -396,7 +396,7 @@ def test_a_mesh_that_does_not_fit_and_a_rank_outside_it_are_refused_by_name():
 
 
 # -- the small transformer, whole ------------------------------------------------------------------
-def _transformer(env, backend):
+def _transformer(env, backend, sequence_parallel=False):
     from ddp_from_scratch.tensor_parallel.model import TensorParallelTransformer
     from ddp_from_scratch.workload.transformer import TinyTransformer, token_batch
 
@@ -405,7 +405,8 @@ def _transformer(env, backend):
     torch.manual_seed(0)
     full = TinyTransformer(vocab, hidden, heads, layers)
     torch.manual_seed(0)
-    tp = TensorParallelTransformer(TinyTransformer(vocab, hidden, heads, layers), group)
+    tp = TensorParallelTransformer(TinyTransformer(vocab, hidden, heads, layers), group,
+                                   sequence_parallel=sequence_parallel)
     tokens, targets = token_batch(0, 0, batch, seq, vocab)
     want = full.loss(tokens, targets)
     want.backward()
@@ -413,8 +414,10 @@ def _transformer(env, backend):
         loss = tp.loss(tokens, targets)
     with counting() as backward:
         loss.backward()
+    tp.sequence_parallel_grads()  # with sequence parallelism: the whole parameters' slice gradients summed
     r, k = env.rank, vocab // env.world_size
     pairs = {"loss": (loss.detach(), want.detach()),
+             "blocks.0.attn.out.bias.grad": (tp.blocks[0].attn.out.bias.grad, full.blocks[0].attn.out.bias.grad),
              "embed.weight.grad": (tp.embed.weight.grad, full.embed.weight.grad[r * k:(r + 1) * k]),
              "head.weight.grad": (tp.head.weight.grad, full.head.weight.grad[r * k:(r + 1) * k]),
              "ln.weight.grad": (tp.ln.weight.grad, full.ln.weight.grad),
@@ -435,3 +438,21 @@ def test_the_split_transformer_is_the_one_rank_transformer_with_megatrons_messag
             torch.testing.assert_close(mine, want, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank}, {name}: {m}")
         assert sorted(forward) == sorted([("all_reduce", b * s * h)] * (1 + 2 * layers) + [("all_reduce", b * s)] * 3), forward
         assert backward == [("all_reduce", b * s * h)] * (2 * layers + 1), backward
+
+
+@pytest.mark.parametrize("backend", ["gloo", "shm"])
+def test_the_sequence_parallel_transformer_is_the_one_rank_transformer(backend):
+    """With sequence parallelism (the activations between blocks split along the sequence): the
+    loss and every gradient, after the whole parameters' slice gradients are all-reduced, within
+    float32 rounding of the one-rank model; each forward all_reduce of b x s x h is now a
+    reduce_scatter of b x s x h (the embedding, after each attention and MLP) and each f an
+    all_gather of b x s/p x h (before each attention and MLP, and the head), and backward the
+    reverse; the cross-entropy's 3 all_reduces of b x s stay."""
+    for rank, (pairs, forward, backward, (b, s, h, layers)) in enumerate(
+            run_on_ranks(_transformer, 2, args=(backend, True), backend="gloo")):
+        for name, (mine, want) in pairs.items():
+            torch.testing.assert_close(mine, want, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank}, {name}: {m}")
+        rs, ag = ("reduce_scatter", b * s * h), ("all_gather", b * s // 2 * h)
+        assert sorted(forward) == sorted([rs] * (1 + 2 * layers) + [ag] * (2 * layers + 1) +
+                                         [("all_reduce", b * s)] * 3), forward
+        assert sorted(backward) == sorted([ag] * (1 + 2 * layers) + [rs] * (2 * layers + 1)), backward
