@@ -290,7 +290,7 @@ struct PyHolder {
   py::object obj;
 };
 
-// The engine of a group, from process_group.ShmBackend._native_setup()'s dict; make_error(kind,
+// The engine of a group, from native_setup.setup()'s dict; make_error(kind,
 // text, what, bank) is the Python exception a failed native call raises.
 std::shared_ptr<Engine> make_engine(py::dict d, py::object make_error) {
   shm_native::Setup s;

@@ -30,7 +30,7 @@ namespace shm_native {
 
 using FuturePtr = c10::intrusive_ptr<c10::ivalue::Future>;
 
-struct Setup {  // what process_group.py hands the engine (ShmBackend._native_setup)
+struct Setup {  // what process_group.py hands the engine (native_setup.setup)
   Words words;
   Config config;
   int rank = 0, size = 1;
@@ -80,7 +80,6 @@ class Engine {
   // the error a failed native call's Future carries (forward.cpp: the Python exception of the same kind)
   std::function<std::exception_ptr(const NativeError&)> to_error;
 
-  const Setup& setup() const { return setup_; }
   Waiter& waiter() { return core_->waiter; }
   Recorder& recorder() { return core_->recorder; }
   // callers blocked in a Work's wait on this group: the worker thread may spin for them

@@ -54,8 +54,6 @@ class Recorder {
   explicit Recorder(int64_t capacity)
       : ring_(static_cast<size_t>(capacity > 0 ? capacity : 0)), tsc0_(SHM_TICKS()), ns0_(wall_ns()) {}
 
-  bool on() const { return !ring_.empty(); }
-
   // ids for a call of either path: (record id, collective seq id or 0, p2p seq id or 0, op id)
   void next_ids(bool p2p, int64_t* record_id, int64_t* coll, int64_t* p2p_id, int64_t* op_id) {
     *record_id = next_record_.fetch_add(1, std::memory_order_relaxed);
@@ -122,7 +120,6 @@ class Recorder {
     return out;
   }
 
-  int64_t capacity() const { return static_cast<int64_t>(ring_.size()); }
   int64_t last_enqueued = -1, last_started = -1, last_completed = -1;
 
  private:

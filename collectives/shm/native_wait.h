@@ -135,7 +135,6 @@ class MachineLoad {
     int r = runnable();
     return r >= 0 && r > cores_;
   }
-  int cores() const { return cores_; }
 
  private:
   int fd_ = -1;

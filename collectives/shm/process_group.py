@@ -36,16 +36,14 @@ from ..dtypes import as_bytes
 from ..errors import CollectiveMismatchError
 from . import cma
 from .config import ShmConfig
-from . import native, routing
+from . import native, native_setup, routing
 from .arguments import overlap, unwritable, wrong_devices, wrong_list, wrong_op, wrong_sizes, wrong_splits
-from .ops import DTYPE_CODES, KINDS, OPS, SMALL_BYTES, ShmArgumentError, ShmCollectives, disagreement
+from .ops import ShmArgumentError, ShmCollectives
 from .point_to_point import PointToPoint
 from ..settings import SHM_FR_ENTRIES
 from .recorder import Recorder
-from .segment import ABORT, ABORT_SEEN_BY, ABORT_WHY, CALL0, CALL_WORDS, CONTROL_BYTES, PID0, SLEEP0, STEP0, Segment
-from .wait import SPIN_S_OWN_CORE, PeerFailure, Waiter
-from ..dtypes import arithmetic_widening
-from ..errors import CollectiveError
+from .segment import Segment
+from .wait import Waiter
 
 # The settings (config.py) are read once per group. Calls up to inline_bytes run in the calling
 # thread when nothing is queued: handing one to the worker thread costs more than the whole call.
@@ -109,34 +107,6 @@ class ShmBackend:
     def path(self) -> str:
         """Where this group's calls run: "native" (C++, forward.cpp's engine) or "python"."""
         return "native" if self._engine is not None else "python"
-
-    # -- the native path (forward.cpp) ----------------------------------------------------------
-    def _native_setup(self) -> dict:
-        """What the native engine needs: where the segment's words are, the settings, the counters
-        so far, and the tables of ops.py (dtype codes, kind codes, which op and dtype it reduces)."""
-        seg, shm, waiter = self._segment, self._shm, self._waiter
-        return {
-            "control": seg.control.ctypes.data, "step0": STEP0, "pid0": PID0, "sleep0": SLEEP0, "call0": CALL0,
-            "call_words": CALL_WORDS, "abort": ABORT, "abort_seen_by": ABORT_SEEN_BY, "abort_why": ABORT_WHY,
-            "control_bytes": CONTROL_BYTES, "slot_bytes": seg.slot_bytes, "piece_bytes": shm.piece_bytes,
-            "small_bytes": SMALL_BYTES, "rank": self._rank, "size": self._size,
-            "strategy": ("futex", "spin", "yield", "sleep").index(waiter.strategy), "timeout_s": waiter.timeout_s,
-            # the native wait reads the machine (native_wait.h), so it may spin whatever the rank count
-            "spin_s_idle": SPIN_S_OWN_CORE, "inline_bytes": self.config.inline_bytes,
-            "cma_min_bytes": shm.cma_min_bytes if shm.cma is not None else -1,
-            "round": shm.round, "calls": shm.calls, "step": waiter.step,
-            "dtype_codes": [(d, DTYPE_CODES[d]) for d in NATIVE_DTYPES],
-            "reducible": _reducible(),
-            "kind_codes": [KINDS.index(k) + 1 for k in NATIVE_KINDS],
-            "recorder_entries": self.recorder.max_entries if self.recorder is not None else 0,
-        }
-
-    def _native_error(self, kind: int, text: str, what: str, bank):
-        """The Python exception a failed native call raises: the Python path's, with its words."""
-        if kind == 1:
-            calls = [tuple(bank[4 * q:4 * q + 4]) for q in range(self._size)]
-            return CollectiveMismatchError(disagreement(what, self._rank, calls))
-        return ShmArgumentError(text) if kind == 2 else PeerFailure(text)
 
     def rank(self) -> int:
         return self._rank
@@ -510,30 +480,6 @@ class ShmBackend:
     def recv_anysource(self, tensors, tag: int = 0):
         return self._message("recv_any", tensors, -1, tag)
 
-NATIVE_KINDS = ("broadcast", "all_reduce", "reduce", "all_gather", "reduce_scatter", "barrier")  # native_engine.h's order
-# the dtypes the native path moves, and (with an op) reduces; others take the Python path
-_REDUCED = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
-            torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool)
-NATIVE_DTYPES = _REDUCED + tuple(getattr(torch, n) for n in ("uint16", "uint32", "uint64", "float8_e4m3fn",
-                                                            "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
-                                 if hasattr(torch, n))
-
-
-def _reducible() -> list:
-    """(op index in ops.OPS, dtype) pairs the native path reduces: the ops every backend allows on
-    the dtype (reduce_ops.check_op_dtype) that torch computes in the dtype itself (no widening)."""
-    pairs = []
-    for index, op in enumerate(OPS[1:], start=1):
-        for dtype in _REDUCED:
-            try:
-                reduce_ops.check_op_dtype(op, dtype, "all_reduce")
-            except CollectiveError:
-                continue
-            if arithmetic_widening(dtype, op) is None:
-                pairs.append((index, dtype))
-    return pairs
-
-
 def create(store, rank: int, size: int, timeout: timedelta):
     """The creator torch calls for init_process_group("shm") and new_group(backend="shm"): a C++
     Backend (forward.cpp) that runs the native path's calls itself (COLLECTIVES_SHM_PATH=native,
@@ -541,8 +487,8 @@ def create(store, rank: int, size: int, timeout: timedelta):
     impl = ShmBackend(store, rank, size, timeout)
     module = native.load()
     forward = module.ForwardBackend(impl, rank, size, "shm")
-    if impl._worker_id is None:  # the native path
-        impl._engine = module.make_engine(impl._native_setup(), impl._native_error)
+    if impl.config.path == "native":
+        impl._engine = module.make_engine(native_setup.setup(impl), native_setup.error_maker(impl.rank(), impl.size()))
         forward.set_engine(impl._engine)
         if impl.recorder is not None:  # one record: the engine's calls and the Python path's
             impl.recorder.native = impl._engine

@@ -57,10 +57,11 @@ def note_message(name: str, t: torch.Tensor) -> None:
         MESSAGES.append((name, t.numel()))
 
 
-def all_reduced(t: torch.Tensor, group) -> torch.Tensor:
+def all_reduced(t: torch.Tensor, group, op: str = "sum") -> torch.Tensor:
+    """A reduced copy of `t` over the group (t itself is left as it is), counted."""
     out = t.contiguous().clone()
     note_message("all_reduce", out)
-    C.all_reduce(out, group=group)
+    C.all_reduce(out, op=op, group=group)
     return out
 
 

@@ -27,10 +27,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-import collectives as C
-
 from .layers import split_size
-from .operators import all_reduced, g, note_message, scatter_sequence
+from .operators import all_reduced, g, scatter_sequence
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -52,9 +50,7 @@ class VocabParallelEmbedding(nn.Module):
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, start, group):
-        m = logits.detach().amax(dim=-1)
-        note_message("all_reduce", m)
-        C.all_reduce(m, op="max", group=group)
+        m = all_reduced(logits.detach().amax(dim=-1), group, op="max")
         shifted = logits - m.unsqueeze(-1)
         exp = shifted.exp()
         total = all_reduced(exp.sum(dim=-1), group)

@@ -18,6 +18,9 @@ from ddp_from_scratch.tensor_parallel.mlp import TensorParallelMLP, one_rank_mlp
 from ddp_from_scratch.tensor_parallel.operators import counting
 
 B, S, H = 3, 8, 16
+# the backends at 2 ranks, and TP over 4 ranks (a quarter of each layer) on Gloo
+BACKENDS_AND_SIZES = pytest.mark.parametrize("backend, world_size", [("gloo", 2), ("shm", 2), ("gloo", 4)],
+                                             ids=["gloo-2", "shm-2", "gloo-4"])
 
 
 def _data(seed: int = 1):
@@ -64,22 +67,23 @@ def _ours(env, backend, sequence_parallel):
     }
 
 
-@pytest.mark.parametrize("backend", ["gloo", "shm"])
+@BACKENDS_AND_SIZES
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
-def test_the_split_mlp_is_the_one_rank_mlp_and_sends_megatrons_messages(backend, sequence_parallel):
+def test_the_split_mlp_is_the_one_rank_mlp_and_sends_megatrons_messages(backend, world_size, sequence_parallel):
     """Within float32 rounding of the one-rank block (each output element is a sum over 4h
     features, split in p partial sums and added in another order), and exactly Megatron's
     messages: one all_reduce of batch x seq x hidden forward and one backward; with sequence
     parallelism an all_gather of each rank's slice and a reduce_scatter of the whole, each way."""
-    for rank, got in enumerate(run_on_ranks(_ours, 2, args=(backend, sequence_parallel), backend="gloo")):
+    for rank, got in enumerate(run_on_ranks(_ours, world_size, args=(backend, sequence_parallel), backend="gloo")):
         for name, (mine, want) in got.items():
             if name == "messages" or want is None:
                 continue
             torch.testing.assert_close(mine, want, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank}, {name}: {m}")
         forward, backward = got["messages"]
         if sequence_parallel:
-            assert forward == [("all_gather", B * S // 2 * H), ("reduce_scatter", B * S * H)], forward
-            assert backward == [("all_gather", B * S // 2 * H), ("reduce_scatter", B * S * H)], backward
+            slice_ = B * S // world_size * H
+            assert forward == [("all_gather", slice_), ("reduce_scatter", B * S * H)], forward
+            assert backward == [("all_gather", slice_), ("reduce_scatter", B * S * H)], backward
         else:
             assert forward == [("all_reduce", B * S * H)] and backward == [("all_reduce", B * S * H)], (forward, backward)
 
@@ -426,22 +430,22 @@ def _transformer(env, backend, sequence_parallel=False):
     return pairs, forward, backward, (batch, seq, hidden, layers)
 
 
-@pytest.mark.parametrize("backend", ["gloo", "shm"])
-def test_the_split_transformer_is_the_one_rank_transformer_with_megatrons_messages(backend):
+@BACKENDS_AND_SIZES
+def test_the_split_transformer_is_the_one_rank_transformer_with_megatrons_messages(backend, world_size):
     """The small transformer over 2 ranks: its loss and gradients (sharded ones against the one-rank
     model's shard, whole ones against the whole) within float32 rounding; and the messages of the
     closed form in model.py: 1 + 2L all_reduces of b x s x h forward and 3 of b x s (the
     cross-entropy), 2L + 1 of b x s x h backward."""
     for rank, (pairs, forward, backward, (b, s, h, layers)) in enumerate(
-            run_on_ranks(_transformer, 2, args=(backend,), backend="gloo")):
+            run_on_ranks(_transformer, world_size, args=(backend,), backend="gloo")):
         for name, (mine, want) in pairs.items():
             torch.testing.assert_close(mine, want, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank}, {name}: {m}")
         assert sorted(forward) == sorted([("all_reduce", b * s * h)] * (1 + 2 * layers) + [("all_reduce", b * s)] * 3), forward
         assert backward == [("all_reduce", b * s * h)] * (2 * layers + 1), backward
 
 
-@pytest.mark.parametrize("backend", ["gloo", "shm"])
-def test_the_sequence_parallel_transformer_is_the_one_rank_transformer(backend):
+@BACKENDS_AND_SIZES
+def test_the_sequence_parallel_transformer_is_the_one_rank_transformer(backend, world_size):
     """With sequence parallelism (the activations between blocks split along the sequence): the
     loss and every gradient, after the whole parameters' slice gradients are all-reduced, within
     float32 rounding of the one-rank model; each forward all_reduce of b x s x h is now a
@@ -449,10 +453,10 @@ def test_the_sequence_parallel_transformer_is_the_one_rank_transformer(backend):
     all_gather of b x s/p x h (before each attention and MLP, and the head), and backward the
     reverse; the cross-entropy's 3 all_reduces of b x s stay."""
     for rank, (pairs, forward, backward, (b, s, h, layers)) in enumerate(
-            run_on_ranks(_transformer, 2, args=(backend, True), backend="gloo")):
+            run_on_ranks(_transformer, world_size, args=(backend, True), backend="gloo")):
         for name, (mine, want) in pairs.items():
             torch.testing.assert_close(mine, want, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank}, {name}: {m}")
-        rs, ag = ("reduce_scatter", b * s * h), ("all_gather", b * s // 2 * h)
+        rs, ag = ("reduce_scatter", b * s * h), ("all_gather", b * s // world_size * h)
         assert sorted(forward) == sorted([rs] * (1 + 2 * layers) + [ag] * (2 * layers + 1) +
                                          [("all_reduce", b * s)] * 3), forward
         assert sorted(backward) == sorted([ag] * (1 + 2 * layers) + [rs] * (2 * layers + 1)), backward

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from collectives.errors import CollectiveError
 from collectives.reduce_ops import TORCH_OPS, check_op_dtype
 from collectives.shm import backend_of, new_group_with
-from collectives.shm.process_group import NATIVE_DTYPES
+from collectives.shm.native_setup import NATIVE_DTYPES
 from collectives.testing import run_on_ranks
 
 SETTINGS = {"COLLECTIVES_SHM_SLOT_MB": str(4 / 1024), "COLLECTIVES_SHM_PIECE_KB": "0.25"}
