@@ -47,9 +47,11 @@ ANSWER_WAIT_S = 15.0
 
 def recording(backend: Optional[str] = None) -> bool:
     """Whether the ranks keep a flight record (the launcher's environment is its ranks'): torch's
-    (TORCH_FR_BUFFER_SIZE > 0), or, on an shm world, the shm backend's, which is on unless
-    TORCH_FR_BUFFER_SIZE=0."""
-    default = settings.SHM_FR_ENTRIES if backend is not None and str(backend).lower() == "shm" else 0
+    (TORCH_FR_BUFFER_SIZE > 0), or, on an shm world on the native path (the default), the shm
+    backend's, which is on unless TORCH_FR_BUFFER_SIZE=0."""
+    native_shm = backend is not None and str(backend).lower() == "shm" and \
+        os.environ.get("COLLECTIVES_SHM_PATH", "native") == "native"
+    default = settings.SHM_FR_ENTRIES if native_shm else 0
     return settings.fr_buffer_size(default=default) > 0
 
 

@@ -2,8 +2,10 @@
 that collectives.flight_recorder and torch's own torchfrtrace read shm groups as they read Gloo's
 and NCCL's (torch records those itself; it has no hook for a Python backend).
 
-On by default, keeping the last 2000 calls per group (torch's default buffer on NCCL); TORCH_FR_BUFFER_SIZE
-sets another size, and 0 turns it off. Per group it keeps:
+On by default on the native path (COLLECTIVES_SHM_PATH=native), keeping the last 2000 calls per
+group (torch's default buffer on NCCL); TORCH_FR_BUFFER_SIZE sets another size, and 0 turns it
+off. On the Python path, where an entry costs about a fifth of a small call, it is on only when
+TORCH_FR_BUFFER_SIZE is set. Per group it keeps:
 a sequence number per group (collectives and point-to-point counted apart, as torch counts
 them), the op, input and output sizes and dtypes, the state (scheduled, started, completed),
 the times and the caller's Python frames.
