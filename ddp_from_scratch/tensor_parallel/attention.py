@@ -57,4 +57,4 @@ class TensorParallelAttention(nn.Module):
         y = attend(q, k, v, self.heads)
         if not self.sequence_parallel:
             return self.out(y)
-        return scatter_sequence(F.linear(y, self.out.weight), self.group) + self.out.bias
+        return self.out.add_bias(scatter_sequence(self.out.partial_sum(y), self.group))

@@ -81,7 +81,21 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(full.bias.detach().clone()) if full.bias is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.add_bias(g(self.partial_sum(x), self.group))
+
+    def partial_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's term of the sum, before g (or, with sequence parallelism, a reduce_scatter)."""
         if self.bias_in_partial_sums and self.bias is not None:  # torch's RowwiseParallel: b / p in each partial sum
-            return g(F.linear(x, self.weight, _PartialBias.apply(self.bias, self.size)), self.group)
-        y = g(F.linear(x, self.weight), self.group)
-        return y + self.bias if self.bias is not None else y
+            return F.linear(x, self.weight, _PartialBias.apply(self.bias, self.size))
+        return F.linear(x, self.weight)
+
+    def add_bias(self, summed: torch.Tensor) -> torch.Tensor:
+        """The bias once, after the sum (Megatron's order), unless it went into the partial sums."""
+        if self.bias is None or self.bias_in_partial_sums:
+            return summed
+        return summed + self.bias
+
+    def bias_needs_all_reduce(self) -> bool:
+        """With sequence parallelism the bias added after the reduce_scatter gets a gradient from
+        this rank's slice only; one added inside the partial sums gets the whole sequence's."""
+        return self.bias is not None and not self.bias_in_partial_sums

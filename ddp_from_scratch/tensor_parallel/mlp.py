@@ -38,8 +38,8 @@ class TensorParallelMLP(nn.Module):
             return self.down(F.gelu(self.up(x)))
         whole = gather_sequence(x, self.group)                     # (b, s, h) on every rank
         hidden = F.gelu(F.linear(whole, self.up.weight, self.up.bias))  # this rank's 4h / p features
-        partial = F.linear(hidden, self.down.weight)               # a partial sum over features
-        return scatter_sequence(partial, self.group) + self.down.bias  # this rank's slice of the sum
+        partial = self.down.partial_sum(hidden)                    # a partial sum over features
+        return self.down.add_bias(scatter_sequence(partial, self.group))  # this rank's slice of the sum
 
 
 def one_rank_mlp(hidden: int, seed: int = 0, ffn: int = 0) -> nn.Sequential:

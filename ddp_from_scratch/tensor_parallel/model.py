@@ -79,7 +79,7 @@ class TensorParallelTransformer(TinyTransformer):
             return
         shared = [self.ln] + [m for b in self.blocks for m in (b.ln1, b.ln2)]
         params = [p for m in shared for p in m.parameters()]
-        params += [b.attn.out.bias for b in self.blocks] + [b.mlp.down.bias for b in self.blocks]
+        params += [row.bias for b in self.blocks for row in (b.attn.out, b.mlp.down) if row.bias_needs_all_reduce()]
         for p in params:
             if p.grad is not None:
                 p.grad.copy_(all_reduced(p.grad, self.group))

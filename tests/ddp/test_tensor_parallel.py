@@ -460,3 +460,69 @@ def test_the_sequence_parallel_transformer_is_the_one_rank_transformer(backend, 
         assert sorted(forward) == sorted([rs] * (1 + 2 * layers) + [ag] * (2 * layers + 1) +
                                          [("all_reduce", b * s)] * 3), forward
         assert sorted(backward) == sorted([ag] * (1 + 2 * layers) + [rs] * (2 * layers + 1)), backward
+
+
+# -- sequence parallelism against torch's SequenceParallel -------------------------------------------
+def _sp_region(seed: int = 0) -> torch.nn.Sequential:
+    """A LayerNorm and the MLP block after it: the region sequence parallelism splits along the sequence."""
+    torch.manual_seed(seed)
+    ln = torch.nn.LayerNorm(H)
+    with torch.no_grad():  # not the ones and zeros LayerNorm starts from: a wrong gradient shows
+        ln.weight.uniform_(0.5, 1.5)
+        ln.bias.uniform_(-0.5, 0.5)
+    return torch.nn.Sequential(ln, torch.nn.Linear(H, 4 * H), torch.nn.GELU(), torch.nn.Linear(4 * H, H))
+
+
+def _sp_against_torch(env, backend):
+    """torch's SequenceParallel on the LayerNorm, ColwiseParallel(input_layouts=Shard(1)) and
+    RowwiseParallel(output_layouts=Shard(1)) on the MLP, beside ours. One backend a process: a
+    second DeviceMesh over the same ranks is equal to the first, and torch's DTensors made on it
+    ran their collectives on the first mesh's group (torch 2.13)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
+                                                   parallelize_module)
+
+    from ddp_from_scratch.tensor_parallel.operators import all_reduced
+
+    p, r = env.world_size, env.rank
+    x, dy = _data()
+    k = S // p
+    x, dy = x[:, r * k:(r + 1) * k].contiguous(), dy[:, r * k:(r + 1) * k].contiguous()
+    whole = lambda t: t.full_tensor() if not t.placements[0].is_shard() else t.to_local()  # noqa: E731
+    group = dist.new_group(backend=backend)
+    theirs = parallelize_module(_sp_region(), DeviceMesh.from_group(group, "cpu"),
+                                {"0": SequenceParallel(), "1": ColwiseParallel(input_layouts=Shard(1)),
+                                 "3": RowwiseParallel(output_layouts=Shard(1))})
+    full = _sp_region()
+    ln, mlp = full[0], TensorParallelMLP(full[1:], group, sequence_parallel=True, bias_in_partial_sums=True)
+    out = {}
+    for label, region in (("ours", lambda t: mlp(ln(t))), ("torch", theirs)):
+        xi = x.clone().requires_grad_(True)
+        y = region(xi)
+        y.backward(dy)
+        # torch's y is an AsyncCollectiveTensor: an op on it (clone) waits for its reduce_scatter
+        out[label] = {"y": y.detach().clone(), "dx": xi.grad}
+    # torch leaves the LayerNorm's gradients Partial (each rank's slice's); ours are all-reduced
+    # as TensorParallelTransformer.sequence_parallel_grads does
+    out["ours"].update({"ln.weight.grad": all_reduced(ln.weight.grad, group),
+                        "ln.bias.grad": all_reduced(ln.bias.grad, group),
+                        **{f"{n}.{w}.grad": getattr(getattr(mlp, n), w).grad
+                           for n in ("up", "down") for w in ("weight", "bias")}})
+    out["torch"].update({"ln.weight.grad": whole(theirs[0].weight.grad), "ln.bias.grad": whole(theirs[0].bias.grad),
+                         **{f"{n}.{w}.grad": whole(getattr(theirs[i], w).grad)
+                            for n, i in (("up", 1), ("down", 3)) for w in ("weight", "bias")}})
+    return {name: (out["ours"][name], out["torch"][name]) for name in out["ours"]}
+
+
+@BACKENDS_AND_SIZES
+def test_sequence_parallelism_is_bitwise_torchs_sequence_parallel(backend, world_size):
+    """The LayerNorm on this rank's slice of the sequence, the all_gather into the column-parallel
+    up-projection, the reduce_scatter out of the row-parallel down-projection (torch's bias order:
+    b / p in each partial sum): every output, input gradient and weight gradient is torch's bit
+    for bit, the LayerNorm's once its slice gradients are all-reduced (torch keeps them Partial
+    until asked)."""
+    for rank, got in enumerate(run_on_ranks(_sp_against_torch, world_size, args=(backend,), backend="gloo")):
+        for name, (mine, theirs) in got.items():
+            assert mine.shape == theirs.shape and torch.equal(mine, theirs), \
+                f"rank {rank}, {name}: {(mine - theirs).abs().max()}"
