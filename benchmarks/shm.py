@@ -3,6 +3,7 @@
     python -m benchmarks.shm --world-size 2 --json shm-2.json --plot shm-2.png
     python -m benchmarks.shm --world-size 4 --skip-ddp
     python -m benchmarks.shm --world-size 2 --only-ddp --rounds 21
+    python -m benchmarks.shm --world-size 2 --only-ddp --rounds 21 --setting COLLECTIVES_SHM_WORKER_NICE=0
 
 In one world of spawned ranks the default group is Gloo and a second group over the same ranks
 is "shm" (collectives.shm): every call alternates between the two, each timed as the slowest
@@ -17,7 +18,8 @@ rank's, medians over iterations. Four parts:
 3. the shm waiting strategies (wait.py): latency and CPU seconds per 8-byte all_reduce;
 4. torch's DDP on ResNet-50 (batch 32 per rank) on Gloo and on shm, alternated step by step,
    with two floors: DDP on a group whose all_reduce moves nothing (what DDP and a Python
-   ProcessGroup cost without communication) and torch's no_sync (not even DDP's bucket copies).
+   ProcessGroup cost without communication) and torch's no_sync (not even DDP's bucket copies);
+   each --setting VAR=VALUE adds DDP on a shm group made with that setting.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import collectives
 from collectives import cli
 from collectives.cli import command
 from collectives.shm import backend_of, new_group_with
+from collectives.shm.config import parse_setting
 from collectives.shm.ops import SMALL_BYTES, all_reduce_traffic
 from ddp_from_scratch.workload.resnet import resnet50
 
@@ -103,11 +106,14 @@ def free_all_reduce_group():
     return group
 
 
-def _ddp(env, shm_group, rounds, batch):
+def _ddp(env, shm_group, rounds, batch, settings=()):
     free = free_all_reduce_group()
+    others = {s: new_group_with(dict([parse_setting(s)])) for s in settings}  # a shm group each, made with it
     torch.manual_seed(0)
     models = {"torch DDP on gloo": nn.parallel.DistributedDataParallel(resnet50(num_classes=10)),
               "torch DDP on shm": nn.parallel.DistributedDataParallel(resnet50(num_classes=10), process_group=shm_group),
+              **{f"torch DDP on shm, {s}": nn.parallel.DistributedDataParallel(resnet50(num_classes=10), process_group=g)
+                 for s, g in others.items()},
               FREE: nn.parallel.DistributedDataParallel(resnet50(num_classes=10), process_group=free),
               "torch DDP, no_sync": nn.parallel.DistributedDataParallel(resnet50(num_classes=10))}
     return alternate_steps(env, models, rounds, batch)
@@ -131,7 +137,7 @@ def run_all(env, config):
     if not config["skip_ddp"]:
         if env.rank == 0:
             print("DDP step time ...", file=sys.stderr, flush=True)
-        out["ddp"] = _ddp(env, shm_group, config["rounds"], config["batch_size"])
+        out["ddp"] = _ddp(env, shm_group, config["rounds"], config["batch_size"], config["settings"])
     return out
 
 
@@ -230,6 +236,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=int, default=32, help="DDP: images per rank")
     parser.add_argument("--skip-ddp", action="store_true", help="only the collectives")
     parser.add_argument("--only-ddp", action="store_true", help="only the DDP step time")
+    parser.add_argument("--setting", action="append", default=[], metavar="VAR=VALUE",
+                        help="DDP: also time torch's DDP on a shm group made with this COLLECTIVES_SHM_* setting "
+                             "(repeatable)")
     parser.add_argument("--json", metavar="FILE", help="write every measurement as JSON")
     parser.add_argument("--plot", metavar="FILE.png", help="busbw against size, gloo and shm")
     return parser
@@ -246,8 +255,14 @@ def main(argv=None) -> int:
     if args.skip_ddp and args.only_ddp:
         parser.error("--skip-ddp and --only-ddp leave nothing to do")
     check_sweep(args, parser)
+    for setting in args.setting:
+        try:
+            parse_setting(setting)
+        except ValueError as exc:
+            parser.error(f"--setting {exc}")
     config = {k: getattr(args, k) for k in ("minbytes", "maxbytes", "stepfactor", "rounds", "batch_size", "skip_ddp",
                                             "only_ddp")}
+    config["settings"] = list(dict.fromkeys(args.setting))
     result = collectives.run(run_all, args.world_size, args=(config,), timeout=6 * 3600)[0]
     print(f"# python -m benchmarks.shm {' '.join(argv)}")
     print(f"# {datetime.date.today().isoformat()}, torch {torch.__version__}, {os.cpu_count()} cpus, one thread per rank")

@@ -4,13 +4,16 @@ shared-memory all_reduce, side by side in one run: float32 sum all_reduce, 8 B t
     python -m benchmarks.shm_native --world-size 2 --json shm-native-2.json
     python -m benchmarks.shm_native --world-size 4
     python -m benchmarks.shm_native --world-size 2 --busy 1 -e 4M   # a process busy on one core beside the ranks
+    python -m benchmarks.shm_native -b 256K -e 2M --setting COLLECTIVES_SHM_WORKER_NICE=0   # a setting against its default
 
 The variants are groups over the same ranks: "gloo"; "shm python" and "shm native"
 (COLLECTIVES_SHM_PATH, read as a group is made); "floor", a native group whose all_reduce returns
 a finished Future at once and moves nothing (torch's dispatch of dist.all_reduce, the Backend and
 its Future: what any backend of this design costs); and "deepspeed", deepspeed.comm's
 inference_all_reduce (its C++ shared-memory op), where DeepSpeed can be imported (the optional
-extra: pip install -e ".[deepspeed]"; else a line says why it is left out).
+extra: pip install -e ".[deepspeed]"; else a line says why it is left out). Each --setting
+VAR=VALUE adds a native group made with that setting (collectives/shm/config.py), a variant named
+"native VAR=VALUE" beside the default one.
 
 Each round the sizes come in a shuffled order and, for each size, the variants in a shuffled
 order (the same on every rank); a variant's turn is a barrier on its group, then back-to-back
@@ -37,6 +40,7 @@ import torch.distributed as dist
 import collectives
 from collectives import cli
 from collectives.shm import backend_of, new_group_with
+from collectives.shm.config import parse_setting
 
 from .sweep import parse_size, size_list
 
@@ -81,11 +85,14 @@ def measure(env, config) -> dict:
     groups = {"gloo": dist.new_group(backend="gloo"), "shm python": _shm_group("python"),
               "shm native": _shm_group("native"), "floor": _shm_group("native")}
     backend_of(groups["floor"])._engine.moves_nothing = True
+    for setting in config["settings"]:  # a native group each, made with the setting
+        var, value = parse_setting(setting)
+        groups[f"native {setting}"] = new_group_with({"COLLECTIVES_SHM_PATH": "native", var: value})
     calls = {name: (lambda t, g=g: dist.all_reduce(t, group=g)) for name, g in groups.items()}
     ds_call, ds_why = _deepspeed() if "deepspeed" in config["variants"] else (None, "not asked for")
     if ds_call is not None:
         calls["deepspeed"] = ds_call
-    calls = {k: v for k, v in calls.items() if k in config["variants"]}
+    calls = {k: v for k, v in calls.items() if k in config["variants"] or k.startswith("native ")}
     wrong = {}
     for name, call in calls.items():
         if name == "floor":
@@ -178,6 +185,8 @@ def build_parser():
     parser.add_argument("--iters", type=int, default=500, help="calls per turn at most (default 500)")
     parser.add_argument("--budget-ms", type=float, default=10.0, help="the calls of a turn take about this long (default 10)")
     parser.add_argument("--busy", type=int, default=0, help="processes to keep busy beside the ranks (default 0)")
+    parser.add_argument("--setting", action="append", default=[], metavar="VAR=VALUE",
+                        help="also time a native group made with this COLLECTIVES_SHM_* setting (repeatable)")
     parser.add_argument("--json", default=None, help="also write every round's times here")
     return parser
 
@@ -193,6 +202,12 @@ def main(argv=None) -> int:
     config = {k: getattr(args, k) for k in ("minbytes", "maxbytes", "stepfactor", "rounds", "iters", "budget_ms",
                                             "busy")}
     config["variants"] = list(dict.fromkeys(args.variants))
+    for setting in args.setting:
+        try:
+            parse_setting(setting)
+        except ValueError as exc:
+            parser.error(f"--setting {exc}")
+    config["settings"] = list(dict.fromkeys(args.setting))
     before = set(_deepspeed_files())
     try:
         result = collectives.run(measure, args.world_size, backend="gloo", args=(config,), timeout=3600)[0]

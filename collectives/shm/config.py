@@ -7,6 +7,8 @@
     COLLECTIVES_SHM_CMA=auto             cross-memory attach: auto (where ranks have cores), 1/on, 0/off
     COLLECTIVES_SHM_CMA_MIN_KB=16384     all_reduces this large or larger use it, KiB (cma.py)
     COLLECTIVES_SHM_WAIT=futex           how a rank waits at a barrier: futex, spin, yield or sleep (wait.py)
+    COLLECTIVES_SHM_WORKER_NICE=19       the nice value of the native engine's worker thread (0-19): the
+                                         queued calls it runs yield to computing threads (docs/shm.md)
     COLLECTIVES_SHM_PATH=native          native: the collectives run in C++ (forward.cpp's engine); python:
                                          every call runs in Python (ops.py, the reference the docs teach)
 
@@ -40,6 +42,7 @@ class ShmConfig:
     cma_min_kb: float = float(16 << 10)
     wait: str = "futex"
     path: str = "native"
+    worker_nice: int = 19
 
     @property
     def slot_bytes(self) -> int:
@@ -75,7 +78,24 @@ class ShmConfig:
                 number = float(raw)
             except ValueError:
                 raise ValueError(f"{var}={raw!r}: must be a number") from None
-            if not math.isfinite(number) or number < 0 or (number == 0 and field.name != "inline_bytes"):
+            if field.name == "worker_nice":
+                if number != int(number) or not 0 <= number <= 19:
+                    raise ValueError(f"{var}={raw!r}: must be a whole number from 0 to 19")
+            elif not math.isfinite(number) or number < 0 or (number == 0 and field.name != "inline_bytes"):
                 raise ValueError(f"{var}={raw!r}: must be a positive number")
             values[field.name] = int(number) if field.type in (int, "int") else number
         return cls(**values)
+
+
+def parse_setting(text: str) -> tuple:
+    """'COLLECTIVES_SHM_<NAME>=<value>' -> (variable, value), checked as from_env checks it; a
+    ValueError naming what is wrong otherwise (benchmarks' --setting)."""
+    var, _, value = text.partition("=")
+    names = {"COLLECTIVES_SHM_" + f.name.upper() for f in dataclasses.fields(ShmConfig)}
+    if not var.startswith("COLLECTIVES_SHM_") or not value:
+        raise ValueError(f"{text!r}: give COLLECTIVES_SHM_<NAME>=<value>, one of {', '.join(sorted(names))}")
+    if var not in names:
+        raise ValueError(f"{var} is not a shm setting: one of {', '.join(sorted(names))}")
+    ShmConfig.from_env({var: value})
+    return var, value
+

@@ -70,9 +70,9 @@ class FutureWork : public Work {
     } waiting(engine_ && !fut_->completed() ? &engine_->callers_waiting() : nullptr);
     if (PyGILState_Check()) {
       py::gil_scoped_release no_gil;  // the worker thread that completes it needs the GIL
-      fut_->wait();
+      finish();
     } else {
-      fut_->wait();
+      finish();
     }
     if (fut_->hasError()) {
       std::rethrow_exception(fut_->exception_ptr());
@@ -80,6 +80,12 @@ class FutureWork : public Work {
     return true;
   }
   intrusive_ptr<c10::ivalue::Future> getFuture() override { return fut_; }
+
+  // a native call still queued runs here (Engine::help) rather than on the worker thread
+  void finish() {
+    if (engine_ && !fut_->completed()) engine_->help(fut_.get());
+    fut_->wait();
+  }
   // recv from any source: the Future's value is the rank the message came from
   int sourceRank() const override {
     const auto& value = fut_->value();
@@ -313,6 +319,7 @@ std::shared_ptr<Engine> make_engine(py::dict d, py::object make_error) {
   s.timeout_s = d["timeout_s"].cast<double>();
   s.spin_s_idle = d["spin_s_idle"].cast<double>();
   s.inline_bytes = d["inline_bytes"].cast<int64_t>();
+  s.worker_nice = d["worker_nice"].cast<int>();
   s.cma_min_bytes = d["cma_min_bytes"].cast<int64_t>();
   s.round = d["round"].cast<int64_t>();
   s.calls = d["calls"].cast<int64_t>();
@@ -355,7 +362,8 @@ std::shared_ptr<Engine> make_engine(py::dict d, py::object make_error) {
 }
 
 // A call the Python path runs, in the engine's order: run(round, calls, step, spin_s) runs the
-// job with the engine's counters and returns the counters it left (process_group.py: _submit).
+// job with the engine's counters and returns the counters it left and what settles its Future
+// (process_group.py: _submit), called once the counters are back.
 void submit_python(Engine& engine, py::object run, int64_t nbytes) {
   auto holder = std::make_shared<PyHolder>(std::move(run));
   Engine* e = &engine;
@@ -369,6 +377,7 @@ void submit_python(Engine& engine, py::object run, int64_t nbytes) {
           ops.round = left[0].cast<int64_t>();
           ops.calls = left[1].cast<int64_t>();
           waiter.step = left[2].cast<int>();
+          left[3]();  // settle the Future: its callbacks' collectives run on the counters just handed back
         } catch (py::error_already_set& err) {  // _run catches the job's errors: this is a bug
           err.restore();
           PyErr_Print();

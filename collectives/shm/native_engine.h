@@ -19,9 +19,14 @@
 #include <condition_variable>
 #include <deque>
 #include <functional>
+#include <future>
 #include <memory>
 #include <mutex>
 #include <thread>
+
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include "native_paths.h"
 #include "native_recorder.h"
@@ -37,6 +42,7 @@ struct Setup {  // what process_group.py hands the engine (native_setup.setup)
   Strategy strategy = FUTEX;
   double timeout_s = 600, spin_s_idle = 0;
   int64_t inline_bytes = 64 << 10;
+  int worker_nice = 19;        // the worker thread's nice value (ShmConfig.worker_nice)
   int64_t cma_min_bytes = -1;  // all_reduces this large go by cross-memory attach (Python); -1: never
   int64_t round = 0, calls = 0;
   int step = 0;
@@ -59,8 +65,10 @@ class Engine {
   explicit Engine(const Setup& s)
       : setup_(s),
         core_(std::make_shared<Core>(s)) {
-    core_->worker = std::thread([core = core_] { core->serve(); });
-    core_->worker_id = core_->worker.get_id();
+    std::promise<void> started;
+    auto ready = started.get_future();
+    core_->worker = std::thread([core = core_, started = std::move(started)]() mutable { core->serve(started); });
+    ready.wait();  // its nice value is set before any call: the group's calls all see the same worker
   }
 
   ~Engine() {
@@ -88,6 +96,9 @@ class Engine {
 
   // Run `task` now or queue it (see the top of this file); returns whether it ran now.
   bool submit(Task task, int64_t nbytes) { return core_->submit(std::move(task), nbytes); }
+
+  // a caller about to wait for `fut`: runs the calls queued up to it in this thread (Core::help)
+  void help(const void* fut) { core_->help(fut); }
 
   // until every call issued so far has finished
   void drain() { core_->drain(); }
@@ -209,9 +220,11 @@ class Engine {
     Core* core = core_.get();
     const int64_t slot = core_->recorder.scheduled(kind, inputs.empty() ? nullptr : &inputs[0],
                                                    outputs.empty() ? nullptr : &outputs[0]);
+    const void* tag = fut.get();
     core_->submit(
         [core, fut, value, slot, body = std::move(body), to_error = &to_error]() mutable {
-          if (slot >= 0) core->recorder.started(slot, std::this_thread::get_id() != core->worker_id);
+          // at once: run in the thread that issued it (not queued)
+          if (slot >= 0) core->recorder.started(slot, core->runner.load(std::memory_order_relaxed) != std::this_thread::get_id());
           try {
             body(core->ops);
           } catch (const NativeError& e) {
@@ -227,13 +240,13 @@ class Engine {
           core->recorder.completed(slot);
           fut->markCompleted(c10::IValue(value));
         },
-        nbytes);
+        nbytes, tag);
     return fut;
   }
 
   struct Core {
     explicit Core(const Setup& s)
-        : rank(s.rank), inline_bytes(s.inline_bytes),
+        : rank(s.rank), worker_nice(s.worker_nice), inline_bytes(s.inline_bytes),
           waiter(s.words, s.rank, s.size, s.strategy, s.timeout_s, s.spin_s_idle),
           ops(s.words, s.rank, s.size, s.config, &waiter), recorder(s.recorder_entries) {
       waiter.step = s.step;
@@ -242,6 +255,7 @@ class Engine {
       ops.calls = s.calls;
     }
     int rank;
+    int worker_nice;
     int64_t inline_bytes;
     std::atomic<int> callers_waiting{0};
     Waiter waiter;
@@ -249,24 +263,29 @@ class Engine {
     Recorder recorder;
     std::mutex m;
     std::condition_variable cv, idle_cv;
-    std::deque<Task> queue;
-    int pending = 0;
+    struct Queued {
+      Task task;
+      const void* tag = nullptr;  // the call's Future (help); null for a Python job
+    };
+    std::deque<Queued> queue;
+    int pending = 0;       // queued or running
+    bool running = false;  // a queued call is running (in the worker or a helping caller)
+    std::atomic<std::thread::id> runner{};  // the thread running it: its own calls run at once (nested)
     bool stop = false;
     std::thread worker;
-    std::thread::id worker_id;
 
     bool idle() {
       std::lock_guard<std::mutex> lock(m);
       return pending == 0;
     }
 
-    bool submit(Task task, int64_t nbytes) {
-      const bool nested = std::this_thread::get_id() == worker_id;
+    bool submit(Task task, int64_t nbytes, const void* tag = nullptr) {
+      const bool nested = std::this_thread::get_id() == runner.load(std::memory_order_relaxed);
       {
         std::lock_guard<std::mutex> lock(m);
         if (!(nested || (pending == 0 && nbytes <= inline_bytes))) {
           ++pending;
-          queue.push_back(std::move(task));
+          queue.push_back({std::move(task), tag});
           cv.notify_one();
           return false;
         }
@@ -276,23 +295,62 @@ class Engine {
       return true;
     }
 
-    void serve() {
+    // The task at the head of the queue, when none is running: marked running in this thread.
+    // Called with m held.
+    bool take(Queued& out) {
+      if (running || queue.empty()) return false;
+      out = std::move(queue.front());
+      queue.pop_front();
+      running = true;
+      runner.store(std::this_thread::get_id(), std::memory_order_relaxed);
+      return true;
+    }
+
+    void finished() {
+      {
+        std::lock_guard<std::mutex> lock(m);
+        running = false;
+        runner.store(std::thread::id(), std::memory_order_relaxed);
+        --pending;
+      }
+      cv.notify_one();  // the worker may take the next
+      idle_cv.notify_all();
+    }
+
+    void serve(std::promise<void>& started) {
+      // Below the threads that compute: a queued call (DDP's bucket during the backward) takes a
+      // core that is free, not one a rank computes on. A caller that waits for it runs it itself
+      // (help), at its own priority. Linux sets a thread's nice value by its thread id.
+      if (worker_nice) setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), worker_nice);
+      started.set_value();
       while (true) {
-        Task task;
+        Queued q;
         {
           std::unique_lock<std::mutex> lock(m);
-          cv.wait(lock, [this] { return stop || !queue.empty(); });
-          if (queue.empty()) return;  // stopped
-          task = std::move(queue.front());
-          queue.pop_front();
+          cv.wait(lock, [this] { return stop || (!queue.empty() && !running); });
+          if (!take(q)) return;  // stopped
         }
         waiter.spin_s = 0;  // the calling thread is computing (DDP's backward): do not take its core
-        task();
+        q.task();
+        finished();
+      }
+    }
+
+    // A caller about to block on the call tagged `tag`: it runs the queued calls up to and
+    // including that one itself while no other thread runs one, so a blocking call skips the two
+    // thread hand-offs (wake the worker, wake the caller). Returns once `tag`'s call has run or
+    // another thread is running one (then the caller waits on its Future).
+    void help(const void* tag) {
+      while (true) {
+        Queued q;
         {
           std::lock_guard<std::mutex> lock(m);
-          --pending;
+          if (!take(q)) return;
         }
-        idle_cv.notify_all();
+        waiter.spin_s = waiter.spin_s_idle;  // the caller waits anyway
+        q.task();
+        finished();
+        if (q.tag == tag) return;
       }
     }
 

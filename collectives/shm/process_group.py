@@ -126,17 +126,22 @@ class ShmBackend:
                 self._idle.notify_all()
 
     def _run(self, job: Callable[[], None], fut: torch.futures.Future, value) -> None:
-        """Run one collective; its error goes to whoever waits on the Work. Any error but a
-        disagreement between the ranks' calls (which every rank raised at the same barrier, so
-        the group is still usable) breaks the group on every rank (the abort word)."""
+        """Run one collective; its error goes to whoever waits on the Work."""
+        self._ran(job, fut, value)()
+
+    def _ran(self, job: Callable[[], None], fut: torch.futures.Future, value) -> Callable[[], None]:
+        """Run one collective and return what settles its Future (which runs the Future's
+        callbacks, and the collectives they issue). Any error but a disagreement between the
+        ranks' calls (which every rank raised at the same barrier, so the group is still usable)
+        breaks the group on every rank (the abort word)."""
         try:
             job()
-            fut.set_result(value)
+            return lambda: fut.set_result(value)
         except (CollectiveMismatchError, ShmArgumentError) as exc:  # every rank raised at one barrier
-            fut.set_exception(exc)
+            return lambda error=exc: fut.set_exception(error)  # bound now: `exc` is unbound after the clause
         except BaseException as exc:  # noqa: BLE001
             self._waiter.abort()
-            fut.set_exception(exc)
+            return lambda error=exc: fut.set_exception(error)
 
     def _submit(self, op: str, job: Callable[[], None], value, nbytes: int = 0) -> torch.futures.Future:
         """Run `job` (the collective torch calls `op`, as torchfrtrace names it in the flight
@@ -156,9 +161,12 @@ class ShmBackend:
             shm, waiter = self._shm, self._waiter
 
             def run(round_, calls, step, spin_s):
+                # the engine's counters in, the job, the counters back out; the engine settles the
+                # Future after it has them back, so a callback's collective (torch's PowerSGD hook)
+                # runs on the counters this call left, on either path
                 shm.round, shm.calls, waiter.step, waiter.spin_s = round_, calls, step, spin_s
-                self._run(job, fut, value)
-                return shm.round, shm.calls, waiter.step
+                settle = self._ran(job, fut, value)
+                return shm.round, shm.calls, waiter.step, settle
             self._engine.submit_python(run, nbytes)
             return fut
         with self._idle:

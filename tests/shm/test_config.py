@@ -9,17 +9,18 @@ from collectives.shm.config import ShmConfig
 
 def test_defaults_without_the_variables():
     c = ShmConfig.from_env({})
-    assert (c.slot_bytes, c.inline_bytes, c.mailbox_bytes, c.piece_bytes, c.cma, c.cma_min_bytes, c.wait) == \
-        (64 << 20, 64 << 10, 256 << 10, 1 << 20, "auto", 16 << 20, "futex")
+    assert (c.slot_bytes, c.inline_bytes, c.mailbox_bytes, c.piece_bytes, c.cma, c.cma_min_bytes, c.wait,
+            c.path, c.worker_nice) == (64 << 20, 64 << 10, 256 << 10, 1 << 20, "auto", 16 << 20, "futex", "native", 19)
 
 
 def test_each_variable_reaches_its_field():
     c = ShmConfig.from_env({"COLLECTIVES_SHM_SLOT_MB": "0.5", "COLLECTIVES_SHM_INLINE_BYTES": "0",
                             "COLLECTIVES_SHM_MAILBOX_KB": "3", "COLLECTIVES_SHM_PIECE_KB": "4",
                             "COLLECTIVES_SHM_CMA": "0", "COLLECTIVES_SHM_CMA_MIN_KB": "256",
-                            "COLLECTIVES_SHM_WAIT": "yield"})
-    assert (c.slot_bytes, c.inline_bytes, c.piece_bytes, c.cma, c.cma_min_bytes, c.wait) == \
-        (512 << 10, 0, 4096, "0", 256 << 10, "yield")
+                            "COLLECTIVES_SHM_WAIT": "yield", "COLLECTIVES_SHM_PATH": "python",
+                            "COLLECTIVES_SHM_WORKER_NICE": "0"})
+    assert (c.slot_bytes, c.inline_bytes, c.piece_bytes, c.cma, c.cma_min_bytes, c.wait, c.path, c.worker_nice) == \
+        (512 << 10, 0, 4096, "0", 256 << 10, "yield", "python", 0)
     assert c.mailbox_bytes == 3072 and c.mailbox_bytes % 128 == 0  # halves stay 64-byte aligned
 
 
@@ -30,6 +31,9 @@ def test_each_variable_reaches_its_field():
     ("COLLECTIVES_SHM_MAILBOX_KB", "-1", "must be a positive number"),
     ("COLLECTIVES_SHM_CMA", "yes", "must be one of auto, 1, on, 0, off"),
     ("COLLECTIVES_SHM_WAIT", "nap", "must be one of futex, spin, yield, sleep"),
+    ("COLLECTIVES_SHM_WORKER_NICE", "20", "must be a whole number from 0 to 19"),
+    ("COLLECTIVES_SHM_WORKER_NICE", "2.5", "must be a whole number from 0 to 19"),
+    ("COLLECTIVES_SHM_WORKER_NICE", "-1", "must be a whole number from 0 to 19"),
 ])
 def test_a_bad_value_is_an_error_naming_the_variable(var, value, says):
     with pytest.raises(ValueError) as info:

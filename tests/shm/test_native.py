@@ -142,3 +142,89 @@ def _allowed(op: str, dtype: torch.dtype) -> bool:
 def test_the_native_path_leaves_the_python_paths_bits(world_size, case):
     for rank, same in enumerate(run_on_ranks(_same_on_every_variant, world_size, args=(case,), backend="gloo")):
         assert all(same.values()), f"rank {rank} of {world_size}, {case}: equal to the Python path's bytes: {same}"
+
+
+# -- queued calls waited in any order -------------------------------------------------------------
+def _queued_group(path: str):
+    if ("queued-only", path) not in _groups:  # every call queued for the worker thread (or run by its waiter)
+        _groups[("queued-only", path)] = new_group_with({**SETTINGS, "COLLECTIVES_SHM_INLINE_BYTES": "0",
+                                                         "COLLECTIVES_SHM_PATH": path})
+    return _groups[("queued-only", path)]
+
+
+def _waited_in_any_order(env, path, calls, orders, callback_at):
+    """Issue `calls` with async_op=True, attach a callback that all-reduces again to call
+    `callback_at` (as torch's PowerSGD hook does), then wait for them in this rank's order: a wait
+    runs the calls queued up to its own in the waiting thread, and the callback's collective at
+    once, so every rank runs them in the order they were issued. True where the closed form holds."""
+    group, p, r = _queued_group(path), env.world_size, env.rank
+    works, checks = [], []
+    for i, (kind, numel) in enumerate(calls):
+        if kind == "all_reduce":  # the native path
+            t = torch.full((numel,), float(r + 1 + i))
+            works.append(dist.all_reduce(t, group=group, async_op=True))
+            checks.append(lambda t=t, i=i: bool((t == p * (p + 1) / 2 + p * i).all()))
+        else:  # the list form: a Python job in the same queue
+            outs = [torch.empty(numel) for _ in range(p)]
+            works.append(dist.all_gather(outs, torch.full((numel,), float(10 * r + i)), group=group, async_op=True))
+            checks.append(lambda outs=outs, i=i: all(bool((o == 10 * q + i).all()) for q, o in enumerate(outs)))
+        if i == callback_at:
+            def again(fut, i=i):
+                t = torch.full((3,), float(r + i))
+                dist.all_reduce(t, group=group)  # issued by the thread that completes call i
+                return t
+            chained = works[-1].get_future().then(again)
+    for i in orders[r % len(orders)]:
+        works[i].wait()
+    again_ok = bool((chained.wait() == p * (p - 1) / 2 + p * callback_at).all())
+    return [check() for check in checks] + [again_ok]
+
+
+@st.composite
+def queued_cases(draw):
+    n = draw(st.integers(1, 6))
+    calls = draw(st.lists(st.tuples(st.sampled_from(["all_reduce", "all_gather"]), st.integers(0, 3000)),
+                          min_size=n, max_size=n))
+    orders = draw(st.lists(st.permutations(range(n)), min_size=1, max_size=3))
+    return calls, orders, draw(st.integers(0, n - 1))
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("path", ["native", "python"])
+@settings(max_examples=15, deadline=None)
+@given(case=queued_cases())
+@example(case=([("all_reduce", 2000)] * 4, [[3, 2, 1, 0], [0, 1, 2, 3]], 1))  # the last one first on rank 0
+# a Python job's callback (the list form's), issuing a native call: it must see the counters the job left
+@example(case=([("all_reduce", 100), ("all_gather", 5)], [[1, 0]], 1))
+def test_queued_calls_waited_in_any_order_run_in_the_order_issued(path, world_size, case):
+    calls, orders, callback_at = case
+    for rank, ok in enumerate(run_on_ranks(_waited_in_any_order, world_size, args=(path, calls, orders, callback_at),
+                                           backend="gloo", timeout=60)):
+        assert all(ok), f"rank {rank} of {world_size}, {case}: the closed form held for {ok}"
+
+
+def _worker_nice_values(env):
+    """The nice value of each of this process's threads, after a group with COLLECTIVES_SHM_WORKER_NICE=7 is made."""
+    import os
+
+    def nices():
+        found = []
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                found.append(int(f.read().rsplit(")", 1)[1].split()[16]))  # field 19, nice
+        return found
+
+    before = nices()
+    group = new_group_with({"COLLECTIVES_SHM_WORKER_NICE": "7"})
+    t = torch.ones(1 << 16)  # 256 KiB: queued for the worker thread
+    dist.all_reduce(t, group=group, async_op=True).wait()
+    return before, nices(), bool((t == env.world_size).all())
+
+
+def test_the_engines_worker_thread_takes_the_worker_nice_setting():
+    """A queued call yields to computing threads: the engine's worker runs at the nice value the
+    setting gives (19 by default), the rank's own threads stay at 0."""
+    for rank, (before, after, right) in enumerate(run_on_ranks(_worker_nice_values, 2, backend="gloo")):
+        assert right, rank
+        assert 7 not in before and after.count(7) == 1, (rank, before, after)
+        assert 0 in after, (rank, after)  # the main thread is left as it was
