@@ -307,13 +307,15 @@ class Engine {
     }
 
     void finished() {
+      bool more;
       {
         std::lock_guard<std::mutex> lock(m);
         running = false;
         runner.store(std::thread::id(), std::memory_order_relaxed);
         --pending;
+        more = !queue.empty();
       }
-      cv.notify_one();  // the worker may take the next
+      if (more) cv.notify_one();  // the worker may take the next; woken for nothing, it would take a core
       idle_cv.notify_all();
     }
 
