@@ -16,6 +16,8 @@ shuffled order the same on every rank, after a barrier; a step's time is the slo
 table gives medians over rounds. Bytes: the elements of every all_reduce a rank issues in a step,
 times 4 (float32): TP's activations (counted by tensor_parallel.operators.counting) and DP's
 gradient buckets (the parameters the rank holds), both as the payload each all_reduce carries.
+Beside them, the same messages' time under the project's alpha-beta-gamma model, and the tokens
+per step below which TP sends fewer bytes than DP (ddp_from_scratch/tensor_parallel/cost.py).
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ import torch.nn.functional as F
 
 import collectives
 from collectives import cli
+from collectives.algorithms.cost import CostModel
 from ddp_from_scratch.steps.ddp import DistributedDataParallel
+from ddp_from_scratch.tensor_parallel.cost import Shape, break_even_tokens, step_messages
 from ddp_from_scratch.tensor_parallel.mesh import Mesh2D
 from ddp_from_scratch.tensor_parallel.model import TensorParallelTransformer
 from ddp_from_scratch.tensor_parallel.operators import counting
@@ -86,19 +90,37 @@ def measure(env, config) -> dict:
     return {"world_size": n, "tp": config["tp"], "times_s": times, "elements": elements}
 
 
+def shape_of(config: dict, world_size: int) -> Shape:
+    return Shape(config["vocab"], config["hidden"], config["heads"], config["layers"],
+                 tokens=world_size * config["batch_size"] * config["seq"])
+
+
+def tp_sizes(result: dict) -> dict:
+    return {"DP": 1, "TP": result["world_size"], "TP x DP": result["tp"]}
+
+
 def report(result: dict, config: dict) -> str:
+    n = result["world_size"]
+    shape, model = shape_of(config, n), CostModel.load()
     lines = [f"the small transformer (vocab {config['vocab']}, hidden {config['hidden']}, {config['heads']} heads, "
-             f"{config['layers']} blocks, seq {config['seq']}) on {result['world_size']} ranks, global batch "
-             f"{result['world_size'] * config['batch_size']}, {config['backend']}; TP x DP is {result['tp']} x "
-             f"{result['world_size'] // result['tp']}; medians over rounds, the slowest rank:",
-             f"  {'variant':<8} {'s / step':>9} {'/ DP':>6} {'TP bytes / step':>16} {'DP bytes / step':>16}"]
+             f"{config['layers']} blocks, seq {config['seq']}) on {n} ranks, global batch "
+             f"{n * config['batch_size']}, {config['backend']}; TP x DP is {result['tp']} x "
+             f"{n // result['tp']}; medians over rounds, the slowest rank:",
+             f"  {'variant':<8} {'s / step':>9} {'/ DP':>6} {'TP bytes / step':>16} {'DP bytes / step':>16} "
+             f"{'model TP s':>11} {'model DP s':>11}"]
     dp = statistics.median(result["times_s"]["DP"])
     for label, t in result["times_s"].items():
         e = result["elements"][label]
+        predicted = step_messages(shape, n, tp_sizes(result)[label]).seconds(model)
         lines.append(f"  {label:<8} {statistics.median(t):>9.4f} {statistics.median(t) / dp:>6.2f} "
-                     f"{e['tp'] * 4:>16,} {e['dp'] * 4:>16,}")
+                     f"{e['tp'] * 4:>16,} {e['dp'] * 4:>16,} {predicted['tp']:>11.4f} {predicted['dp']:>11.4f}")
     lines.append("bytes: the payload of every all_reduce a rank issues in one step (float32), activations (TP) "
                  "and gradient buckets (DP)")
+    lines.append(f"model: the alpha-beta-gamma time of those all_reduces as rings ({model.source or 'cost model'}); "
+                 "TP's are all on the critical path, DP's overlap the backward")
+    t0 = break_even_tokens(shape)
+    lines.append(f"TP sends fewer bytes than DP below {t0:,.0f} tokens per step per TP group; this step has "
+                 f"{shape.tokens:,} (ddp_from_scratch/tensor_parallel/cost.py)")
     return "\n".join(lines)
 
 

@@ -10,6 +10,7 @@ import json
 import pytest
 
 from benchmarks import tensor_parallel
+from ddp_from_scratch.tensor_parallel.cost import step_messages
 
 
 def test_a_short_run_reports_the_closed_form_bytes(tmp_path, capsys):
@@ -26,7 +27,13 @@ def test_a_short_run_reports_the_closed_form_bytes(tmp_path, capsys):
     assert saved["elements"]["DP"] == {"tp": 0, "dp": whole}, saved["elements"]
     assert saved["elements"]["TP x DP"]["tp"] == tp  # a mesh of 2 x 1: the same TP, a DP group of one
     assert all(len(t) == 1 for t in saved["times_s"].values())
-    assert "TP x DP" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "TP x DP" in printed and "TP sends fewer bytes than DP below" in printed
+    # the closed forms of ddp_from_scratch/tensor_parallel/cost.py are what the run counted
+    config = {"vocab": 8, "hidden": h, "heads": 2, "layers": layers, "batch_size": 2, "seq": s}
+    shape = tensor_parallel.shape_of(config, n)
+    assert step_messages(shape, n, tp=n).elements == saved["elements"]["TP"]
+    assert step_messages(shape, n, tp=1).elements == saved["elements"]["DP"]
 
 
 def test_sizes_the_ranks_do_not_divide_are_usage_errors(capsys):
