@@ -301,7 +301,7 @@ def main(argv=None) -> int:
         return 0
     score = auto_score(result)
     print(f"# python -m benchmarks.algorithms {' '.join(argv)}")
-    print(f"# {datetime.date.today().isoformat()}, torch {torch.__version__}, {os.cpu_count()} cpus; cost model: "
+    print(f"# {datetime.date.today().isoformat()}, torch {torch.__version__}, {cli.cpus()} cpus; cost model: "
           f"alpha {result['model']['alpha'] * 1e6:.1f} us, beta {result['model']['beta'] * 1e9:.3f} ns/B, "
           f"gamma {result['model']['gamma'] * 1e9:.3f} ns/B ({result['model']['source']})")
     print(report(result))

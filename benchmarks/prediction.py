@@ -11,13 +11,13 @@ measurements predicted with parts of the model left out).
 
 from __future__ import annotations
 
-import os
 import socket
 
 import torch
 import torch.distributed as dist
 
 import collectives.algorithms as A
+from collectives import cli
 from collectives.algorithms.cost import CostModel
 from collectives.algorithms.topology import Topology, link_beta, link_burst
 
@@ -32,7 +32,7 @@ def cpu_share() -> float:
         machine = socket.gethostname()
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, machine)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = cli.cpus()
     return max(1.0, everyone.count(machine) / cores)
 
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import statistics
 import sys
 import time
@@ -265,7 +264,7 @@ def main(argv=None) -> int:
     config["settings"] = list(dict.fromkeys(args.setting))
     result = collectives.run(run_all, args.world_size, args=(config,), timeout=6 * 3600)[0]
     print(f"# python -m benchmarks.shm {' '.join(argv)}")
-    print(f"# {datetime.date.today().isoformat()}, torch {torch.__version__}, {os.cpu_count()} cpus, one thread per rank")
+    print(f"# {datetime.date.today().isoformat()}, torch {torch.__version__}, {cli.cpus()} cpus, one thread per rank")
     print(report(result))
     if args.json:
         with open(args.json, "w") as f:

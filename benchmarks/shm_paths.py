@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import sys
 
 import torch
@@ -157,7 +156,7 @@ def main(argv=None) -> int:
     config = {k: getattr(args, k) for k in ("variants", "minbytes", "maxbytes", "stepfactor", "iters")}
     result = collectives.run(run_all, args.world_size, args=(config,), timeout=6 * 3600)[0]
     print(f"# python -m benchmarks.shm_paths {' '.join(argv)}")
-    print(f"# {datetime.date.today().isoformat()}, torch {torch.__version__}, {os.cpu_count()} cpus, one thread per rank")
+    print(f"# {datetime.date.today().isoformat()}, torch {torch.__version__}, {cli.cpus()} cpus, one thread per rank")
     print(report(result))
     if args.json:
         with open(args.json, "w") as f:

@@ -17,7 +17,6 @@ rounds. With more ranks than cores, a rank that spins holds the core the rank it
 from __future__ import annotations
 
 import json
-import os
 import random
 import statistics
 import subprocess
@@ -79,7 +78,7 @@ def summarise(raw: dict) -> dict:
 
 
 def report(summary: dict, world_size: int, busy: int = 0) -> str:
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = cli.cpus()
     loaded = f", {busy} process(es) busy beside them" if busy else ""
     lines = [f"float64 all_reduce on shm (by wait strategy), {world_size} ranks on {cores} cores{loaded}, medians over "
              "rounds (slowest rank):", f"  {'strategy, bytes':<16} {'us/call':>10} {'CPU us/call':>12}"]

@@ -68,6 +68,11 @@ def check_positive(parser, args, flags, unit: str = "") -> None:
             parser.error(f"{flag} must be a positive number{' of ' + unit if unit else ''}, got {value}")
 
 
+def cpus() -> int:
+    """The CPUs this process may run on (its affinity: what taskset or a cgroup leaves), not the machine's."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def format_seconds(seconds: float) -> str:
     """3725 -> "1 h 2 min", 83 -> "1 min 23 s", 4.2 -> "4 s"."""
     seconds = max(0, int(round(seconds)))
