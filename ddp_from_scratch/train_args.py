@@ -24,6 +24,7 @@ from .steps.ddp import rebuilt_bucket_count
 from .workload.models import MODELS, batch, check_batch_fits, check_batchnorm_fits
 from .steps.powersgd import CLI_NAMES as POWERSGD_CLI_NAMES
 from .parts.torch_hooks import POWERSGD_ON_GLOO
+from .train_tp import validate_tp
 from .wrap import IMPLS, SHARDED_IMPLS, STAGES
 
 CIFAR_TRAIN_SIZE, CIFAR_TEST_SIZE = 50_000, 10_000
@@ -60,6 +61,8 @@ class TrainConfig:
     stop_at_step: Optional[int]
     resume: bool
     auto_resume: bool
+    tp: Optional[int]
+    sequence_parallel: bool
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "TrainConfig":
@@ -125,6 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--auto-resume", action="store_true",
                    help="continue from --checkpoint/checkpoint.pt when it exists, else start: for workers that "
                         "torchrun --max-restarts restarts with the same arguments")
+    p.add_argument("--tp", type=int, default=None, metavar="N",
+                   help="tensor parallelism: train the small transformer on synthetic tokens, split over N ranks, "
+                        "with the bucketed DDP over the rest (ddp_from_scratch/train_tp.py); --train-size then "
+                        "counts sequences")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="with --tp: keep the activations between blocks split along the sequence")
     p.add_argument("--json", default=None, help="also write the summary to this file")
     return p
 
@@ -134,6 +143,13 @@ def validate(args, parser, world_size: int, local_ranks: Optional[int] = None) -
     `local_ranks`: the ranks on this machine, which share its memory (default: world_size)."""
     cli.check_at_least(parser, args, {"--nproc": 1, "--batch-size": 1, "--epochs": 1, "--train-size": 1,
                                       "--test-size": 1, "--checkpoint-every": 1, "--stop-at-step": 1})
+    if args.sequence_parallel and args.tp is None:
+        parser.error("--sequence-parallel applies to a --tp run")
+    if args.tp is not None:
+        cli.check_outputs(parser, {"--json": args.json})
+        cli.check_positive(parser, args, "--lr")
+        cli.check_positive(parser, args, "--bucket-cap-mb", "MiB")
+        return validate_tp(args, parser, world_size)
     check_batch_fits(parser, args.model, args.batch_size, local_ranks or world_size)
     check_batchnorm_fits(parser, args.model, args.batch_size)
     cli.check_outputs(parser, {"--json": args.json})

@@ -1,0 +1,119 @@
+"""The training program's tensor-parallel run: the small transformer (workload/transformer.py) on
+synthetic tokens, TP over --tp ranks and the bucketed DDP over the rest (a 2-D mesh).
+
+    python -m ddp_from_scratch.train --tp 2 --nproc 2 --synthetic                  # TP over 2 ranks
+    python -m ddp_from_scratch.train --tp 2 --nproc 4 --synthetic --epochs 2       # TP x DP, 2 x 2
+    python -m ddp_from_scratch.train --tp 2 --nproc 2 --synthetic --sequence-parallel
+    python -m ddp_from_scratch.train --tp 1 --nproc 1 --synthetic                  # the one-rank model, to compare
+
+Each step every DP rank takes its rows of one global batch of --batch-size x (DP size) sequences
+of SEQ tokens (token_batch(step, 0, ...): the same global batch whatever the layout), so a run's
+losses are the one-rank model's within float32 rounding, whatever --tp and --nproc are (the test
+checks this). The loss logged is the global batch's mean; the summary (the last line on stdout)
+lists every step's loss and the elements TP all-reduced in a step (the closed form of
+tensor_parallel/cost.py). --train-size counts sequences (default 512); there is no token dataset,
+so --tp needs --synthetic, and takes no checkpoint, compression or mixed precision yet.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from collectives.cli import eta
+
+from .steps.ddp import DistributedDataParallel
+from .tensor_parallel.cost import Shape
+from .tensor_parallel.mesh import Mesh2D
+from .tensor_parallel.model import TensorParallelTransformer
+from .tensor_parallel.operators import counting
+from .tensor_parallel.vocab import vocab_parallel_cross_entropy
+from .workload.transformer import TinyTransformer, token_batch
+
+VOCAB, HIDDEN, HEADS, LAYERS, SEQ = 256, 64, 4, 2, 32  # the tensor-parallel benchmark's model
+DEFAULT_SEQUENCES = 512
+# the flags --tp does not take (none of them means anything for the transformer run yet)
+NOT_WITH_TP = ("compress", "amp", "checkpoint", "checkpoint_every", "stop_at_step", "resume", "auto_resume",
+               "test_size", "deterministic")
+
+
+def validate_tp(args, parser, world_size: int) -> None:
+    """Refuse what a --tp run cannot do, before any rank starts (parser.error: exit 2)."""
+    tp = args.tp
+    if tp < 1 or world_size % tp:
+        parser.error(f"--tp {tp} must divide the {world_size} rank(s) (--nproc, or the launcher's world size)")
+    for what, size in (("heads", HEADS), ("hidden size", HIDDEN), ("vocabulary", VOCAB)):
+        if size % tp:
+            parser.error(f"--tp {tp} does not divide the transformer's {size} {what}: use 1, 2 or 4")
+    if not args.synthetic:
+        parser.error("--tp trains the small transformer on synthetic tokens (there is no token dataset): add --synthetic")
+    if args.impl != "bucketed":
+        parser.error(f"--tp puts the bucketed DDP on the data-parallel dimension: --impl {args.impl} is not taken "
+                     "with --tp")
+    if args.sequence_parallel and tp == 1:
+        parser.error("--sequence-parallel splits the sequence over the TP group: give --tp 2 or more")
+    given = [f"--{name.replace('_', '-')}" for name in NOT_WITH_TP if getattr(args, name, None)]
+    if given:
+        parser.error(f"{', '.join(given)}: not taken with --tp (the transformer run has no checkpoints, compression, "
+                     "mixed precision or test set yet)")
+    dp = world_size // tp
+    sequences = args.train_size or DEFAULT_SEQUENCES
+    if sequences // (args.batch_size * dp) == 0:
+        parser.error(f"{sequences} sequences make no full step of {args.batch_size} per DP rank on {dp} DP rank(s): "
+                     f"use at least {args.batch_size * dp} (--train-size) or a smaller --batch-size")
+
+
+def train_tp(env, config) -> dict:
+    """One rank of a --tp run; the summary on every rank."""
+    torch.manual_seed(config.seed)
+    mesh = Mesh2D(tp=config.tp)
+    full = TinyTransformer(VOCAB, HIDDEN, HEADS, LAYERS)  # the same seed on every rank: the same weights
+    split = TensorParallelTransformer(full, mesh.tp, config.sequence_parallel) if config.tp > 1 else full
+    model = DistributedDataParallel(split, group=mesh.dp, bucket_cap_mb=config.bucket_cap_mb) if mesh.dp_size > 1 \
+        else split
+    opt = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=0.9)
+    per_step = config.batch_size * mesh.dp_size
+    steps = (config.train_size or DEFAULT_SEQUENCES) // per_step
+    rows = slice(mesh.dp_index * config.batch_size, (mesh.dp_index + 1) * config.batch_size)
+    losses, tp_elements, start = [], None, time.perf_counter()
+    for epoch in range(config.epochs):
+        for step in range(steps):
+            tokens, targets = token_batch(epoch * steps + step, 0, per_step, SEQ, VOCAB)
+            tokens, targets = tokens[rows], targets[rows]
+            with counting() as messages:
+                logits = model(tokens)
+                if config.tp > 1:
+                    loss = vocab_parallel_cross_entropy(logits, targets, mesh.tp)
+                else:
+                    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+                loss.backward()
+            if config.sequence_parallel:
+                split.sequence_parallel_grads()
+            opt.step()
+            opt.zero_grad()
+            tp_elements = sum(n for _, n in messages)
+            mean = loss.detach().clone()
+            if mesh.dp_size > 1:
+                dist.all_reduce(mean, group=mesh.dp)  # the global batch's mean loss, for the log
+                mean /= mesh.dp_size
+            losses.append(mean.item())
+            if env.rank == 0:
+                done = epoch * steps + step + 1
+                print(f"\repoch {epoch + 1}/{config.epochs} step {step + 1}/{steps} loss {losses[-1]:.4f} "
+                      f"{done * per_step * SEQ / (time.perf_counter() - start):.0f} tokens/s, "
+                      f"{eta(done, steps * config.epochs, time.perf_counter() - start)} [synthetic tokens]",
+                      end="", flush=True, file=sys.stderr)
+    seconds = time.perf_counter() - start
+    if env.rank == 0:
+        print(file=sys.stderr)
+    shape = Shape(VOCAB, HIDDEN, HEADS, LAYERS, tokens=per_step * SEQ)
+    return {"model": "transformer", "tp": config.tp, "dp": mesh.dp_size, "world_size": env.world_size,
+            "sequence_parallel": config.sequence_parallel, "backend": env.backend, "epochs": config.epochs,
+            "batch_size_per_dp_rank": config.batch_size, "seq": SEQ, "steps": len(losses), "losses": losses,
+            "tp_elements_per_step": tp_elements, "parameters": shape.parameters(), "train_seconds": seconds,
+            "tokens_per_second": len(losses) * per_step * SEQ / seconds if seconds else None,
+            "synthetic_data": True}
