@@ -3,6 +3,7 @@
     python -m ddp_from_scratch.compare                                   # small CNN, 2 and 4 ranks
     python -m ddp_from_scratch.compare --model resnet50 --world-sizes 2 4 --steps 2 --batch-size 2 --show-layout
     python -m ddp_from_scratch.compare --impl zero1 zero2 fsdp --world-sizes 2 3 4 --no-options --show-layout
+    python -m ddp_from_scratch.compare --impl tp --world-sizes 2 4 --no-options     # tensor parallelism's table
 
 On each rank, the same model is built from a different seed (so a missing initial broadcast
 shows), one copy is wrapped in torch.nn.parallel.DistributedDataParallel and one in ours, and
@@ -22,6 +23,10 @@ The sharded steps (--impl zero1 zero2 fsdp) get a table of their own: each again
 fully_shard (FSDP2, cut into the same units) and against torch's DDP, every rank starting from the
 same weights; whole parameters, buffers and the loss compared after every step. Which pairs must
 be bitwise at every world size and which only at 2 ranks is in the table, and why under it.
+
+Tensor parallelism (--impl tp, in the default run) gets a table too: its blocks against torch's
+parallelize_module, bit for bit, and the split transformer (TP, TP + SP, TP x DP) trained beside
+the one-rank model within float32 rounding (compare_tp.py).
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from .parts.parity import StepCheck, count_nonfinite, relative_diff, same_bits, 
 from .sharded_parity import (PARITY_IMPLS, SHARDED_HEADERS, SHARDED_NOTE, must_be_bitwise, shard_layout_text,
                              train_sharded_side_by_side)
 from .compare_options import options, what_was_compared
+from .compare_tp import ATTENTION_NOTE, TP_HEADERS, TP_IMPL, rows_ok, table_rows, tp_checks
 from .wrap import WRAPPERS, wrap
 
 def train_side_by_side(env, wrapper, steps: int, model="small", batch_size: int = 4, image: int = 12,
@@ -134,10 +140,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = cli.ArgumentParser(description="Compare our data-parallel wrappers with torch's DDP, step by step.")
     parser.add_argument("--model", choices=list(MODELS), default="small",
                         help="small CNN, ResNet-50 (10 classes), or the small CNN with unused heads")
-    parser.add_argument("--impl", nargs="+", choices=list(WRAPPERS) + parity_impls, default=list(WRAPPERS),
+    parser.add_argument("--impl", nargs="+", choices=list(WRAPPERS) + parity_impls + [TP_IMPL],
+                        default=list(WRAPPERS) + [TP_IMPL],
                         help="wrappers to compare; zero1, zero2, zero2-bucketed (in buckets of a quarter of the "
                              "model) and fsdp (the sharded steps) go into a table of their own, each against "
-                             "torch's fully_shard and torch's DDP")
+                             "torch's fully_shard and torch's DDP; tp: tensor parallelism's table (its blocks "
+                             "against torch's parallelize_module, the split transformer against the one-rank model)")
     parser.add_argument("--world-sizes", nargs="+", type=int, default=[2, 4], help="ranks to spawn, one run each")
     parser.add_argument("--units", choices=["children", "blocks"], default="children",
                         help="how fsdp (and fully_shard beside it) cut the model into units: each child with "
@@ -158,9 +166,10 @@ class _Runs:
 
     def __init__(self, args, image: int, chosen: dict, plain: list, sharded: list):
         self.args, self.image, self.chosen, self.plain, self.sharded = args, image, chosen, plain, sharded
-        self.total = len(args.world_sizes) * (len(plain) + 2 * len(sharded) + len(chosen))
+        self.tp = TP_IMPL in args.impl
+        self.total = len(args.world_sizes) * (len(plain) + 2 * len(sharded) + len(chosen) + self.tp)
         self.done, self.start = 0, time.perf_counter()
-        self.rows, self.option_rows, self.sharded_rows = [], [], []
+        self.rows, self.option_rows, self.sharded_rows, self.tp_rows = [], [], [], []
 
     def _progress(self, what: str) -> None:
         left = eta(self.done, self.total, time.perf_counter() - self.start)
@@ -173,6 +182,7 @@ class _Runs:
                 self._plain(pool, n)
                 self._options(pool, n, on("gloo"))
                 self._sharded(pool, n)
+                self._tensor_parallel(pool, n)
             for backend in sorted({o.backend for o in self.chosen.values()} - {"gloo"}):
                 if any(what_was_compared(self.chosen[label], self.args.steps) for label in on(backend)):
                     with collectives.RankPool(n, backend=backend) as pool:
@@ -209,6 +219,14 @@ class _Runs:
             self.option_rows.append(table_row(label, n, a.steps, res) + [option.backend, compared])
             self.done += 1
 
+    def _tensor_parallel(self, pool, n: int) -> None:
+        if not self.tp:
+            return
+        self._progress(f"tensor parallelism on {n} ranks")
+        per_rank = pool.submit(tp_checks, args=(self.args.steps,), timeout=3600)
+        self.tp_rows += table_rows(per_rank, n, self.args.steps)
+        self.done += 1
+
     def _sharded(self, pool, n: int) -> None:
         a = self.args
         for impl in self.sharded:
@@ -226,8 +244,9 @@ class _Runs:
 
 
 def _print_tables(runs: _Runs, data: str) -> None:
-    print(f"model {runs.args.model}, {data}, SGD momentum 0.9, Gloo (the options' rows: their backend column); parameters, their .grad, buffers and the loss "
-          "compared bit for bit after every step on every rank")
+    if runs.rows or runs.option_rows or runs.sharded_rows:
+        print(f"model {runs.args.model}, {data}, SGD momentum 0.9, Gloo (the options' rows: their backend column); "
+              "parameters, their .grad, buffers and the loss compared bit for bit after every step on every rank")
     if runs.rows:
         print(tabulate(runs.rows, headers=HEADERS))
     if any(row[3] == "no" and row[0] in ("naive", "flat") and row[1] > 2 for row in runs.rows):
@@ -243,6 +262,11 @@ def _print_tables(runs: _Runs, data: str) -> None:
               "(every rank starts from the same weights; whole parameters compared, gradients are shards)")
         print(tabulate(runs.sharded_rows, headers=SHARDED_HEADERS))
         print("\n" + SHARDED_NOTE)
+    if runs.tp_rows:
+        print("\ntensor parallelism (ddp_from_scratch/tensor_parallel), each block against torch's parallelize_module "
+              "(Gloo, one step) and the split transformer against the one-rank model (SGD, momentum 0.9)")
+        print(tabulate(runs.tp_rows, headers=TP_HEADERS, disable_numparse=True))
+        print("\n" + ATTENTION_NOTE)
 
 
 def _print_layouts(args, image: int, plain: list, sharded: list) -> None:
@@ -265,14 +289,14 @@ def main(argv=None) -> int:
     _validate(args, parser, image)
     data = f"synthetic CIFAR-shaped data ({args.batch_size} x 3 x {image} x {image} per rank)"
     chosen = {} if args.no_options else options(args.model, args.batch_size)
-    plain = [impl for impl in args.impl if impl not in PARITY_IMPLS]
+    plain = [impl for impl in args.impl if impl not in PARITY_IMPLS and impl != TP_IMPL]
     sharded = [impl for impl in args.impl if impl in PARITY_IMPLS]
     runs = _Runs(args, image, chosen, plain, sharded).run()
     _print_tables(runs, data)
     _print_layouts(args, image, plain, sharded)
     sharded_ok = all(row[4] == "yes" for row in runs.sharded_rows if row[5] == "yes")
     compared = [row for row in runs.option_rows if row[3] != "not compared"]  # stopped before the option acted
-    return 0 if sharded_ok and all(row[3] == "yes" for row in runs.rows + compared
+    return 0 if sharded_ok and rows_ok(runs.tp_rows) and all(row[3] == "yes" for row in runs.rows + compared
                                    if row[0] not in ("naive", "flat") or row[1] <= 2) else 1
 
 

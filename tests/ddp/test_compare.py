@@ -117,3 +117,32 @@ def test_compare_program_prints_the_sharded_table_and_the_shard_layout(capsys):
     table = [line for line in out.splitlines() if line.startswith(("zero2 ", "fsdp "))]
     assert len(table) == 4 and all(" yes " in line for line in table), table  # 2 ranks: every pair bitwise
     assert "unit 0 (conv1): 2 ranks" in out and "rows r0: 0-3, r1: 4-7" in out  # conv1.weight (8, 3, 3, 3)
+
+
+def test_the_tensor_parallel_table_proves_its_rows(capsys):
+    """--impl tp on 2 ranks: every block bit for bit torch's parallelize_module (attention but its
+    input gradient), the split transformer within float32 rounding of the one-rank model."""
+    code = compare.main(["--world-sizes", "2", "--impl", "tp", "--steps", "2", "--no-options"])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    for label in ("MLP block", "attention (heads split) (all but dx)", "LayerNorm + MLP, sequence parallel"):
+        assert any(line.startswith(label) and "  yes  " in line and line.rstrip().endswith("yes")
+                   for line in text.splitlines()), (label, text)
+    for label in ("transformer, TP over 2", "transformer, TP + SP over 2"):
+        assert any(line.startswith(label) and "no (within 0.0001)" in line for line in text.splitlines()), text
+    assert "model small" not in text  # no CNN table was asked for
+
+
+@pytest.mark.parametrize("rank_rows, ok", [
+    ([("MLP block", "torch", 1, True, 0.0, True)], True),
+    ([("MLP block", "torch", 1, False, 1e-7, True)], False),       # a must-be-bitwise row that is not
+    ([("transformer", "one rank", 4, None, 5e-5, False)], True),
+    ([("transformer", "one rank", 4, None, 2e-4, False)], False),  # past the tolerance
+])
+def test_the_tensor_parallel_verdict_needs_every_rank(rank_rows, ok):
+    from ddp_from_scratch import compare_tp
+
+    good = [("MLP block", "torch", 1, True, 0.0, True)] if rank_rows[0][5] else [("transformer", "one rank", 4, None, 0.0, False)]
+    rows = compare_tp.table_rows([good, rank_rows], 2, 4)  # rank 0 agrees; rank 1 as given
+    assert compare_tp.rows_ok(rows) == ok, rows
+    assert compare_tp.rows_ok(compare_tp.table_rows([good], 3, 4))  # a world size the blocks do not fit: not run

@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from collectives.testing import run_on_ranks
+from ddp_from_scratch.tensor_parallel import parity
 from ddp_from_scratch.tensor_parallel.mlp import TensorParallelMLP, one_rank_mlp
 from ddp_from_scratch.tensor_parallel.operators import counting
 
@@ -90,27 +91,8 @@ def test_the_split_mlp_is_the_one_rank_mlp_and_sends_megatrons_messages(backend,
 
 def _against_torch(env, backend, bias_in_partial_sums):
     """torch's ColwiseParallel / RowwiseParallel on a copy of the same block, on a DeviceMesh over
-    the same group, beside ours."""
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    group = dist.new_group(backend=backend)
-    mesh = DeviceMesh.from_group(group, "cpu")
-    theirs = parallelize_module(one_rank_mlp(H), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
-    ours = TensorParallelMLP(one_rank_mlp(H), group, bias_in_partial_sums=bias_in_partial_sums)
-    x, dy = _data()
-    out = {}
-    for label, mlp in (("ours", ours), ("torch", theirs)):
-        xi = x.clone().requires_grad_(True)
-        y = mlp(xi)
-        y = y.full_tensor() if hasattr(y, "full_tensor") else y
-        y.backward(dy)
-        local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
-        up, down = (mlp.up, mlp.down) if label == "ours" else (mlp[0], mlp[2])
-        out[label] = {"y": y.detach(), "dx": xi.grad, "up.weight.grad": local(up.weight.grad),
-                      "up.bias.grad": local(up.bias.grad), "down.weight.grad": local(down.weight.grad),
-                      "down.bias.grad": local(down.bias.grad)}
-    return {k: (out["ours"][k], out["torch"][k]) for k in out["ours"]}
+    the same group, beside ours (tensor_parallel/parity.py)."""
+    return parity.mlp_against_torch(dist.new_group(backend=backend), bias_in_partial_sums)
 
 
 @pytest.mark.parametrize("backend", ["gloo", "shm"])
@@ -193,30 +175,7 @@ def test_the_split_attention_is_the_one_rank_attention_with_one_all_reduce_each_
 
 
 def _attention_against_torch(env):
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    from ddp_from_scratch.tensor_parallel.attention import TensorParallelAttention, one_rank_attention
-
-    group = dist.new_group(backend="gloo")
-    mesh = DeviceMesh.from_group(group, "cpu")
-    theirs = one_rank_attention(H, HEADS)
-    theirs.heads = HEADS // env.world_size  # torch's tutorial does the same: local heads after the split
-    parallelize_module(theirs, mesh, {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(),
-                                      "out": RowwiseParallel()})
-    ours = TensorParallelAttention(one_rank_attention(H, HEADS), group, bias_in_partial_sums=True)
-    x, dy = _data()
-    out = {}
-    for label, attn in (("ours", ours), ("torch", theirs)):
-        xi = x.clone().requires_grad_(True)
-        y = attn(xi)
-        y = y.full_tensor() if hasattr(y, "full_tensor") else y
-        y.backward(dy)
-        local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
-        out[label] = {"y": y.detach(), "dx": xi.grad,
-                      **{f"{n}.{w}.grad": local(getattr(getattr(attn, n), w).grad)
-                         for n in ("q", "k", "v", "out") for w in ("weight", "bias")}}
-    return {k: (out["ours"][k], out["torch"][k]) for k in out["ours"]}
+    return parity.attention_against_torch(dist.new_group(backend="gloo"))
 
 
 def test_the_split_attention_is_torchs_colwise_and_rowwise_parallel():
@@ -463,56 +422,12 @@ def test_the_sequence_parallel_transformer_is_the_one_rank_transformer(backend, 
 
 
 # -- sequence parallelism against torch's SequenceParallel -------------------------------------------
-def _sp_region(seed: int = 0) -> torch.nn.Sequential:
-    """A LayerNorm and the MLP block after it: the region sequence parallelism splits along the sequence."""
-    torch.manual_seed(seed)
-    ln = torch.nn.LayerNorm(H)
-    with torch.no_grad():  # not the ones and zeros LayerNorm starts from: a wrong gradient shows
-        ln.weight.uniform_(0.5, 1.5)
-        ln.bias.uniform_(-0.5, 0.5)
-    return torch.nn.Sequential(ln, torch.nn.Linear(H, 4 * H), torch.nn.GELU(), torch.nn.Linear(4 * H, H))
-
-
 def _sp_against_torch(env, backend):
     """torch's SequenceParallel on the LayerNorm, ColwiseParallel(input_layouts=Shard(1)) and
     RowwiseParallel(output_layouts=Shard(1)) on the MLP, beside ours. One backend a process: a
     second DeviceMesh over the same ranks is equal to the first, and torch's DTensors made on it
     ran their collectives on the first mesh's group (torch 2.13)."""
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
-                                                   parallelize_module)
-
-    from ddp_from_scratch.tensor_parallel.operators import all_reduced
-
-    p, r = env.world_size, env.rank
-    x, dy = _data()
-    k = S // p
-    x, dy = x[:, r * k:(r + 1) * k].contiguous(), dy[:, r * k:(r + 1) * k].contiguous()
-    whole = lambda t: t.full_tensor() if not t.placements[0].is_shard() else t.to_local()  # noqa: E731
-    group = dist.new_group(backend=backend)
-    theirs = parallelize_module(_sp_region(), DeviceMesh.from_group(group, "cpu"),
-                                {"0": SequenceParallel(), "1": ColwiseParallel(input_layouts=Shard(1)),
-                                 "3": RowwiseParallel(output_layouts=Shard(1))})
-    full = _sp_region()
-    ln, mlp = full[0], TensorParallelMLP(full[1:], group, sequence_parallel=True, bias_in_partial_sums=True)
-    out = {}
-    for label, region in (("ours", lambda t: mlp(ln(t))), ("torch", theirs)):
-        xi = x.clone().requires_grad_(True)
-        y = region(xi)
-        y.backward(dy)
-        # torch's y is an AsyncCollectiveTensor: an op on it (clone) waits for its reduce_scatter
-        out[label] = {"y": y.detach().clone(), "dx": xi.grad}
-    # torch leaves the LayerNorm's gradients Partial (each rank's slice's); ours are all-reduced
-    # as TensorParallelTransformer.sequence_parallel_grads does
-    out["ours"].update({"ln.weight.grad": all_reduced(ln.weight.grad, group),
-                        "ln.bias.grad": all_reduced(ln.bias.grad, group),
-                        **{f"{n}.{w}.grad": getattr(getattr(mlp, n), w).grad
-                           for n in ("up", "down") for w in ("weight", "bias")}})
-    out["torch"].update({"ln.weight.grad": whole(theirs[0].weight.grad), "ln.bias.grad": whole(theirs[0].bias.grad),
-                         **{f"{n}.{w}.grad": whole(getattr(theirs[i], w).grad)
-                            for n, i in (("up", 1), ("down", 3)) for w in ("weight", "bias")}})
-    return {name: (out["ours"][name], out["torch"][name]) for name in out["ours"]}
+    return parity.sequence_parallel_against_torch(dist.new_group(backend=backend))
 
 
 @BACKENDS_AND_SIZES
