@@ -5,7 +5,8 @@ beside the one-rank model, within float32 rounding (tensor_parallel/parity.py ru
     python -m ddp_from_scratch.compare --impl tp --world-sizes 2 4 --steps 4
 
 Rows on p ranks: the MLP block, attention and the sequence-parallel LayerNorm + MLP against torch
-(one step, every output and gradient); the transformer with TP over p, with sequence parallelism,
+(one step, every output and gradient), and on 4 ranks the MLP block as TP x DP on 2 x 2
+against torch's on a 2-D DeviceMesh; the transformer with TP over p, with sequence parallelism,
 and (p = 4) TP x DP on 2 x 2, each trained --steps SGD steps beside the one-rank model (their
 losses and the logits of a probe batch after the last step). A block needs p to divide its 4
 heads and 8 positions; a world size that does not is a row that says so.
@@ -45,6 +46,9 @@ def tp_checks(env, steps: int) -> list:
              parity.sequence_parallel_against_torch, ())):
         exact, diff = parity.agrees(run(world), inexact)
         rows.append((label + (" (all but dx)" if inexact else ""), against, 1, exact, diff, True))
+    if p == 4:
+        exact, diff = parity.agrees(parity.tp_by_dp_against_torch())
+        rows.append(("MLP block, TP x DP 2 x 2", "torch's on a 2-D DeviceMesh + DDP's arithmetic", 1, exact, diff, True))
     layouts = [(f"transformer, TP over {p}", p, False), (f"transformer, TP + SP over {p}", p, True)]
     if p == 4:
         layouts.append(("transformer, TP x DP 2 x 2", 2, False))

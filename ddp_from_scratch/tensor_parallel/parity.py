@@ -4,7 +4,8 @@ these return; `python -m ddp_from_scratch.compare --impl tp` prints them as a ta
 
     pairs = mlp_against_torch(group)                        # {name: (ours, torch's)}: equal bit for bit
     pairs = attention_against_torch(group)                  # all but "dx" bit for bit (see below)
-    pairs = sequence_parallel_against_torch(group, rank, p) # LayerNorm + MLP, split along the sequence
+    pairs = sequence_parallel_against_torch(group)          # LayerNorm + MLP, split along the sequence
+    pairs = tp_by_dp_against_torch()                        # 4 ranks: TP x DP 2 x 2 against a 2-D DeviceMesh
     run = transformer_against_one_rank(rank, tp, dp, steps=4)   # losses and final logits of both
 
 torch's layout for each: ColwiseParallel then RowwiseParallel on the MLP's two Linears;
@@ -94,6 +95,37 @@ def attention_against_torch(group) -> Pairs:
     for label, attn in (("ours", ours), ("torch", theirs)):
         out[label].update({f"{n}.{w}.grad": _local(getattr(getattr(attn, n), w).grad)
                            for n in ("q", "k", "v", "out") for w in ("weight", "bias")})
+    return {k: (out["ours"][k], out["torch"][k]) for k in out["ours"]}
+
+
+def tp_by_dp_against_torch(backend=None) -> Pairs:
+    """4 ranks as 2 x 2. Ours: the MLP block split over the mesh's TP group, the bucketed DDP over
+    its DP group (on `backend`). torch's: the block parallelized over the "tp" dimension of a
+    2-D DeviceMesh (Gloo), and DDP's arithmetic on each local gradient over the "dp" dimension
+    (divided by the DP size, then all-reduced). Each DP index trains its own batch."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from ..steps.ddp import DistributedDataParallel
+
+    world = dist.get_world_size()
+    if world != 4:
+        raise ValueError(f"the TP x DP comparison runs on 4 ranks (2 x 2), not {world}")
+    mesh = Mesh2D(tp=2, backend=backend)
+    grid = DeviceMesh("cpu", torch.arange(world).reshape(2, 2), mesh_dim_names=("dp", "tp"))  # rank = d x 2 + t
+    theirs = parallelize_module(one_rank_mlp(H), grid["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    ours = DistributedDataParallel(TensorParallelMLP(one_rank_mlp(H), mesh.tp, bias_in_partial_sums=True),
+                                   group=mesh.dp)
+    out = _run({"ours": ours, "torch": theirs}, *block_data(seed=1 + mesh.dp_index))
+    dp_group = grid.get_group("dp")
+    for label, (up, down) in (("ours", (ours.module.up, ours.module.down)), ("torch", (theirs[0], theirs[2]))):
+        for n, lin in (("up", up), ("down", down)):
+            for w in ("weight", "bias"):
+                grad = getattr(lin, w).grad
+                if label == "torch":  # DDP's arithmetic: each gradient / DP size, summed over the DP group
+                    grad = grad.to_local() / grid["dp"].size()
+                    dist.all_reduce(grad, group=dp_group)
+                out[label][f"{n}.{w}.grad"] = grad
     return {k: (out["ours"][k], out["torch"][k]) for k in out["ours"]}
 
 

@@ -329,6 +329,21 @@ def test_tp_by_dp_on_a_2x2_mesh_is_the_one_rank_model_on_both_batches(backend):
         assert tp_messages == [("all_reduce", B * S * H)] * 2, tp_messages  # g forward, f backward
 
 
+def _tp_by_dp_against_torch(env):
+    return {backend: parity.tp_by_dp_against_torch(backend) for backend in ("gloo", "shm")}
+
+
+def test_tp_by_dp_is_bitwise_torchs_tp_on_a_2d_device_mesh_with_ddps_arithmetic():
+    """4 ranks as 2 x 2, each DP index its own batch: our split block under the bucketed DDP over
+    the mesh's DP groups (on Gloo, and on shm) against torch's parallelize_module on the "tp"
+    dimension of a 2-D DeviceMesh with DDP's arithmetic over "dp" (each gradient / 2, then
+    all-reduced): every output, input gradient and weight gradient is the same bits."""
+    for rank, found in enumerate(run_on_ranks(_tp_by_dp_against_torch, 4, backend="gloo")):
+        for backend, got in found.items():
+            for name, (mine, theirs) in got.items():
+                assert torch.equal(mine, theirs), f"{backend}, rank {rank}, {name}: {(mine - theirs).abs().max()}"
+
+
 def _bad_meshes(env):
     from ddp_from_scratch.tensor_parallel.mesh import Mesh2D
 
