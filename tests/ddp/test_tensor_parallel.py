@@ -95,12 +95,12 @@ def _against_torch(env, backend, bias_in_partial_sums):
     return parity.mlp_against_torch(dist.new_group(backend=backend), bias_in_partial_sums)
 
 
-@pytest.mark.parametrize("backend", ["gloo", "shm"])
-def test_the_split_mlp_is_bitwise_torchs_colwise_and_rowwise_parallel(backend):
+@BACKENDS_AND_SIZES
+def test_the_split_mlp_is_bitwise_torchs_colwise_and_rowwise_parallel(backend, world_size):
     """With torch's order for the down-projection's bias (b / p in each partial sum), every output,
     gradient and input gradient is torch's bit for bit: the same kernels on the same shards, the
     same all_reduces of the same partial sums."""
-    for rank, got in enumerate(run_on_ranks(_against_torch, 2, args=(backend, True), backend="gloo")):
+    for rank, got in enumerate(run_on_ranks(_against_torch, world_size, args=(backend, True), backend="gloo")):
         for name, (mine, theirs) in got.items():
             assert torch.equal(mine, theirs), f"rank {rank}, {name}: {(mine - theirs).abs().max()}"
 
@@ -174,17 +174,18 @@ def test_the_split_attention_is_the_one_rank_attention_with_one_all_reduce_each_
         assert forward == [("all_reduce", B * S * H)] and backward == [("all_reduce", B * S * H)], (forward, backward)
 
 
-def _attention_against_torch(env):
-    return parity.attention_against_torch(dist.new_group(backend="gloo"))
+def _attention_against_torch(env, backend):
+    return parity.attention_against_torch(dist.new_group(backend=backend))
 
 
-def test_the_split_attention_is_torchs_colwise_and_rowwise_parallel():
+@BACKENDS_AND_SIZES
+def test_the_split_attention_is_torchs_colwise_and_rowwise_parallel(backend, world_size):
     """Bit for bit torch's parallelize_module (ColwiseParallel on q, k, v, RowwiseParallel on the
     output projection), but for the input's gradient: torch's three ColwiseParallel layers each
     all-reduce their share of it and add the three sums; ours adds the three shares and
     all-reduces once (a third of the messages). The same numbers added in another order: within
     4 units in the last place of the largest element."""
-    for rank, got in enumerate(run_on_ranks(_attention_against_torch, 2, backend="gloo")):
+    for rank, got in enumerate(run_on_ranks(_attention_against_torch, world_size, args=(backend,), backend="gloo")):
         for name, (mine, theirs) in got.items():
             if name == "dx":
                 bound = 4 * torch.finfo(torch.float32).eps * theirs.abs().max()
