@@ -22,6 +22,10 @@ B, S, H = 3, 8, 16
 # the backends at 2 ranks, and TP over 4 ranks (a quarter of each layer) on Gloo
 BACKENDS_AND_SIZES = pytest.mark.parametrize("backend, world_size", [("gloo", 2), ("shm", 2), ("gloo", 4)],
                                              ids=["gloo-2", "shm-2", "gloo-4"])
+# the whole transformer also on shm over 4 ranks: every part of it, end to end
+EVERY_BACKEND_AND_SIZE = pytest.mark.parametrize("backend, world_size",
+                                                 [("gloo", 2), ("shm", 2), ("gloo", 4), ("shm", 4)],
+                                                 ids=["gloo-2", "shm-2", "gloo-4", "shm-4"])
 
 
 def _data(seed: int = 1):
@@ -405,7 +409,7 @@ def _transformer(env, backend, sequence_parallel=False):
     return pairs, forward, backward, (batch, seq, hidden, layers)
 
 
-@BACKENDS_AND_SIZES
+@EVERY_BACKEND_AND_SIZE
 def test_the_split_transformer_is_the_one_rank_transformer_with_megatrons_messages(backend, world_size):
     """The small transformer over 2 ranks: its loss and gradients (sharded ones against the one-rank
     model's shard, whole ones against the whole) within float32 rounding; and the messages of the
@@ -419,7 +423,7 @@ def test_the_split_transformer_is_the_one_rank_transformer_with_megatrons_messag
         assert backward == [("all_reduce", b * s * h)] * (2 * layers + 1), backward
 
 
-@BACKENDS_AND_SIZES
+@EVERY_BACKEND_AND_SIZE
 def test_the_sequence_parallel_transformer_is_the_one_rank_transformer(backend, world_size):
     """With sequence parallelism (the activations between blocks split along the sequence): the
     loss and every gradient, after the whole parameters' slice gradients are all-reduced, within
