@@ -44,7 +44,7 @@ from collectives.shm.config import parse_setting
 from collectives.shm.ops import SMALL_BYTES, all_reduce_traffic
 from ddp_from_scratch.workload.resnet import resnet50
 
-from .sweep import alternate_calls, alternate_steps, check_sweep, parse_size, size_list, summarise
+from .sweep import alternate_calls, alternate_steps, check_sweep, parse_size, shm_setting, size_list, summarise
 from .limits import aggregate_copy_gbps, memory_copy_gbps
 from .nccl_format import bandwidths
 
@@ -235,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=int, default=32, help="DDP: images per rank")
     parser.add_argument("--skip-ddp", action="store_true", help="only the collectives")
     parser.add_argument("--only-ddp", action="store_true", help="only the DDP step time")
-    parser.add_argument("--setting", action="append", default=[], metavar="VAR=VALUE",
+    parser.add_argument("--setting", action="append", default=[], metavar="VAR=VALUE", type=shm_setting,
                         help="DDP: also time torch's DDP on a shm group made with this COLLECTIVES_SHM_* setting "
                              "(repeatable)")
     parser.add_argument("--json", metavar="FILE", help="write every measurement as JSON")
@@ -254,11 +254,6 @@ def main(argv=None) -> int:
     if args.skip_ddp and args.only_ddp:
         parser.error("--skip-ddp and --only-ddp leave nothing to do")
     check_sweep(args, parser)
-    for setting in args.setting:
-        try:
-            parse_setting(setting)
-        except ValueError as exc:
-            parser.error(f"--setting {exc}")
     config = {k: getattr(args, k) for k in ("minbytes", "maxbytes", "stepfactor", "rounds", "batch_size", "skip_ddp",
                                             "only_ddp")}
     config["settings"] = list(dict.fromkeys(args.setting))

@@ -42,7 +42,7 @@ from collectives import cli
 from collectives.shm import backend_of, new_group_with
 from collectives.shm.config import parse_setting
 
-from .sweep import parse_size, size_list
+from .sweep import parse_size, shm_setting, size_list
 
 VARIANTS = ("gloo", "shm python", "shm native", "floor", "deepspeed")
 
@@ -134,7 +134,7 @@ def measure(env, config) -> dict:
     return {"world_size": n, "sizes": sizes, "times_us": {k: {str(s): v for s, v in per.items()}
                                                            for k, per in times.items()},
             "wrong": wrong, "deepspeed_left_out": "" if ds_call is not None else ds_why,
-            "busy": config["busy"], "cores": len(os.sched_getaffinity(0))}
+            "busy": config["busy"], "cores": cli.cpus()}
 
 
 def _size(nbytes: int) -> str:
@@ -185,7 +185,7 @@ def build_parser():
     parser.add_argument("--iters", type=int, default=500, help="calls per turn at most (default 500)")
     parser.add_argument("--budget-ms", type=float, default=10.0, help="the calls of a turn take about this long (default 10)")
     parser.add_argument("--busy", type=int, default=0, help="processes to keep busy beside the ranks (default 0)")
-    parser.add_argument("--setting", action="append", default=[], metavar="VAR=VALUE",
+    parser.add_argument("--setting", action="append", default=[], metavar="VAR=VALUE", type=shm_setting,
                         help="also time a native group made with this COLLECTIVES_SHM_* setting (repeatable)")
     parser.add_argument("--json", default=None, help="also write every round's times here")
     return parser
@@ -202,11 +202,6 @@ def main(argv=None) -> int:
     config = {k: getattr(args, k) for k in ("minbytes", "maxbytes", "stepfactor", "rounds", "iters", "budget_ms",
                                             "busy")}
     config["variants"] = list(dict.fromkeys(args.variants))
-    for setting in args.setting:
-        try:
-            parse_setting(setting)
-        except ValueError as exc:
-            parser.error(f"--setting {exc}")
     config["settings"] = list(dict.fromkeys(args.setting))
     before = set(_deepspeed_files())
     try:

@@ -24,6 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from collectives import cli
+from collectives.shm.config import parse_setting
 
 from .nccl_format import TYPE_NAMES
 
@@ -36,6 +37,15 @@ def parse_size(text: str) -> int:
     if not match:
         raise argparse.ArgumentTypeError(f"size {text!r} is not a number with an optional K, M or G suffix")
     return int(match.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30}[match.group(2)]
+
+
+def shm_setting(text: str) -> str:
+    """argparse type of --setting: 'COLLECTIVES_SHM_<NAME>=<value>', checked as the shm backend reads it."""
+    try:
+        parse_setting(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def size_list(begin: int, end: int, factor: int) -> list:
