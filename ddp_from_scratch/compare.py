@@ -53,7 +53,7 @@ from .parts.parity import StepCheck, count_nonfinite, relative_diff, same_bits, 
 from .sharded_parity import (PARITY_IMPLS, SHARDED_HEADERS, SHARDED_NOTE, must_be_bitwise, shard_layout_text,
                              train_sharded_side_by_side)
 from .compare_options import options, what_was_compared
-from .compare_tp import ATTENTION_NOTE, TP_HEADERS, TP_IMPL, rows_ok, table_rows, tp_checks
+from .compare_tp import ATTENTION_NOTE, TP_HEADERS, TP_IMPL, table_rows, tp_checks
 from .wrap import WRAPPERS, wrap
 
 def train_side_by_side(env, wrapper, steps: int, model="small", batch_size: int = 4, image: int = 12,
@@ -170,6 +170,7 @@ class _Runs:
         self.total = len(args.world_sizes) * (len(plain) + 2 * len(sharded) + len(chosen) + self.tp)
         self.done, self.start = 0, time.perf_counter()
         self.rows, self.option_rows, self.sharded_rows, self.tp_rows = [], [], [], []
+        self.tp_ok = True
 
     def _progress(self, what: str) -> None:
         left = eta(self.done, self.total, time.perf_counter() - self.start)
@@ -224,7 +225,9 @@ class _Runs:
             return
         self._progress(f"tensor parallelism on {n} ranks")
         per_rank = pool.submit(tp_checks, args=(self.args.steps,), timeout=3600)
-        self.tp_rows += table_rows(per_rank, n, self.args.steps)
+        rows, ok = table_rows(per_rank, n, self.args.steps)
+        self.tp_rows += rows
+        self.tp_ok = self.tp_ok and ok
         self.done += 1
 
     def _sharded(self, pool, n: int) -> None:
@@ -296,7 +299,7 @@ def main(argv=None) -> int:
     _print_layouts(args, image, plain, sharded)
     sharded_ok = all(row[4] == "yes" for row in runs.sharded_rows if row[5] == "yes")
     compared = [row for row in runs.option_rows if row[3] != "not compared"]  # stopped before the option acted
-    return 0 if sharded_ok and rows_ok(runs.tp_rows) and all(row[3] == "yes" for row in runs.rows + compared
+    return 0 if sharded_ok and runs.tp_ok and all(row[3] == "yes" for row in runs.rows + compared
                                    if row[0] not in ("naive", "flat") or row[1] <= 2) else 1
 
 

@@ -138,11 +138,12 @@ def test_the_tensor_parallel_table_proves_its_rows(capsys):
     ([("MLP block", "torch", 1, False, 1e-7, True)], False),       # a must-be-bitwise row that is not
     ([("transformer", "one rank", 4, None, 5e-5, False)], True),
     ([("transformer", "one rank", 4, None, 2e-4, False)], False),  # past the tolerance
+    ([("transformer", "one rank", 4, None, 1.004e-4, False)], False),  # past it, though it prints as 1.00e-04
 ])
 def test_the_tensor_parallel_verdict_needs_every_rank(rank_rows, ok):
     from ddp_from_scratch import compare_tp
 
     good = [("MLP block", "torch", 1, True, 0.0, True)] if rank_rows[0][5] else [("transformer", "one rank", 4, None, 0.0, False)]
-    rows = compare_tp.table_rows([good, rank_rows], 2, 4)  # rank 0 agrees; rank 1 as given
-    assert compare_tp.rows_ok(rows) == ok, rows
-    assert compare_tp.rows_ok(compare_tp.table_rows([good], 3, 4))  # a world size the blocks do not fit: not run
+    rows, verdict = compare_tp.table_rows([good, rank_rows], 2, 4)  # rank 0 agrees; rank 1 as given
+    assert verdict == ok, rows
+    assert compare_tp.table_rows([good], 3, 4)[1]  # a world size the blocks do not fit: not run
