@@ -44,6 +44,7 @@ from typing import Callable, List
 import torch
 
 from ..chunks import bounds
+from ..cli import cpus
 from ..errors import CollectiveError
 from .segment import ABORT, Segment
 from .wait import DIED, PeerFailure, Waiter, process_alive
@@ -155,7 +156,7 @@ def probe(segment: Segment, rank: int, waiter: Waiter, mode: str = "auto") -> st
     mark = torch.zeros(p, dtype=torch.int64)  # slot q: written by rank q
     mark[rank] = pid
     segment.addresses[rank] = mark.data_ptr()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = cpus()
     why = (f"COLLECTIVES_SHM_CMA={mode}" if mode in ("0", "off") else
            "a group of one" if p == 1 else
            f"{p} ranks share {cores} cores: the kernel's copies take CPU the other ranks need (measured slower; "

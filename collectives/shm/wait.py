@@ -30,6 +30,7 @@ import os
 import time
 from typing import Optional
 
+from ..cli import cpus
 from ..errors import CollectiveError
 from ..launcher.pids import alive
 from . import futex
@@ -65,7 +66,7 @@ class Waiter:
         if strategy == "futex" and not futex.AVAILABLE:
             strategy = "yield"  # no futex number known for this machine
         self.segment, self.rank, self.strategy, self.timeout_s = segment, rank, strategy, timeout_s
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        cores = cpus()
         self.spin_s_idle = SPIN_S_OWN_CORE if segment.world_size <= cores else SPIN_S_SHARED
         self.spin_s = self.spin_s_idle  # the process group sets 0 while its caller computes
         self.step = int(segment.steps[rank])
