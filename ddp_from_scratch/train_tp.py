@@ -114,6 +114,7 @@ def train_tp(env, config) -> dict:
     return {"model": "transformer", "tp": config.tp, "dp": mesh.dp_size, "world_size": env.world_size,
             "sequence_parallel": config.sequence_parallel, "backend": env.backend, "epochs": config.epochs,
             "batch_size_per_dp_rank": config.batch_size, "seq": SEQ, "steps": len(losses), "losses": losses,
-            "tp_elements_per_step": tp_elements, "parameters": shape.parameters(), "train_seconds": seconds,
+            "tp_elements_per_step": tp_elements, "parameters": shape.parameters(),
+            "dp_buckets": len(model.buckets) if mesh.dp_size > 1 else 0, "train_seconds": seconds,
             "tokens_per_second": len(losses) * per_step * SEQ / seconds if seconds else None,
             "synthetic_data": True}

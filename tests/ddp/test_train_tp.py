@@ -32,8 +32,9 @@ def _losses(tp: int, dp: int, *extra: str) -> list:
     return summaries[0]
 
 
-@pytest.mark.parametrize("tp, dp, extra", [(2, 1, ()), (2, 2, ()), (2, 1, ("--sequence-parallel",))],
-                         ids=["tp2", "tp2xdp2", "tp2+sp"])
+@pytest.mark.parametrize("tp, dp, extra", [(2, 1, ()), (2, 2, ()), (2, 1, ("--sequence-parallel",)),
+                                          (2, 2, ("--bucket-cap-mb", "0.05"))],
+                         ids=["tp2", "tp2xdp2", "tp2+sp", "tp2xdp2-buckets"])  # the last: ~6 buckets a rank
 def test_a_tp_run_has_the_one_rank_models_losses(tp, dp, extra):
     """The same global batch every step, whatever the layout: the split model's losses after each
     SGD step are the one-rank model's, within float32 rounding (the partial sums add in another
@@ -44,10 +45,12 @@ def test_a_tp_run_has_the_one_rank_models_losses(tp, dp, extra):
     torch.testing.assert_close(torch.tensor(split["losses"]), torch.tensor(one["losses"]), rtol=1e-5, atol=1e-6)
     assert len(set(one["losses"])) == STEPS  # the model learns: a run that never stepped would not match
     want = step_messages(Shape(VOCAB, HIDDEN, HEADS, LAYERS, GLOBAL_BATCH * SEQ), tp * dp, tp).elements["tp"]
-    if extra:  # sequence parallelism: each T h all_reduce is a reduce_scatter of T h and an all_gather of T h / p
+    if "--sequence-parallel" in extra:  # sequence parallelism: each T h all_reduce is a reduce_scatter of T h and an all_gather of T h / p
         tokens = GLOBAL_BATCH // dp * SEQ
         want = (4 * LAYERS + 2) * tokens * HIDDEN * (tp + 1) // tp + 3 * tokens
     assert split["tp_elements_per_step"] == want and one["tp_elements_per_step"] == 0
+    buckets = split["dp_buckets"]  # the small cap: several buckets (whole parameters each), so a second bucket runs
+    assert (buckets > 1 if "--bucket-cap-mb" in extra else buckets == (dp > 1)), buckets
 
 
 @pytest.mark.parametrize("argv, fragment", [
