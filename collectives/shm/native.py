@@ -69,7 +69,7 @@ def load():
             print(f"collectives.shm: building the backend's C++ bridge to torch once (about 20 s) in {build_dir}",
                   file=sys.stderr, flush=True)
         try:
-            _module = cpp_extension.load(NAME, [SOURCE], extra_cflags=["-O2", f"-DSHM_HEADERS={_headers_digest()}"],
+            _module = cpp_extension.load(NAME, [SOURCE], extra_cflags=["-O3", f"-DSHM_HEADERS={_headers_digest()}"],
                                          verbose=False)
         except Exception as exc:  # noqa: BLE001 - a compiler's error, made into one that says what failed
             raise BuildError(f"building the shm backend's C++ bridge ({SOURCE}) failed in {build_dir}: {exc}") from exc

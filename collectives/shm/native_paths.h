@@ -44,6 +44,23 @@ SHM_SUM_LOOP(sum_i32, int32_t, uint32_t)
 SHM_SUM_LOOP(sum_i64, int64_t, uint64_t)
 #undef SHM_SUM_LOOP
 
+// The same sum stored twice (the caller's tensor and the slot the others read it from): the sum is
+// read back from neither. Each element is one addition either way, so the bits are the same.
+#define SHM_SUM_TWICE_LOOP(NAME, T, U)                                                                   \
+  SHM_VECTOR_WIDTHS inline void NAME(                                                                    \
+      T* __restrict out, T* __restrict also, const T* a, const T* b, int64_t n) {                      \
+    for (int64_t i = 0; i < n; ++i) {                                                                    \
+      const T v = static_cast<T>(static_cast<U>(a[i]) + static_cast<U>(b[i]));                          \
+      out[i] = v;                                                                                        \
+      also[i] = v;                                                                                       \
+    }                                                                                                    \
+  }
+SHM_SUM_TWICE_LOOP(sum_twice_f32, float, float)
+SHM_SUM_TWICE_LOOP(sum_twice_f64, double, double)
+SHM_SUM_TWICE_LOOP(sum_twice_i32, int32_t, uint32_t)
+SHM_SUM_TWICE_LOOP(sum_twice_i64, int64_t, uint64_t)
+#undef SHM_SUM_TWICE_LOOP
+
 // out = a op b, elementwise (out may be a). __restrict above is honoured only where out != a
 // partially overlaps: callers pass out == a or disjoint buffers.
 inline void combine(void* out, const void* a, const void* b, int64_t n, at::ScalarType dtype, int op) {
@@ -74,6 +91,23 @@ inline void combine(void* out, const void* a, const void* b, int64_t n, at::Scal
     case OP_BXOR: at::bitwise_xor_out(to, ta, tb); break;
     default: throw std::runtime_error("shm native path: unknown op " + std::to_string(op));
   }
+}
+
+// out = a op b and also = out, without reading out back where the dtype has a loop for it
+inline void combine_twice(void* out, void* also, const void* a, const void* b, int64_t n, at::ScalarType dtype,
+                          int op, int es) {
+  if (n == 0) return;
+  if (op == OP_SUM) {
+    switch (dtype) {
+      case at::kFloat: return sum_twice_f32((float*)out, (float*)also, (const float*)a, (const float*)b, n);
+      case at::kDouble: return sum_twice_f64((double*)out, (double*)also, (const double*)a, (const double*)b, n);
+      case at::kInt: return sum_twice_i32((int32_t*)out, (int32_t*)also, (const int32_t*)a, (const int32_t*)b, n);
+      case at::kLong: return sum_twice_i64((int64_t*)out, (int64_t*)also, (const int64_t*)a, (const int64_t*)b, n);
+      default: break;
+    }
+  }
+  combine(out, a, b, n, dtype, op);
+  std::memcpy(also, out, n * es);
 }
 
 // What a collective needs from the process group (set once, from Python: process_group.py).
@@ -218,9 +252,14 @@ class Collectives {
     for (int64_t c = 0; c < n; c += step) {
       const int64_t k = std::min(step, n - c);
       char* piece = into + c * es;
-      combine(piece, first + c * es, others[0] + c * es, k, dtype, op);
-      for (size_t j = 1; j < others.size(); ++j) combine(piece, piece, others[j] + c * es, k, dtype, op);
-      if (also) std::memcpy(also + c * es, piece, k * es);
+      const size_t last = others.size() - 1;  // the last addition also stores into `also`
+      const char* acc = first + c * es;
+      for (size_t j = 0; j < last; ++j, acc = piece) combine(piece, acc, others[j] + c * es, k, dtype, op);
+      if (also) {
+        combine_twice(piece, also + c * es, acc, others[last] + c * es, k, dtype, op, es);
+      } else {
+        combine(piece, acc, others[last] + c * es, k, dtype, op);
+      }
     }
   }
 
