@@ -40,7 +40,7 @@ import collectives
 from collectives import cli
 from collectives.cli import command
 from collectives.shm import backend_of, new_group_with
-from collectives.shm.config import parse_setting
+from collectives.shm.config import parse_settings
 from collectives.shm.ops import SMALL_BYTES, all_reduce_traffic
 from ddp_from_scratch.workload.resnet import resnet50
 
@@ -107,7 +107,7 @@ def free_all_reduce_group():
 
 def _ddp(env, shm_group, rounds, batch, settings=()):
     free = free_all_reduce_group()
-    others = {s: new_group_with(dict([parse_setting(s)])) for s in settings}  # a shm group each, made with it
+    others = {s: new_group_with(parse_settings(s)) for s in settings}  # a shm group each, made with it
     torch.manual_seed(0)
     models = {"torch DDP on gloo": nn.parallel.DistributedDataParallel(resnet50(num_classes=10)),
               "torch DDP on shm": nn.parallel.DistributedDataParallel(resnet50(num_classes=10), process_group=shm_group),
@@ -237,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--only-ddp", action="store_true", help="only the DDP step time")
     parser.add_argument("--setting", action="append", default=[], metavar="VAR=VALUE", type=shm_setting,
                         help="DDP: also time torch's DDP on a shm group made with this COLLECTIVES_SHM_* setting "
-                             "(repeatable)")
+                             "(repeatable; A=1,B=2 for one group with both)")
     parser.add_argument("--json", metavar="FILE", help="write every measurement as JSON")
     parser.add_argument("--plot", metavar="FILE.png", help="busbw against size, gloo and shm")
     return parser

@@ -40,7 +40,7 @@ import torch.distributed as dist
 import collectives
 from collectives import cli
 from collectives.shm import backend_of, new_group_with
-from collectives.shm.config import parse_setting
+from collectives.shm.config import parse_settings
 
 from .sweep import parse_size, shm_setting, size_list
 
@@ -86,8 +86,7 @@ def measure(env, config) -> dict:
               "shm native": _shm_group("native"), "floor": _shm_group("native")}
     backend_of(groups["floor"])._engine.moves_nothing = True
     for setting in config["settings"]:  # a native group each, made with the setting
-        var, value = parse_setting(setting)
-        groups[f"native {setting}"] = new_group_with({"COLLECTIVES_SHM_PATH": "native", var: value})
+        groups[f"native {setting}"] = new_group_with({"COLLECTIVES_SHM_PATH": "native", **parse_settings(setting)})
     calls = {name: (lambda t, g=g: dist.all_reduce(t, group=g)) for name, g in groups.items()}
     ds_call, ds_why = _deepspeed() if "deepspeed" in config["variants"] else (None, "not asked for")
     if ds_call is not None:
@@ -186,7 +185,7 @@ def build_parser():
     parser.add_argument("--budget-ms", type=float, default=10.0, help="the calls of a turn take about this long (default 10)")
     parser.add_argument("--busy", type=int, default=0, help="processes to keep busy beside the ranks (default 0)")
     parser.add_argument("--setting", action="append", default=[], metavar="VAR=VALUE", type=shm_setting,
-                        help="also time a native group made with this COLLECTIVES_SHM_* setting (repeatable)")
+                        help="also time a native group made with this COLLECTIVES_SHM_* setting (repeatable; A=1,B=2 for one group with both)")
     parser.add_argument("--json", default=None, help="also write every round's times here")
     return parser
 

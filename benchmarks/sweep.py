@@ -24,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from collectives import cli
-from collectives.shm.config import parse_setting
+from collectives.shm.config import parse_settings
 
 from .nccl_format import TYPE_NAMES
 
@@ -40,9 +40,10 @@ def parse_size(text: str) -> int:
 
 
 def shm_setting(text: str) -> str:
-    """argparse type of --setting: 'COLLECTIVES_SHM_<NAME>=<value>', checked as the shm backend reads it."""
+    """argparse type of --setting: 'COLLECTIVES_SHM_<NAME>=<value>' (several for one group: comma
+    between them), checked as the shm backend reads it."""
     try:
-        parse_setting(text)
+        parse_settings(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return text

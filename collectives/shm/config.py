@@ -99,3 +99,11 @@ def parse_setting(text: str) -> tuple:
     ShmConfig.from_env({var: value})
     return var, value
 
+
+def parse_settings(text: str) -> dict:
+    """'A=1' or 'A=1,B=2' (COLLECTIVES_SHM_* settings for one group) -> {variable: value}, each
+    checked by parse_setting and all of them together as from_env reads them."""
+    settings = dict(parse_setting(part) for part in text.split(","))
+    ShmConfig.from_env(settings)
+    return settings
+
