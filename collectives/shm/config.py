@@ -1,10 +1,15 @@
 """The shm backend's settings, read from the environment once per process group, checked.
 
     COLLECTIVES_SHM_SLOT_MB=64           data slot per rank, MiB (a 25 MiB DDP bucket fits one round)
+    COLLECTIVES_SHM_ROUND_KB=auto        a large collective goes through the slots in rounds of at most this,
+                                         KiB; auto: 1024 where every rank has a core of its own (a round's
+                                         data stays in cache between its copy and its sum), else half a slot
+                                         (where ranks share cores each round's barriers may wait for one)
     COLLECTIVES_SHM_INLINE_BYTES=65536   calls this small run in the calling thread when nothing is queued
     COLLECTIVES_SHM_MAILBOX_KB=256       point-to-point mailbox per ordered pair of ranks, KiB
     COLLECTIVES_SHM_PIECE_KB=1024        all_reduce's step 3 in pieces this size, KiB (ops.py)
-    COLLECTIVES_SHM_CMA=auto             cross-memory attach: auto (where ranks have cores), 1/on, 0/off
+    COLLECTIVES_SHM_CMA=0                cross-memory attach: 0/off, auto (where ranks have cores), 1/on;
+                                         off by default: the segment in 1 MiB rounds is faster there
     COLLECTIVES_SHM_CMA_MIN_KB=16384     all_reduces this large or larger use it, KiB (cma.py)
     COLLECTIVES_SHM_WAIT=futex           how a rank waits at a barrier: futex, spin, yield or sleep (wait.py)
     COLLECTIVES_SHM_WORKER_NICE=19       the nice value of the native engine's worker thread (0-19): the
@@ -26,6 +31,7 @@ import os
 from typing import Mapping, Optional
 
 ALIGN = 64  # every slot, half-slot and mailbox half starts 64-byte aligned
+AUTO_ROUND_BYTES = 1 << 20  # COLLECTIVES_SHM_ROUND_KB=auto where every rank has a core (RESULTS.md)
 
 WAIT_STRATEGIES = ("futex", "spin", "yield", "sleep")  # how a rank waits at a barrier (wait.py)
 PATHS = ("native", "python")  # where a group's calls run (docs/shm.md: the native path)
@@ -38,11 +44,12 @@ class ShmConfig:
     inline_bytes: int = 64 << 10
     mailbox_kb: float = 256.0
     piece_kb: float = 1024.0
-    cma: str = "auto"
+    cma: str = "0"
     cma_min_kb: float = float(16 << 10)
     wait: str = "futex"
     path: str = "native"
     worker_nice: int = 19
+    round_kb: str = "auto"  # or a number of KiB, as a string: round_bytes() resolves it
 
     @property
     def slot_bytes(self) -> int:
@@ -60,6 +67,17 @@ class ShmConfig:
     def cma_min_bytes(self) -> int:
         return int(self.cma_min_kb * 1024)
 
+    def round_bytes(self, world_size: int, cores: int) -> int:
+        """The most a round of a large collective moves per slot: COLLECTIVES_SHM_ROUND_KB, or for
+        auto 1 MiB when `world_size` ranks have `cores` cores between them to run on, else half a
+        slot; never more than half a slot, a multiple of 64 bytes (ALIGN), at least 64."""
+        half = self.slot_bytes // 2
+        if self.round_kb == "auto":
+            wanted = AUTO_ROUND_BYTES if world_size <= cores else half
+        else:
+            wanted = int(float(self.round_kb) * 1024)
+        return max(ALIGN, min(half, wanted) // ALIGN * ALIGN)
+
     @classmethod
     def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> "ShmConfig":
         environ = os.environ if environ is None else environ
@@ -69,6 +87,9 @@ class ShmConfig:
             raw = environ.get(var)
             if raw is None or raw == "":
                 continue
+            if field.name == "round_kb" and raw == "auto":
+                values[field.name] = raw
+                continue
             if field.name in _CHOICES:
                 if raw not in _CHOICES[field.name]:
                     raise ValueError(f"{var}={raw!r}: must be one of {', '.join(_CHOICES[field.name])}")
@@ -77,13 +98,15 @@ class ShmConfig:
             try:
                 number = float(raw)
             except ValueError:
-                raise ValueError(f"{var}={raw!r}: must be a number") from None
+                what = "auto or a number" if field.name == "round_kb" else "a number"
+                raise ValueError(f"{var}={raw!r}: must be {what}") from None
             if field.name == "worker_nice":
                 if number != int(number) or not 0 <= number <= 19:
                     raise ValueError(f"{var}={raw!r}: must be a whole number from 0 to 19")
             elif not math.isfinite(number) or number < 0 or (number == 0 and field.name != "inline_bytes"):
                 raise ValueError(f"{var}={raw!r}: must be a positive number")
-            values[field.name] = int(number) if field.type in (int, "int") else number
+            values[field.name] = (int(number) if field.type in (int, "int") else
+                                  raw if field.name == "round_kb" else number)
         return cls(**values)
 
 

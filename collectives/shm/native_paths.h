@@ -112,7 +112,9 @@ inline void combine_twice(void* out, void* also, const void* a, const void* b, i
 
 // What a collective needs from the process group (set once, from Python: process_group.py).
 struct Config {
-  int64_t control_bytes = 0, slot_bytes = 0, piece_bytes = 1 << 20, small_bytes = 16 << 10;
+  // half_bytes: what a round uses of each half of a slot (ops.py's ShmCollectives.half: half a
+  // slot, or less with COLLECTIVES_SHM_ROUND_KB)
+  int64_t control_bytes = 0, slot_bytes = 0, half_bytes = 0, piece_bytes = 1 << 20, small_bytes = 16 << 10;
 };
 
 // One rank's call, as ops.py packs it: kind | op | root, dtype code, numel (two words).
@@ -133,7 +135,7 @@ class Collectives {
   Collectives(Words words, int rank, int size, Config config, Waiter* waiter)
       : w_(words), rank_(rank), size_(size), cfg_(config), waiter_(waiter),
         data_(reinterpret_cast<char*>(const_cast<int32_t*>(words.control)) + config.control_bytes),
-        half_(config.slot_bytes / 2) {}
+        half_(config.half_bytes) {}
 
   int64_t round = 0;  // ops.py's ShmCollectives.round: the half of every slot a round uses
   int64_t calls = 0;  // ShmCollectives.calls: collectives entered (the words' bank parity)

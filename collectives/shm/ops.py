@@ -135,10 +135,12 @@ def disagreement(what: str, rank: int, bank) -> str:
 class ShmCollectives:
     """The collectives of one group on its segment (one rank's view). Tensors are contiguous, CPU."""
 
-    def __init__(self, segment: Segment, rank: int, waiter: Waiter, config: ShmConfig = ShmConfig()):
+    def __init__(self, segment: Segment, rank: int, waiter: Waiter, config: ShmConfig = ShmConfig(),
+                 round_bytes: Optional[int] = None):
         self.segment, self.rank, self.waiter = segment, rank, waiter
         self.size = segment.world_size
-        self.half = segment.slot_bytes // 2
+        # a round's share of a slot: half of it, or less (COLLECTIVES_SHM_ROUND_KB; layout.agree)
+        self.half = segment.slot_bytes // 2 if round_bytes is None else min(segment.slot_bytes // 2, round_bytes)
         self.round = 0
         self.calls = 0  # collectives this rank has entered (every rank the same, when they agree)
         self._pending: Optional[bytes] = None

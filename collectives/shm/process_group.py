@@ -34,7 +34,7 @@ import torch.distributed as dist
 from .. import reduce_ops
 from ..dtypes import as_bytes
 from ..errors import CollectiveMismatchError
-from . import cma
+from . import cma, layout
 from .config import ShmConfig
 from . import native, native_setup, routing
 from .arguments import overlap, unwritable, wrong_devices, wrong_list, wrong_op, wrong_sizes, wrong_splits
@@ -82,10 +82,11 @@ class ShmBackend:
     def __init__(self, store, rank: int, size: int, timeout: timedelta):
         self._rank, self._size = rank, size
         self.config = config = ShmConfig.from_env()
+        self.round_bytes = layout.agree(store, rank, size, config, timeout)  # the same on every rank, or an error
         self._segment = Segment.create_or_attach(store, rank, size, config.slot_bytes, timeout=timeout,
                                                  mailbox_bytes=config.mailbox_bytes)
         self._waiter = Waiter(self._segment, rank, strategy=config.wait, timeout_s=timeout.total_seconds())
-        self._shm = ShmCollectives(self._segment, rank, self._waiter, config)
+        self._shm = ShmCollectives(self._segment, rank, self._waiter, config, round_bytes=self.round_bytes)
         # cross-memory attach where every rank may read and write every other's memory, else why not
         self.cma_off_reason = cma.probe(self._segment, rank, self._waiter, config.cma)
         if not self.cma_off_reason:

@@ -10,17 +10,33 @@ from collectives.shm.config import ShmConfig
 def test_defaults_without_the_variables():
     c = ShmConfig.from_env({})
     assert (c.slot_bytes, c.inline_bytes, c.mailbox_bytes, c.piece_bytes, c.cma, c.cma_min_bytes, c.wait,
-            c.path, c.worker_nice) == (64 << 20, 64 << 10, 256 << 10, 1 << 20, "auto", 16 << 20, "futex", "native", 19)
+            c.path, c.worker_nice, c.round_kb) == (64 << 20, 64 << 10, 256 << 10, 1 << 20, "0", 16 << 20, "futex",
+                                                   "native", 19, "auto")
+
+
+@pytest.mark.parametrize("round_kb, world_size, cores, expected", [
+    ("auto", 2, 2, 1 << 20),     # a core each: 1 MiB rounds
+    ("auto", 2, 16, 1 << 20),
+    ("auto", 4, 2, 32 << 20),    # ranks share cores: half a 64 MiB slot
+    ("auto", 3, 2, 32 << 20),
+    ("100", 4, 2, 100 << 10),    # set: whatever the cores
+    ("0.1", 2, 2, 64),           # at least 64 bytes, a multiple of 64
+    ("1.5", 2, 2, 1536),
+    ("65536", 2, 2, 32 << 20),   # at most half a slot
+])
+def test_the_round_size_follows_the_setting_or_the_cores_the_ranks_have(round_kb, world_size, cores, expected):
+    c = ShmConfig.from_env({"COLLECTIVES_SHM_ROUND_KB": round_kb})
+    assert c.round_bytes(world_size, cores) == expected
 
 
 def test_each_variable_reaches_its_field():
     c = ShmConfig.from_env({"COLLECTIVES_SHM_SLOT_MB": "0.5", "COLLECTIVES_SHM_INLINE_BYTES": "0",
                             "COLLECTIVES_SHM_MAILBOX_KB": "3", "COLLECTIVES_SHM_PIECE_KB": "4",
-                            "COLLECTIVES_SHM_CMA": "0", "COLLECTIVES_SHM_CMA_MIN_KB": "256",
+                            "COLLECTIVES_SHM_CMA": "auto", "COLLECTIVES_SHM_CMA_MIN_KB": "256",
                             "COLLECTIVES_SHM_WAIT": "yield", "COLLECTIVES_SHM_PATH": "python",
-                            "COLLECTIVES_SHM_WORKER_NICE": "0"})
-    assert (c.slot_bytes, c.inline_bytes, c.piece_bytes, c.cma, c.cma_min_bytes, c.wait, c.path, c.worker_nice) == \
-        (512 << 10, 0, 4096, "0", 256 << 10, "yield", "python", 0)
+                            "COLLECTIVES_SHM_WORKER_NICE": "0", "COLLECTIVES_SHM_ROUND_KB": "8"})
+    assert (c.slot_bytes, c.inline_bytes, c.piece_bytes, c.cma, c.cma_min_bytes, c.wait, c.path, c.worker_nice,
+            c.round_kb) == (512 << 10, 0, 4096, "auto", 256 << 10, "yield", "python", 0, "8")
     assert c.mailbox_bytes == 3072 and c.mailbox_bytes % 128 == 0  # halves stay 64-byte aligned
 
 
@@ -30,6 +46,8 @@ def test_each_variable_reaches_its_field():
     ("COLLECTIVES_SHM_PIECE_KB", "nan", "must be a positive number"),
     ("COLLECTIVES_SHM_MAILBOX_KB", "-1", "must be a positive number"),
     ("COLLECTIVES_SHM_CMA", "yes", "must be one of auto, 1, on, 0, off"),
+    ("COLLECTIVES_SHM_ROUND_KB", "some", "must be auto or a number"),
+    ("COLLECTIVES_SHM_ROUND_KB", "0", "must be a positive number"),
     ("COLLECTIVES_SHM_WAIT", "nap", "must be one of futex, spin, yield, sleep"),
     ("COLLECTIVES_SHM_WORKER_NICE", "20", "must be a whole number from 0 to 19"),
     ("COLLECTIVES_SHM_WORKER_NICE", "2.5", "must be a whole number from 0 to 19"),

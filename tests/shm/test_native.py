@@ -3,8 +3,9 @@ collective it takes and the calls it hands back to Python, and the two paths mee
 
 A property test draws the collective, dtype, op, size (0 bytes to past a slot: slots are 4 KiB and
 step 3's pieces 256 B here, so the small path, the pieces and the rounds all run), world size,
-root, a non-contiguous tensor (which the native path hands to Python) and whether the call is
-queued for the worker thread or run in the caller. Each rank runs the same call with the same
+the round size (COLLECTIVES_SHM_ROUND_KB: half a slot, 1 KiB or 256 B), root, a non-contiguous
+tensor (which the native path hands to Python) and whether the call is queued for the worker
+thread or run in the caller. Each rank runs the same call with the same
 inputs on three groups over the same ranks: every rank native, every rank Python, and even ranks
 native with odd ranks Python; the outputs must be equal byte for byte.
 
@@ -27,22 +28,24 @@ from collectives.testing import run_on_ranks
 
 SETTINGS = {"COLLECTIVES_SHM_SLOT_MB": str(4 / 1024), "COLLECTIVES_SHM_PIECE_KB": "0.25"}
 SLOT_BYTES = 4096
+ROUNDS_KB = ("auto", "1", "0.25")  # COLLECTIVES_SHM_ROUND_KB: half a slot here, or rounds of 1 KiB or 256 B
 COLLECTIVES = ("all_reduce", "reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor", "barrier")
 REDUCING = ("all_reduce", "reduce", "reduce_scatter_tensor")
 DTYPE_NAMES = [str(d).replace("torch.", "") for d in NATIVE_DTYPES]
 _groups: dict = {}
 
 
-def _made(rank: int, queued: bool) -> dict:
+def _made(rank: int, queued: bool, round_kb: str = "auto") -> dict:
     """The three groups (native, python, mixed) of this rank, made once per pool: in the same
     order on every rank, each with its settings in the environment while it is made."""
-    key = queued
+    key = (queued, round_kb)
     if key not in _groups:
         made = {}
         for variant in ("native", "python", "mixed"):
             path = variant if variant != "mixed" else ("native" if rank % 2 == 0 else "python")
             made[variant] = new_group_with({**SETTINGS, "COLLECTIVES_SHM_PATH": path,
-                                            "COLLECTIVES_SHM_INLINE_BYTES": "0" if queued else "65536"})
+                                            "COLLECTIVES_SHM_INLINE_BYTES": "0" if queued else "65536",
+                                            "COLLECTIVES_SHM_ROUND_KB": round_kb})
             assert backend_of(made[variant]).path == path, (variant, backend_of(made[variant]).path)
         _groups[key] = made
     return _groups[key]
@@ -95,9 +98,9 @@ def _call(group, collective: str, x: torch.Tensor, op: str, root: int, noncontig
 
 
 def _same_on_every_variant(env, case):
-    collective, dtype_name, op, numel, root, seed, noncontiguous, queued = case
+    collective, dtype_name, op, numel, root, seed, noncontiguous, queued, round_kb = case
     dtype = getattr(torch, dtype_name)
-    groups = _made(env.rank, queued)
+    groups = _made(env.rank, queued, round_kb)
     n = numel * env.world_size if collective == "reduce_scatter_tensor" else numel
     x = _values(seed, env.rank, n, dtype, op)
     got = {variant: _call(g, collective, x, op, root % env.world_size, noncontiguous) for variant, g in groups.items()}
@@ -118,7 +121,8 @@ def cases(draw):
     itemsize = getattr(torch, dtype).itemsize
     numel = draw(st.integers(0, 3 * SLOT_BYTES // itemsize))  # 0 bytes to 3 slots
     return (collective, dtype, op, numel, draw(st.integers(0, 3)), draw(st.integers(0, 2 ** 16)),
-            draw(st.booleans()) and collective in ("all_reduce", "reduce", "broadcast"), draw(st.booleans()))
+            draw(st.booleans()) and collective in ("all_reduce", "reduce", "broadcast"), draw(st.booleans()),
+            draw(st.sampled_from(ROUNDS_KB)))
 
 
 def _allowed(op: str, dtype: torch.dtype) -> bool:
@@ -132,13 +136,14 @@ def _allowed(op: str, dtype: torch.dtype) -> bool:
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 @settings(max_examples=25, deadline=None)
 @given(case=cases())
-@example(case=("all_reduce", "float32", "sum", 2, 0, 1, False, False))          # 8 bytes, the small path
-@example(case=("all_reduce", "float32", "sum", 2000, 0, 1, False, True))       # the pieces and two rounds, queued
-@example(case=("reduce", "bfloat16", "avg", 3000, 1, 2, False, False))          # ATen's kernel, root 1's division
-@example(case=("reduce_scatter_tensor", "int64", "product", 700, 0, 3, False, False))
-@example(case=("all_reduce", "uint32", "sum", 100, 0, 4, False, False))         # widened: Python on both
-@example(case=("broadcast", "float8_e4m3fn", "", 5000, 2, 5, True, True))      # rounds, non-contiguous
-@example(case=("all_gather_into_tensor", "bool", "", 0, 0, 6, False, False))    # 0 bytes
+@example(case=("all_reduce", "float32", "sum", 2, 0, 1, False, False, "auto"))          # 8 bytes, the small path
+@example(case=("all_reduce", "float32", "sum", 2000, 0, 1, False, True, "auto"))       # the pieces and two rounds, queued
+@example(case=("reduce", "bfloat16", "avg", 3000, 1, 2, False, False, "1"))          # ATen's kernel, root 1's division
+@example(case=("reduce_scatter_tensor", "int64", "product", 700, 0, 3, False, False, "0.25"))
+@example(case=("all_reduce", "uint32", "sum", 100, 0, 4, False, False, "auto"))         # widened: Python on both
+@example(case=("broadcast", "float8_e4m3fn", "", 5000, 2, 5, True, True, "1"))      # rounds, non-contiguous
+@example(case=("all_gather_into_tensor", "bool", "", 0, 0, 6, False, False, "auto"))    # 0 bytes
+@example(case=("all_reduce", "float32", "sum", 3000, 0, 7, False, True, "0.25"))   # 256 B rounds, queued
 def test_the_native_path_leaves_the_python_paths_bits(world_size, case):
     for rank, same in enumerate(run_on_ranks(_same_on_every_variant, world_size, args=(case,), backend="gloo")):
         assert all(same.values()), f"rank {rank} of {world_size}, {case}: equal to the Python path's bytes: {same}"

@@ -1,0 +1,50 @@
+"""How the ranks of an shm group agree on its layout before they map the segment.
+
+Every rank posts, under its own key of the group's store, its slot size, its round setting
+(COLLECTIVES_SHM_SLOT_MB, COLLECTIVES_SHM_ROUND_KB) and the CPUs it may run on; then reads every
+rank's. A rank that differs in a setting would put its data where the others do not look, so
+every rank raises the same ValueError, naming each rank's value, before any byte moves. The
+round size follows from the CPUs the ranks have between them (the union of their affinities):
+config.ShmConfig.round_bytes.
+
+    round_bytes = agree(store, rank, world_size, config, timeout)   # ShmBackend does this
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import timedelta
+
+from .config import ShmConfig
+
+KEY = "shm-layout"
+
+
+def own_cpus() -> list:
+    """The CPUs this process may run on (its affinity)."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def agree(store, rank: int, world_size: int, config: ShmConfig, timeout: timedelta) -> int:
+    """The group's round size in bytes, the same on every rank; a ValueError on every rank where
+    the ranks' layout settings differ."""
+    mine = {"slot_bytes": config.slot_bytes, "round_kb": config.round_kb, "cpus": own_cpus()}
+    store.set(f"{KEY}/{rank}", json.dumps(mine))
+    keys = [f"{KEY}/{r}" for r in range(world_size)]
+    store.wait(keys, timeout)
+    posted = [json.loads(store.get(k).decode()) for k in keys]
+    for field, var in (("slot_bytes", "COLLECTIVES_SHM_SLOT_MB"), ("round_kb", "COLLECTIVES_SHM_ROUND_KB")):
+        values = [p[field] for p in posted]
+        if len(set(values)) > 1:
+            shown = ", ".join(f"rank {r}: {_shown(field, v)}" for r, v in enumerate(values))
+            raise ValueError(f"the shm group's ranks disagree on {var} ({shown}): every rank of a group "
+                             f"must have the same value, since it sets where each rank's data lies")
+    cores = len(set().union(*(p["cpus"] for p in posted)))
+    return config.round_bytes(world_size, cores)
+
+
+def _shown(field: str, value) -> str:
+    return f"{value / 2**20:g}" if field == "slot_bytes" else str(value)
