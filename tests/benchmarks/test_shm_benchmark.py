@@ -39,6 +39,17 @@ def test_the_report_gives_each_ddp_variant_its_ratio_to_gloo():
     assert "0.700 (0.700-0.700)" in lines["torch DDP, no_sync"], text
 
 
+def test_the_report_gives_each_ddp_variant_its_distance_above_the_floor_round_by_round():
+    # shm is 0.1 of Gloo's step above the floor in every round, though the rounds' medians mix
+    times = {"torch DDP on gloo": [1.0, 2.0, 1.0, 4.0], "torch DDP on shm": [0.9, 1.8, 0.9, 3.6],
+             bench.FREE: [0.8, 1.6, 0.8, 3.2]}
+    text = bench.report({"world_size": 2, "ddp": times})
+    lines = {line.split("  ")[0]: line for line in text.splitlines()}
+    assert lines["torch DDP on shm"].rstrip().endswith("0.100 (0.100-0.100)"), text
+    assert lines[bench.FREE].rstrip().endswith("0.000 (0.000-0.000)"), text
+    assert "above the floor" in text
+
+
 def _bandwidth_result(roofline, path="pieces"):
     rows = [{"size": 8, "gloo_s": 200e-6, "shm_s": 20e-6, "check": True, "shm_path": "small"},
             {"size": 1 << 20, "gloo_s": 0.010, "shm_s": 0.002, "check": True, "shm_path": path}]
