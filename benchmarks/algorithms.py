@@ -315,7 +315,7 @@ def main(argv=None) -> int:
     print(f"# wrong elements in all checks: {wrong}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({**result, "auto": score, "command": "python -m benchmarks.algorithms " + " ".join(argv)}, f, indent=1)
+            json.dump({**result, "auto": score, "command": cli.command_line("benchmarks.algorithms", argv)}, f, indent=1)
     if args.plot:
         plot([result], args.plot)
     return 1 if wrong else 0

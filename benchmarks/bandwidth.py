@@ -170,7 +170,7 @@ def report(result: dict, args, argv) -> int:
         "date": datetime.date.today().isoformat(), "torch": torch.__version__, "backend": " ".join(result["backends"]),
         "backends": result["backends"], "world_size": result["world_size"], "device": result["device"],
         "device_name": result["device_name"], "cpus": os.cpu_count(), "rounds": args.rounds,
-        "command": "python -m benchmarks.bandwidth " + " ".join(argv),
+        "command": cli.command_line("benchmarks.bandwidth", argv),
     }
     saved = {"environment": environment, "limits": found, "reference": reference, "rows": rows}
     if args.json:

@@ -123,7 +123,7 @@ def main(argv=None) -> int:
                         for cfg, t in table.items()], headers=["configuration", "torch DDP s/step", "ours s/step", "ours / torch"]))
     if args.json:
         environment = {"date": datetime.date.today().isoformat(), "torch": torch.__version__, "cpus": os.cpu_count(),
-                       "command": "python -m benchmarks.ddp_step_time " + " ".join(sys.argv[1:] if argv is None else argv)}
+                       "command": cli.command_line("benchmarks.ddp_step_time", argv)}
         with open(args.json, "w") as f:
             json.dump({"environment": environment, "seconds_per_step": report}, f, indent=1)
     return 0

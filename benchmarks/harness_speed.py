@@ -92,7 +92,7 @@ def main(argv=None) -> int:
         environment = {
             "date": datetime.date.today().isoformat(), "torch": torch.__version__, "backend": "gloo",
             "cpus": os.cpu_count(), "machine": platform.machine(),
-            "command": "python -m benchmarks.harness_speed " + " ".join(argv if argv is not None else os.sys.argv[1:]),
+            "command": cli.command_line("benchmarks.harness_speed", argv),
         }
         with open(args.json, "w") as f:
             json.dump({"environment": environment, "results": report}, f, indent=2)

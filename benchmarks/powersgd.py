@@ -27,7 +27,6 @@ import copy
 import json
 import os
 import statistics
-import sys
 
 import torch
 import torch.nn.functional as F
@@ -174,7 +173,7 @@ def main(argv=None) -> int:
     if args.plot and args.part != "curves":
         parser.error("--plot draws the curves part only")
     cli.check_outputs(parser, {"--json": args.json, "--plot": args.plot})
-    command_line = "python -m benchmarks.powersgd " + " ".join(sys.argv[1:] if argv is None else argv)
+    command_line = cli.command_line("benchmarks.powersgd", argv)
     if args.part == "bytes":
         rows = [row for name in ("small", "resnet50")
                 for row in collectives.run(count_bytes, 1, args=(name, args.ranks), backend="gloo")[0]]

@@ -26,7 +26,6 @@ import json
 import os
 import random
 import statistics
-import sys
 import time
 
 import torch
@@ -162,7 +161,7 @@ def main(argv=None) -> int:
     print(text)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"command": " ".join(["python -m benchmarks.recorder_cost", *(argv or sys.argv[1:])]),
+            json.dump({"command": cli.command_line("benchmarks.recorder_cost", argv),
                        "summary": summary, "raw": raw}, f, indent=1)
     return 0
 

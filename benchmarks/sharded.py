@@ -221,7 +221,7 @@ def main(argv=None) -> int:
 def run(args) -> dict:
     n = args.world_size
     result = {"world_size": n, "batch": args.batch, "date": datetime.date.today().isoformat(), "torch": torch.__version__,
-              "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "command": " ".join(sys.argv)}
+              "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "command": cli.command_line("benchmarks.sharded")}
     with collectives.RankPool(n, backend="gloo") as pool:
         if not args.skip_memory:
             print(f"[memory] {len(STAGES)} stages, 2 steps each ...", file=sys.stderr, flush=True)

@@ -282,7 +282,7 @@ def main(argv=None) -> int:
     print(report(result))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({**result, "command": "python -m benchmarks.shm " + " ".join(argv)}, f, indent=1)
+            json.dump({**result, "command": cli.command_line("benchmarks.shm", argv)}, f, indent=1)
     if args.plot and "bandwidth" in result:
         plot(result, args.plot)
     bad = [r["size"] for r in result.get("bandwidth", []) if not r["check"]]

@@ -213,7 +213,7 @@ def main(argv=None) -> int:
     if left:
         print(f"removed what DeepSpeed left in /dev/shm: {len(left)} files ({', '.join(map(os.path.basename, left))})")
     if args.json:
-        result["command"] = " ".join(["python -m benchmarks.shm_native", *(argv if argv is not None else sys.argv[1:])])
+        result["command"] = cli.command_line("benchmarks.shm_native", argv)
         cli.write_atomically(args.json, json.dumps(result, indent=1))
     return 0
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import random
 import statistics
-import sys
 import time
 
 import torch
@@ -160,7 +159,7 @@ def main(argv=None) -> int:
     result = collectives.run(measure, args.world_size, backend="gloo", args=(config,), timeout=3600)[0]
     print(report(result, config))
     if args.json:
-        result["command"] = " ".join(["python -m benchmarks.tensor_parallel", *(argv if argv is not None else sys.argv[1:])])
+        result["command"] = cli.command_line("benchmarks.tensor_parallel", argv)
         cli.write_atomically(args.json, json.dumps(result, indent=1))
     return 0
 

@@ -28,6 +28,7 @@ import importlib.util
 import json
 import math
 import os
+import shlex
 import sys
 from typing import BinaryIO, Callable, Iterable, Optional, Union
 
@@ -71,6 +72,13 @@ def check_positive(parser, args, flags, unit: str = "") -> None:
 def cpus() -> int:
     """The CPUs this process may run on (its affinity: what taskset or a cgroup leaves), not the machine's."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def command_line(program: str, argv: Optional[Iterable[str]] = None) -> str:
+    """The command that reruns this program: "python -m <program>" and its arguments, each quoted
+    where the shell needs it (`--variants "shm native"`), so a result file's command can be pasted
+    back. argv: the program's arguments (sys.argv[1:] when None)."""
+    return " ".join(["python -m " + program, *map(shlex.quote, sys.argv[1:] if argv is None else argv)])
 
 
 def format_seconds(seconds: float) -> str:

@@ -6,6 +6,7 @@ variant is, is the benchmark's to say, not a test's.)
 """
 
 import json
+import shlex
 
 import pytest
 
@@ -30,6 +31,7 @@ def test_a_short_run_times_every_variant_at_every_size(tmp_path, capsys):
         assert f"\n{row.rjust(6)}" in printed, printed
     assert "8 B: shm native costs" in printed and "deepspeed left out: not asked for" in printed
     assert saved["command"].startswith("python -m benchmarks.shm_native --rounds 2")
+    assert shlex.split(saved["command"])[3:] == argv, "the saved command, pasted into a shell, reruns it"
 
 
 @pytest.mark.parametrize("argv, says", [
