@@ -22,9 +22,11 @@ under Yama's ptrace_scope 1 (Ubuntu's default) only its own descendants, which s
 not. At start-up every rank tries both calls on every other rank (probe); the ranks use them only
 if all of them succeeded, else every call goes through the segment, with the same results. It is
 also off where ranks outnumber cores: the kernel's copies cost more CPU than memcpy's, and there
-the CPU is what the ranks lack (measured slower at 4 ranks on 2 cores). COLLECTIVES_SHM_CMA=0
-turns it off, =1 on wherever the calls work; `group.cma_off_reason` says why it is off ("" when
-on).
+the CPU is what the ranks lack (measured slower at 4 ranks on 2 cores). It is off by default
+(COLLECTIVES_SHM_CMA=0): where it could be on, the segment in 1 MiB rounds (ops.py) measured
+faster at every size on the native path (benchmarks/RESULTS.md). =auto turns it on where the
+ranks have cores and the calls work, =1 wherever the calls work; `group.cma_off_reason` says why
+it is off ("" when on).
 
 Faults: a rank writes into the others only between the call's two barriers, and holds its
 `writing` word meanwhile. A rank that leaves a call with an error first waits until no live rank

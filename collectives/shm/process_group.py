@@ -11,8 +11,8 @@ reaches ShmBackend's method of the same name through a C++ Backend that forwards
 (forward.cpp, built on first use: native.py). `backend_of(group)` is the ShmBackend of a group.
 
 Every call runs in shared memory: broadcast, all_reduce, reduce, all_gather, reduce_scatter and
-barrier (ops.py; large all_reduces by cross-memory attach where the ranks may, cma.py:
-`backend_of(group).cma_off_reason` says why not), gather, scatter and all_to_all (routing.py),
+barrier (ops.py; large all_reduces by cross-memory attach where it is turned on and the ranks
+may, cma.py: `backend_of(group).cma_off_reason` says why not), gather, scatter and all_to_all (routing.py),
 the coalesced forms (one call after another), monitored_barrier, and send/recv through the pair
 mailboxes (point_to_point.py). The collectives run one after another on a worker thread, in the
 order they were issued (the same on every rank), and each returns at once with a torch Future
