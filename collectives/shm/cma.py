@@ -2,11 +2,13 @@
 straight back into them (process_vm_readv / process_vm_writev), instead of copying everything
 in and out of the segment.
 
-all_reduce on p ranks, rank r owns slice r of every rank's tensor:
+all_reduce on p ranks, rank r owns slice r of every round of every rank's tensor (the element
+ranges the segment would take in turn, ops.py's rounds; so each element has the owner, and the
+sum the bits, it would have there):
 
     0. every rank puts its tensor's address in its word of the segment; barrier (the call's
        agreement check, as for every call: a disagreement raises before anyone reads)
-    1. piece by piece through slice r: read the piece from every other rank's tensor, add
+    1. piece by piece through its slices: read the piece from every other rank's tensor, add
        (its own value first, then the others in rank order: ops.py's order, so the same bits),
        write the sum into every other rank's tensor
     2. barrier: every rank has written into every other
@@ -41,7 +43,7 @@ import ctypes
 import errno
 import os
 import time
-from typing import Callable, List
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
@@ -105,14 +107,18 @@ class CrossMemory:
 
     # -- the all_reduce --------------------------------------------------------------------------
     def all_reduce(self, flat: torch.Tensor, op: str, first_barrier: Callable[[], None], piece_bytes: int,
-                   add: Callable[[torch.Tensor, torch.Tensor, List[torch.Tensor], str], None]) -> None:
+                   add: Callable[[torch.Tensor, torch.Tensor, List[torch.Tensor], str], None],
+                   rounds: Optional[List[Tuple[int, int]]] = None) -> None:
         """The module docstring's steps on a contiguous CPU tensor. `first_barrier` is the call's
-        checked barrier; add(into, first, others, op) is ops._sum, the order every path adds in."""
+        checked barrier; add(into, first, others, op) is ops._sum, the order every path adds in.
+        `rounds`: the element ranges the segment would take in turn (ops.py's _rounds); rank r
+        reduces slice r of each, as it would there, so each element has the same first addend
+        and the sums the same bits (the whole tensor as one range when None)."""
         seg, r, p = self.segment, self.rank, self.size
         seg.addresses[r] = flat.data_ptr()
         first_barrier()
         addresses = [int(a) for a in seg.addresses]
-        s, e = bounds(flat.numel(), p)[r]
+        slices = [(a + bounds(b - a, p)[r][0], a + bounds(b - a, p)[r][1]) for a, b in (rounds or [(0, flat.numel())])]
         others = [q for q in range(p) if q != r]
         size = flat.element_size()
         step = max(1, piece_bytes // size)
@@ -122,8 +128,8 @@ class CrossMemory:
             buffers = self._buffers[(flat.dtype, step)] = [torch.empty(step, dtype=flat.dtype) for _ in others]
         seg.writing[r] = 1
         try:
-            for c in range(s, e, step):
-                k = min(step, e - c)
+            pieces = [(c, min(step, e - c)) for s, e in slices for c in range(s, e, step)]
+            for c, k in pieces:  # k elements from element c, of this rank's slice of a round
                 if seg.control[ABORT]:  # another rank failed: stop writing into the others
                     self.waiter._check_peers(r, 0.0)
                 for q, buf in zip(others, buffers):

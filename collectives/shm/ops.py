@@ -225,7 +225,8 @@ class ShmCollectives:
         self.begin("all_reduce", flat, op)
         if self.all_reduce_path(flat.numel() * flat.element_size()) == "cma":
             # straight from and into the other ranks' tensors (cma.py): same steps, same order
-            self.cma.all_reduce(flat, op, self.meet, self.piece_bytes, _sum)
+            self.cma.all_reduce(flat, op, self.meet, self.piece_bytes, _sum,
+                                rounds=self._rounds(flat.numel(), flat.element_size()))
         else:
             self._reduce(flat, op, copy_out=True)
 

@@ -19,8 +19,10 @@ from collectives.errors import CollectiveError
 from collectives.launcher.pool import RankPool
 from collectives.shm import backend_of, cma
 
-# on even where ranks outnumber cores (the tests' 3 and 4 ranks on 2 cores); from 1 KiB, in 4 KiB pieces
-SMALL = {"COLLECTIVES_SHM_CMA": "1", "COLLECTIVES_SHM_CMA_MIN_KB": "1", "COLLECTIVES_SHM_PIECE_KB": "4"}
+# on even where ranks outnumber cores (the tests' 3 and 4 ranks on 2 cores); from 1 KiB, in 4 KiB
+# pieces; the segment in rounds of 4 KiB, so most calls span several rounds
+SMALL = {"COLLECTIVES_SHM_CMA": "1", "COLLECTIVES_SHM_CMA_MIN_KB": "1", "COLLECTIVES_SHM_PIECE_KB": "4",
+         "COLLECTIVES_SHM_ROUND_KB": "4"}
 
 
 @pytest.fixture
@@ -62,7 +64,8 @@ def _both_paths(env):
 @pytest.mark.parametrize("world_size", [3, 4])
 def test_cross_memory_attach_gives_the_bits_of_the_copies_through_the_segment(world_size, small_pieces):
     """3 and 4 ranks, random floats: the two paths add in the same order, so every bit agrees;
-    slices of many pieces with a short last one, every op, a dtype torch cannot add (uint16)."""
+    slices of many pieces with a short last one, calls of several rounds (each rank reduces its
+    slice of every round, as through the segment), every op, a dtype torch cannot add (uint16)."""
     for rank, got in enumerate(C.run(_both_paths, world_size, backend="gloo", timeout=120)):
         if isinstance(got, str):
             pytest.skip(f"cross-memory attach is off on this machine: {got}")
