@@ -5,6 +5,9 @@
                                          KiB; auto: 1024 where every rank has a core of its own (a round's
                                          data stays in cache between its copy and its sum), else half a slot
                                          (where ranks share cores each round's barriers may wait for one)
+    COLLECTIVES_SHM_REGIONS=auto         a slot is cut into round-sized regions that rounds use in turn; auto:
+                                         as many as fit (a region is written again only after the others were,
+                                         so its lines have left the peers' caches), 2: the two halves of old
     COLLECTIVES_SHM_INLINE_BYTES=65536   calls this small run in the calling thread when nothing is queued
     COLLECTIVES_SHM_MAILBOX_KB=256       point-to-point mailbox per ordered pair of ranks, KiB
     COLLECTIVES_SHM_PIECE_KB=1024        all_reduce's step 3 in pieces this size, KiB (ops.py)
@@ -50,6 +53,7 @@ class ShmConfig:
     path: str = "native"
     worker_nice: int = 19
     round_kb: str = "auto"  # or a number of KiB, as a string: round_bytes() resolves it
+    regions: str = "auto"  # or a whole number from 2, as a string: region_count() resolves it
 
     @property
     def slot_bytes(self) -> int:
@@ -78,6 +82,12 @@ class ShmConfig:
             wanted = int(float(self.round_kb) * 1024)
         return max(ALIGN, min(half, wanted) // ALIGN * ALIGN)
 
+    def region_count(self, round_bytes: int) -> int:
+        """How many round-sized regions of a slot the rounds use in turn: COLLECTIVES_SHM_REGIONS,
+        or for auto as many as fit; at least 2, at most as many as fit."""
+        fit = max(2, self.slot_bytes // round_bytes)
+        return fit if self.regions == "auto" else max(2, min(fit, int(self.regions)))
+
     @classmethod
     def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> "ShmConfig":
         environ = os.environ if environ is None else environ
@@ -87,7 +97,7 @@ class ShmConfig:
             raw = environ.get(var)
             if raw is None or raw == "":
                 continue
-            if field.name == "round_kb" and raw == "auto":
+            if field.name in ("round_kb", "regions") and raw == "auto":
                 values[field.name] = raw
                 continue
             if field.name in _CHOICES:
@@ -98,15 +108,18 @@ class ShmConfig:
             try:
                 number = float(raw)
             except ValueError:
-                what = "auto or a number" if field.name == "round_kb" else "a number"
+                what = "auto or a number" if field.name in ("round_kb", "regions") else "a number"
                 raise ValueError(f"{var}={raw!r}: must be {what}") from None
             if field.name == "worker_nice":
                 if number != int(number) or not 0 <= number <= 19:
                     raise ValueError(f"{var}={raw!r}: must be a whole number from 0 to 19")
+            elif field.name == "regions":
+                if number != int(number) or number < 2:
+                    raise ValueError(f"{var}={raw!r}: must be auto or a whole number from 2")
             elif not math.isfinite(number) or number < 0 or (number == 0 and field.name != "inline_bytes"):
                 raise ValueError(f"{var}={raw!r}: must be a positive number")
             values[field.name] = (int(number) if field.type in (int, "int") else
-                                  raw if field.name == "round_kb" else number)
+                                  raw if field.name in ("round_kb", "regions") else number)
         return cls(**values)
 
 

@@ -312,6 +312,7 @@ std::shared_ptr<Engine> make_engine(py::dict d, py::object make_error) {
   s.config.control_bytes = d["control_bytes"].cast<int64_t>();
   s.config.slot_bytes = d["slot_bytes"].cast<int64_t>();
   s.config.half_bytes = d["half_bytes"].cast<int64_t>();
+  s.config.regions = d["regions"].cast<int64_t>();
   s.config.piece_bytes = d["piece_bytes"].cast<int64_t>();
   s.config.small_bytes = d["small_bytes"].cast<int64_t>();
   s.rank = d["rank"].cast<int>();

@@ -1,7 +1,7 @@
 """How the ranks of an shm group agree on its layout before they map the segment.
 
-Every rank posts, under its own key of the group's store, its slot size, its round setting
-(COLLECTIVES_SHM_SLOT_MB, COLLECTIVES_SHM_ROUND_KB) and the CPUs it may run on; then reads every
+Every rank posts, under its own key of the group's store, its layout settings
+(COLLECTIVES_SHM_SLOT_MB, _ROUND_KB, _REGIONS) and the CPUs it may run on; then reads every
 rank's. A rank that differs in a setting would put its data where the others do not look, so
 every rank raises the same ValueError, naming each rank's value, before any byte moves. The
 round size follows from the CPUs the ranks have between them (the union of their affinities):
@@ -31,12 +31,14 @@ def own_cpus() -> list:
 def agree(store, rank: int, world_size: int, config: ShmConfig, timeout: timedelta) -> int:
     """The group's round size in bytes, the same on every rank; a ValueError on every rank where
     the ranks' layout settings differ."""
-    mine = {"slot_bytes": config.slot_bytes, "round_kb": config.round_kb, "cpus": own_cpus()}
+    mine = {"slot_bytes": config.slot_bytes, "round_kb": config.round_kb, "regions": config.regions,
+            "cpus": own_cpus()}
     store.set(f"{KEY}/{rank}", json.dumps(mine))
     keys = [f"{KEY}/{r}" for r in range(world_size)]
     store.wait(keys, timeout)
     posted = [json.loads(store.get(k).decode()) for k in keys]
-    for field, var in (("slot_bytes", "COLLECTIVES_SHM_SLOT_MB"), ("round_kb", "COLLECTIVES_SHM_ROUND_KB")):
+    for field, var in (("slot_bytes", "COLLECTIVES_SHM_SLOT_MB"), ("round_kb", "COLLECTIVES_SHM_ROUND_KB"),
+                       ("regions", "COLLECTIVES_SHM_REGIONS")):
         values = [p[field] for p in posted]
         if len(set(values)) > 1:
             shown = ", ".join(f"rank {r}: {_shown(field, v)}" for r, v in enumerate(values))

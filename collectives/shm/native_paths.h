@@ -112,9 +112,11 @@ inline void combine_twice(void* out, void* also, const void* a, const void* b, i
 
 // What a collective needs from the process group (set once, from Python: process_group.py).
 struct Config {
-  // half_bytes: what a round uses of each half of a slot (ops.py's ShmCollectives.half: half a
-  // slot, or less with COLLECTIVES_SHM_ROUND_KB)
-  int64_t control_bytes = 0, slot_bytes = 0, half_bytes = 0, piece_bytes = 1 << 20, small_bytes = 16 << 10;
+  // half_bytes: what a round uses of a slot (ops.py's ShmCollectives.half: half a slot, or less
+  // with COLLECTIVES_SHM_ROUND_KB; the name is from when rounds alternated halves); regions: how
+  // many such regions of a slot the rounds use in turn (ShmCollectives.regions)
+  int64_t control_bytes = 0, slot_bytes = 0, half_bytes = 0, regions = 2, piece_bytes = 1 << 20,
+          small_bytes = 16 << 10;
 };
 
 // One rank's call, as ops.py packs it: kind | op | root, dtype code, numel (two words).
@@ -176,7 +178,7 @@ class Collectives {
     }
   }
 
-  int next_round() { return static_cast<int>(++round & 1); }
+  int next_round() { return static_cast<int>(++round % cfg_.regions); }  // ops.py's next_round
 
   char* slot(int q, int half) const { return data_ + q * cfg_.slot_bytes + half * half_; }
 

@@ -52,7 +52,7 @@ def setup(impl) -> dict:
     return {
         "control": seg.control.ctypes.data, "step0": STEP0, "pid0": PID0, "sleep0": SLEEP0, "call0": CALL0,
         "call_words": CALL_WORDS, "abort": ABORT, "abort_seen_by": ABORT_SEEN_BY, "abort_why": ABORT_WHY,
-        "control_bytes": CONTROL_BYTES, "slot_bytes": seg.slot_bytes, "half_bytes": shm.half, "piece_bytes": shm.piece_bytes,
+        "control_bytes": CONTROL_BYTES, "slot_bytes": seg.slot_bytes, "half_bytes": shm.half, "regions": shm.regions, "piece_bytes": shm.piece_bytes,
         "small_bytes": SMALL_BYTES, "rank": impl.rank(), "size": impl.size(),
         "strategy": WAITS.index(waiter.strategy), "timeout_s": waiter.timeout_s,
         # the native wait reads the machine (native_wait.h), so it may spin whatever the rank count

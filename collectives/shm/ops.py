@@ -141,6 +141,8 @@ class ShmCollectives:
         self.size = segment.world_size
         # a round's share of a slot: half of it, or less (COLLECTIVES_SHM_ROUND_KB; layout.agree)
         self.half = segment.slot_bytes // 2 if round_bytes is None else min(segment.slot_bytes // 2, round_bytes)
+        # the round-sized regions of a slot that rounds use in turn (COLLECTIVES_SHM_REGIONS)
+        self.regions = config.region_count(self.half)
         self.round = 0
         self.calls = 0  # collectives this rank has entered (every rank the same, when they agree)
         self._pending: Optional[bytes] = None
@@ -194,10 +196,13 @@ class ShmCollectives:
             raise CollectiveMismatchError(disagreement(self.waiter.what, self.rank, list(_WORDS.iter_unpack(bank))))
 
     def next_round(self) -> int:
-        """The half of every slot the next round uses (0 or 1): rounds alternate halves, so a rank
-        may fill the next round's half while a slower one still reads the last's."""
+        """The region of every slot the next round uses (0 to regions - 1, in turn; "half" below
+        names it): a rank may fill the next round's region while a slower one still reads the
+        last's, and a region is written again only after all the others were, so its lines have
+        left the peers' caches by then (writing lines a peer still holds costs an invalidation
+        each, slow where the cores are far apart: RESULTS.md)."""
         self.round += 1
-        return self.round & 1
+        return self.round % self.regions
 
     def slot(self, rank: int, dtype: torch.dtype, numel: int, half: int) -> torch.Tensor:
         """`numel` elements of `dtype` at the start of half `half` of rank `rank`'s data slot."""

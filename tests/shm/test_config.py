@@ -10,8 +10,19 @@ from collectives.shm.config import ShmConfig
 def test_defaults_without_the_variables():
     c = ShmConfig.from_env({})
     assert (c.slot_bytes, c.inline_bytes, c.mailbox_bytes, c.piece_bytes, c.cma, c.cma_min_bytes, c.wait,
-            c.path, c.worker_nice, c.round_kb) == (64 << 20, 64 << 10, 256 << 10, 1 << 20, "0", 16 << 20, "futex",
-                                                   "native", 19, "auto")
+            c.path, c.worker_nice, c.round_kb, c.regions) == (64 << 20, 64 << 10, 256 << 10, 1 << 20, "0", 16 << 20,
+                                                              "futex", "native", 19, "auto", "auto")
+
+
+@pytest.mark.parametrize("regions, round_bytes, expected", [
+    ("auto", 1 << 20, 64),       # a 64 MiB slot in 1 MiB regions, all used in turn
+    ("auto", 32 << 20, 2),       # half-slot rounds: the two halves
+    ("3", 1 << 20, 3),
+    ("2", 1 << 20, 2),
+    ("1000", 1 << 20, 64),       # at most as many as fit
+])
+def test_the_rounds_use_as_many_regions_of_a_slot_as_set_or_as_fit(regions, round_bytes, expected):
+    assert ShmConfig.from_env({"COLLECTIVES_SHM_REGIONS": regions}).region_count(round_bytes) == expected
 
 
 @pytest.mark.parametrize("round_kb, world_size, cores, expected", [
@@ -48,6 +59,9 @@ def test_each_variable_reaches_its_field():
     ("COLLECTIVES_SHM_CMA", "yes", "must be one of auto, 1, on, 0, off"),
     ("COLLECTIVES_SHM_ROUND_KB", "some", "must be auto or a number"),
     ("COLLECTIVES_SHM_ROUND_KB", "0", "must be a positive number"),
+    ("COLLECTIVES_SHM_REGIONS", "1", "must be auto or a whole number from 2"),
+    ("COLLECTIVES_SHM_REGIONS", "2.5", "must be auto or a whole number from 2"),
+    ("COLLECTIVES_SHM_REGIONS", "many", "must be auto or a number"),
     ("COLLECTIVES_SHM_WAIT", "nap", "must be one of futex, spin, yield, sleep"),
     ("COLLECTIVES_SHM_WORKER_NICE", "20", "must be a whole number from 0 to 19"),
     ("COLLECTIVES_SHM_WORKER_NICE", "2.5", "must be a whole number from 0 to 19"),

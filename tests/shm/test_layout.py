@@ -51,7 +51,8 @@ def _disagreeing(env, var, values):
 
 def test_ranks_that_disagree_on_the_layout_all_raise_naming_each_ranks_value():
     for var, values, shown in (("COLLECTIVES_SHM_ROUND_KB", ["auto", "512"], "rank 0: auto, rank 1: 512"),
-                               ("COLLECTIVES_SHM_SLOT_MB", ["8", "2"], "rank 0: 8, rank 1: 2")):
+                               ("COLLECTIVES_SHM_SLOT_MB", ["8", "2"], "rank 0: 8, rank 1: 2"),
+                               ("COLLECTIVES_SHM_REGIONS", ["2", "auto"], "rank 0: 2, rank 1: auto")):
         for said, total in run_on_ranks(_disagreeing, 2, args=(var, values), backend="gloo"):
             assert said.startswith(f"the shm group's ranks disagree on {var} ({shown})"), said
             assert total == 3.0

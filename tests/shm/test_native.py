@@ -3,10 +3,10 @@ collective it takes and the calls it hands back to Python, and the two paths mee
 
 A property test draws the collective, dtype, op, size (0 bytes to past a slot: slots are 4 KiB and
 step 3's pieces 256 B here, so the small path, the pieces and the rounds all run), world size,
-the round size (COLLECTIVES_SHM_ROUND_KB: half a slot, 1 KiB or 256 B), root, a non-contiguous
-tensor (which the native path hands to Python) and whether the call is queued for the worker
-thread or run in the caller. Each rank runs the same call with the same
-inputs on three groups over the same ranks: every rank native, every rank Python, and even ranks
+the round size and how many of a slot's regions the rounds use in turn (COLLECTIVES_SHM_ROUND_KB,
+_REGIONS), root, a non-contiguous tensor (which the native path hands to Python) and whether the
+call is queued for the worker thread or run in the caller. Each rank runs the same call with the
+same inputs on three groups over the same ranks: every rank native, every rank Python, and even ranks
 native with odd ranks Python; the outputs must be equal byte for byte.
 
     pytest tests/shm/test_native.py -q
@@ -28,7 +28,9 @@ from collectives.testing import run_on_ranks
 
 SETTINGS = {"COLLECTIVES_SHM_SLOT_MB": str(4 / 1024), "COLLECTIVES_SHM_PIECE_KB": "0.25"}
 SLOT_BYTES = 4096
-ROUNDS_KB = ("auto", "1", "0.25")  # COLLECTIVES_SHM_ROUND_KB: half a slot here, or rounds of 1 KiB or 256 B
+# COLLECTIVES_SHM_ROUND_KB (half a slot here, or rounds of 1 KiB or 256 B), and after a slash
+# COLLECTIVES_SHM_REGIONS (else auto: the rounds go round all of the slot's regions)
+ROUNDS_KB = ("auto", "1", "0.25", "0.25/2", "1/3")
 COLLECTIVES = ("all_reduce", "reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor", "barrier")
 REDUCING = ("all_reduce", "reduce", "reduce_scatter_tensor")
 DTYPE_NAMES = [str(d).replace("torch.", "") for d in NATIVE_DTYPES]
@@ -43,9 +45,11 @@ def _made(rank: int, queued: bool, round_kb: str = "auto") -> dict:
         made = {}
         for variant in ("native", "python", "mixed"):
             path = variant if variant != "mixed" else ("native" if rank % 2 == 0 else "python")
+            round_size, _, regions = round_kb.partition("/")
             made[variant] = new_group_with({**SETTINGS, "COLLECTIVES_SHM_PATH": path,
                                             "COLLECTIVES_SHM_INLINE_BYTES": "0" if queued else "65536",
-                                            "COLLECTIVES_SHM_ROUND_KB": round_kb})
+                                            "COLLECTIVES_SHM_ROUND_KB": round_size,
+                                            "COLLECTIVES_SHM_REGIONS": regions or "auto"})
             assert backend_of(made[variant]).path == path, (variant, backend_of(made[variant]).path)
         _groups[key] = made
     return _groups[key]
@@ -144,6 +148,7 @@ def _allowed(op: str, dtype: torch.dtype) -> bool:
 @example(case=("broadcast", "float8_e4m3fn", "", 5000, 2, 5, True, True, "1"))      # rounds, non-contiguous
 @example(case=("all_gather_into_tensor", "bool", "", 0, 0, 6, False, False, "auto"))    # 0 bytes
 @example(case=("all_reduce", "float32", "sum", 3000, 0, 7, False, True, "0.25"))   # 256 B rounds, queued
+@example(case=("all_gather_into_tensor", "int32", "", 900, 0, 8, False, False, "1/3"))  # 3 regions in turn
 def test_the_native_path_leaves_the_python_paths_bits(world_size, case):
     for rank, same in enumerate(run_on_ranks(_same_on_every_variant, world_size, args=(case,), backend="gloo")):
         assert all(same.values()), f"rank {rank} of {world_size}, {case}: equal to the Python path's bytes: {same}"
