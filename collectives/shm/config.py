@@ -5,9 +5,10 @@
                                          KiB; auto: 1024 where every rank has a core of its own (a round's
                                          data stays in cache between its copy and its sum), else half a slot
                                          (where ranks share cores each round's barriers may wait for one)
-    COLLECTIVES_SHM_REGIONS=auto         a slot is cut into round-sized regions that rounds use in turn; auto:
-                                         as many as fit (a region is written again only after the others were,
-                                         so its lines have left the peers' caches), 2: the two halves of old
+    COLLECTIVES_SHM_REGIONS=2            a slot is cut into round-sized regions that rounds use in turn: 2 (its
+                                         halves), more, or auto (as many as fit, so a region is written again
+                                         only after its lines have left the peers' caches: faster where
+                                         handing lines between cores is slow, slower elsewhere; RESULTS.md)
     COLLECTIVES_SHM_INLINE_BYTES=65536   calls this small run in the calling thread when nothing is queued
     COLLECTIVES_SHM_MAILBOX_KB=256       point-to-point mailbox per ordered pair of ranks, KiB
     COLLECTIVES_SHM_PIECE_KB=1024        all_reduce's step 3 in pieces this size, KiB (ops.py)
@@ -53,7 +54,7 @@ class ShmConfig:
     path: str = "native"
     worker_nice: int = 19
     round_kb: str = "auto"  # or a number of KiB, as a string: round_bytes() resolves it
-    regions: str = "auto"  # or a whole number from 2, as a string: region_count() resolves it
+    regions: str = "2"  # a whole number from 2, or auto, as a string: region_count() resolves it
 
     @property
     def slot_bytes(self) -> int:

@@ -197,10 +197,10 @@ class ShmCollectives:
 
     def next_round(self) -> int:
         """The region of every slot the next round uses (0 to regions - 1, in turn; "half" below
-        names it): a rank may fill the next round's region while a slower one still reads the
-        last's, and a region is written again only after all the others were, so its lines have
-        left the peers' caches by then (writing lines a peer still holds costs an invalidation
-        each, slow where the cores are far apart: RESULTS.md)."""
+        names it, as the default is the slot's two halves): a rank may fill the next round's
+        region while a slower one still reads the last's. More regions (COLLECTIVES_SHM_REGIONS)
+        write a region again only after its lines have left the peers' caches, which pays where
+        handing lines between cores is slow (RESULTS.md)."""
         self.round += 1
         return self.round % self.regions
 

@@ -11,14 +11,14 @@ def test_defaults_without_the_variables():
     c = ShmConfig.from_env({})
     assert (c.slot_bytes, c.inline_bytes, c.mailbox_bytes, c.piece_bytes, c.cma, c.cma_min_bytes, c.wait,
             c.path, c.worker_nice, c.round_kb, c.regions) == (64 << 20, 64 << 10, 256 << 10, 1 << 20, "0", 16 << 20,
-                                                              "futex", "native", 19, "auto", "auto")
+                                                              "futex", "native", 19, "auto", "2")
 
 
 @pytest.mark.parametrize("regions, round_bytes, expected", [
+    ("2", 1 << 20, 2),           # the default: the two halves' first MiB each
     ("auto", 1 << 20, 64),       # a 64 MiB slot in 1 MiB regions, all used in turn
     ("auto", 32 << 20, 2),       # half-slot rounds: the two halves
     ("3", 1 << 20, 3),
-    ("2", 1 << 20, 2),
     ("1000", 1 << 20, 64),       # at most as many as fit
 ])
 def test_the_rounds_use_as_many_regions_of_a_slot_as_set_or_as_fit(regions, round_bytes, expected):

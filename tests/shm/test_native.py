@@ -29,8 +29,8 @@ from collectives.testing import run_on_ranks
 SETTINGS = {"COLLECTIVES_SHM_SLOT_MB": str(4 / 1024), "COLLECTIVES_SHM_PIECE_KB": "0.25"}
 SLOT_BYTES = 4096
 # COLLECTIVES_SHM_ROUND_KB (half a slot here, or rounds of 1 KiB or 256 B), and after a slash
-# COLLECTIVES_SHM_REGIONS (else auto: the rounds go round all of the slot's regions)
-ROUNDS_KB = ("auto", "1", "0.25", "0.25/2", "1/3")
+# COLLECTIVES_SHM_REGIONS (else 2, the default: the slot's two halves)
+ROUNDS_KB = ("auto", "1", "0.25", "0.25/auto", "1/3")
 COLLECTIVES = ("all_reduce", "reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor", "barrier")
 REDUCING = ("all_reduce", "reduce", "reduce_scatter_tensor")
 DTYPE_NAMES = [str(d).replace("torch.", "") for d in NATIVE_DTYPES]
@@ -49,7 +49,7 @@ def _made(rank: int, queued: bool, round_kb: str = "auto") -> dict:
             made[variant] = new_group_with({**SETTINGS, "COLLECTIVES_SHM_PATH": path,
                                             "COLLECTIVES_SHM_INLINE_BYTES": "0" if queued else "65536",
                                             "COLLECTIVES_SHM_ROUND_KB": round_size,
-                                            "COLLECTIVES_SHM_REGIONS": regions or "auto"})
+                                            "COLLECTIVES_SHM_REGIONS": regions or "2"})
             assert backend_of(made[variant]).path == path, (variant, backend_of(made[variant]).path)
         _groups[key] = made
     return _groups[key]
