@@ -1,6 +1,6 @@
 """The shm backend's settings, read from the environment once per process group, checked.
 
-    COLLECTIVES_SHM_SLOT_MB=64           data slot per rank, MiB (a 25 MiB DDP bucket fits one round)
+    COLLECTIVES_SHM_SLOT_MB=64           data slot per rank, MiB (in half-slot rounds a 25 MiB DDP bucket is one)
     COLLECTIVES_SHM_ROUND_KB=auto        a large collective goes through the slots in rounds of at most this,
                                          KiB; auto: 1024 where every rank has a core of its own (a round's
                                          data stays in cache between its copy and its sum), else half a slot
@@ -120,8 +120,13 @@ class ShmConfig:
             elif not math.isfinite(number) or number < 0 or (number == 0 and field.name != "inline_bytes"):
                 raise ValueError(f"{var}={raw!r}: must be a positive number")
             values[field.name] = (int(number) if field.type in (int, "int") else
-                                  raw if field.name in ("round_kb", "regions") else number)
+                                  _text(number) if field.name in ("round_kb", "regions") else number)
         return cls(**values)
+
+
+def _text(number: float) -> str:
+    """A setting kept as text, written one way: 1024.0 and 1024 are both "1024"."""
+    return str(int(number)) if number == int(number) else repr(number)
 
 
 def parse_setting(text: str) -> tuple:

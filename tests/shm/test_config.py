@@ -19,6 +19,7 @@ def test_defaults_without_the_variables():
     ("auto", 1 << 20, 64),       # a 64 MiB slot in 1 MiB regions, all used in turn
     ("auto", 32 << 20, 2),       # half-slot rounds: the two halves
     ("3", 1 << 20, 3),
+    ("3.0", 1 << 20, 3),         # read as the whole number it is
     ("1000", 1 << 20, 64),       # at most as many as fit
 ])
 def test_the_rounds_use_as_many_regions_of_a_slot_as_set_or_as_fit(regions, round_bytes, expected):
@@ -33,6 +34,8 @@ def test_the_rounds_use_as_many_regions_of_a_slot_as_set_or_as_fit(regions, roun
     ("100", 4, 2, 100 << 10),    # set: whatever the cores
     ("0.1", 2, 2, 64),           # at least 64 bytes, a multiple of 64
     ("1.5", 2, 2, 1536),
+    ("1024.0", 2, 2, 1 << 20),
+    ("1048576", 2, 2, 32 << 20),
     ("65536", 2, 2, 32 << 20),   # at most half a slot
 ])
 def test_the_round_size_follows_the_setting_or_the_cores_the_ranks_have(round_kb, world_size, cores, expected):
