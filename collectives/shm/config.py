@@ -7,8 +7,8 @@
                                          (where ranks share cores each round's barriers may wait for one)
     COLLECTIVES_SHM_REGIONS=2            a slot is cut into round-sized regions that rounds use in turn: 2 (its
                                          halves), more, or auto (as many as fit, so a region is written again
-                                         only after its lines have left the peers' caches: faster where
-                                         handing lines between cores is slow, slower elsewhere; RESULTS.md)
+                                         only after its lines have left the peers' caches: meant for where
+                                         handing lines between cores is slow; 1.5x slower elsewhere, RESULTS.md)
     COLLECTIVES_SHM_INLINE_BYTES=65536   calls this small run in the calling thread when nothing is queued
     COLLECTIVES_SHM_MAILBOX_KB=256       point-to-point mailbox per ordered pair of ranks, KiB
     COLLECTIVES_SHM_PIECE_KB=1024        all_reduce's step 3 in pieces this size, KiB (ops.py)
