@@ -69,9 +69,14 @@ def check_positive(parser, args, flags, unit: str = "") -> None:
             parser.error(f"{flag} must be a positive number{' of ' + unit if unit else ''}, got {value}")
 
 
-def cpus() -> int:
+def cpu_set() -> set:
     """The CPUs this process may run on (its affinity: what taskset or a cgroup leaves), not the machine's."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+
+
+def cpus() -> int:
+    """How many CPUs this process may run on (cpu_set)."""
+    return len(cpu_set())
 
 
 def command_line(program: str, argv: Optional[Iterable[str]] = None) -> str:

@@ -43,7 +43,7 @@ import ctypes
 import errno
 import os
 import time
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, Tuple
 
 import torch
 
@@ -108,17 +108,17 @@ class CrossMemory:
     # -- the all_reduce --------------------------------------------------------------------------
     def all_reduce(self, flat: torch.Tensor, op: str, first_barrier: Callable[[], None], piece_bytes: int,
                    add: Callable[[torch.Tensor, torch.Tensor, List[torch.Tensor], str], None],
-                   rounds: Optional[List[Tuple[int, int]]] = None) -> None:
+                   rounds: List[Tuple[int, int]]) -> None:
         """The module docstring's steps on a contiguous CPU tensor. `first_barrier` is the call's
         checked barrier; add(into, first, others, op) is ops._sum, the order every path adds in.
         `rounds`: the element ranges the segment would take in turn (ops.py's _rounds); rank r
         reduces slice r of each, as it would there, so each element has the same first addend
-        and the sums the same bits (the whole tensor as one range when None)."""
+        and the sums the same bits."""
         seg, r, p = self.segment, self.rank, self.size
         seg.addresses[r] = flat.data_ptr()
         first_barrier()
         addresses = [int(a) for a in seg.addresses]
-        slices = [(a + bounds(b - a, p)[r][0], a + bounds(b - a, p)[r][1]) for a, b in (rounds or [(0, flat.numel())])]
+        slices = [(a + s, a + e) for a, b in rounds for s, e in [bounds(b - a, p)[r]]]
         others = [q for q in range(p) if q != r]
         size = flat.element_size()
         step = max(1, piece_bytes // size)

@@ -13,19 +13,17 @@ config.ShmConfig.round_bytes.
 from __future__ import annotations
 
 import json
-import os
 from datetime import timedelta
 
+from ..cli import cpu_set
 from .config import ShmConfig
 
 KEY = "shm-layout"
 
 
 def own_cpus() -> list:
-    """The CPUs this process may run on (its affinity)."""
-    if hasattr(os, "sched_getaffinity"):
-        return sorted(os.sched_getaffinity(0))
-    return list(range(os.cpu_count() or 1))
+    """The CPUs this process may run on, as the other ranks read them (tests replace it)."""
+    return sorted(cpu_set())
 
 
 def agree(store, rank: int, world_size: int, config: ShmConfig, timeout: timedelta) -> int:

@@ -135,12 +135,12 @@ def disagreement(what: str, rank: int, bank) -> str:
 class ShmCollectives:
     """The collectives of one group on its segment (one rank's view). Tensors are contiguous, CPU."""
 
-    def __init__(self, segment: Segment, rank: int, waiter: Waiter, config: ShmConfig = ShmConfig(),
-                 round_bytes: Optional[int] = None):
+    def __init__(self, segment: Segment, rank: int, waiter: Waiter, config: ShmConfig, round_bytes: int):
         self.segment, self.rank, self.waiter = segment, rank, waiter
         self.size = segment.world_size
-        # a round's share of a slot: half of it, or less (COLLECTIVES_SHM_ROUND_KB; layout.agree)
-        self.half = segment.slot_bytes // 2 if round_bytes is None else min(segment.slot_bytes // 2, round_bytes)
+        # a round's share of a slot: half of it, or less (COLLECTIVES_SHM_ROUND_KB, as layout.agree
+        # resolved it: never more than half a slot)
+        self.half = round_bytes
         # the round-sized regions of a slot that rounds use in turn (COLLECTIVES_SHM_REGIONS)
         self.regions = config.region_count(self.half)
         self.round = 0

@@ -82,11 +82,11 @@ class ShmBackend:
     def __init__(self, store, rank: int, size: int, timeout: timedelta):
         self._rank, self._size = rank, size
         self.config = config = ShmConfig.from_env()
-        self.round_bytes = layout.agree(store, rank, size, config, timeout)  # the same on every rank, or an error
+        round_bytes = layout.agree(store, rank, size, config, timeout)  # the same on every rank, or an error
         self._segment = Segment.create_or_attach(store, rank, size, config.slot_bytes, timeout=timeout,
                                                  mailbox_bytes=config.mailbox_bytes)
         self._waiter = Waiter(self._segment, rank, strategy=config.wait, timeout_s=timeout.total_seconds())
-        self._shm = ShmCollectives(self._segment, rank, self._waiter, config, round_bytes=self.round_bytes)
+        self._shm = ShmCollectives(self._segment, rank, self._waiter, config, round_bytes)
         # cross-memory attach where every rank may read and write every other's memory, else why not
         self.cma_off_reason = cma.probe(self._segment, rank, self._waiter, config.cma)
         if not self.cma_off_reason:
@@ -104,6 +104,11 @@ class ShmBackend:
             worker = threading.Thread(target=self._serve, daemon=True, name="shm-collectives")
             worker.start()
             self._worker_id = worker.ident
+
+    @property
+    def round_bytes(self) -> int:
+        """The most a round of a large collective moves per slot (COLLECTIVES_SHM_ROUND_KB, layout.py)."""
+        return self._shm.half
 
     @property
     def path(self) -> str:
