@@ -7,9 +7,11 @@ shared-memory all_reduce, side by side in one run: float32 sum all_reduce, 8 B t
     python -m benchmarks.shm_native -b 256K -e 2M --setting COLLECTIVES_SHM_WORKER_NICE=0   # a setting against its default
 
 The variants are groups over the same ranks: "gloo"; "shm python" and "shm native"
-(COLLECTIVES_SHM_PATH, read as a group is made); "floor", a native group whose all_reduce returns
-a finished Future at once and moves nothing (torch's dispatch of dist.all_reduce, the Backend and
-its Future: what any backend of this design costs); and "deepspeed", deepspeed.comm's
+(COLLECTIVES_SHM_PATH, read as a group is made); "shm direct", collectives.shm.all_reduce on the
+"shm native" group (the same engine call, made without torch's dispatch: collectives/shm/direct.py);
+"floor", a native group whose all_reduce returns a finished Future at once and moves nothing
+(torch's dispatch of dist.all_reduce, the Backend and its Future: what any backend of this design
+costs through dist.all_reduce); and "deepspeed", deepspeed.comm's
 inference_all_reduce (its C++ shared-memory op), where DeepSpeed can be imported (the optional
 extra: pip install -e ".[deepspeed]"; else a line says why it is left out). Each --setting
 VAR=VALUE adds a native group made with that setting (collectives/shm/config.py), a variant named
@@ -38,13 +40,14 @@ import torch
 import torch.distributed as dist
 
 import collectives
+import collectives.shm as shm
 from collectives import cli
 from collectives.shm import backend_of, new_group_with
 from collectives.shm.config import parse_settings
 
 from .sweep import parse_size, shm_setting, size_list
 
-VARIANTS = ("gloo", "shm python", "shm native", "floor", "deepspeed")
+VARIANTS = ("gloo", "shm python", "shm native", "shm direct", "floor", "deepspeed")
 
 
 def _shm_group(path: str):
@@ -88,6 +91,7 @@ def measure(env, config) -> dict:
     for setting in config["settings"]:  # a native group each, made with the setting
         groups[f"native {setting}"] = new_group_with({"COLLECTIVES_SHM_PATH": "native", **parse_settings(setting)})
     calls = {name: (lambda t, g=g: dist.all_reduce(t, group=g)) for name, g in groups.items()}
+    calls["shm direct"] = lambda t, g=groups["shm native"]: shm.all_reduce(t, group=g)
     ds_call, ds_why = _deepspeed() if "deepspeed" in config["variants"] else (None, "not asked for")
     if ds_call is not None:
         calls["deepspeed"] = ds_call
@@ -112,7 +116,7 @@ def measure(env, config) -> dict:
                 for name in order.sample(list(calls), len(calls)):
                     call, t = calls[name], buffers[nbytes]
                     k = counts.get((name, nbytes), 1)  # the same on every rank: the first round sets it
-                    dist.barrier(group=groups.get(name))
+                    dist.barrier(group=groups.get(name if name != "shm direct" else "shm native"))
                     start = time.perf_counter()
                     for _ in range(k):
                         call(t)
@@ -147,12 +151,13 @@ def report(result: dict) -> str:
     names = list(result["times_us"])
     med = {k: {int(s): statistics.median(v) for s, v in per.items()} for k, per in result["times_us"].items()}
     head = ["bytes"] + [f"{k} us" for k in names]
-    ratios = [k for k in ("gloo", "shm python", "deepspeed") if k in med and "shm native" in med]
-    head += [f"native / {k}" for k in ratios]
+    ratios = [("shm native", k) for k in ("gloo", "shm python", "deepspeed") if k in med and "shm native" in med]
+    ratios += [("shm direct", "deepspeed")] if "shm direct" in med and "deepspeed" in med else []
+    head += [f"{a.split()[-1]} / {b}" for a, b in ratios]
     rows = []
     for s in result["sizes"]:
         row = [_size(s)] + [f"{med[k][s]:.1f}" for k in names]
-        row += [f"{med['shm native'][s] / med[k][s]:.3f}" for k in ratios]
+        row += [f"{med[a][s] / med[b][s]:.3f}" for a, b in ratios]
         rows.append(row)
     busy = f", {result['busy']} process(es) busy beside them" if result["busy"] else ""
     lines = [f"float32 sum all_reduce on {result['world_size']} ranks, {result['cores']} cores{busy}: microseconds per "
@@ -164,6 +169,10 @@ def report(result: dict) -> str:
         s0 = result["sizes"][0]
         lines.append(f"{_size(s0)}: shm native costs {med['shm native'][s0] - med['floor'][s0]:.2f} us over the floor "
                      "(the same call on a group whose all_reduce returns at once)")
+    if "shm direct" in med:
+        s0 = result["sizes"][0]
+        lines.append(f"{_size(s0)}: shm direct takes {med['shm direct'][s0]:.2f} us (collectives.shm.all_reduce: the "
+                     "native call without torch's dispatch)")
     lines.append("#wrong (rank + 1 all-reduced once, against n (n + 1) / 2): "
                  + ", ".join(f"{k} {v}" for k, v in result["wrong"].items()))
     if result["deepspeed_left_out"]:

@@ -4,6 +4,7 @@
     collectives.shm.register()                         # once per process (RankPool and init_from_env do it)
     dist.init_process_group("shm", init_method=..., rank=r, world_size=n)
     collectives.run(fn, world_size=4, backend="shm")   # or through this project's launcher
+    collectives.shm.all_reduce(t, group=g)             # dist.all_reduce without torch's dispatch (direct.py)
 
 On one machine Gloo still goes through TCP. Here the ranks map one segment of shared memory
 (segment.py) and each collective is copies and adds in it (ops.py), waiting for each other
@@ -22,6 +23,7 @@ attach (cma.py: reading and writing another rank's tensor directly).
 
 import torch.distributed as dist
 
+from .direct import all_reduce
 from .process_group import ShmBackend, backend_of, create, new_group_with
 from .segment import leftovers, sweep
 from .wait import PeerFailure
@@ -37,4 +39,4 @@ def register() -> None:
 
 register()
 
-__all__ = ["BACKEND", "register", "ShmBackend", "backend_of", "new_group_with", "PeerFailure", "leftovers", "sweep"]
+__all__ = ["BACKEND", "register", "all_reduce", "ShmBackend", "backend_of", "new_group_with", "PeerFailure", "leftovers", "sweep"]

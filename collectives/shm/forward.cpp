@@ -62,30 +62,35 @@ class FutureWork : public Work {
     return fut_->completed() && fut_->hasError() ? fut_->exception_ptr() : nullptr;
   }
   bool wait(std::chrono::milliseconds /* timeout: the backend's own */) override {
-    // a native call's waiter: the engine's worker may spin while someone waits for it
+    wait_for(fut_, engine_.get());
+    return true;
+  }
+  intrusive_ptr<c10::ivalue::Future> getFuture() override { return fut_; }
+
+  // Until `fut` has finished; rethrows its error. A native call's waiter: the engine's worker may
+  // spin while someone waits for it, and a call still queued runs here (Engine::help) rather than
+  // on the worker thread.
+  static void wait_for(const intrusive_ptr<c10::ivalue::Future>& fut, Engine* engine) {
     struct Waiting {
       std::atomic<int>* n;
       explicit Waiting(std::atomic<int>* c) : n(c) { if (n) n->fetch_add(1); }
       ~Waiting() { if (n) n->fetch_sub(1); }
-    } waiting(engine_ && !fut_->completed() ? &engine_->callers_waiting() : nullptr);
+    } waiting(engine && !fut->completed() ? &engine->callers_waiting() : nullptr);
+    auto finish = [&] {
+      if (engine && !fut->completed()) engine->help(fut.get());
+      fut->wait();
+    };
     if (PyGILState_Check()) {
       py::gil_scoped_release no_gil;  // the worker thread that completes it needs the GIL
       finish();
     } else {
       finish();
     }
-    if (fut_->hasError()) {
-      std::rethrow_exception(fut_->exception_ptr());
+    if (fut->hasError()) {
+      std::rethrow_exception(fut->exception_ptr());
     }
-    return true;
   }
-  intrusive_ptr<c10::ivalue::Future> getFuture() override { return fut_; }
 
-  // a native call still queued runs here (Engine::help) rather than on the worker thread
-  void finish() {
-    if (engine_ && !fut_->completed()) engine_->help(fut_.get());
-    fut_->wait();
-  }
   // recv from any source: the Future's value is the rank the message came from
   int sourceRank() const override {
     const auto& value = fut_->value();
@@ -363,6 +368,28 @@ std::shared_ptr<Engine> make_engine(py::dict d, py::object make_error) {
   return engine;
 }
 
+// collectives.shm.all_reduce (direct.py): the native all_reduce called from Python without torch's
+// dispatch, as DeepSpeed's inference_all_reduce is called. The same engine call a dist.all_reduce
+// on the group makes, waited for as its Work waits. False when the native path does not take the
+// call (the caller then goes through dist.all_reduce); op is a c10d RedOpType number.
+bool direct_all_reduce(const std::shared_ptr<Engine>& engine, const at::Tensor& tensor, int op) {
+  if (tensor.is_complex() || op < 0 || op >= static_cast<int>(c10d::ReduceOp::PREMUL_SUM)) {
+    return false;  // dist.all_reduce views a complex tensor as real pairs (or refuses the op)
+  }
+  std::vector<at::Tensor> ts{tensor};
+  const c10d::ReduceOp rop(static_cast<c10d::ReduceOp::RedOpType>(op));
+  shm_native::FuturePtr fut;
+  {
+    py::gil_scoped_release no_gil;
+    fut = engine->all_reduce(ts, rop);
+  }
+  if (!fut) {
+    return false;
+  }
+  FutureWork::wait_for(fut, engine.get());
+  return true;
+}
+
 // A call the Python path runs, in the engine's order: run(round, calls, step, spin_s) runs the
 // job with the engine's counters and returns the counters it left and what settles its Future
 // (process_group.py: _submit), called once the counters are back.
@@ -410,6 +437,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Engine, std::shared_ptr<Engine>>(m, "Engine")
       .def("submit_python", &submit_python, py::arg("run"), py::arg("nbytes"))
       .def("drain", &Engine::drain, py::call_guard<py::gil_scoped_release>())
+      .def("all_reduce", &direct_all_reduce, py::arg("tensor"), py::arg("op"))
       .def_readwrite("moves_nothing", &Engine::moves_nothing)
       .def("next_ids", [](Engine& e, bool p2p) {  // (record id, collective seq, p2p seq, op id)
         int64_t r, c, p, o;

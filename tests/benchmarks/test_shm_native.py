@@ -18,18 +18,18 @@ SETTING = "COLLECTIVES_SHM_WORKER_NICE=0,COLLECTIVES_SHM_SLOT_MB=2"  # two setti
 def test_a_short_run_times_every_variant_at_every_size(tmp_path, capsys):
     out = tmp_path / "native.json"
     argv = ["--rounds", "2", "-b", "8", "-e", "64K", "-f", "64", "--budget-ms", "1",
-            "--variants", "gloo", "shm python", "shm native", "floor", "--setting", SETTING,
+            "--variants", "gloo", "shm python", "shm native", "shm direct", "floor", "--setting", SETTING,
             "--json", str(out)]
     assert shm_native.main(argv) == 0
     printed = capsys.readouterr().out
     saved = json.loads(out.read_text())
     assert saved["sizes"] == [8, 512, 32768, 65536]  # the largest size always, though 64 x 512 passes it
-    assert saved["wrong"] == {"gloo": 0, "shm python": 0, "shm native": 0, f"native {SETTING}": 0}
-    for name in ("gloo", "shm python", "shm native", "floor", f"native {SETTING}"):
+    assert saved["wrong"] == {"gloo": 0, "shm python": 0, "shm native": 0, "shm direct": 0, f"native {SETTING}": 0}
+    for name in ("gloo", "shm python", "shm native", "shm direct", "floor", f"native {SETTING}"):
         assert all(len(saved["times_us"][name][str(s)]) == 2 for s in saved["sizes"]), name
     for row in ("8 B", "512 B", "32 KiB", "64 KiB"):
         assert f"\n{row.rjust(6)}" in printed, printed
-    assert "8 B: shm native costs" in printed and "deepspeed left out: not asked for" in printed
+    assert "8 B: shm native costs" in printed and "8 B: shm direct takes" in printed and "deepspeed left out: not asked for" in printed
     assert saved["command"].startswith("python -m benchmarks.shm_native --rounds 2")
     assert shlex.split(saved["command"])[3:] == argv, "the saved command, pasted into a shell, reruns it"
 

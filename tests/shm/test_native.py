@@ -1,5 +1,7 @@
 """The native path (C++) leaves the same bits as the Python path (ops.py, the reference), for every
 collective it takes and the calls it hands back to Python, and the two paths meet in one group.
+collectives.shm.all_reduce (direct.py), which calls the engine without torch's dispatch, is one of
+the collectives drawn.
 
 A property test draws the collective, dtype, op, size (0 bytes to past a slot: slots are 4 KiB and
 step 3's pieces 256 B here, so the small path, the pieces and the rounds all run), world size,
@@ -20,6 +22,7 @@ import torch.distributed as dist
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+import collectives.shm as shm
 from collectives.errors import CollectiveError
 from collectives.reduce_ops import TORCH_OPS, check_op_dtype
 from collectives.shm import backend_of, new_group_with
@@ -31,8 +34,12 @@ SLOT_BYTES = 4096
 # COLLECTIVES_SHM_ROUND_KB (half a slot here, or rounds of 1 KiB or 256 B), and after a slash
 # COLLECTIVES_SHM_REGIONS (else 2, the default: the slot's two halves)
 ROUNDS_KB = ("auto", "1", "0.25", "0.25/auto", "1/3")
-COLLECTIVES = ("all_reduce", "reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor", "barrier")
-REDUCING = ("all_reduce", "reduce", "reduce_scatter_tensor")
+# "direct all_reduce": collectives.shm.all_reduce, into the engine without torch's dispatch (direct.py);
+# on the Python path's group it is dist.all_reduce, so the mixed group meets both in one call
+COLLECTIVES = ("all_reduce", "direct all_reduce", "reduce", "broadcast", "all_gather_into_tensor",
+               "reduce_scatter_tensor", "barrier")
+REDUCING = ("all_reduce", "direct all_reduce", "reduce", "reduce_scatter_tensor")
+ONE_TENSOR = ("all_reduce", "direct all_reduce", "reduce", "broadcast")
 DTYPE_NAMES = [str(d).replace("torch.", "") for d in NATIVE_DTYPES]
 _groups: dict = {}
 
@@ -79,7 +86,7 @@ def _call(group, collective: str, x: torch.Tensor, op: str, root: int, noncontig
     if collective == "barrier":
         dist.barrier(group=group)
         return torch.empty(0, dtype=torch.uint8)
-    if collective in ("all_reduce", "reduce", "broadcast"):
+    if collective in ONE_TENSOR:
         t = x.clone()
         if noncontiguous:  # every other element of a buffer twice as long: the Python path takes it
             buf = torch.zeros(2 * t.numel(), dtype=t.dtype)
@@ -87,6 +94,8 @@ def _call(group, collective: str, x: torch.Tensor, op: str, root: int, noncontig
             t = buf[::2]
         if collective == "all_reduce":
             dist.all_reduce(t, op=rop, group=group)
+        elif collective == "direct all_reduce":
+            shm.all_reduce(t, rop, group)
         elif collective == "reduce":
             dist.reduce(t, dst=root, op=rop, group=group)
         else:
@@ -125,7 +134,7 @@ def cases(draw):
     itemsize = getattr(torch, dtype).itemsize
     numel = draw(st.integers(0, 3 * SLOT_BYTES // itemsize))  # 0 bytes to 3 slots
     return (collective, dtype, op, numel, draw(st.integers(0, 3)), draw(st.integers(0, 2 ** 16)),
-            draw(st.booleans()) and collective in ("all_reduce", "reduce", "broadcast"), draw(st.booleans()),
+            draw(st.booleans()) and collective in ONE_TENSOR, draw(st.booleans()),
             draw(st.sampled_from(ROUNDS_KB)))
 
 
@@ -149,6 +158,8 @@ def _allowed(op: str, dtype: torch.dtype) -> bool:
 @example(case=("all_gather_into_tensor", "bool", "", 0, 0, 6, False, False, "auto"))    # 0 bytes
 @example(case=("all_reduce", "float32", "sum", 3000, 0, 7, False, True, "0.25"))   # 256 B rounds, queued
 @example(case=("all_gather_into_tensor", "int32", "", 900, 0, 8, False, False, "1/3"))  # 3 regions in turn
+@example(case=("direct all_reduce", "float32", "sum", 2, 0, 9, False, False, "auto"))   # without torch's dispatch
+@example(case=("direct all_reduce", "bfloat16", "avg", 3000, 0, 10, False, True, "0.25"))  # queued, in rounds
 def test_the_native_path_leaves_the_python_paths_bits(world_size, case):
     for rank, same in enumerate(run_on_ranks(_same_on_every_variant, world_size, args=(case,), backend="gloo")):
         assert all(same.values()), f"rank {rank} of {world_size}, {case}: equal to the Python path's bytes: {same}"
