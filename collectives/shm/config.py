@@ -9,7 +9,9 @@
                                          halves), more, or auto (as many as fit, so a region is written again
                                          only after its lines have left the peers' caches: meant for where
                                          handing lines between cores is slow; 1.5x slower elsewhere, RESULTS.md)
-    COLLECTIVES_SHM_INLINE_BYTES=65536   calls this small run in the calling thread when nothing is queued
+    COLLECTIVES_SHM_INLINE_BYTES=65536   calls this small run in the calling thread when nothing is queued; on
+                                         the native path so does any call its caller waits for at once
+                                         (async_op=False), whatever its size
     COLLECTIVES_SHM_MAILBOX_KB=256       point-to-point mailbox per ordered pair of ranks, KiB
     COLLECTIVES_SHM_PIECE_KB=1024        all_reduce's step 3 in pieces this size, KiB (ops.py)
     COLLECTIVES_SHM_CMA=0                cross-memory attach: 0/off, auto (where ranks have cores), 1/on;

@@ -106,6 +106,21 @@ class FutureWork : public Work {
   std::shared_ptr<Engine> engine_;
 };
 
+// Whether torch's caller waits for the call at once (dist.all_reduce(..., async_op=False) sets
+// opts.asyncOp = false); torch before asyncOp existed: no.
+template <typename O, typename = void>
+struct HasAsyncOp : std::false_type {};
+template <typename O>
+struct HasAsyncOp<O, std::void_t<decltype(std::declval<O>().asyncOp)>> : std::true_type {};
+template <typename O>
+bool caller_waits(const O& o) {
+  if constexpr (HasAsyncOp<O>::value) {
+    return !o.asyncOp;
+  } else {
+    return false;
+  }
+}
+
 class ForwardBackend : public c10d::Backend {
  public:
   ForwardBackend(py::object impl, int rank, int size, std::string name)
@@ -196,12 +211,12 @@ class ForwardBackend : public c10d::Backend {
   }
 
   intrusive_ptr<Work> broadcast(std::vector<at::Tensor>& t, const c10d::BroadcastOptions& o) override {
-    if (auto w = native(c10d::OpType::BROADCAST, [&](Engine& e) { return e.broadcast(t, static_cast<int>(o.rootRank)); }))
+    if (auto w = native(c10d::OpType::BROADCAST, [&](Engine& e) { return e.broadcast(t, static_cast<int>(o.rootRank), caller_waits(o)); }))
       return w;
     return call("broadcast", c10d::OpType::BROADCAST, t, o);
   }
   intrusive_ptr<Work> allreduce(std::vector<at::Tensor>& t, const c10d::AllreduceOptions& o) override {
-    if (auto w = native(c10d::OpType::ALLREDUCE, [&](Engine& e) { return e.all_reduce(t, o.reduceOp); }))
+    if (auto w = native(c10d::OpType::ALLREDUCE, [&](Engine& e) { return e.all_reduce(t, o.reduceOp, caller_waits(o)); }))
       return w;
     return call("allreduce", c10d::OpType::ALLREDUCE, t, o);
   }
@@ -211,7 +226,7 @@ class ForwardBackend : public c10d::Backend {
   }
   intrusive_ptr<Work> reduce(std::vector<at::Tensor>& t, const c10d::ReduceOptions& o) override {
     if (auto w = native(c10d::OpType::REDUCE,
-                        [&](Engine& e) { return e.reduce(t, o.reduceOp, static_cast<int>(o.rootRank)); }))
+                        [&](Engine& e) { return e.reduce(t, o.reduceOp, static_cast<int>(o.rootRank), caller_waits(o)); }))
       return w;
     return call("reduce", c10d::OpType::REDUCE, t, o);
   }
@@ -220,7 +235,7 @@ class ForwardBackend : public c10d::Backend {
     return call("allgather", c10d::OpType::ALLGATHER, out, in, o);
   }
   intrusive_ptr<Work> _allgather_base(at::Tensor& out, at::Tensor& in, const c10d::AllgatherOptions& o) override {
-    if (auto w = native(c10d::OpType::_ALLGATHER_BASE, [&](Engine& e) { return e.all_gather(out, in); }))
+    if (auto w = native(c10d::OpType::_ALLGATHER_BASE, [&](Engine& e) { return e.all_gather(out, in, caller_waits(o)); }))
       return w;
     return call("all_gather_single", c10d::OpType::_ALLGATHER_BASE, out, in, o);
   }
@@ -247,7 +262,7 @@ class ForwardBackend : public c10d::Backend {
   intrusive_ptr<Work> _reduce_scatter_base(at::Tensor& out, at::Tensor& in,
                                            const c10d::ReduceScatterOptions& o) override {
     if (auto w = native(c10d::OpType::_REDUCE_SCATTER_BASE,
-                        [&](Engine& e) { return e.reduce_scatter(out, in, o.reduceOp); }))
+                        [&](Engine& e) { return e.reduce_scatter(out, in, o.reduceOp, caller_waits(o)); }))
       return w;
     return call("reduce_scatter_single", c10d::OpType::_REDUCE_SCATTER_BASE, out, in, o);
   }
@@ -381,7 +396,7 @@ bool direct_all_reduce(const std::shared_ptr<Engine>& engine, const at::Tensor& 
   shm_native::FuturePtr fut;
   {
     py::gil_scoped_release no_gil;
-    fut = engine->all_reduce(ts, rop);
+    fut = engine->all_reduce(ts, rop, /*caller_waits=*/true);
   }
   if (!fut) {
     return false;

@@ -1,6 +1,7 @@
 // The native path's engine: one per shm group and rank. It runs the group's calls one after
 // another in the order they were issued (the same order on every rank), as process_group.py's
-// worker does: a small call with nothing queued before it runs at once in the calling thread, a
+// worker does: a small call, or one its caller waits for at once (async_op=False), with nothing
+// queued before it runs at once in the calling thread, a
 // call issued by the worker thread itself (a Future's callback, e.g. the PowerSGD hook) runs at
 // once before those queued behind it, and every other call is queued for the worker thread, so
 // DDP's reducer overlaps it with backward. A call's Work waits on a torch Future.
@@ -104,6 +105,9 @@ class Engine {
   void drain() { core_->drain(); }
 
   // -- the native calls: a Future, or null when the Python path must take the call ----------------
+  // caller_waits: the caller waits for the call at once (async_op=False, collectives.shm.all_reduce).
+  // With nothing queued it then runs now in the caller, whatever its size: queued, it would wake the
+  // worker thread only for the caller to run it (help) or sleep until the worker has.
   static bool plain(const at::Tensor& t) {
     return t.device().is_cpu() && t.layout() == at::kStrided && t.is_contiguous() && !t.is_conj() && !t.is_neg();
   }
@@ -130,7 +134,7 @@ class Engine {
     }
   }
 
-  FuturePtr all_reduce(std::vector<at::Tensor>& ts, const c10d::ReduceOp& rop) {
+  FuturePtr all_reduce(std::vector<at::Tensor>& ts, const c10d::ReduceOp& rop, bool caller_waits = false) {
     auto [op, avg] = op_of(rop);
     if (ts.size() != 1 || !plain(ts[0]) || !reducible(op, ts[0]) || dtype_code(ts[0]) < 0 ||
         (avg && !ts[0].is_floating_point() && !ts[0].is_complex()))
@@ -143,20 +147,20 @@ class Engine {
     const int64_t nbytes = ts[0].nbytes();
     if (setup_.cma_min_bytes >= 0 && nbytes >= setup_.cma_min_bytes) return nullptr;
     at::Tensor t = ts[0];
-    return run(K_ALL_REDUCE, ts, ts, nbytes, [this, t, op = op, avg = avg](Collectives& c) {
+    return run(K_ALL_REDUCE, ts, ts, caller_waits ? 0 : nbytes, [this, t, op = op, avg = avg](Collectives& c) {
       c.begin(setup_.kind_codes[K_ALL_REDUCE], "all_reduce", dtype_code(t), t.numel(), op);
       c.reduce(static_cast<char*>(t.data_ptr()), t.numel(), t.scalar_type(), t.element_size(), op, true);
       if (avg) t.div_(setup_.size);
     });
   }
 
-  FuturePtr reduce(std::vector<at::Tensor>& ts, const c10d::ReduceOp& rop, int root) {
+  FuturePtr reduce(std::vector<at::Tensor>& ts, const c10d::ReduceOp& rop, int root, bool caller_waits = false) {
     auto [op, avg] = op_of(rop);
     if (ts.size() != 1 || !plain(ts[0]) || !reducible(op, ts[0]) || dtype_code(ts[0]) < 0 || root < 0 ||
         root >= setup_.size || (avg && !ts[0].is_floating_point() && !ts[0].is_complex()))
       return nullptr;
     at::Tensor t = ts[0];
-    return run(K_REDUCE, ts, ts, t.nbytes(), [this, t, op = op, avg = avg, root](Collectives& c) {
+    return run(K_REDUCE, ts, ts, caller_waits ? 0 : t.nbytes(), [this, t, op = op, avg = avg, root](Collectives& c) {
       const bool mine = setup_.rank == root;
       c.begin(setup_.kind_codes[K_REDUCE], "reduce", dtype_code(t), t.numel(), op, root);
       c.reduce(static_cast<char*>(t.data_ptr()), t.numel(), t.scalar_type(), t.element_size(), op, mine);
@@ -164,35 +168,35 @@ class Engine {
     });
   }
 
-  FuturePtr broadcast(std::vector<at::Tensor>& ts, int root) {
+  FuturePtr broadcast(std::vector<at::Tensor>& ts, int root, bool caller_waits = false) {
     if (ts.size() != 1 || !plain(ts[0]) || dtype_code(ts[0]) < 0 || root < 0 || root >= setup_.size) return nullptr;
     at::Tensor t = ts[0];
-    return run(K_BROADCAST, ts, ts, t.nbytes(), [this, t, root](Collectives& c) {
+    return run(K_BROADCAST, ts, ts, caller_waits ? 0 : t.nbytes(), [this, t, root](Collectives& c) {
       c.begin(setup_.kind_codes[K_BROADCAST], "broadcast", dtype_code(t), t.numel(), OP_NONE, root);
       c.broadcast(static_cast<char*>(t.data_ptr()), t.numel(), t.element_size(), root);
     });
   }
 
-  FuturePtr all_gather(at::Tensor& out, at::Tensor& in) {
+  FuturePtr all_gather(at::Tensor& out, at::Tensor& in, bool caller_waits = false) {
     if (!plain(out) || !plain(in) || out.scalar_type() != in.scalar_type() || dtype_code(in) < 0 ||
         out.numel() != setup_.size * in.numel())
       return nullptr;
     std::vector<at::Tensor> outs{out}, ins{in};
-    return run(K_ALL_GATHER, ins, outs, out.nbytes(), [this, out, in](Collectives& c) {
+    return run(K_ALL_GATHER, ins, outs, caller_waits ? 0 : out.nbytes(), [this, out, in](Collectives& c) {
       c.begin(setup_.kind_codes[K_ALL_GATHER], "all_gather", dtype_code(in), in.numel());
       c.all_gather(static_cast<char*>(out.data_ptr()), static_cast<const char*>(in.data_ptr()), in.numel(),
                    in.element_size());
     });
   }
 
-  FuturePtr reduce_scatter(at::Tensor& out, at::Tensor& in, const c10d::ReduceOp& rop) {
+  FuturePtr reduce_scatter(at::Tensor& out, at::Tensor& in, const c10d::ReduceOp& rop, bool caller_waits = false) {
     auto [op, avg] = op_of(rop);
     if (!plain(out) || !plain(in) || out.scalar_type() != in.scalar_type() || !reducible(op, in) ||
         dtype_code(in) < 0 || in.numel() != setup_.size * out.numel() || overlaps(out, in) ||
         (avg && !in.is_floating_point() && !in.is_complex()))
       return nullptr;
     std::vector<at::Tensor> outs{out}, ins{in};
-    return run(K_REDUCE_SCATTER, ins, outs, out.nbytes(), [this, out, in, op = op, avg = avg](Collectives& c) {
+    return run(K_REDUCE_SCATTER, ins, outs, caller_waits ? 0 : out.nbytes(), [this, out, in, op = op, avg = avg](Collectives& c) {
       c.begin(setup_.kind_codes[K_REDUCE_SCATTER], "reduce_scatter", dtype_code(in), in.numel(), op);
       c.reduce_scatter(static_cast<char*>(out.data_ptr()), static_cast<const char*>(in.data_ptr()), in.numel(),
                        in.scalar_type(), in.element_size(), op);

@@ -84,10 +84,30 @@ def _behaviours(env):
 
     # 5. in the flight record like any other call
     shm.all_reduce(torch.ones(7, dtype=torch.float64))
-    name = dist.distributed_c10d._world.pg_names[world]
-    last = [e for e in dump()["entries"] if e["process_group"][0] == name][-1]
-    seen["recorded"] = (last["profiling_name"], last["input_sizes"], last["input_dtypes"], last["state"])
+    seen["recorded"] = _last_entry(world)[:4]
+
+    # 6. a call whose caller waits at once runs in the caller, past the inline size: its record was
+    # started when it was made (native_recorder.h); an async one is queued, then started
+    ran_at_once = {}
+    for how in ("direct", "dist, async_op=False", "dist, async_op=True"):
+        big = _ranks_add((1 << 18,))  # 1 MiB, past COLLECTIVES_SHM_INLINE_BYTES
+        if how == "direct":
+            shm.all_reduce(big)
+        else:
+            work = dist.all_reduce(big, async_op=how.endswith("True"))
+            if work is not None:
+                work.wait()
+        created, started = _last_entry(world)[4:]
+        ran_at_once[how] = created == started and bool(torch.equal(big, torch.full((1 << 18,), TOTAL)))
+    seen["ran at once"] = ran_at_once
     return seen
+
+
+def _last_entry(group):
+    name = dist.distributed_c10d._world.pg_names[group]
+    e = [e for e in dump()["entries"] if e["process_group"][0] == name][-1]
+    return (e["profiling_name"], e["input_sizes"], e["input_dtypes"], e["state"], e["time_created_ns"],
+            e["time_discovered_started_ns"])
 
 
 @pytest.fixture(scope="module")
@@ -117,3 +137,8 @@ def test_a_call_the_native_path_refuses_gets_dist_all_reduces_error(seen):
 
 def test_it_is_in_the_flight_record(seen):
     assert [s["recorded"] for s in seen] == [("shm:all_reduce", [[7]], ["Double"], "completed")] * WORLD
+
+
+def test_a_call_waited_for_at_once_runs_in_the_caller_and_an_async_one_is_queued(seen):
+    assert [s["ran at once"] for s in seen] == [
+        {"direct": True, "dist, async_op=False": True, "dist, async_op=True": False}] * WORLD

@@ -78,13 +78,16 @@ def _values(seed: int, rank: int, numel: int, dtype: torch.dtype, op: str) -> to
     return torch.randint(low, high, (numel,), generator=g, dtype=torch.int64).to(dtype)
 
 
-def _call(group, collective: str, x: torch.Tensor, op: str, root: int, noncontiguous: bool):
-    """Run one call on `group`; the tensor it wrote, as bytes."""
+def _call(group, collective: str, x: torch.Tensor, op: str, root: int, noncontiguous: bool, queued: bool):
+    """Run one call on `group`; the tensor it wrote, as bytes. Queued: issued with async_op=True and
+    then waited for (the native path runs a call its caller waits for at once in the caller)."""
     size = dist.get_world_size(group)
     root = dist.get_global_rank(group, root)
     rop = TORCH_OPS[op] if op else None
     if collective == "barrier":
-        dist.barrier(group=group)
+        work = dist.barrier(group=group, async_op=queued)
+        if work is not None:
+            work.wait()
         return torch.empty(0, dtype=torch.uint8)
     if collective in ONE_TENSOR:
         t = x.clone()
@@ -93,20 +96,26 @@ def _call(group, collective: str, x: torch.Tensor, op: str, root: int, noncontig
             buf[::2] = t
             t = buf[::2]
         if collective == "all_reduce":
-            dist.all_reduce(t, op=rop, group=group)
-        elif collective == "direct all_reduce":
-            shm.all_reduce(t, rop, group)
+            work = dist.all_reduce(t, op=rop, group=group, async_op=queued)
+        elif collective == "direct all_reduce":  # waited for at once: never queued behind nothing
+            work = shm.all_reduce(t, rop, group)
         elif collective == "reduce":
-            dist.reduce(t, dst=root, op=rop, group=group)
+            work = dist.reduce(t, dst=root, op=rop, group=group, async_op=queued)
         else:
-            dist.broadcast(t, src=root, group=group)
+            work = dist.broadcast(t, src=root, group=group, async_op=queued)
+        if work is not None:
+            work.wait()
         out = t.clone(memory_format=torch.contiguous_format)  # a 1-element view of stride 2 is "contiguous" too
     elif collective == "all_gather_into_tensor":
         out = torch.empty(size * x.numel(), dtype=x.dtype)
-        dist.all_gather_into_tensor(out, x, group=group)
+        work = dist.all_gather_into_tensor(out, x, group=group, async_op=queued)
+        if work is not None:
+            work.wait()
     else:
         out = torch.empty(x.numel() // size, dtype=x.dtype)
-        dist.reduce_scatter_tensor(out, x, op=rop, group=group)
+        work = dist.reduce_scatter_tensor(out, x, op=rop, group=group, async_op=queued)
+        if work is not None:
+            work.wait()
     return out.view(torch.uint8) if out.numel() else torch.empty(0, dtype=torch.uint8)
 
 
@@ -116,7 +125,8 @@ def _same_on_every_variant(env, case):
     groups = _made(env.rank, queued, round_kb)
     n = numel * env.world_size if collective == "reduce_scatter_tensor" else numel
     x = _values(seed, env.rank, n, dtype, op)
-    got = {variant: _call(g, collective, x, op, root % env.world_size, noncontiguous) for variant, g in groups.items()}
+    got = {variant: _call(g, collective, x, op, root % env.world_size, noncontiguous, queued)
+           for variant, g in groups.items()}
     return {variant: bool(torch.equal(got["python"], out)) for variant, out in got.items()}
 
 
