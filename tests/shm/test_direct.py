@@ -15,6 +15,7 @@ import collectives as C
 import collectives.shm as shm
 from collectives.flight_recorder import dump
 from collectives.shm import backend_of, new_group_with
+from collectives.testing import run_on_ranks
 
 WORLD = 3
 TOTAL = WORLD * (WORLD + 1) / 2  # rank r adds r + 1
@@ -112,7 +113,7 @@ def _last_entry(group):
 
 @pytest.fixture(scope="module")
 def seen():
-    return C.run(_behaviours, WORLD, backend="shm", timeout=300)
+    return run_on_ranks(_behaviours, WORLD, backend="shm")  # the shared 3-rank shm pool
 
 
 @pytest.mark.parametrize("what", ["mixed with dist.all_reduce", "max", "after a queued call", "usable after the mismatch",
