@@ -37,7 +37,7 @@ import collectives
 from collectives import cli
 from collectives.cli import command
 from collectives.shm import backend_of
-from collectives.shm.ops import SMALL_BYTES, all_reduce_traffic
+from collectives.shm.ops import all_reduce_traffic, small_limit
 
 from .sweep import alternate_calls, check_sweep, parse_size, size_list
 from .limits import aggregate_copy_gbps
@@ -150,9 +150,9 @@ def main(argv=None) -> int:
     if args.world_size < 2 or args.iters < 0:
         parser.error("need --world-size >= 2 and --iters >= 0")
     check_sweep(args, parser)
-    if args.minbytes <= SMALL_BYTES:
-        parser.error(f"sizes up to {SMALL_BYTES >> 10} KiB take shm's small path, the same in every variant: "
-                     "start above it (-b)")
+    if args.minbytes <= small_limit(args.world_size):
+        parser.error(f"sizes up to {small_limit(args.world_size) >> 10} KiB take shm's small path on "
+                     f"{args.world_size} ranks, the same in every variant: start above it (-b)")
     config = {k: getattr(args, k) for k in ("variants", "minbytes", "maxbytes", "stepfactor", "iters")}
     result = collectives.run(run_all, args.world_size, args=(config,), timeout=6 * 3600)[0]
     print(f"# python -m benchmarks.shm_paths {' '.join(argv)}")

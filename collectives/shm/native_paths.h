@@ -114,7 +114,8 @@ inline void combine_twice(void* out, void* also, const void* a, const void* b, i
 struct Config {
   // half_bytes: what a round uses of a slot (ops.py's ShmCollectives.half: half a slot, or less
   // with COLLECTIVES_SHM_ROUND_KB; the name is from when rounds alternated halves); regions: how
-  // many such regions of a slot the rounds use in turn (ShmCollectives.regions)
+  // many such regions of a slot the rounds use in turn (ShmCollectives.regions); small_bytes: the
+  // small path's largest all_reduce (ShmCollectives.small: ops.small_limit of the world size)
   int64_t control_bytes = 0, slot_bytes = 0, half_bytes = 0, regions = 2, piece_bytes = 1 << 20,
           small_bytes = 16 << 10;
 };

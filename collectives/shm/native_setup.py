@@ -18,7 +18,7 @@ import torch
 from .. import reduce_ops
 from ..dtypes import arithmetic_widening
 from ..errors import CollectiveError, CollectiveMismatchError
-from .ops import DTYPE_CODES, KINDS, OPS, SMALL_BYTES, ShmArgumentError, disagreement
+from .ops import DTYPE_CODES, KINDS, OPS, ShmArgumentError, disagreement
 from .segment import ABORT, ABORT_SEEN_BY, ABORT_WHY, CALL0, CALL_WORDS, CONTROL_BYTES, PID0, SLEEP0, STEP0
 from .wait import SPIN_S_OWN_CORE, PeerFailure
 
@@ -53,7 +53,7 @@ def setup(impl) -> dict:
         "control": seg.control.ctypes.data, "step0": STEP0, "pid0": PID0, "sleep0": SLEEP0, "call0": CALL0,
         "call_words": CALL_WORDS, "abort": ABORT, "abort_seen_by": ABORT_SEEN_BY, "abort_why": ABORT_WHY,
         "control_bytes": CONTROL_BYTES, "slot_bytes": seg.slot_bytes, "half_bytes": shm.half, "regions": shm.regions, "piece_bytes": shm.piece_bytes,
-        "small_bytes": SMALL_BYTES, "rank": impl.rank(), "size": impl.size(),
+        "small_bytes": impl._shm.small, "rank": impl.rank(), "size": impl.size(),
         "strategy": WAITS.index(waiter.strategy), "timeout_s": waiter.timeout_s,
         # the native wait reads the machine (native_wait.h), so it may spin whatever the rank count
         "spin_s_idle": SPIN_S_OWN_CORE, "inline_bytes": impl.config.inline_bytes,

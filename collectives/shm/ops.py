@@ -17,7 +17,7 @@ Every element is reduced by exactly one rank in one fixed order (its own value f
 others' in rank order), and everyone copies that result, so every rank holds the same bits. On
 2 ranks the order cannot matter (a + b == b + a), so the result equals Gloo's bit for bit; on
 more ranks Gloo's ring adds in another order and the last bits can differ. Small buffers (up
-to SMALL_BYTES) skip steps 3-4: after the barrier every rank adds all the slots itself, in
+to small_limit(world size): 64 KiB on 2 ranks, 16 KiB from 8) skip steps 3-4: after the barrier every rank adds all the slots itself, in
 rank order, so all still hold the same bits.
 
 No barrier is needed after step 5: each slot has two halves and consecutive rounds alternate
@@ -57,6 +57,17 @@ from .segment import CALL_WORDS, Segment
 from .wait import PeerFailure, Waiter
 
 SMALL_BYTES = 16 << 10
+SMALL_TOTAL_BYTES = 128 << 10
+
+
+def small_limit(world_size: int) -> int:
+    """The largest all_reduce or reduce, in bytes, that takes the small path on world_size ranks.
+    There every rank reads every slot, so what it reads grows with the ranks: the small path runs
+    while the slots add up to SMALL_TOTAL_BYTES, and always up to SMALL_BYTES. That is 64 KiB on 2
+    ranks, 32 KiB on 4, 16 KiB from 8 (benchmarks/RESULTS.md, measured on the H100 machine's Xeon)."""
+    return max(SMALL_BYTES, SMALL_TOTAL_BYTES // world_size)
+
+
 # Step 3 in pieces of ShmConfig.piece_bytes (1 MiB): the partial sum of a piece stays in cache
 # while the others' pieces are added to it and it is copied out (benchmarks.shm_paths measures
 # the pieces against the whole slice).
@@ -141,6 +152,7 @@ class ShmCollectives:
         # a round's share of a slot: half of it, or less (COLLECTIVES_SHM_ROUND_KB, as layout.agree
         # resolved it: never more than half a slot)
         self.half = round_bytes
+        self.small = min(small_limit(self.size), self.half)  # the small path's largest all_reduce
         # the round-sized regions of a slot that rounds use in turn (COLLECTIVES_SHM_REGIONS)
         self.regions = config.region_count(self.half)
         self.round = 0
@@ -222,7 +234,7 @@ class ShmCollectives:
         "whole" (copies through the segment, step 3 in pieces or at once), "cma" (cma.py)."""
         if self.cma is not None and nbytes >= self.cma_min_bytes:
             return "cma"
-        if nbytes <= min(SMALL_BYTES, self.half):
+        if nbytes <= self.small:
             return "small"
         return "whole" if self.piece_bytes >= self.half else "pieces"
 
@@ -242,7 +254,7 @@ class ShmCollectives:
     def _reduce(self, flat: torch.Tensor, op: str, copy_out: bool) -> None:
         """The module docstring's steps, round by round; copy_out: this rank takes the result."""
         p, r, dtype = self.size, self.rank, flat.dtype
-        if flat.numel() * flat.element_size() <= min(SMALL_BYTES, self.half):
+        if flat.numel() * flat.element_size() <= self.small:
             h = self.next_round()
             self.slot(r, dtype, flat.numel(), h).copy_(flat)
             self.meet()

@@ -94,8 +94,8 @@ def test_a_variant_is_a_path_and_a_piece_size():
 def test_the_paths_benchmark_runs_end_to_end(capsys, monkeypatch):
     monkeypatch.setenv("COLLECTIVES_SHM_CMA", "1")  # wherever the calls work
     monkeypatch.setenv("COLLECTIVES_SHM_CMA_MIN_KB", "256")
-    assert paths_bench.main(["--world-size", "2", "--variants", "whole", "pieces=8K", "cma=8K", "-b", "64K",
-                             "-e", "1M", "--iters", "2"]) == 0
+    assert paths_bench.main(["--world-size", "2", "--variants", "whole", "pieces=8K", "cma=8K", "-b", "128K",
+                             "-e", "2M", "--iters", "2"]) == 0
     out = capsys.readouterr().out
     assert out.count("whole slice") == 3 and out.count("pieces, 8 KiB") == 3 and "WRONG" not in out, out
     # cma from 256 KiB (COLLECTIVES_SHM_CMA_MIN_KB); below it that group's calls go through the segment

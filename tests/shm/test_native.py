@@ -27,6 +27,7 @@ from collectives.errors import CollectiveError
 from collectives.reduce_ops import TORCH_OPS, check_op_dtype
 from collectives.shm import backend_of, new_group_with
 from collectives.shm.native_setup import NATIVE_DTYPES
+from collectives.shm.ops import small_limit
 from collectives.testing import run_on_ranks
 
 SETTINGS = {"COLLECTIVES_SHM_SLOT_MB": str(4 / 1024), "COLLECTIVES_SHM_PIECE_KB": "0.25"}
@@ -259,3 +260,38 @@ def test_the_engines_worker_thread_takes_the_worker_nice_setting():
         assert right, rank
         assert 7 not in before and after.count(7) == 1, (rank, before, after)
         assert 0 in after, (rank, after)  # the main thread is left as it was
+
+
+# -- the small path's limit grows as the ranks get fewer (ops.small_limit) ------------------------
+def _around_the_small_limit(env):
+    """float32 all_reduces just under and just over small_limit on a native, a Python and a mixed
+    group with a slot large enough for it; the bytes each leaves, and the path each side chose."""
+    key = ("small limit", env.world_size)
+    if key not in _groups:
+        _groups[key] = {variant: new_group_with({"COLLECTIVES_SHM_SLOT_MB": "0.5", "COLLECTIVES_SHM_PATH": path})
+                        for variant, path in (("native", "native"), ("python", "python"),
+                                              ("mixed", "native" if env.rank % 2 == 0 else "python"))}
+    groups = _groups[key]
+    limit = small_limit(env.world_size)
+    found = {}
+    for numel in (limit // 4, limit // 4 + 1):
+        x = _values(numel, env.rank, numel, torch.float32, "sum")
+        outs = {}
+        for variant, g in groups.items():
+            t = x.clone()
+            dist.all_reduce(t, group=g)
+            outs[variant] = t
+        found[numel] = ({v: bool(torch.equal(outs["python"], t)) for v, t in outs.items()},
+                        backend_of(groups["native"])._shm.all_reduce_path(4 * numel))
+    return limit, found
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_both_paths_take_the_small_path_up_to_the_same_world_size_dependent_limit(world_size):
+    """On 3 ranks the small path adds every slot in rank order and the other path adds a slice's
+    owner first, so a native engine given another limit than the Python path leaves other bits."""
+    for rank, (limit, found) in enumerate(run_on_ranks(_around_the_small_limit, world_size, backend="gloo")):
+        assert limit == {2: 64 << 10, 3: (128 << 10) // 3}[world_size]
+        (under, (same_under, path_under)), (over, (same_over, path_over)) = sorted(found.items())
+        assert (path_under, path_over) == ("small", "whole"), (rank, found)
+        assert all(same_under.values()) and all(same_over.values()), (rank, found)

@@ -25,6 +25,7 @@ import collectives as C
 from collectives import shm
 from collectives.launcher.pool import RankPool
 from collectives.shm import backend_of
+from collectives.shm.ops import small_limit
 from collectives.testing import distributed
 
 from ..algorithms.reference import expected, inputs_for
@@ -163,10 +164,10 @@ def _count_all_reduce_bytes(env, numel):
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_the_memory_traffic_model_counts_what_the_all_reduce_does(world_size, monkeypatch):
-    """all_reduce_traffic(path="whole") is what the ops read and write, counted op by op (12 KiB
-    slices: the large path, one round, more than one piece each with 4 KiB pieces); in pieces
+    """all_reduce_traffic(path="whole") is what the ops read and write, counted op by op (slices of
+    24-48 KiB: the large path, one round, more than one piece each with 4 KiB pieces); in pieces
     the re-reads of a piece still in cache are not memory traffic, which op counts cannot see."""
-    numel = 12 * 1024  # 48 KiB: a whole number of elements per rank at 2, 3 and 4 ranks
+    numel = 24 * 1024  # 96 KiB: past the small path on 2 ranks (64 KiB), whole slices at 2, 3 and 4 ranks
     monkeypatch.setenv("COLLECTIVES_SHM_PIECE_KB", "4")
     results = C.run(_count_all_reduce_bytes, world_size, backend="gloo", args=(numel,), timeout=60)
     for rank, (moved, unknown) in enumerate(results):
@@ -389,10 +390,13 @@ def test_a_full_dev_shm_is_a_clear_error_not_a_sigbus(monkeypatch):
 
 
 def _small_all_reduce_bits(env):
-    """Random floats (sums that round), sizes on the small path (up to SMALL_BYTES): every rank's
+    """Random floats (sums that round), sizes on the small path (up to small_limit): every rank's
     result as raw bits, gathered, for every op."""
     out = {}
-    for numel in (1, 7, 1000, 4000):  # 4000 float32 = 16000 bytes: the small path's largest
+    largest = small_limit(env.world_size) // 4
+    assert backend_of()._shm.all_reduce_path(4 * largest) == "small"
+    assert backend_of()._shm.all_reduce_path(4 * largest + 4) != "small"
+    for numel in (1, 7, 1000, 4000, largest):  # float32: 16000 bytes, and the small path's largest
         for op in ("sum", "avg", "max", "min", "product"):
             g = torch.Generator().manual_seed(1000 * numel + env.rank)
             t = torch.rand(numel, generator=g) + 0.5
