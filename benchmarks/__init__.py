@@ -10,6 +10,7 @@ Programs (`python -m benchmarks.NAME --help`; their figures are in benchmarks/RE
     shm_paths            the shm all_reduce's paths against the memory roofline
     shm_wait             how an shm rank waits (spin, yield, futex, sleep)
     shm_native           shm's native path against its Python path, Gloo, a floor and DeepSpeed
+    shm_small_path       where shm's small all_reduce path should stop, limits side by side
     tensor_parallel      DP, TP and TP x DP of the small transformer: step time and bytes
     recorder_cost        what the flight record costs on shm
     wrapper_overhead     what the checked wrappers add to a raw call
@@ -27,7 +28,8 @@ Helpers (imported by the programs, never run):
 The pytest-benchmark latency test lives with the tests: tests/benchmarks/test_latency.py.
 """
 
-PROGRAMS = ("bandwidth", "bandwidth_agreement", "plot", "algorithms", "race_ablation", "shm", "shm_paths", "shm_wait", "shm_native", "tensor_parallel",
+PROGRAMS = ("bandwidth", "bandwidth_agreement", "plot", "algorithms", "race_ablation", "shm", "shm_paths", "shm_wait", "shm_native", "shm_small_path",
+            "tensor_parallel",
             "recorder_cost", "wrapper_overhead", "harness_speed", "ddp_step_time", "ddp_hook_cost", "sharded",
             "powersgd", "cuda_determinism", "suite_durations")
 HELPERS = ("bandwidth_rounds", "bandwidth_report", "busbw_plot", "cases", "limits", "nccl_format", "prediction", "sweep")
