@@ -8,7 +8,7 @@
 
 On one machine Gloo still goes through TCP. Here the ranks map one segment of shared memory
 (segment.py) and each collective is copies and adds in it (ops.py), waiting for each other
-on futexes (wait.py), behind a torch Backend (process_group.py, with its C++ bridge forward.cpp)
+on futexes (wait.py), behind a torch Backend (process_group.py, with its C++ bridge forward.cpp; groups.py makes and finds groups)
 that torch's DDP, fully_shard, DTensor and the functional collectives run on. A rank that dies mid-collective makes the others raise PeerFailure naming
 it; nothing is left in /dev/shm, however the ranks end. Settings: config.py (ShmConfig, the
 COLLECTIVES_SHM_* variables, read once per group).
@@ -24,7 +24,8 @@ attach (cma.py: reading and writing another rank's tensor directly).
 import torch.distributed as dist
 
 from .direct import all_reduce
-from .process_group import ShmBackend, backend_of, create, new_group_with
+from .groups import backend_of, create, new_group_with
+from .process_group import ShmBackend
 from .segment import leftovers, sweep
 from .wait import PeerFailure
 

@@ -18,7 +18,8 @@ mailboxes (point_to_point.py). The collectives run one after another on a worker
 order they were issued (the same on every rank), and each returns at once with a torch Future
 that forward.cpp wraps in a Work, so DDP overlaps them with backward as it does with Gloo; small
 calls with nothing queued before them run at once in the calling thread, since the hand-off to
-the worker costs more than they do.
+the worker costs more than they do (on the native path, so does any call its caller waits for at
+once). How a group is made and found (create, new_group_with, backend_of): groups.py.
 """
 
 from __future__ import annotations
@@ -29,14 +30,13 @@ from datetime import timedelta
 from typing import Callable, List
 
 import torch
-import torch.distributed as dist
 
 from .. import reduce_ops
 from ..dtypes import as_bytes
 from ..errors import CollectiveMismatchError
 from . import cma, layout
 from .config import ShmConfig
-from . import native, native_setup, routing
+from . import routing
 from .arguments import overlap, unwritable, wrong_devices, wrong_list, wrong_op, wrong_sizes, wrong_splits
 from .ops import ShmArgumentError, ShmCollectives
 from .point_to_point import PointToPoint
@@ -494,48 +494,3 @@ class ShmBackend:
 
     def recv_anysource(self, tensors, tag: int = 0):
         return self._message("recv_any", tensors, -1, tag)
-
-def create(store, rank: int, size: int, timeout: timedelta):
-    """The creator torch calls for init_process_group("shm") and new_group(backend="shm"): a C++
-    Backend (forward.cpp) that runs the native path's calls itself (COLLECTIVES_SHM_PATH=native,
-    the default) and hands every other call to a ShmBackend."""
-    impl = ShmBackend(store, rank, size, timeout)
-    module = native.load()
-    forward = module.ForwardBackend(impl, rank, size, "shm")
-    if impl.config.path == "native":
-        impl._engine = module.make_engine(native_setup.setup(impl), native_setup.error_maker(impl.rank(), impl.size()))
-        forward.set_engine(impl._engine)
-        if impl.recorder is not None:  # one record: the engine's calls and the Python path's
-            impl.recorder.native = impl._engine
-    return forward
-
-
-def new_group_with(settings: dict, ranks=None):
-    """dist.new_group(ranks, backend="shm") made with these environment settings (COLLECTIVES_SHM_*,
-    TORCH_FR_BUFFER_SIZE: a group reads them as it is made), the environment restored after.
-    Every rank calls it, as new_group.
-
-        native = new_group_with({"COLLECTIVES_SHM_PATH": "native"})
-        python = new_group_with({"COLLECTIVES_SHM_PATH": "python", "COLLECTIVES_SHM_WAIT": "spin"})
-    """
-    import os
-
-    saved = {k: os.environ.get(k) for k in settings}
-    os.environ.update({k: str(v) for k, v in settings.items()})
-    try:
-        return dist.new_group(ranks, backend="shm")
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def backend_of(group=None) -> ShmBackend:
-    """The ShmBackend behind an shm group (default: the world), e.g. to read its cma_off_reason."""
-    group = dist.group.WORLD if group is None else group
-    forward = group._get_backend(torch.device("cpu"))
-    if not hasattr(forward, "impl"):
-        raise ValueError(f"{group} is a {dist.get_backend(group)} group, not an shm group")
-    return forward.impl
