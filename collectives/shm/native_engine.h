@@ -147,7 +147,7 @@ class Engine {
     const int64_t nbytes = ts[0].nbytes();
     if (setup_.cma_min_bytes >= 0 && nbytes >= setup_.cma_min_bytes) return nullptr;
     at::Tensor t = ts[0];
-    return run(K_ALL_REDUCE, ts, ts, caller_waits ? 0 : nbytes, [this, t, op = op, avg = avg](Collectives& c) {
+    return run(K_ALL_REDUCE, ts, ts, nbytes, caller_waits, [this, t, op = op, avg = avg](Collectives& c) {
       c.begin(setup_.kind_codes[K_ALL_REDUCE], "all_reduce", dtype_code(t), t.numel(), op);
       c.reduce(static_cast<char*>(t.data_ptr()), t.numel(), t.scalar_type(), t.element_size(), op, true);
       if (avg) t.div_(setup_.size);
@@ -160,7 +160,7 @@ class Engine {
         root >= setup_.size || (avg && !ts[0].is_floating_point() && !ts[0].is_complex()))
       return nullptr;
     at::Tensor t = ts[0];
-    return run(K_REDUCE, ts, ts, caller_waits ? 0 : t.nbytes(), [this, t, op = op, avg = avg, root](Collectives& c) {
+    return run(K_REDUCE, ts, ts, t.nbytes(), caller_waits, [this, t, op = op, avg = avg, root](Collectives& c) {
       const bool mine = setup_.rank == root;
       c.begin(setup_.kind_codes[K_REDUCE], "reduce", dtype_code(t), t.numel(), op, root);
       c.reduce(static_cast<char*>(t.data_ptr()), t.numel(), t.scalar_type(), t.element_size(), op, mine);
@@ -171,7 +171,7 @@ class Engine {
   FuturePtr broadcast(std::vector<at::Tensor>& ts, int root, bool caller_waits = false) {
     if (ts.size() != 1 || !plain(ts[0]) || dtype_code(ts[0]) < 0 || root < 0 || root >= setup_.size) return nullptr;
     at::Tensor t = ts[0];
-    return run(K_BROADCAST, ts, ts, caller_waits ? 0 : t.nbytes(), [this, t, root](Collectives& c) {
+    return run(K_BROADCAST, ts, ts, t.nbytes(), caller_waits, [this, t, root](Collectives& c) {
       c.begin(setup_.kind_codes[K_BROADCAST], "broadcast", dtype_code(t), t.numel(), OP_NONE, root);
       c.broadcast(static_cast<char*>(t.data_ptr()), t.numel(), t.element_size(), root);
     });
@@ -182,7 +182,7 @@ class Engine {
         out.numel() != setup_.size * in.numel())
       return nullptr;
     std::vector<at::Tensor> outs{out}, ins{in};
-    return run(K_ALL_GATHER, ins, outs, caller_waits ? 0 : out.nbytes(), [this, out, in](Collectives& c) {
+    return run(K_ALL_GATHER, ins, outs, out.nbytes(), caller_waits, [this, out, in](Collectives& c) {
       c.begin(setup_.kind_codes[K_ALL_GATHER], "all_gather", dtype_code(in), in.numel());
       c.all_gather(static_cast<char*>(out.data_ptr()), static_cast<const char*>(in.data_ptr()), in.numel(),
                    in.element_size());
@@ -196,7 +196,7 @@ class Engine {
         (avg && !in.is_floating_point() && !in.is_complex()))
       return nullptr;
     std::vector<at::Tensor> outs{out}, ins{in};
-    return run(K_REDUCE_SCATTER, ins, outs, caller_waits ? 0 : out.nbytes(), [this, out, in, op = op, avg = avg](Collectives& c) {
+    return run(K_REDUCE_SCATTER, ins, outs, out.nbytes(), caller_waits, [this, out, in, op = op, avg = avg](Collectives& c) {
       c.begin(setup_.kind_codes[K_REDUCE_SCATTER], "reduce_scatter", dtype_code(in), in.numel(), op);
       c.reduce_scatter(static_cast<char*>(out.data_ptr()), static_cast<const char*>(in.data_ptr()), in.numel(),
                        in.scalar_type(), in.element_size(), op);
@@ -206,7 +206,7 @@ class Engine {
 
   FuturePtr barrier() {
     std::vector<at::Tensor> none;
-    return run(K_BARRIER, none, none, 0, [this](Collectives& c) { c.barrier(setup_.kind_codes[K_BARRIER]); });
+    return run(K_BARRIER, none, none, 0, false, [this](Collectives& c) { c.barrier(setup_.kind_codes[K_BARRIER]); });
   }
 
  private:
@@ -218,7 +218,7 @@ class Engine {
 
   template <typename Body>
   FuturePtr run(int kind, const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& outputs,
-                int64_t nbytes, Body body) {
+                int64_t nbytes, bool caller_waits, Body body) {
     auto fut = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors());
     std::vector<at::Tensor> value = outputs;
     Core* core = core_.get();
@@ -244,7 +244,7 @@ class Engine {
           core->recorder.completed(slot);
           fut->markCompleted(c10::IValue(value));
         },
-        nbytes, tag);
+        nbytes, tag, caller_waits);
     return fut;
   }
 
@@ -283,11 +283,16 @@ class Engine {
       return pending == 0;
     }
 
-    bool submit(Task task, int64_t nbytes, const void* tag = nullptr) {
+    bool submit(Task task, int64_t nbytes, const void* tag = nullptr, bool caller_waits = false) {
       const bool nested = std::this_thread::get_id() == runner.load(std::memory_order_relaxed);
       {
-        std::lock_guard<std::mutex> lock(m);
-        if (!(nested || (pending == 0 && nbytes <= inline_bytes))) {
+        std::unique_lock<std::mutex> lock(m);
+        // A call its caller waits for at once, behind only a call that another thread is running
+        // (often one that has just completed its Future, its thread not yet back here): wait
+        // for that one, then run this one here instead of queueing it for the worker.
+        if (caller_waits && !nested && running && queue.empty())
+          idle_cv.wait(lock, [this] { return !running || !queue.empty(); });
+        if (!(nested || (pending == 0 && (caller_waits || nbytes <= inline_bytes)))) {
           ++pending;
           queue.push_back({std::move(task), tag});
           cv.notify_one();
@@ -297,6 +302,13 @@ class Engine {
       waiter.spin_s = waiter.spin_s_idle;  // the caller waits anyway: spin a little first
       task();
       return true;
+    }
+
+    // Whether the call tagged `tag` is still waiting in the queue. Called with m held.
+    bool queued(const void* tag) const {
+      for (const auto& q : queue)
+        if (q.tag == tag) return true;
+      return false;
     }
 
     // The task at the head of the queue, when none is running: marked running in this thread.
@@ -343,15 +355,19 @@ class Engine {
     }
 
     // A caller about to block on the call tagged `tag`: it runs the queued calls up to and
-    // including that one itself while no other thread runs one, so a blocking call skips the two
-    // thread hand-offs (wake the worker, wake the caller). Returns once `tag`'s call has run or
-    // another thread is running one (then the caller waits on its Future).
+    // including that one itself, so a blocking call skips the two thread hand-offs (wake the
+    // worker, wake the caller). While another thread runs a call, it waits for that call to
+    // finish, then goes on; it returns once `tag`'s call is no longer queued (it has run, or
+    // another thread took it: then the caller waits on its Future). The thread running a call
+    // (a Future's callback waiting) does not wait for itself.
     void help(const void* tag) {
       while (true) {
         Queued q;
         {
-          std::lock_guard<std::mutex> lock(m);
-          if (!take(q)) return;
+          std::unique_lock<std::mutex> lock(m);
+          if (runner.load(std::memory_order_relaxed) != std::this_thread::get_id())
+            idle_cv.wait(lock, [&] { return !running || !queued(tag); });
+          if (!queued(tag) || !take(q)) return;
         }
         waiter.spin_s = waiter.spin_s_idle;  // the caller waits anyway
         q.task();

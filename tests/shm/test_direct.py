@@ -88,20 +88,34 @@ def _behaviours(env):
     seen["recorded"] = _last_entry(world)[:4]
 
     # 6. a call whose caller waits at once runs in the caller, past the inline size: its record was
-    # started when it was made (native_recorder.h); an async one is queued, then started
+    # started when it was made (native_recorder.h); an async one is queued, then started. Each
+    # collective the native path takes, since FSDP's all-gathers and DDP's buckets must stay queued.
+    n = 1 << 18  # 1 MiB of float32, past COLLECTIVES_SHM_INLINE_BYTES
+    calls = {
+        "all_reduce": lambda a: dist.all_reduce(_ranks_add((n,)), async_op=a),
+        "broadcast": lambda a: dist.broadcast(_ranks_add((n,)), src=1, async_op=a),
+        "reduce": lambda a: dist.reduce(_ranks_add((n,)), dst=2, async_op=a),
+        "all_gather": lambda a: dist.all_gather_into_tensor(torch.empty(WORLD * n), _ranks_add((n,)), async_op=a),
+        "reduce_scatter": lambda a: dist.reduce_scatter_tensor(torch.empty(n), _ranks_add((WORLD * n,)), async_op=a),
+    }
     ran_at_once = {}
-    for how in ("direct", "dist, async_op=False", "dist, async_op=True"):
-        big = _ranks_add((1 << 18,))  # 1 MiB, past COLLECTIVES_SHM_INLINE_BYTES
-        if how == "direct":
-            shm.all_reduce(big)
-        else:
-            work = dist.all_reduce(big, async_op=how.endswith("True"))
+    big = _ranks_add((n,))
+    shm.all_reduce(big)
+    ran_at_once["direct all_reduce"] = _started_when_made(world) and bool(torch.equal(big, torch.full((n,), TOTAL)))
+    for name, call in calls.items():
+        for wait_at_once in (True, False):
+            work = call(not wait_at_once)
             if work is not None:
                 work.wait()
-        created, started = _last_entry(world)[4:]
-        ran_at_once[how] = created == started and bool(torch.equal(big, torch.full((1 << 18,), TOTAL)))
+            assert _last_entry(world)[0] == f"shm:{name}"
+            ran_at_once[f"{name}, async_op={not wait_at_once}"] = _started_when_made(world)
     seen["ran at once"] = ran_at_once
     return seen
+
+
+def _started_when_made(group) -> bool:
+    created, started = _last_entry(group)[4:]
+    return created == started
 
 
 def _last_entry(group):
@@ -141,5 +155,7 @@ def test_it_is_in_the_flight_record(seen):
 
 
 def test_a_call_waited_for_at_once_runs_in_the_caller_and_an_async_one_is_queued(seen):
-    assert [s["ran at once"] for s in seen] == [
-        {"direct": True, "dist, async_op=False": True, "dist, async_op=True": False}] * WORLD
+    expected = {"direct all_reduce": True}
+    for name in ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter"):
+        expected.update({f"{name}, async_op=False": True, f"{name}, async_op=True": False})
+    assert [s["ran at once"] for s in seen] == [expected] * WORLD
