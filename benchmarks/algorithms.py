@@ -60,9 +60,7 @@ def _iterations(nbytes: int) -> int:
 
 def race(env, config: dict) -> dict:
     dtype, n, r = DTYPES["float32"], env.world_size, env.rank
-    sizes = size_list(config["minbytes"], config["maxbytes"], config["stepfactor"])
-    if sizes[-1] != config["maxbytes"]:
-        sizes.append(config["maxbytes"])
+    sizes = size_list(config["minbytes"], config["maxbytes"], config["stepfactor"], with_end=True)
     model = CostModel.load()
     hosts = A.DistComm().hosts()
     share = cpu_share() if len(set(hosts)) > 1 else 1.0

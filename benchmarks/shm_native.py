@@ -103,8 +103,7 @@ def measure(env, config) -> dict:
         t = torch.full((1000,), float(env.rank + 1))
         call(t)
         wrong[name] = int((t != n * (n + 1) / 2).sum())
-    sizes = size_list(config["minbytes"], config["maxbytes"], config["stepfactor"])
-    sizes += [config["maxbytes"]] if sizes[-1] != config["maxbytes"] else []  # the largest size always
+    sizes = size_list(config["minbytes"], config["maxbytes"], config["stepfactor"], with_end=True)  # the largest always
     buffers = {nbytes: torch.zeros(max(1, nbytes // 4)) for nbytes in sizes}
     times = {name: {nbytes: [] for nbytes in sizes} for name in calls}
     order = random.Random(0)

@@ -128,8 +128,7 @@ def main(argv=None) -> int:
     cli.check_outputs(parser, {"--json": args.json})
     if args.maxbytes < args.minbytes:
         parser.error(f"-e {args.maxbytes} is smaller than -b {args.minbytes}")
-    sizes = size_list(args.minbytes, args.maxbytes, args.stepfactor)
-    sizes += [args.maxbytes] if sizes[-1] != args.maxbytes else []
+    sizes = size_list(args.minbytes, args.maxbytes, args.stepfactor, with_end=True)
     config = {"limits": list(dict.fromkeys(args.limits)), "sizes": sizes, "rounds": args.rounds, "iters": args.iters}
     result = collectives.run(measure, args.world_size, backend="gloo", args=(config,), timeout=3600)[0]
     print(report(result))

@@ -49,11 +49,14 @@ def shm_setting(text: str) -> str:
     return text
 
 
-def size_list(begin: int, end: int, factor: int) -> list:
+def size_list(begin: int, end: int, factor: int, with_end: bool = False) -> list:
+    """begin, begin x factor, ... up to end; with_end: end too, where the steps pass it by."""
     sizes, size = [], begin
     while size <= end:
         sizes.append(size)
         size *= factor
+    if with_end and (not sizes or sizes[-1] != end):
+        sizes.append(end)
     return sizes
 
 
