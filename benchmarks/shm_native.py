@@ -92,6 +92,7 @@ def measure(env, config) -> dict:
         groups[f"native {setting}"] = new_group_with({"COLLECTIVES_SHM_PATH": "native", **parse_settings(setting)})
     calls = {name: (lambda t, g=g: dist.all_reduce(t, group=g)) for name, g in groups.items()}
     calls["shm direct"] = lambda t, g=groups["shm native"]: shm.all_reduce(t, group=g)
+    turn_group = {**groups, "shm direct": groups["shm native"]}  # each variant's barrier (else the world's)
     ds_call, ds_why = _deepspeed() if "deepspeed" in config["variants"] else (None, "not asked for")
     if ds_call is not None:
         calls["deepspeed"] = ds_call
@@ -115,7 +116,7 @@ def measure(env, config) -> dict:
                 for name in order.sample(list(calls), len(calls)):
                     call, t = calls[name], buffers[nbytes]
                     k = counts.get((name, nbytes), 1)  # the same on every rank: the first round sets it
-                    dist.barrier(group=groups.get(name if name != "shm direct" else "shm native"))
+                    dist.barrier(group=turn_group.get(name))
                     start = time.perf_counter()
                     for _ in range(k):
                         call(t)

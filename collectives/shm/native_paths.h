@@ -115,7 +115,8 @@ struct Config {
   // half_bytes: what a round uses of a slot (ops.py's ShmCollectives.half: half a slot, or less
   // with COLLECTIVES_SHM_ROUND_KB; the name is from when rounds alternated halves); regions: how
   // many such regions of a slot the rounds use in turn (ShmCollectives.regions); small_bytes: the
-  // small path's largest all_reduce (ShmCollectives.small: ops.small_limit of the world size)
+  // small path's largest all_reduce (ShmCollectives.small: ops.small_limit of the world size, at
+  // most half_bytes)
   int64_t control_bytes = 0, slot_bytes = 0, half_bytes = 0, regions = 2, piece_bytes = 1 << 20,
           small_bytes = 16 << 10;
 };
@@ -200,7 +201,7 @@ class Collectives {
   // -- all_reduce and reduce (ops.py: _reduce) ------------------------------------------------------
   void reduce(char* flat, int64_t numel, at::ScalarType dtype, int es, int op, bool copy_out) {
     const int p = size_, r = rank_;
-    if (numel * es <= std::min<int64_t>(cfg_.small_bytes, half_)) {
+    if (numel * es <= cfg_.small_bytes) {  // ShmCollectives.small: never more than a round
       const int h = next_round();
       std::memcpy(slot(r, h), flat, numel * es);
       meet();

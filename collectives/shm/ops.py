@@ -17,8 +17,8 @@ Every element is reduced by exactly one rank in one fixed order (its own value f
 others' in rank order), and everyone copies that result, so every rank holds the same bits. On
 2 ranks the order cannot matter (a + b == b + a), so the result equals Gloo's bit for bit; on
 more ranks Gloo's ring adds in another order and the last bits can differ. Small buffers (up
-to small_limit(world size): 64 KiB on 2 ranks, 16 KiB from 8) skip steps 3-4: after the barrier every rank adds all the slots itself, in
-rank order, so all still hold the same bits.
+to small_limit(world size): 64 KiB on 2 ranks, 16 KiB from 8) skip steps 3-4: after the
+barrier every rank adds all the slots itself, in rank order, so all still hold the same bits.
 
 No barrier is needed after step 5: each slot has two halves and consecutive rounds alternate
 between them, so a rank can only write a half again two rounds later, when every rank has

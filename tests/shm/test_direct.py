@@ -38,14 +38,18 @@ def _behaviours(env):
     shm.all_reduce(t, dist.ReduceOp.MAX)
     seen["max"] = t.tolist() == [WORLD] * 5
 
-    # 2. behind calls queued for the engine's worker: run after them, in the order issued
+    # 2. behind calls queued for the engine's worker, a native one and a Python job (the list form
+    # of all_gather): run after them, in the order issued
     big = _ranks_add((1 << 18,))  # 1 MiB: past the inline limit, so queued
     work = dist.all_reduce(big, async_op=True)
+    gathered = [torch.zeros(2) for _ in range(WORLD)]
+    listed = dist.all_gather(gathered, _ranks_add((2,)), async_op=True)
     small = _ranks_add((3,))
     shm.all_reduce(small)
     work.wait()
+    listed.wait()
     seen["after a queued call"] = bool(torch.equal(big, torch.full((1 << 18,), TOTAL))) and \
-        small.tolist() == [TOTAL] * 3
+        small.tolist() == [TOTAL] * 3 and [g.tolist() for g in gathered] == [[r + 1.0] * 2 for r in range(WORLD)]
 
     # 3. ranks that disagree: the named error on every rank, and the group still works
     with pytest.raises(C.CollectiveMismatchError) as info:

@@ -86,11 +86,8 @@ def _call(group, collective: str, x: torch.Tensor, op: str, root: int, noncontig
     root = dist.get_global_rank(group, root)
     rop = TORCH_OPS[op] if op else None
     if collective == "barrier":
-        work = dist.barrier(group=group, async_op=queued)
-        if work is not None:
-            work.wait()
-        return torch.empty(0, dtype=torch.uint8)
-    if collective in ONE_TENSOR:
+        work, out = dist.barrier(group=group, async_op=queued), None
+    elif collective in ONE_TENSOR:
         t = x.clone()
         if noncontiguous:  # every other element of a buffer twice as long: the Python path takes it
             buf = torch.zeros(2 * t.numel(), dtype=t.dtype)
@@ -104,19 +101,18 @@ def _call(group, collective: str, x: torch.Tensor, op: str, root: int, noncontig
             work = dist.reduce(t, dst=root, op=rop, group=group, async_op=queued)
         else:
             work = dist.broadcast(t, src=root, group=group, async_op=queued)
-        if work is not None:
-            work.wait()
-        out = t.clone(memory_format=torch.contiguous_format)  # a 1-element view of stride 2 is "contiguous" too
+        out = t
     elif collective == "all_gather_into_tensor":
         out = torch.empty(size * x.numel(), dtype=x.dtype)
         work = dist.all_gather_into_tensor(out, x, group=group, async_op=queued)
-        if work is not None:
-            work.wait()
     else:
         out = torch.empty(x.numel() // size, dtype=x.dtype)
         work = dist.reduce_scatter_tensor(out, x, op=rop, group=group, async_op=queued)
-        if work is not None:
-            work.wait()
+    if work is not None:
+        work.wait()
+    if out is None:
+        return torch.empty(0, dtype=torch.uint8)
+    out = out.clone(memory_format=torch.contiguous_format)  # a 1-element view of stride 2 is "contiguous" too
     return out.view(torch.uint8) if out.numel() else torch.empty(0, dtype=torch.uint8)
 
 
