@@ -261,7 +261,8 @@ def test_the_engines_worker_thread_takes_the_worker_nice_setting():
 # -- the small path's limit grows as the ranks get fewer (ops.small_limit) ------------------------
 def _around_the_small_limit(env):
     """float32 all_reduces just under and just over small_limit on a native, a Python and a mixed
-    group with a slot large enough for it; the bytes each leaves, and the path each side chose."""
+    group with a slot large enough for it, and the direct call on the native one; the bytes each
+    leaves, and the path each side chose."""
     key = ("small limit", env.world_size)
     if key not in _groups:
         _groups[key] = {variant: new_group_with({"COLLECTIVES_SHM_SLOT_MB": "0.5", "COLLECTIVES_SHM_PATH": path})
@@ -277,6 +278,8 @@ def _around_the_small_limit(env):
             t = x.clone()
             dist.all_reduce(t, group=g)
             outs[variant] = t
+        outs["direct"] = x.clone()  # collectives.shm.all_reduce on the native group: the same path
+        shm.all_reduce(outs["direct"], group=groups["native"])
         found[numel] = ({v: bool(torch.equal(outs["python"], t)) for v, t in outs.items()},
                         backend_of(groups["native"])._shm.all_reduce_path(4 * numel))
     return limit, found
