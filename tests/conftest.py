@@ -14,7 +14,18 @@ import threading
 
 os.environ.setdefault("COLLECTIVES_BACKEND", "gloo")
 
-HOSTS_TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "multinode") + os.sep
+HERE = os.path.dirname(os.path.abspath(__file__))
+HOSTS_TESTS = os.path.join(HERE, "multinode") + os.sep
+# Modules that never start an shm group, so never need the shm bridge: under pytest-xdist they run
+# right after the test hosts' tests, on the worker that would otherwise wait for the bridge's
+# build, and they do not wait for it. Most of their time is spent waiting (planted hangs' timeouts,
+# launcher signals), which leaves a core to the build. A module named here that came to use shm
+# would still pass: its ranks would wait for the build themselves (torch's build lock).
+WITHOUT_BRIDGE = tuple(os.path.join(HERE, name) for name in (
+    "algorithms/test_fit.py", "algorithms/test_simulated.py", "algorithms/test_topology.py",
+    "algorithms/test_token_bucket.py", "algorithms/test_post_order.py",
+    "collectives/test_plain_mode_table.py", "collectives/test_launch.py",
+))
 _build = {}
 
 
@@ -38,10 +49,20 @@ def pytest_sessionstart(session):
     _build["thread"].start()
 
 
+def pytest_collection_modifyitems(config, items):
+    """The modules in WITHOUT_BRIDGE go first after the test hosts' tests (which
+    tests/multinode/conftest.py puts first)."""
+    hosts = [item for item in items if str(item.path).startswith(HOSTS_TESTS)]
+    early = [item for item in items if str(item.path) in WITHOUT_BRIDGE]
+    placed = {id(item) for item in hosts + early}
+    items[:] = hosts + early + [item for item in items if id(item) not in placed]
+
+
 def pytest_runtest_setup(item):
     """Before a test that may use the shm backend: the bridge is built, so that ranks starting shm
     groups never wait for it inside a test's timeout."""
-    if str(item.path).startswith(HOSTS_TESTS) or _build.get("ready"):
+    path = str(item.path)
+    if path.startswith(HOSTS_TESTS) or path in WITHOUT_BRIDGE or _build.get("ready"):
         return
     if "thread" in _build:
         _build["thread"].join()
