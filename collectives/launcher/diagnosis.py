@@ -67,6 +67,9 @@ class FailureDiagnosis:
             payload = pickled(world_sequence_number, (), "the pool's check after a failure")
             for conn in self._conns:
                 conn.send((payload, list(sys.path)))
+            _, failures, _, _, pending = self._receive(IN_STEP_TIMEOUT_S, "loaded")
+            if failures or pending:
+                return False
             results, failures, _, _, pending = self._receive(IN_STEP_TIMEOUT_S, "ok")
         except (OSError, EOFError, ValueError):
             return False

@@ -46,8 +46,9 @@ def run(
         world_size: how many ranks to spawn on this machine.
         backend: "gloo", "nccl" or "shm"; None picks NCCL only with one GPU per rank, else Gloo.
         args: extra positional arguments (must pickle).
-        timeout: seconds the function may run on the ranks; after that every rank's Python stack
-            is dumped into the error and all ranks are killed.
+        timeout: seconds the function may run on the ranks, counted from when every rank has
+            unpickled it (imported its module); after that every rank's Python stack is dumped
+            into the error and all ranks are killed.
         threads: torch threads per rank.
         start_method: "forkserver" (the default where the platform has it: each rank is forked
             from a server that imported torch once, so ranks start in tens of milliseconds) or

@@ -220,9 +220,17 @@ class RankPool(FailureDiagnosis):
         name = name or getattr(fn, "__qualname__", repr(fn))
         payload = pickled(fn, args, name)
         self.start()
+        self._send_call(payload, name, self.start_timeout)
+        return self._collect(name, timeout, expect="ok")
+
+    def _send_call(self, payload: bytes, what: str, load_timeout: float) -> None:
+        """Send a pickled call to every rank and wait until each has unpickled it. Importing the
+        function's module (a test file that imports pytest, say) can take seconds on a busy
+        machine, and is not part of the call: its timeout starts once every rank has loaded it."""
+        __tracebackhide__ = True
         for conn in self._conns:
             conn.send((payload, list(sys.path)))
-        return self._collect(name, timeout, expect="ok")
+        self._collect(f"{what} (unpickling it)", load_timeout, expect="loaded")
 
     def _collect(self, what: str, timeout: float, expect: str) -> List[Any]:
         """Every rank's reply to `what` (status `expect`), in rank order; or RankFailure naming the

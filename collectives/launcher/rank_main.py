@@ -12,8 +12,11 @@ together), watches the parent's lifeline pipe in a daemon thread (end-of-file: t
 gone, so the rank kills its own group), lets faulthandler write its stack into a pipe on
 SIGUSR1 (the parent's hang diagnosis) and on a fatal signal (SIGSEGV, SIGABRT, ...: where a crashed
 rank was, which the parent reads once it has died), joins the process group through the parent's TCP store,
-answers the parent's requests for its flight record from a thread (flight_recorder.py), then runs each function the parent sends and sends back ("ok", (pickled result, its class)) or ("error", (one line,
-traceback without this harness's frames)) until the parent sends None.
+answers the parent's requests for its flight record from a thread (flight_recorder.py), then runs
+each function the parent sends until the parent sends None. For each it sends ("loaded", None) once
+the function and its arguments are unpickled (their modules imported: the call's timeout starts
+there), then ("ok", (pickled result, its class)) or ("error", (one line, traceback without this
+harness's frames)); a function that cannot be unpickled gets the error alone.
 """
 
 from __future__ import annotations
@@ -140,7 +143,12 @@ def run_rank(rank, world_size, backend, store_port, conn, stack_writer, lifeline
             if entry not in sys.path:
                 sys.path.insert(0, entry)
         try:
-            fn, args = pickle.loads(payload)
+            fn, args = pickle.loads(payload)  # imports fn's module: not part of the call's timeout
+        except BaseException as exc:
+            conn.send(("error", (_one_line(exc), _format_exception(exc))))
+            continue
+        conn.send(("loaded", None))
+        try:
             result = fn(env, *args)
             kind = type(result)
             reply = ("ok", (pickle.dumps(result), f"{kind.__module__}.{kind.__qualname__}"))

@@ -39,6 +39,29 @@ def test_results_come_back_in_rank_order(start_method):
         (r, 3, "gloo", "cpu", 1, 12.0) for r in range(3)]
 
 
+SLOW_IMPORT = textwrap.dedent("""
+    import time
+    time.sleep(1.5)  # a heavy import, as a test file importing pytest on a busy machine
+
+
+    def rank_of(env):
+        return env.rank
+""")
+
+
+def test_the_timeout_starts_once_every_rank_has_imported_the_functions_module(tmp_path, monkeypatch):
+    """A rank imports the function's module when it unpickles the call; that is not the call: a
+    module that takes 1.5 s to import still runs a call whose timeout is 1 s."""
+    (tmp_path / "slow_to_import.py").write_text(SLOW_IMPORT)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import slow_to_import
+
+    try:
+        assert C.run(slow_to_import.rank_of, world_size=2, timeout=1) == [0, 1]
+    finally:
+        sys.modules.pop("slow_to_import", None)
+
+
 IMPORTED_WITH = os.environ.get("COLLECTIVES_TEST_SET_LATE")  # read as a rank imports this module
 
 
