@@ -7,6 +7,8 @@ through dist.all_reduce. Its bits against the Python path's: test_native.py's pr
     pytest tests/shm/test_direct.py -q
 """
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -109,12 +111,18 @@ def _behaviours(env):
     for name, call in calls.items():
         for wait_at_once in (True, False):
             work = call(not wait_at_once)
+            if not wait_at_once:  # the worker thread that completes it lingers before it is done with it,
+                work.get_future().then(_linger)  # so the next call finds it still running (the race)
             if work is not None:
                 work.wait()
             assert _last_entry(world)[0] == f"shm:{name}"
             ran_at_once[f"{name}, async_op={not wait_at_once}"] = _started_when_made(world)
     seen["ran at once"] = ran_at_once
     return seen
+
+
+def _linger(_future):
+    time.sleep(0.02)
 
 
 def _started_when_made(group) -> bool:
