@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import select
 import signal
-import sys
 import time
 from typing import Dict, List, Optional, Tuple
 
@@ -65,8 +64,7 @@ class FailureDiagnosis:
             return False
         try:
             payload = pickled(world_sequence_number, (), "the pool's check after a failure")
-            for conn in self._conns:
-                conn.send((payload, list(sys.path)))
+            self._send(payload)
             _, failures, _, _, pending = self._receive(IN_STEP_TIMEOUT_S, "loaded")
             if failures or pending:
                 return False

@@ -228,9 +228,14 @@ class RankPool(FailureDiagnosis):
         function's module (a test file that imports pytest, say) can take seconds on a busy
         machine, and is not part of the call: its timeout starts once every rank has loaded it."""
         __tracebackhide__ = True
+        self._send(payload)
+        self._collect(f"{what} (unpickling it)", load_timeout, expect="loaded")
+
+    def _send(self, payload: bytes) -> None:
+        """A pickled call to every rank, with this process's sys.path (so test modules resolve
+        there too); each answers "loaded", then "ok" or "error" (rank_main.py)."""
         for conn in self._conns:
             conn.send((payload, list(sys.path)))
-        self._collect(f"{what} (unpickling it)", load_timeout, expect="loaded")
 
     def _collect(self, what: str, timeout: float, expect: str) -> List[Any]:
         """Every rank's reply to `what` (status `expect`), in rank order; or RankFailure naming the
