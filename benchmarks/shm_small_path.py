@@ -33,7 +33,7 @@ import collectives.shm as shm
 from collectives import cli
 from collectives.shm import backend_of, new_group_with, ops
 
-from .sweep import parse_size, size_list
+from .sweep import check_sweep, parse_size, size_list
 
 
 def _group_with_limit(limit: int):
@@ -123,11 +123,9 @@ def build_parser():
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    cli.check_at_least(parser, args, {"--world-size": 2, "--rounds": 1, "--iters": 1, "--stepfactor": 2,
-                                      "--minbytes": 4})
+    cli.check_at_least(parser, args, {"--world-size": 2, "--rounds": 1, "--iters": 1, "--minbytes": 4})
+    check_sweep(args, parser)
     cli.check_outputs(parser, {"--json": args.json})
-    if args.maxbytes < args.minbytes:
-        parser.error(f"-e {args.maxbytes} is smaller than -b {args.minbytes}")
     sizes = size_list(args.minbytes, args.maxbytes, args.stepfactor, with_end=True)
     config = {"limits": list(dict.fromkeys(args.limits)), "sizes": sizes, "rounds": args.rounds, "iters": args.iters}
     result = collectives.run(measure, args.world_size, backend="gloo", args=(config,), timeout=3600)[0]

@@ -30,7 +30,8 @@ def test_a_short_run_gives_each_group_its_own_limit(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv, says", [
     (["--rounds", "0"], "--rounds must be at least 1"),
-    (["-b", "64K", "-e", "4K"], "is smaller than -b"),
+    (["-b", "64K", "-e", "4K"], "must be at least 1 and at most -e 4096"),
+    (["-f", "1"], "the step factor must be at least 2"),
     (["--limits", "lots"], "--limits"),
 ])
 def test_a_bad_flag_is_a_usage_error_naming_it(argv, says, capsys):
