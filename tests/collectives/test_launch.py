@@ -49,7 +49,8 @@ SLOW_IMPORT = textwrap.dedent("""
 """)
 
 
-def test_the_timeout_starts_once_every_rank_has_imported_the_functions_module(tmp_path, monkeypatch):
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_the_timeout_starts_once_every_rank_has_imported_the_functions_module(start_method, tmp_path, monkeypatch):
     """A rank imports the function's module when it unpickles the call; that is not the call: a
     module that takes 1.5 s to import still runs a call whose timeout is 1 s."""
     (tmp_path / "slow_to_import.py").write_text(SLOW_IMPORT)
@@ -57,7 +58,7 @@ def test_the_timeout_starts_once_every_rank_has_imported_the_functions_module(tm
     import slow_to_import
 
     try:
-        assert C.run(slow_to_import.rank_of, world_size=2, timeout=1) == [0, 1]
+        assert C.run(slow_to_import.rank_of, world_size=2, timeout=1, start_method=start_method) == [0, 1]
     finally:
         sys.modules.pop("slow_to_import", None)
 

@@ -111,9 +111,8 @@ def _behaviours(env):
     for name, call in calls.items():
         for wait_at_once in (True, False):
             work = call(not wait_at_once)
-            if not wait_at_once:  # the worker thread that completes it lingers before it is done with it,
-                work.get_future().then(_linger)  # so the next call finds it still running (the race)
-            if work is not None:
+            if work is not None:  # async: the worker thread that completes it lingers before it is
+                work.get_future().then(_linger)  # done with it, so the next call finds it still running (the race)
                 work.wait()
             assert _last_entry(world)[0] == f"shm:{name}"
             ran_at_once[f"{name}, async_op={not wait_at_once}"] = _started_when_made(world)
