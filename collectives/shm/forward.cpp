@@ -482,6 +482,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       })
       .def_property_readonly("round", [](Engine& e) { return e.ops().round; })
       .def_property_readonly("calls", [](Engine& e) { return e.ops().calls; })
-      .def_property_readonly("step", [](Engine& e) { return e.waiter().step; });
+      .def_property_readonly("step", [](Engine& e) { return e.waiter().step; })
+      .def_property_readonly("slept", [](Engine& e) { return e.waiter().slept.load(); })
+      .def_property_readonly("woken", [](Engine& e) { return e.waiter().woken.load(); });
   m.def("make_engine", &make_engine, py::arg("setup"), py::arg("make_error"));
 }

@@ -1,7 +1,8 @@
 """Sleeping on a word of the shared segment until another rank changes it: Linux's futex.
 
     if futex.AVAILABLE:
-        futex.wait(address, expected, timeout_s=1e-3)   # returns at once if the word is not `expected`
+        futex.wait(address, expected, timeout_s=1e-3)   # returns at once if the word is not `expected`;
+                                                         # True when a wake ended the sleep
         futex.wake(address)                             # every sleeper on the word
 
 `address` is the word's address in this process (`Segment.address(word)`); a futex on a shared
@@ -29,12 +30,13 @@ class _Timespec(ctypes.Structure):
     _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
 
 
-def wait(address: int, expected: int, timeout_s: float) -> None:
+def wait(address: int, expected: int, timeout_s: float) -> bool:
     """Sleep while the int32 at `address` is `expected`, at most timeout_s (a wake, a signal or a
-    spurious wake-up also end it: callers read the word again)."""
+    spurious wake-up also end it: callers read the word again). True when a wake ended it."""
     seconds = int(timeout_s)
     ts = _Timespec(seconds, int((timeout_s - seconds) * 1e9))
-    _libc.syscall(SYSCALL, ctypes.c_void_p(address), _WAIT, ctypes.c_int(expected), ctypes.byref(ts), None, 0)
+    return _libc.syscall(SYSCALL, ctypes.c_void_p(address), _WAIT, ctypes.c_int(expected), ctypes.byref(ts),
+                         None, 0) == 0
 
 
 def wake(address: int) -> None:

@@ -34,18 +34,19 @@ def create(store, rank: int, size: int, timeout: timedelta):
     return forward
 
 
-def new_group_with(settings: dict, ranks=None):
-    """dist.new_group(ranks, backend="shm") made with these environment settings (COLLECTIVES_SHM_*,
-    TORCH_FR_BUFFER_SIZE: a group reads them as it is made), the environment restored after.
-    Every rank calls it, as new_group.
+def new_group_with(settings: dict, ranks=None, timeout=None):
+    """dist.new_group(ranks, timeout, backend="shm") made with these environment settings
+    (COLLECTIVES_SHM_*, TORCH_FR_BUFFER_SIZE: a group reads them as it is made), the environment
+    restored after. Every rank calls it, as new_group.
 
         native = new_group_with({"COLLECTIVES_SHM_PATH": "native"})
         python = new_group_with({"COLLECTIVES_SHM_PATH": "python", "COLLECTIVES_SHM_WAIT": "spin"})
+        quick = new_group_with({}, timeout=timedelta(seconds=5))   # gives up on a late rank after 5 s
     """
     saved = {k: os.environ.get(k) for k in settings}
     os.environ.update({k: str(v) for k, v in settings.items()})
     try:
-        return dist.new_group(ranks, backend="shm")
+        return dist.new_group(ranks, timeout=timeout, backend="shm")
     finally:
         for k, v in saved.items():
             if v is None:

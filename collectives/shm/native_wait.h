@@ -66,11 +66,12 @@ inline double now_s() {
 inline int32_t load(volatile int32_t* w) { return __atomic_load_n(w, __ATOMIC_ACQUIRE); }
 inline void store(volatile int32_t* w, int32_t v) { __atomic_store_n(w, v, __ATOMIC_RELEASE); }
 
-inline void futex_wait(volatile int32_t* w, int32_t expected, double timeout_s) {
+// true when another thread's FUTEX_WAKE ended the sleep (not the timeout, a changed word or a signal)
+inline bool futex_wait(volatile int32_t* w, int32_t expected, double timeout_s) {
   struct timespec ts;
   ts.tv_sec = static_cast<time_t>(timeout_s);
   ts.tv_nsec = static_cast<long>((timeout_s - ts.tv_sec) * 1e9);
-  syscall(SYS_futex, const_cast<int32_t*>(w), FUTEX_WAIT, expected, &ts, nullptr, 0);
+  return syscall(SYS_futex, const_cast<int32_t*>(w), FUTEX_WAIT, expected, &ts, nullptr, 0) == 0;
 }
 
 inline void futex_wake(volatile int32_t* w) {
@@ -194,12 +195,18 @@ class Waiter {
   double spin_s;            // 0 while the caller computes (the worker thread's calls)
   bool read_machine = true; // stop spinning when the peer waited for a core (or, failing that, the machine is full)
   const std::atomic<int>* callers_waiting = nullptr;  // callers blocked in a Work's wait on this group
+  std::atomic<int64_t> slept{0}, woken{0};  // futex sleeps, and those a peer's wake ended (wait.py's Waiter.slept, .woken)
 
   void barrier() {
     ++step;
     store(w_.step(rank_), step);
-    if (strategy_ == FUTEX && anyone_sleeping()) {
-      futex_wake(w_.step(rank_));
+    if (strategy_ == FUTEX) {
+      // A full fence between storing the word and reading the flags. Without it the CPU may read the
+      // flags before the word is seen by the others (x86 lets a load pass an earlier store), so a
+      // peer could set its flag and sleep on the old word in between, unwoken until its timeout.
+      // The sleeper's side is fenced by the kernel, before FUTEX_WAIT reads the word.
+      std::atomic_thread_fence(std::memory_order_seq_cst);
+      if (anyone_sleeping()) futex_wake(w_.step(rank_));
     }
     wait_for(step);
   }
@@ -281,7 +288,8 @@ class Waiter {
       if (seen < s) {
         // say so first: the rank that writes the word wakes sleepers only
         store(w_.sleeping(rank_), 1);
-        futex_wait(w_.step(missing), seen, FAULT_CHECK_S);
+        ++slept;
+        if (futex_wait(w_.step(missing), seen, FAULT_CHECK_S)) ++woken;
         store(w_.sleeping(rank_), 0);
       }
     }

@@ -115,6 +115,15 @@ class ShmBackend:
         """Where this group's calls run: "native" (C++, forward.cpp's engine) or "python"."""
         return "native" if self._engine is not None else "python"
 
+    def sleeps(self) -> dict:
+        """How often this rank has slept in the kernel at a barrier of this group (futex waits,
+        COLLECTIVES_SHM_WAIT=futex), and how many of those sleeps a peer's wake ended rather than
+        the 50 ms fault-check timeout: {"slept": n, "woken": m}, both paths' waits together."""
+        slept, woken = self._waiter.slept, self._waiter.woken
+        if self._engine is not None:
+            slept, woken = slept + self._engine.slept, woken + self._engine.woken
+        return {"slept": slept, "woken": woken}
+
     def rank(self) -> int:
         return self._rank
 

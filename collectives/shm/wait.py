@@ -71,6 +71,7 @@ class Waiter:
         self.spin_s = self.spin_s_idle  # the process group sets 0 while its caller computes
         self.step = int(segment.steps[rank])
         self.what = ""  # the collective under way, for error messages
+        self.slept = self.woken = 0  # futex sleeps, and those a peer's wake ended (not the 50 ms timeout)
 
     # -- the barrier ------------------------------------------------------------------------------
     def barrier(self) -> None:
@@ -78,7 +79,9 @@ class Waiter:
         seg = self.segment
         self.step += 1
         seg.steps[self.rank] = self.step
-        if self.strategy == "futex" and any(seg.sleeping):  # the syscall only when someone sleeps
+        # the syscall only when someone sleeps (native_wait.h fences between this store and this read;
+        # Python has no fence to put here)
+        if self.strategy == "futex" and any(seg.sleeping):
             futex.wake(seg.address(STEP0 + self.rank))
         self.wait_for(self.step)
 
@@ -116,7 +119,8 @@ class Waiter:
                     # Say so first: the rank that writes the word wakes sleepers only. If it wrote
                     # in between, the kernel finds the word changed and does not sleep at all.
                     self.segment.sleeping[self.rank] = 1
-                    futex.wait(self.segment.address(STEP0 + missing), seen, FAULT_CHECK_S)
+                    self.slept += 1
+                    self.woken += futex.wait(self.segment.address(STEP0 + missing), seen, FAULT_CHECK_S)
                     self.segment.sleeping[self.rank] = 0
 
     # -- faults -----------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import sys
 import textwrap
 import time
 import warnings
+from datetime import timedelta
 
 import pytest
 import torch
@@ -222,6 +223,77 @@ def test_a_dead_peer_is_named_not_waited_for(path, monkeypatch):
     for r in (0, 2):  # each names rank 1: it saw the death itself, or the abort word the other left
         assert f"PeerFailure: all_reduce on rank {r}: rank 1 " in message, message
     assert shm.leftovers(ranks) == [], shm.leftovers(ranks)  # made by these ranks (other runs may be going on)
+
+
+def _late_for_a_collective(env, path):
+    """Ranks 0 and 2 give up on rank 1 at the group's 1 s timeout; rank 1 comes only after that.
+    Each rank makes a small all_reduce (one barrier) and one in a round (two), and then one on the
+    world group. What each call returned or raised, in that order."""
+    group = shm.new_group_with({"COLLECTIVES_SHM_PATH": path}, timeout=timedelta(seconds=1))
+    store = dist.distributed_c10d._get_default_store()
+    gave_up = "gave up on a collective {} {}"  # per path: the pool's store outlives a test
+    if env.rank == 1:
+        store.wait([gave_up.format(path, 0), gave_up.format(path, 2)])
+    said = []
+    for numel in (2, 1 << 16):
+        t = torch.full((numel,), float(env.rank + 1))
+        try:
+            dist.all_reduce(t, group=group)
+            said.append(t[0].item())
+        except Exception as exc:  # noqa: BLE001
+            said.append(str(exc))
+        if env.rank != 1 and numel == 2:
+            store.set(gave_up.format(path, env.rank), "1")
+    world = torch.ones(1)
+    dist.all_reduce(world)  # another group is not broken
+    return said + [world.item()]
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_rank_late_for_a_collective_is_named_at_the_timeout_and_raises_when_it_comes(dist_run, path):
+    """The ranks that wait name the late rank and the step at the group's timeout; the late rank,
+    whose peers are ahead, never waits, and must still raise instead of running the collective
+    alone: its small all_reduce (one barrier) would return a sum of the others' stale slots."""
+    said = dist_run(_late_for_a_collective, 3, backend="shm", args=(path,), timeout=120)
+    broken = ("all_reduce on rank {r}: rank 1 did not reach a collective within rank {q}'s timeout, which gave up "
+              "on it (a late rank breaks the group, as on Gloo), so this call cannot run: the group is broken, make a "
+              "new one")
+    for r, (small, in_a_round, world) in enumerate(said):
+        assert world == 3.0, said
+        if r == 1:
+            for text in (small, in_a_round):
+                assert any(broken.format(r=1, q=q) in str(text) for q in (0, 2)), said
+            continue
+        timed_out = re.compile(rf"all_reduce on rank {r}: rank 1 did not reach step \d+ within the 1 s timeout "
+                               r"\(is it in another collective, or stuck\?\)")
+        assert timed_out.search(str(small)) or any(broken.format(r=r, q=q) in str(small) for q in (0, 2)), said
+        assert any(broken.format(r=r, q=q) in str(in_a_round) for q in (0, 2)), said
+
+
+def _late_by_a_moment(env, path):
+    """Rank 1 comes to each of three small all_reduces 0.3 s after rank 0, which spins, yields and
+    then sleeps in the kernel on rank 1's word. This rank's sleeps during them, and how many a wake ended."""
+    group = shm.new_group_with({"COLLECTIVES_SHM_PATH": path, "COLLECTIVES_SHM_WAIT": "futex"})
+    before = backend_of(group).sleeps()
+    for _ in range(3):
+        if env.rank == 1:
+            time.sleep(0.3)
+        t = torch.full((2,), float(env.rank + 1))
+        dist.all_reduce(t, group=group)
+        assert t.tolist() == [3.0, 3.0]
+    after = backend_of(group).sleeps()
+    return {k: after[k] - before[k] for k in after}
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_rank_asleep_at_a_barrier_is_woken_by_the_peer_it_waits_for(dist_run, path):
+    """The rank that writes the word wakes the ranks asleep on it. Were the wake lost (the flag read
+    before the word is seen, or not read at all), each sleep would end only at its 50 ms fault-check
+    timeout: every call still right, each up to 50 ms late."""
+    early, late = dist_run(_late_by_a_moment, 2, backend="shm", args=(path,), timeout=120)
+    assert early["slept"] >= 3, early  # 0.3 s at 50 ms a sleep: several per call
+    assert early["woken"] >= 1, early  # nearly always 3: one per call
+    assert late["woken"] <= late["slept"], late
 
 
 LAUNCHER = textwrap.dedent("""
