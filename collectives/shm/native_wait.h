@@ -2,9 +2,10 @@
 // the Python path and a rank on the native path meet at the same barriers.
 //
 // Rank r announces step k by storing k in its own word, then waits until every rank's word is at
-// least k. How it waits (COLLECTIVES_SHM_WAIT): spin, yield, sleep (50 us), or futex: spin while
-// the machine has a core for every runnable thread, then yield for 2 ms, then sleep in the kernel
-// on the first missing rank's word until that rank writes it and wakes it.
+// least k (in the order of `behind`: the words wrap). How it waits (COLLECTIVES_SHM_WAIT): spin,
+// yield, sleep (50 us), or futex: spin while the machine has a core for every runnable thread, then
+// yield for 2 ms, then sleep in the kernel on the first missing rank's word until that rank writes
+// it and wakes it.
 //
 // "While ... a core": a waiting rank reads the machine while it spins, every 20 us. It stops
 // spinning (yields, then sleeps on the futex) once (a) /proc/loadavg has counted more runnable
@@ -61,6 +62,14 @@ constexpr int DIED = 0, FAILED = 1, LATE = 2;  // the ABORT_WHY word's values (w
 
 inline double now_s() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// The step counters are int32 words that wrap from INT32_MAX to INT32_MIN (a long job passes 2^31
+// barriers: hours of small calls back to back). The ranks are never 2^31 steps apart, so a rank is
+// behind a step when the 32-bit difference is negative (wait.py's after and behind).
+inline int32_t after(int32_t step) { return static_cast<int32_t>(static_cast<uint32_t>(step) + 1u); }
+inline bool behind(int32_t word, int32_t step) {
+  return static_cast<int32_t>(static_cast<uint32_t>(word) - static_cast<uint32_t>(step)) < 0;
 }
 
 inline int32_t load(volatile int32_t* w) { return __atomic_load_n(w, __ATOMIC_ACQUIRE); }
@@ -188,7 +197,7 @@ class Waiter {
       : w_(words), rank_(rank), size_(size), strategy_(strategy), timeout_s(timeout_s),
         spin_s_idle(spin_s_idle), spin_s(spin_s_idle) {}
 
-  int step = 0;             // this rank's last announced step (the segment's word, mirrored)
+  int32_t step = 0;         // this rank's last announced step (the segment's word, mirrored)
   std::string what;         // the collective under way, for the errors
   double timeout_s;
   double spin_s_idle;       // how long to spin when the caller waits anyway
@@ -198,7 +207,7 @@ class Waiter {
   std::atomic<int64_t> slept{0}, woken{0};  // futex sleeps, and those a peer's wake ended (wait.py's Waiter.slept, .woken)
 
   void barrier() {
-    ++step;
+    step = after(step);
     store(w_.step(rank_), step);
     if (strategy_ == FUTEX) {
       // A full fence between storing the word and reading the flags. Without it the CPU may read the
@@ -211,14 +220,14 @@ class Waiter {
     wait_for(step);
   }
 
-  int first_missing(int s) const {
+  int first_missing(int32_t s) const {
     for (int r = 0; r < size_; ++r) {
-      if (load(w_.step(r)) < s) return r;
+      if (behind(load(w_.step(r)), s)) return r;
     }
     return -1;
   }
 
-  void wait_for(int s) {
+  void wait_for(int32_t s) {
     int missing = first_missing(s);
     if (missing < 0) return;
     // a few reads first (a few microseconds): a peer that is already on its way arrives within them
@@ -285,7 +294,7 @@ class Waiter {
         continue;
       }
       const int32_t seen = load(w_.step(missing));
-      if (seen < s) {
+      if (behind(seen, s)) {
         // say so first: the rank that writes the word wakes sleepers only
         store(w_.sleeping(rank_), 1);
         ++slept;

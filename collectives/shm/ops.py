@@ -54,7 +54,7 @@ from ..reduce_ops import combine, local_reduce
 from . import cma
 from .config import ShmConfig
 from .segment import CALL_WORDS, Segment
-from .wait import PeerFailure, Waiter
+from .wait import PeerFailure, Waiter, behind
 
 SMALL_BYTES = 16 << 10
 SMALL_TOTAL_BYTES = 128 << 10
@@ -351,7 +351,7 @@ class ShmCollectives:
         try:
             self.meet()
         except PeerFailure as exc:
-            late = [q for q in range(self.size) if q != self.rank and self.segment.steps[q] < self.waiter.step]
+            late = [q for q in range(self.size) if q != self.rank and behind(int(self.segment.steps[q]), self.waiter.step)]
             if not late:
                 raise
             named = late if wait_all_ranks else late[:1]

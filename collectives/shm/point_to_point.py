@@ -26,7 +26,7 @@ import torch
 from ..errors import CollectiveMismatchError
 from .transport import ShmComm, Transfer
 from . import futex
-from .wait import FAULT_CHECK_S
+from .wait import FAULT_CHECK_S, ahead_by
 
 
 class PointToPoint:
@@ -70,7 +70,7 @@ class PointToPoint:
         comm, seg = self._comm, self._comm.segment
         for q in range(comm.size):
             k = q * comm.size + comm.rank
-            if q != comm.rank and int(seg.mail_sent[k]) > int(seg.mail_taken[k]) and not comm._queues.get(k):
+            if q != comm.rank and ahead_by(int(seg.mail_sent[k]), int(seg.mail_taken[k])) > 0 and not comm._queues.get(k):
                 return q
         return -1
 

@@ -28,7 +28,7 @@ from ..p2p import Comm, Message, process_workspace
 from ..dtypes import as_bytes
 from .segment import MAIL_SENT0, MAIL_TAKEN0
 from . import futex
-from .wait import FAULT_CHECK_S
+from .wait import FAULT_CHECK_S, after, ahead_by
 
 HEADER_BYTES = 8  # a point-to-point message's length in bytes (int64), ahead of its payload
 
@@ -90,22 +90,22 @@ class Transfer:
         while not self.finished:
             sent, taken = int(seg.mail_sent[k]), int(seg.mail_taken[k])
             if self.kind == "send":
-                if sent - taken >= 2:
+                if ahead_by(sent, taken) >= 2:
                     break
                 n = min(half_bytes, self.total - self.done)
                 half = sent % 2
                 self._put(box[half * half_bytes:half * half_bytes + n])
-                seg.mail_sent[k] = sent + 1
+                seg.mail_sent[k] = after(sent)  # int32 counts: they wrap (wait.py)
                 word = MAIL_SENT0 + k
             else:
-                if sent <= taken:
+                if ahead_by(sent, taken) <= 0:
                     break
                 half = taken % 2
                 if self.header and self.done == 0:  # the sender's length decides the pieces' sizes
                     self._read_header(box[half * half_bytes:half * half_bytes + HEADER_BYTES])
                 n = min(half_bytes, self.total - self.done)
                 self._take(box[half * half_bytes:half * half_bytes + n])
-                seg.mail_taken[k] = taken + 1
+                seg.mail_taken[k] = after(taken)
                 word = MAIL_TAKEN0 + k
             if futex.AVAILABLE:
                 futex.wake(seg.address(word))

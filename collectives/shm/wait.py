@@ -2,7 +2,7 @@
 
 The ranks meet at barriers: rank r announces step k by writing k into its own word (no other
 rank writes it, so no atomic operation is needed), then waits until every rank's word is at
-least k. How it waits is the question when ranks outnumber cores:
+least k (in the order of `behind`: the int32 words wrap after 2**31 steps). How it waits is the question when ranks outnumber cores:
 
     spin   re-read the words in a loop: fastest when every rank has a core, but a waiting rank
            burns its core, which the rank it waits for may need
@@ -49,6 +49,24 @@ YIELD_S = 2e-3
 STRATEGIES = WAIT_STRATEGIES  # the settings (config.py) read the same names
 
 DIED, FAILED, LATE = 0, 1, 2  # why a group was broken (the ABORT_WHY word)
+_HALF, _MASK = 1 << 31, (1 << 32) - 1
+
+
+def after(step: int) -> int:
+    """The step after `step`. The counters are int32 words, so they wrap from 2**31 - 1 to
+    -2**31: a long job passes 2**31 barriers (hours of small calls back to back)."""
+    return step + 1 if step < _HALF - 1 else -_HALF
+
+
+def behind(word: int, step: int) -> bool:
+    """Whether a rank whose counter reads `word` has not reached `step` yet, across the wrap: the
+    ranks are never 2**31 steps apart, so the sign of the 32-bit difference says it."""
+    return (word - step) & _MASK >= _HALF
+
+
+def ahead_by(a: int, b: int) -> int:
+    """a - b for two such counters, across the wrap (the mailboxes' sent and taken counts)."""
+    return ((a - b + _HALF) & _MASK) - _HALF
 class PeerFailure(CollectiveError):
     """A rank of the shared-memory group died or gave up while this rank waited for it."""
 
@@ -77,7 +95,7 @@ class Waiter:
     def barrier(self) -> None:
         """Announce the next step and wait until every rank has announced it."""
         seg = self.segment
-        self.step += 1
+        self.step = after(self.step)
         seg.steps[self.rank] = self.step
         # the syscall only when someone sleeps (native_wait.h fences between this store and this read;
         # Python has no fence to put here)
@@ -94,7 +112,7 @@ class Waiter:
         while True:
             missing = -1
             for r in range(len(steps)):
-                if steps[r] < step:
+                if (int(steps[r]) - step) & _MASK >= _HALF:  # behind(steps[r], step), inline: a spinning loop
                     missing = r
                     break
             if missing < 0:
@@ -115,7 +133,7 @@ class Waiter:
                 os.sched_yield()
             else:  # futex: sleep on the missing rank's word
                 seen = int(steps[missing])
-                if seen < step:
+                if behind(seen, step):
                     # Say so first: the rank that writes the word wakes sleepers only. If it wrote
                     # in between, the kernel finds the word changed and does not sleep at all.
                     self.segment.sleeping[self.rank] = 1

@@ -27,6 +27,7 @@ from collectives import shm
 from collectives.launcher.pool import RankPool
 from collectives.shm import backend_of
 from collectives.shm.ops import small_limit
+from collectives.shm.segment import Segment
 from collectives.testing import distributed
 
 from ..algorithms.reference import expected, inputs_for
@@ -294,6 +295,61 @@ def test_a_rank_asleep_at_a_barrier_is_woken_by_the_peer_it_waits_for(dist_run, 
     assert early["slept"] >= 3, early  # 0.3 s at 50 ms a sleep: several per call
     assert early["woken"] >= 1, early  # nearly always 3: one per call
     assert late["woken"] <= late["slept"], late
+
+
+def _across_the_wrap(env, path):
+    """A group whose barrier counters start 8 steps, and whose mailbox counts 4 messages, below the
+    int32 wrap (2**31), as they stand after hours of small calls: 8 small all_reduces that rank 1
+    comes to 30 ms late (the wrap falls in one of them: the rank that is there first must still
+    wait), then 8 rounds of a large all_reduce and a message from rank 0 to rank 1. What each left."""
+    original = Segment.create_or_attach.__func__
+
+    def near_the_wrap(cls, store, rank, size, *args, **kwargs):
+        seg = original(cls, store, rank, size, *args, **kwargs)
+        seg.steps[rank] = 2 ** 31 - 8  # each rank writes only its own words
+        for q in range(size):
+            seg.mail_sent[rank * size + q] = seg.mail_taken[q * size + rank] = 2 ** 31 - 4
+        return seg
+
+    Segment.create_or_attach = classmethod(near_the_wrap)
+    try:
+        group = shm.new_group_with({"COLLECTIVES_SHM_PATH": path})
+    finally:
+        Segment.create_or_attach = classmethod(original)
+    dist.barrier()  # every rank has set its words
+    small, large, messages = [], [], []
+    for i in range(8):
+        if env.rank == 1:
+            time.sleep(0.03)
+        t = torch.full((2,), float(env.rank + i))
+        dist.all_reduce(t, group=group)
+        small.append(t.tolist())
+    for i in range(8):
+        t = torch.full((1 << 16,), float(env.rank + i))
+        dist.all_reduce(t, group=group)
+        large.append(sorted(set(t.tolist())))
+        m = torch.full((3,), float(i)) if env.rank == 0 else torch.zeros(3)
+        if env.rank == 0:
+            dist.send(m, 1, group=group)
+        else:
+            dist.recv(m, 0, group=group)
+            messages.append(m.tolist())
+    return small, large, messages, backend_of(group)._segment.steps.tolist()
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_the_counters_wrap_after_two_to_the_31_steps_and_every_call_stays_right(dist_run, path):
+    """The barrier counters and mailbox counts are int32 words in the segment, so a long job's
+    wrap past 2**31 (a few hours of small calls back to back, days of DDP steps). Compared as
+    plain numbers, a rank at the step after the wrap finds every peer ahead of it and waits for
+    nobody: on the native path the rank there first ran ahead of the late one (a sum of stale slots,
+    or its next call's words read as a mismatch); the Python path raised OverflowError storing 2**31."""
+    for r, (small, large, messages, steps) in enumerate(dist_run(_across_the_wrap, 2, backend="shm", args=(path,),
+                                                                 timeout=120)):
+        assert small == [[2.0 * i + 1] * 2 for i in range(8)], (r, small)
+        assert large == [[2.0 * i + 1] for i in range(8)], (r, large)
+        assert messages == ([[float(i)] * 3 for i in range(8)] if r == 1 else []), (r, messages)
+        assert all(s < 0 for s in steps), (r, steps)  # it did wrap
 
 
 LAUNCHER = textwrap.dedent("""
