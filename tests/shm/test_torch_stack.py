@@ -1,7 +1,8 @@
 """torch's own stack on an shm group: the group has a name and torch finds it by it, DeviceMesh
 is built on it, the functional collectives and DTensor run on it, and torch's fully_shard
 trained on it is bitwise fully_shard trained on Gloo (2 ranks, nested units, several steps);
-our sharded steps run on it against fully_shard on it.
+our sharded steps run on it against fully_shard on it; and on the native path neither DDP's nor
+fully_shard's steps call into Python.
 
     pytest tests/shm/test_torch_stack.py -q
 """
@@ -142,3 +143,53 @@ def test_a_collective_issued_and_waited_in_a_callback_runs_in_the_same_order_on_
                                            timeout=60):
             assert (first, p, q, after) == ([total] * 2, [10.0 * total] * 3, [1000.0 * total] * 2,
                                             [100.0 * total] * 5), (large, first, p, q, after)
+
+
+# every ShmBackend method forward.cpp calls for a collective (its call("...") names)
+_PYTHON_METHODS = ("all_gather_single", "all_to_all_single", "allgather", "allgather_coalesced",
+                   "allgather_into_tensor_coalesced", "allreduce", "allreduce_coalesced", "alltoall", "barrier",
+                   "broadcast", "gather", "reduce", "reduce_scatter", "reduce_scatter_single",
+                   "reduce_scatter_tensor_coalesced", "scatter")
+
+
+def _calls_into_python(env):
+    """torch's DDP (several buckets) and fully_shard (nested units) train 3 steps each on a
+    native shm group whose Python methods count their calls (forward.cpp calls them for what the
+    native path does not take); then one non-contiguous all_reduce, which the native path hands
+    to Python. The calls counted in each, by method."""
+    import collections
+
+    from torch import nn
+
+    from collectives.shm import backend_of
+
+    group = dist.new_group(backend="shm")
+    torch.manual_seed(0)
+    ddp = nn.parallel.DistributedDataParallel(
+        nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10)),
+        process_group=group, bucket_cap_mb=0.1)  # about 3 buckets; made before counting (its shape check)
+    sharded = Nested()
+    mesh = DeviceMesh.from_group(group, "cpu")
+    for unit in (sharded[1][2], sharded[1], sharded):  # units inside units, as fully_shard's tests nest them
+        fully_shard(unit, mesh=mesh)
+    impl, seen = backend_of(group), collections.Counter()
+    for name in _PYTHON_METHODS:
+        original = getattr(impl, name)
+        setattr(impl, name, lambda *a, _original=original, _name=name, **k: (seen.update([_name]), _original(*a, **k))[1])
+    counted = {}
+    x = torch.randn(8, 64)
+    for what, model in (("ddp", ddp), ("fully_shard", sharded)):
+        for _ in range(3):
+            model(x if what == "ddp" else batch(0, env.rank, 4, image=12)[0]).sum().backward()
+        counted[what], seen = dict(seen), collections.Counter()
+    dist.all_reduce(torch.ones(4, 2)[:, 0], group=group)
+    counted["non-contiguous all_reduce"] = dict(seen)
+    return counted
+
+
+def test_ddp_and_fully_shard_never_call_into_python_on_the_native_path(dist_run):
+    """Every collective torch's DDP and fully_shard issue in their steps runs in C++. A call the
+    native path refused would still leave the right bits (the Python path is bitwise the same),
+    so only this count, or the benchmark, would show it."""
+    for rank, counted in enumerate(dist_run(_calls_into_python, 2, timeout=120)):
+        assert counted == {"ddp": {}, "fully_shard": {}, "non-contiguous all_reduce": {"allreduce": 1}}, (rank, counted)
