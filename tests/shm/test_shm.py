@@ -1,7 +1,8 @@
 """The shared-memory backend: registered with torch.distributed, right on every collective (also
 in many rounds through a tiny slot), no Gloo under any call, a dead peer named within the
-timeout, nothing left in /dev/shm however the ranks end, and torch's own DDP bitwise equal to
-torch's DDP on Gloo on 2 ranks.
+timeout, a late rank named at it, a sleeping rank woken by the peer it waits for, every call
+right across the counters' wrap past 2**31, nothing left in /dev/shm however the ranks end, and
+torch's own DDP bitwise equal to torch's DDP on Gloo on 2 ranks.
 
 The whole collectives suite runs on it too: COLLECTIVES_TEST_BACKEND=shm pytest tests/collectives
 
