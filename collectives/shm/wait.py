@@ -2,7 +2,8 @@
 
 The ranks meet at barriers: rank r announces step k by writing k into its own word (no other
 rank writes it, so no atomic operation is needed), then waits until every rank's word is at
-least k (in the order of `behind`: the int32 words wrap after 2**31 steps). How it waits is the question when ranks outnumber cores:
+least k (in the order of `behind`: the int32 words wrap after 2**31 steps). How it waits is the
+question when ranks outnumber cores:
 
     spin   re-read the words in a loop: fastest when every rank has a core, but a waiting rank
            burns its core, which the rank it waits for may need
@@ -58,15 +59,17 @@ def after(step: int) -> int:
     return step + 1 if step < _HALF - 1 else -_HALF
 
 
-def behind(word: int, step: int) -> bool:
-    """Whether a rank whose counter reads `word` has not reached `step` yet, across the wrap: the
-    ranks are never 2**31 steps apart, so the sign of the 32-bit difference says it."""
-    return (word - step) & _MASK >= _HALF
-
-
 def ahead_by(a: int, b: int) -> int:
-    """a - b for two such counters, across the wrap (the mailboxes' sent and taken counts)."""
+    """a - b for two such counters, across the wrap (the ranks' steps, the mailboxes' sent and
+    taken counts): they are never 2**31 apart, so the 32-bit difference says it."""
     return ((a - b + _HALF) & _MASK) - _HALF
+
+
+def behind(word: int, step: int) -> bool:
+    """Whether a rank whose counter reads `word` has not reached `step` yet, across the wrap."""
+    return ahead_by(word, step) < 0
+
+
 class PeerFailure(CollectiveError):
     """A rank of the shared-memory group died or gave up while this rank waited for it."""
 
@@ -112,7 +115,7 @@ class Waiter:
         while True:
             missing = -1
             for r in range(len(steps)):
-                if (int(steps[r]) - step) & _MASK >= _HALF:  # behind(steps[r], step), inline: a spinning loop
+                if ((int(steps[r]) - step) & _MASK) >= _HALF:  # behind(steps[r], step), inline: a spinning loop
                     missing = r
                     break
             if missing < 0:

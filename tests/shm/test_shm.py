@@ -302,7 +302,8 @@ def _across_the_wrap(env, path):
     """A group whose barrier counters start 8 steps, and whose mailbox counts 4 messages, below the
     int32 wrap (2**31), as they stand after hours of small calls: 8 small all_reduces that rank 1
     comes to 30 ms late (the wrap falls in one of them: the rank that is there first must still
-    wait), then 8 rounds of a large all_reduce and a message from rank 0 to rank 1. What each left."""
+    wait), then 8 rounds of a large all_reduce and a message from rank 0 to rank 1. What each left
+    (rank q gives q + i to call i)."""
     original = Segment.create_or_attach.__func__
 
     def near_the_wrap(cls, store, rank, size, *args, **kwargs):
@@ -332,23 +333,26 @@ def _across_the_wrap(env, path):
         m = torch.full((3,), float(i)) if env.rank == 0 else torch.zeros(3)
         if env.rank == 0:
             dist.send(m, 1, group=group)
-        else:
+        elif env.rank == 1:
             dist.recv(m, 0, group=group)
             messages.append(m.tolist())
     return small, large, messages, backend_of(group)._segment.steps.tolist()
 
 
+@pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("path", PATHS)
-def test_the_counters_wrap_after_two_to_the_31_steps_and_every_call_stays_right(dist_run, path):
+def test_the_counters_wrap_after_two_to_the_31_steps_and_every_call_stays_right(dist_run, path, world_size):
     """The barrier counters and mailbox counts are int32 words in the segment, so a long job's
     wrap past 2**31 (a few hours of small calls back to back, days of DDP steps). Compared as
     plain numbers, a rank at the step after the wrap finds every peer ahead of it and waits for
     nobody: on the native path the rank there first ran ahead of the late one (a sum of stale slots,
     or its next call's words read as a mismatch); the Python path raised OverflowError storing 2**31."""
-    for r, (small, large, messages, steps) in enumerate(dist_run(_across_the_wrap, 2, backend="shm", args=(path,),
+    p = world_size
+    for r, (small, large, messages, steps) in enumerate(dist_run(_across_the_wrap, p, backend="shm", args=(path,),
                                                                  timeout=120)):
-        assert small == [[2.0 * i + 1] * 2 for i in range(8)], (r, small)
-        assert large == [[2.0 * i + 1] for i in range(8)], (r, large)
+        total = [p * i + p * (p - 1) / 2 for i in range(8)]  # rank q gives q + i
+        assert small == [[t] * 2 for t in total], (r, small)
+        assert large == [[t] for t in total], (r, large)
         assert messages == ([[float(i)] * 3 for i in range(8)] if r == 1 else []), (r, messages)
         assert all(s < 0 for s in steps), (r, steps)  # it did wrap
 
