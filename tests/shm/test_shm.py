@@ -339,6 +339,88 @@ def _across_the_wrap(env, path):
     return small, large, messages, backend_of(group)._segment.steps.tolist()
 
 
+def _group_near_the_wrap(settings, below):
+    """An shm group (made with `settings`) whose barrier counters start `below` steps under 2**31."""
+    original = Segment.create_or_attach.__func__
+
+    def near_the_wrap(cls, store, rank, size, *args, **kwargs):
+        seg = original(cls, store, rank, size, *args, **kwargs)
+        seg.steps[rank] = 2 ** 31 - below  # each rank writes only its own word
+        return seg
+
+    Segment.create_or_attach = classmethod(near_the_wrap)
+    try:
+        return shm.new_group_with(settings)
+    finally:
+        Segment.create_or_attach = classmethod(original)
+
+
+WRAP_KINDS = ("broadcast", "reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "barrier")
+
+
+def _each_collective_across_the_wrap(env, path):
+    """For each collective but all_reduce (the test above takes it across), small and large: a
+    group whose counters start 4 steps below the wrap (the group's set-up takes 3), so the wrap
+    falls in its first call, then 4 calls more; rank 1 comes to each 20 ms late. Large calls go in
+    64 KiB rounds, 4 a call. What each call left, and the counters at the end."""
+    r, p = env.rank, env.world_size
+    left, steps = {}, {}
+    for kind in WRAP_KINDS:
+        for n in (2, 1 << 16):
+            group = _group_near_the_wrap({"COLLECTIVES_SHM_PATH": path, "COLLECTIVES_SHM_ROUND_KB": "64"}, below=4)
+            dist.barrier()  # every rank has set its words
+            got = []
+            for i in range(5):
+                if r == 1:
+                    time.sleep(0.02)
+                root = i % p
+                t = torch.full((n,), float(r + i))
+                if kind == "broadcast":
+                    dist.broadcast(t, src=root, group=group)
+                elif kind == "reduce":
+                    dist.reduce(t, dst=root, group=group)
+                    t = t if r == root else None  # the other ranks' tensors are not defined by torch
+                elif kind == "all_gather_into_tensor":
+                    out = torch.empty(p * n)
+                    dist.all_gather_into_tensor(out, t, group=group)
+                    t = out
+                elif kind == "reduce_scatter_tensor":
+                    # chunk j of rank q is q + i + 10 j: rank r gets sum_q (q + i) + 10 r p
+                    chunks = torch.cat([torch.full((n,), float(r + i + 10 * j)) for j in range(p)])
+                    dist.reduce_scatter_tensor(t, chunks, group=group)
+                else:
+                    dist.barrier(group=group)
+                    t = None
+                got.append(None if t is None else sorted(set(t.tolist())) if kind != "all_gather_into_tensor"
+                           else [sorted(set(t[q * n:(q + 1) * n].tolist())) for q in range(p)])
+            left[kind, n] = got
+            steps[kind, n] = backend_of(group)._segment.steps.tolist()
+            dist.destroy_process_group(group)
+    return left, steps
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("path", PATHS)
+def test_every_collective_crosses_the_counter_wrap_and_stays_right(dist_run, path, world_size):
+    """Broadcast, reduce, all_gather, reduce_scatter and barrier wait on the same counters as
+    all_reduce, but each through its own code (a root, a gather's slots, a scatter's pieces, rounds):
+    one of them comparing two steps as plain numbers would pass every test but this one."""
+    p = world_size
+    for r, (left, steps) in enumerate(dist_run(_each_collective_across_the_wrap, p, backend="shm", args=(path,),
+                                               timeout=120)):
+        for (kind, n), got in left.items():
+            want = []
+            for i in range(5):
+                root, total = i % p, p * i + p * (p - 1) / 2
+                want.append({"broadcast": [float(root + i)],
+                             "reduce": [total] if r == root else None,
+                             "all_gather_into_tensor": [[float(q + i)] for q in range(p)],
+                             "reduce_scatter_tensor": [total + 10.0 * r * p],
+                             "barrier": None}[kind])
+            assert got == want, (r, kind, n, got)
+            assert all(s < 0 for s in steps[kind, n]), (r, kind, n, steps[kind, n])  # it did wrap
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("path", PATHS)
 def test_the_counters_wrap_after_two_to_the_31_steps_and_every_call_stays_right(dist_run, path, world_size):
