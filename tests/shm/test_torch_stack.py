@@ -156,46 +156,93 @@ def _python_methods() -> list:
         return sorted(set(re.findall(r'\bcall\("(\w+)"', f.read())))
 
 
+def _ddp_configurations(group) -> dict:
+    """torch's DDP as users configure it on the CPU (each on about 3 buckets), by name: (DDP's
+    options, the comm hook to register after, or None)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+    def powersgd_hook(model):  # plain all_reduces for the first step, then P and Q all_reduced in each bucket
+        state = powersgd.PowerSGDState(process_group=group, matrix_approximation_rank=1, start_powerSGD_iter=2)
+        model.register_comm_hook(state, powersgd.powerSGD_hook)
+
+    return {"default": ({}, None), "gradient_as_bucket_view": ({"gradient_as_bucket_view": True}, None),
+            "find_unused_parameters": ({"find_unused_parameters": True}, None),  # and its int32 all_reduce
+            "static_graph": ({"static_graph": True}, None),
+            "powerSGD_hook": ({}, powersgd_hook),
+            "fp16_compress_hook": ({}, lambda model: model.register_comm_hook(group, default_hooks.fp16_compress_hook))}
+
+
+def _hooked(model, hook):
+    if hook is not None:
+        hook(model)
+    return model
+
+
 def _calls_into_python(env):
-    """torch's DDP (several buckets) and fully_shard (nested units) train 3 steps each on a
-    native shm group whose Python methods count their calls (forward.cpp calls them for what the
-    native path does not take); then one non-contiguous all_reduce, which the native path hands
-    to Python. The calls counted in each, by method."""
+    """torch's DDP in each configuration of _ddp_configurations, our bucketed DDP with PowerSGD,
+    and fully_shard (nested units) train 4 steps each on a native shm group whose Python methods
+    count their calls (forward.cpp calls them for what the native path does not take); then one
+    non-contiguous all_reduce, which the native path hands to Python. The calls counted, by
+    method: for each wrapper (in making it, in its steps), and for the all_reduce."""
     import collections
 
     from torch import nn
 
     from collectives.shm import backend_of
+    from ddp_from_scratch.wrap import wrap
+
+    def mlp():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
 
     group = dist.new_group(backend="shm")
-    torch.manual_seed(0)
-    ddp = nn.parallel.DistributedDataParallel(
-        nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10)),
-        process_group=group, bucket_cap_mb=0.1)  # about 3 buckets; made before counting (its shape check)
-    sharded = Nested()
-    mesh = DeviceMesh.from_group(group, "cpu")
-    for unit in (sharded[1][2], sharded[1], sharded):  # units inside units, as fully_shard's tests nest them
-        fully_shard(unit, mesh=mesh)
     impl, seen = backend_of(group), collections.Counter()
     names = _python_methods()
-    assert {"allreduce", "all_gather_single", "reduce_scatter_single"} <= set(names), names
+    assert {"allreduce", "allgather", "all_gather_single", "reduce_scatter_single"} <= set(names), names
     for name in names:
         original = getattr(impl, name)
         setattr(impl, name, lambda *a, _original=original, _name=name, **k: (seen.update([_name]), _original(*a, **k))[1])
-    counted = {}
-    x = torch.randn(8, 64)
-    for what, model in (("ddp", ddp), ("fully_shard", sharded)):
-        for _ in range(3):
-            model(x if what == "ddp" else batch(0, env.rank, 4, image=12)[0]).sum().backward()
-        counted[what], seen = dict(seen), collections.Counter()
+    makers = {f"ddp {name}": (lambda options=options, hook=hook: _hooked(
+        nn.parallel.DistributedDataParallel(mlp(), process_group=group, bucket_cap_mb=0.1, **options), hook))
+        for name, (options, hook) in _ddp_configurations(group).items()}
+    makers["ours bucketed powersgd"] = lambda: wrap(mlp(), "bucketed", group=group, bucket_cap_mb=0.1,
+                                                    compress="powersgd")
+    mesh = DeviceMesh.from_group(group, "cpu")
+
+    def nested():
+        sharded = Nested()
+        for unit in (sharded[1][2], sharded[1], sharded):  # units inside units, as fully_shard's tests nest them
+            fully_shard(unit, mesh=mesh)
+        return sharded
+
+    makers["fully_shard"] = nested
+    counted, x = {}, torch.randn(8, 64)
+    for what, make in makers.items():
+        seen.clear()
+        model = make()
+        made = dict(seen)
+        seen.clear()
+        for _ in range(4):
+            model(x if what != "fully_shard" else batch(0, env.rank, 4, image=12)[0]).sum().backward()
+        counted[what] = (made, dict(seen))
+    seen.clear()
     dist.all_reduce(torch.ones(4, 2)[:, 0], group=group)
     counted["non-contiguous all_reduce"] = dict(seen)
     return counted
 
 
-def test_ddp_and_fully_shard_never_call_into_python_on_the_native_path(dist_run):
-    """Every collective torch's DDP and fully_shard issue in their steps runs in C++. A call the
-    native path refused would still leave the right bits (the Python path is bitwise the same),
-    so only this count, or the benchmark, would show it."""
-    for rank, counted in enumerate(dist_run(_calls_into_python, 2, timeout=120)):
-        assert counted == {"ddp": {}, "fully_shard": {}, "non-contiguous all_reduce": {"allreduce": 1}}, (rank, counted)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ddp_and_fully_shard_never_call_into_python_on_the_native_path(dist_run, world_size):
+    """Every collective that torch's DDP (with each option and comm hook users reach on the CPU),
+    our DDP with PowerSGD and fully_shard issue in their steps runs in C++. A call the native path
+    refused would still leave the right bits (the Python path is bitwise the same), so only this
+    count, or the benchmark, would show it. Making torch's DDP checks the parameters' shapes with
+    one list all_gather, which goes to Python: once per DDP, not per step."""
+    for rank, counted in enumerate(dist_run(_calls_into_python, world_size, timeout=120)):
+        ddp = {what: made_and_steps for what, made_and_steps in counted.items() if what.startswith("ddp ")}
+        assert len(ddp) == 6 and all(v == ({"allgather": 1}, {}) for v in ddp.values()), (rank, ddp)
+        assert counted["ours bucketed powersgd"] == ({}, {}), (rank, counted)
+        assert counted["fully_shard"] == ({}, {}), (rank, counted)
+        assert counted["non-contiguous all_reduce"] == {"allreduce": 1}, (rank, counted)
+
