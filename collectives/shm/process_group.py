@@ -19,13 +19,11 @@ order they were issued (the same on every rank), and each returns at once with a
 that forward.cpp wraps in a Work, so DDP overlaps them with backward as it does with Gloo; small
 calls with nothing queued before them run at once in the calling thread, since the hand-off to
 the worker costs more than they do (on the native path, so does any call its caller waits for at
-once). How a group is made and found (create, new_group_with, backend_of): groups.py.
+once; call_queue.py). How a group is made and found (create, new_group_with, backend_of): groups.py.
 """
 
 from __future__ import annotations
 
-import queue
-import threading
 from datetime import timedelta
 from typing import Callable, List
 
@@ -33,8 +31,8 @@ import torch
 
 from .. import reduce_ops
 from ..dtypes import as_bytes
-from ..errors import CollectiveMismatchError
 from . import cma, layout
+from .call_queue import CallQueue
 from .config import ShmConfig
 from . import routing
 from .arguments import overlap, unwritable, wrong_devices, wrong_list, wrong_op, wrong_sizes, wrong_splits
@@ -75,9 +73,10 @@ def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-class ShmBackend:
+class ShmBackend(CallQueue):
     """One rank's side of an shm group: every method torch's Backend has, by the name forward.cpp
-    calls, each returning a torch Future."""
+    calls, each checking its arguments and handing its job to CallQueue._submit (call_queue.py),
+    which returns a torch Future."""
 
     def __init__(self, store, rank: int, size: int, timeout: timedelta):
         self._rank, self._size = rank, size
@@ -96,14 +95,7 @@ class ShmBackend:
         # costs nothing measurable (the native path records in C++), off on the Python path (+20%)
         self.recorder = Recorder.from_env(default=SHM_FR_ENTRIES if config.path == "native" else 0)
         self._engine = None  # the native path's engine (forward.cpp), once create() has made it
-        self._queue: "queue.Queue" = queue.Queue()
-        self._pending = 0
-        self._idle = threading.Condition()
-        self._worker_id = None
-        if config.path == "python":  # the native path's engine (create()) has its own thread
-            worker = threading.Thread(target=self._serve, daemon=True, name="shm-collectives")
-            worker.start()
-            self._worker_id = worker.ident
+        self._start_worker(python_path=config.path == "python")  # call_queue.py
 
     @property
     def round_bytes(self) -> int:
@@ -129,95 +121,6 @@ class ShmBackend:
 
     def size(self) -> int:
         return self._size
-
-    # -- the worker thread --------------------------------------------------------------------
-    def _serve(self) -> None:
-        while True:
-            job, fut, value = self._queue.get()
-            self._waiter.spin_s = 0.0  # the calling thread is computing (DDP's backward): do not take its core
-            self._run(job, fut, value)
-            with self._idle:
-                self._pending -= 1
-                self._idle.notify_all()
-
-    def _run(self, job: Callable[[], None], fut: torch.futures.Future, value) -> None:
-        """Run one collective; its error goes to whoever waits on the Work."""
-        self._ran(job, fut, value)()
-
-    def _ran(self, job: Callable[[], None], fut: torch.futures.Future, value) -> Callable[[], None]:
-        """Run one collective and return what settles its Future (which runs the Future's
-        callbacks, and the collectives they issue). Any error but a disagreement between the
-        ranks' calls (which every rank raised at the same barrier, so the group is still usable)
-        breaks the group on every rank (the abort word)."""
-        try:
-            job()
-            return lambda: fut.set_result(value)
-        except (CollectiveMismatchError, ShmArgumentError) as exc:  # every rank raised at one barrier
-            return lambda error=exc: fut.set_exception(error)  # bound now: `exc` is unbound after the clause
-        except BaseException as exc:  # noqa: BLE001
-            self._waiter.abort()
-            return lambda error=exc: fut.set_exception(error)
-
-    def _submit(self, op: str, job: Callable[[], None], value, nbytes: int = 0) -> torch.futures.Future:
-        """Run `job` (the collective torch calls `op`, as torchfrtrace names it in the flight
-        record) at once in this thread when nothing is queued and it is small, else on the worker
-        thread; a Future with `value` when it is done.
-
-        A call made by the worker thread itself comes from a callback of the Future it is
-        completing (`fut.then(...)`: torch's PowerSGD hook all-reduces P there, and waits): it runs
-        at once, before the calls queued behind. Queued, it would wait for the thread that waits
-        for it. Run at once, every rank runs a callback's collectives right after the call they
-        follow, whether that call ran in the caller or on the worker, so the ranks agree on the
-        order (Gloo's worker threads give no such order: docs/powersgd.md)."""
-        fut = torch.futures.Future()
-        if self.recorder is not None:  # the flight record (recorder.py): in torch's format
-            job = self._recorded(job, op, value)
-        if self._engine is not None:  # in the native engine's order, with its counters (forward.cpp)
-            shm, waiter = self._shm, self._waiter
-
-            def run(round_, calls, step, spin_s):
-                # the engine's counters in, the job, the counters back out; the engine settles the
-                # Future after it has them back, so a callback's collective (torch's PowerSGD hook)
-                # runs on the counters this call left, on either path
-                shm.round, shm.calls, waiter.step, waiter.spin_s = round_, calls, step, spin_s
-                settle = self._ran(job, fut, value)
-                return shm.round, shm.calls, waiter.step, settle
-            self._engine.submit_python(run, nbytes)
-            return fut
-        with self._idle:
-            nested = threading.get_ident() == self._worker_id
-            inline = nested or (self._pending == 0 and nbytes <= self.config.inline_bytes)
-            if not inline:
-                self._pending += 1
-        if inline:  # nothing queued before it: run it here, no thread hand-off (small calls' latency)
-            self._waiter.spin_s = self._waiter.spin_s_idle  # the caller waits anyway: spin a little first
-            self._run(job, fut, value)
-        else:
-            self._queue.put((job, fut, value))
-        return fut
-
-    def _refuse(self, kind: str, why: str) -> torch.futures.Future:
-        """A Work that raises ShmArgumentError naming the call, this rank and the argument, after
-        meeting the other ranks at the call's first barrier (none of them waits for this one)."""
-        reason = f"{kind} on rank {self.rank()} of the shm group: {why}; nothing was moved"
-        return self._submit(kind, lambda: self._shm.refuse(kind, reason), None)
-
-    def _recorded(self, job: Callable[[], None], op: str, tensors) -> Callable[[], None]:
-        entry = self.recorder.scheduled(op, tensors, tensors)
-
-        def run():
-            self.recorder.started(entry)
-            job()
-            self.recorder.completed(entry)
-        return run
-
-    def _drain(self) -> None:
-        """Until every call issued so far, collective or point-to-point, has finished."""
-        if self._engine is not None:
-            self._engine.drain()
-        with self._idle:
-            self._idle.wait_for(lambda: self._pending == 0)
-        self._p2p.drain()
 
     # -- in shared memory ----------------------------------------------------------------------
     def allreduce(self, tensors: List[torch.Tensor], opts=None):
