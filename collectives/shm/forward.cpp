@@ -232,6 +232,9 @@ class ForwardBackend : public c10d::Backend {
   }
   intrusive_ptr<Work> allgather(std::vector<std::vector<at::Tensor>>& out, std::vector<at::Tensor>& in,
                                 const c10d::AllgatherOptions& o) override {
+    if (out.size() == 1 && in.size() == 1)
+      if (auto w = native(c10d::OpType::ALLGATHER, [&](Engine& e) { return e.all_gather_list(out[0], in[0], caller_waits(o)); }))
+        return w;
     return call("allgather", c10d::OpType::ALLGATHER, out, in, o);
   }
   intrusive_ptr<Work> _allgather_base(at::Tensor& out, at::Tensor& in, const c10d::AllgatherOptions& o) override {
@@ -257,6 +260,10 @@ class ForwardBackend : public c10d::Backend {
   }
   intrusive_ptr<Work> reduce_scatter(std::vector<at::Tensor>& out, std::vector<std::vector<at::Tensor>>& in,
                                      const c10d::ReduceScatterOptions& o) override {
+    if (out.size() == 1 && in.size() == 1)
+      if (auto w = native(c10d::OpType::REDUCE_SCATTER,
+                          [&](Engine& e) { return e.reduce_scatter_list(out[0], in[0], o.reduceOp, caller_waits(o)); }))
+        return w;
     return call("reduce_scatter", c10d::OpType::REDUCE_SCATTER, out, in, o);
   }
   intrusive_ptr<Work> _reduce_scatter_base(at::Tensor& out, at::Tensor& in,
@@ -407,7 +414,7 @@ bool direct_all_reduce(const std::shared_ptr<Engine>& engine, const at::Tensor& 
 
 // A call the Python path runs, in the engine's order: run(round, calls, step, spin_s) runs the
 // job with the engine's counters and returns the counters it left and what settles its Future
-// (process_group.py: _submit), called once the counters are back.
+// (call_queue.py: _submit), called once the counters are back.
 void submit_python(Engine& engine, py::object run, int64_t nbytes) {
   auto holder = std::make_shared<PyHolder>(std::move(run));
   Engine* e = &engine;

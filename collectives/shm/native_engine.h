@@ -1,5 +1,5 @@
 // The native path's engine: one per shm group and rank. It runs the group's calls one after
-// another in the order they were issued (the same order on every rank), as process_group.py's
+// another in the order they were issued (the same order on every rank), as call_queue.py's
 // worker does: a small call, or one its caller waits for at once (async_op=False), with nothing
 // queued before it runs at once in the calling thread, a
 // call issued by the worker thread itself (a Future's callback, e.g. the PowerSGD hook) runs at
@@ -7,9 +7,9 @@
 // DDP's reducer overlaps it with backward. A call's Work waits on a torch Future.
 //
 // The calls the native path takes (native_paths.h) run here with no GIL; every other call (the
-// list forms, gather, scatter, all_to_all, monitored_barrier, non-contiguous tensors, the large
-// all_reduces that go by cross-memory attach, a refused call) is a task that runs the Python
-// method's job with the GIL, in the same queue, with the engine's counters handed to the Python
+// coalesced forms, a list form with several inputs, gather, scatter, all_to_all,
+// monitored_barrier, non-contiguous tensors, the large all_reduces that go by cross-memory
+// attach, a refused call) is a task that runs the Python method's job with the GIL, in the same queue, with the engine's counters handed to the Python
 // objects and back (forward.cpp builds those tasks), so both kinds keep one order and one state.
 
 #pragma once
@@ -200,6 +200,42 @@ class Engine {
       c.begin(setup_.kind_codes[K_REDUCE_SCATTER], "reduce_scatter", dtype_code(in), in.numel(), op);
       c.reduce_scatter(static_cast<char*>(out.data_ptr()), static_cast<const char*>(in.data_ptr()), in.numel(),
                        in.scalar_type(), in.element_size(), op);
+      if (avg) out.div_(setup_.size);
+    });
+  }
+
+  // The list forms (dist.all_gather, dist.reduce_scatter), as the Python path runs them: the
+  // tensor form on one joined buffer, copied out of it (or into it) in rank order.
+  FuturePtr all_gather_list(std::vector<at::Tensor>& outs, at::Tensor& in, bool caller_waits = false) {
+    if (!plain(in) || dtype_code(in) < 0 || static_cast<int>(outs.size()) != setup_.size) return nullptr;
+    for (const auto& o : outs)
+      if (!plain(o) || o.scalar_type() != in.scalar_type() || o.numel() != in.numel()) return nullptr;
+    std::vector<at::Tensor> ins{in};
+    return run(K_ALL_GATHER, ins, outs, setup_.size * in.nbytes(), caller_waits, [this, outs, in](Collectives& c) {
+      const int64_t n = in.numel();
+      at::Tensor joined = at::empty({setup_.size * n}, in.options());
+      c.begin(setup_.kind_codes[K_ALL_GATHER], "all_gather", dtype_code(in), n);
+      c.all_gather(static_cast<char*>(joined.data_ptr()), static_cast<const char*>(in.data_ptr()), n, in.element_size());
+      for (size_t q = 0; q < outs.size(); ++q) outs[q].view(-1).copy_(joined.narrow(0, static_cast<int64_t>(q) * n, n));
+    });
+  }
+
+  FuturePtr reduce_scatter_list(at::Tensor& out, std::vector<at::Tensor>& ins, const c10d::ReduceOp& rop,
+                                bool caller_waits = false) {
+    auto [op, avg] = op_of(rop);
+    if (!plain(out) || !reducible(op, out) || dtype_code(out) < 0 || static_cast<int>(ins.size()) != setup_.size ||
+        (avg && !out.is_floating_point() && !out.is_complex()))
+      return nullptr;
+    for (const auto& i : ins)
+      if (!plain(i) || i.scalar_type() != out.scalar_type() || i.numel() != out.numel()) return nullptr;
+    std::vector<at::Tensor> outs{out};
+    return run(K_REDUCE_SCATTER, ins, outs, out.nbytes(), caller_waits, [this, out, ins, op = op, avg = avg](Collectives& c) {
+      const int64_t n = out.numel();
+      at::Tensor joined = at::empty({setup_.size * n}, out.options());
+      for (size_t q = 0; q < ins.size(); ++q) joined.narrow(0, static_cast<int64_t>(q) * n, n).copy_(ins[q].view(-1));
+      c.begin(setup_.kind_codes[K_REDUCE_SCATTER], "reduce_scatter", dtype_code(out), joined.numel(), op);
+      c.reduce_scatter(static_cast<char*>(out.data_ptr()), static_cast<const char*>(joined.data_ptr()), joined.numel(),
+                       out.scalar_type(), out.element_size(), op);
       if (avg) out.div_(setup_.size);
     });
   }

@@ -16,6 +16,8 @@ native with odd ranks Python; the outputs must be equal byte for byte.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -38,8 +40,8 @@ ROUNDS_KB = ("auto", "1", "0.25", "0.25/auto", "1/3")
 # "direct all_reduce": collectives.shm.all_reduce, into the engine without torch's dispatch (direct.py);
 # on the Python path's group it is dist.all_reduce, so the mixed group meets both in one call
 COLLECTIVES = ("all_reduce", "direct all_reduce", "reduce", "broadcast", "all_gather_into_tensor",
-               "reduce_scatter_tensor", "barrier")
-REDUCING = ("all_reduce", "direct all_reduce", "reduce", "reduce_scatter_tensor")
+               "reduce_scatter_tensor", "all_gather", "reduce_scatter", "barrier")  # the last two: the list forms
+REDUCING = ("all_reduce", "direct all_reduce", "reduce", "reduce_scatter_tensor", "reduce_scatter")
 ONE_TENSOR = ("all_reduce", "direct all_reduce", "reduce", "broadcast")
 DTYPE_NAMES = [str(d).replace("torch.", "") for d in NATIVE_DTYPES]
 _groups: dict = {}
@@ -105,6 +107,15 @@ def _call(group, collective: str, x: torch.Tensor, op: str, root: int, noncontig
     elif collective == "all_gather_into_tensor":
         out = torch.empty(size * x.numel(), dtype=x.dtype)
         work = dist.all_gather_into_tensor(out, x, group=group, async_op=queued)
+    elif collective == "all_gather":  # one output per rank, shaped unlike the input: only the numel must match
+        outs = [torch.empty(x.numel(), 1, dtype=x.dtype) for _ in range(size)]
+        work = dist.all_gather(outs, x, group=group, async_op=queued)
+        if work is not None:
+            work.wait()
+        work, out = None, torch.cat([o.view(-1) for o in outs])
+    elif collective == "reduce_scatter":  # one input per rank, each its own tensor
+        out = torch.empty(x.numel() // size, dtype=x.dtype)
+        work = dist.reduce_scatter(out, [c.clone() for c in x.chunk(size)], op=rop, group=group, async_op=queued)
     else:
         out = torch.empty(x.numel() // size, dtype=x.dtype)
         work = dist.reduce_scatter_tensor(out, x, op=rop, group=group, async_op=queued)
@@ -120,7 +131,7 @@ def _same_on_every_variant(env, case):
     collective, dtype_name, op, numel, root, seed, noncontiguous, queued, round_kb = case
     dtype = getattr(torch, dtype_name)
     groups = _made(env.rank, queued, round_kb)
-    n = numel * env.world_size if collective == "reduce_scatter_tensor" else numel
+    n = numel * env.world_size if collective in ("reduce_scatter_tensor", "reduce_scatter") else numel
     x = _values(seed, env.rank, n, dtype, op)
     got = {variant: _call(g, collective, x, op, root % env.world_size, noncontiguous, queued)
            for variant, g in groups.items()}
@@ -135,7 +146,7 @@ def cases(draw):
     if collective in REDUCING:
         ops = [o for o in TORCH_OPS if _allowed(o, getattr(torch, dtype))]
         if not ops:  # float8: moved, never reduced
-            collective = draw(st.sampled_from(("broadcast", "all_gather_into_tensor")))
+            collective = draw(st.sampled_from(("broadcast", "all_gather_into_tensor", "all_gather")))
         else:
             op = draw(st.sampled_from(ops))
     itemsize = getattr(torch, dtype).itemsize
@@ -167,6 +178,8 @@ def _allowed(op: str, dtype: torch.dtype) -> bool:
 @example(case=("all_gather_into_tensor", "int32", "", 900, 0, 8, False, False, "1/3"))  # 3 regions in turn
 @example(case=("direct all_reduce", "float32", "sum", 2, 0, 9, False, False, "auto"))   # without torch's dispatch
 @example(case=("direct all_reduce", "bfloat16", "avg", 3000, 0, 10, False, True, "0.25"))  # queued, in rounds
+@example(case=("all_gather", "float16", "", 1500, 0, 11, False, True, "0.25"))         # the list form, in rounds
+@example(case=("reduce_scatter", "float32", "avg", 700, 0, 12, False, False, "auto"))  # the list form's division
 def test_the_native_path_leaves_the_python_paths_bits(world_size, case):
     for rank, same in enumerate(run_on_ranks(_same_on_every_variant, world_size, args=(case,), backend="gloo")):
         assert all(same.values()), f"rank {rank} of {world_size}, {case}: equal to the Python path's bytes: {same}"
@@ -229,6 +242,42 @@ def test_queued_calls_waited_in_any_order_run_in_the_order_issued(path, world_si
     for rank, ok in enumerate(run_on_ranks(_waited_in_any_order, world_size, args=(path, calls, orders, callback_at),
                                            backend="gloo", timeout=60)):
         assert all(ok), f"rank {rank} of {world_size}, {case}: the closed form held for {ok}"
+
+
+def _left_queued_after_a_wait(env, path):
+    """Up to 200 times: three queued all_reduces; this rank waits for the second (on the native
+    path the waiting thread runs the calls up to it itself, when the worker thread has not taken
+    them first: a race, so many times), then only watches the third. Nobody waits on that one,
+    so the worker thread must run it. The first time the third was not done 5 s after the second
+    (None: never; then it is waited for, so the group is left clean), and whether every sum was
+    right."""
+    group, p, r = _queued_group(path), env.world_size, env.rank
+    right = True
+    for attempt in range(200):
+        tensors = [torch.full((100,), float(r + 1 + i)) for i in range(3)]
+        works = [dist.all_reduce(t, group=group, async_op=True) for t in tensors]
+        works[1].wait()
+        start = time.perf_counter()
+        while not works[2].is_completed() and time.perf_counter() - start < 5:
+            time.sleep(0.0002)
+        stuck = not works[2].is_completed()
+        works[2].wait()
+        right = right and all(bool((t == p * (p + 1) / 2 + p * i).all()) for i, t in enumerate(tensors))
+        if stuck:
+            return attempt, right
+    return None, right
+
+
+@pytest.mark.parametrize("path", ["native", "python"])
+def test_a_queued_call_nobody_waits_for_still_runs(path):
+    """A Work that is polled, or whose Future only has callbacks (a comm hook's `then`), is never
+    waited on: its call runs only if the worker thread is woken for it, also after a waiting
+    caller ran the calls before it and left it queued. Without that wake it waits forever (the
+    property test above catches it only at its timeout, then again for each shrink)."""
+    for rank, (stuck_at, right) in enumerate(run_on_ranks(_left_queued_after_a_wait, 2, args=(path,),
+                                                          backend="gloo", timeout=60)):
+        assert stuck_at is None, f"rank {rank}, attempt {stuck_at}: the third all_reduce was not done 5 s after the second"
+        assert right, rank
 
 
 def _worker_nice_values(env):

@@ -182,9 +182,10 @@ def _hooked(model, hook):
 def _calls_into_python(env):
     """torch's DDP in each configuration of _ddp_configurations, our bucketed DDP with PowerSGD,
     and fully_shard (nested units) train 4 steps each on a native shm group whose Python methods
-    count their calls (forward.cpp calls them for what the native path does not take); then one
-    non-contiguous all_reduce, which the native path hands to Python. The calls counted, by
-    method: for each wrapper (in making it, in its steps), and for the all_reduce."""
+    count their calls (forward.cpp calls them for what the native path does not take); then the
+    list forms of all_gather and reduce_scatter, and one non-contiguous all_reduce (the native path
+    hands that one to Python). The calls counted, by method: for each wrapper (in making it, in
+    its steps), and for the calls after."""
     import collections
 
     from torch import nn
@@ -227,6 +228,11 @@ def _calls_into_python(env):
             model(x if what != "fully_shard" else batch(0, env.rank, 4, image=12)[0]).sum().backward()
         counted[what] = (made, dict(seen))
     seen.clear()
+    p = env.world_size
+    dist.all_gather([torch.empty(3) for _ in range(p)], torch.ones(3), group=group)
+    dist.reduce_scatter(torch.empty(3), [torch.ones(3) for _ in range(p)], group=group)
+    counted["list all_gather and reduce_scatter"] = dict(seen)
+    seen.clear()
     dist.all_reduce(torch.ones(4, 2)[:, 0], group=group)
     counted["non-contiguous all_reduce"] = dict(seen)
     return counted
@@ -237,12 +243,13 @@ def test_ddp_and_fully_shard_never_call_into_python_on_the_native_path(dist_run,
     """Every collective that torch's DDP (with each option and comm hook users reach on the CPU),
     our DDP with PowerSGD and fully_shard issue in their steps runs in C++. A call the native path
     refused would still leave the right bits (the Python path is bitwise the same), so only this
-    count, or the benchmark, would show it. Making torch's DDP checks the parameters' shapes with
-    one list all_gather, which goes to Python: once per DDP, not per step."""
+    count, or the benchmark, would show it. Making torch's DDP (its check of the parameters'
+    shapes, a list all_gather, and its broadcast of the module's state) runs in C++ too."""
     for rank, counted in enumerate(dist_run(_calls_into_python, world_size, timeout=120)):
         ddp = {what: made_and_steps for what, made_and_steps in counted.items() if what.startswith("ddp ")}
-        assert len(ddp) == 6 and all(v == ({"allgather": 1}, {}) for v in ddp.values()), (rank, ddp)
+        assert len(ddp) == 6 and all(v == ({}, {}) for v in ddp.values()), (rank, ddp)
         assert counted["ours bucketed powersgd"] == ({}, {}), (rank, counted)
         assert counted["fully_shard"] == ({}, {}), (rank, counted)
+        assert counted["list all_gather and reduce_scatter"] == {}, (rank, counted)
         assert counted["non-contiguous all_reduce"] == {"allreduce": 1}, (rank, counted)
 
