@@ -252,10 +252,16 @@ class ForwardBackend : public c10d::Backend {
   }
   intrusive_ptr<Work> gather(std::vector<std::vector<at::Tensor>>& out, std::vector<at::Tensor>& in,
                              const c10d::GatherOptions& o) override {
+    if (auto w = native(c10d::OpType::GATHER,
+                        [&](Engine& e) { return e.gather(out, in, static_cast<int>(o.rootRank), caller_waits(o)); }))
+      return w;
     return call("gather", c10d::OpType::GATHER, out, in, o);
   }
   intrusive_ptr<Work> scatter(std::vector<at::Tensor>& out, std::vector<std::vector<at::Tensor>>& in,
                               const c10d::ScatterOptions& o) override {
+    if (auto w = native(c10d::OpType::SCATTER,
+                        [&](Engine& e) { return e.scatter(out, in, static_cast<int>(o.rootRank), caller_waits(o)); }))
+      return w;
     return call("scatter", c10d::OpType::SCATTER, out, in, o);
   }
   intrusive_ptr<Work> reduce_scatter(std::vector<at::Tensor>& out, std::vector<std::vector<at::Tensor>>& in,
@@ -279,10 +285,15 @@ class ForwardBackend : public c10d::Backend {
   }
   intrusive_ptr<Work> alltoall_base(at::Tensor& out, at::Tensor& in, std::vector<int64_t>& out_splits,
                                     std::vector<int64_t>& in_splits, const c10d::AllToAllOptions& o) override {
+    if (auto w = native(c10d::OpType::ALLTOALL_BASE,
+                        [&](Engine& e) { return e.all_to_all_single(out, in, out_splits, in_splits, caller_waits(o)); }))
+      return w;
     return call("all_to_all_single", c10d::OpType::ALLTOALL_BASE, out, in, out_splits, in_splits, o);
   }
   intrusive_ptr<Work> alltoall(std::vector<at::Tensor>& out, std::vector<at::Tensor>& in,
                                const c10d::AllToAllOptions& o) override {
+    if (auto w = native(c10d::OpType::ALLTOALL, [&](Engine& e) { return e.all_to_all_list(out, in, caller_waits(o)); }))
+      return w;
     return call("alltoall", c10d::OpType::ALLTOALL, out, in, o);
   }
   intrusive_ptr<Work> send(std::vector<at::Tensor>& t, int dst, int tag) override {

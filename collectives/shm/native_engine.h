@@ -7,10 +7,11 @@
 // DDP's reducer overlaps it with backward. A call's Work waits on a torch Future.
 //
 // The calls the native path takes (native_paths.h) run here with no GIL; every other call (the
-// coalesced forms, a list form with several inputs, gather, scatter, all_to_all,
-// monitored_barrier, non-contiguous tensors, the large all_reduces that go by cross-memory
-// attach, a refused call) is a task that runs the Python method's job with the GIL, in the same queue, with the engine's counters handed to the Python
-// objects and back (forward.cpp builds those tasks), so both kinds keep one order and one state.
+// coalesced forms, a list form with several inputs, monitored_barrier, non-contiguous tensors,
+// the large all_reduces that go by cross-memory attach, a refused call) is a task that runs the
+// Python method's job with the GIL, in the same queue, with the engine's counters handed to the
+// Python objects and back (forward.cpp builds those tasks), so both kinds keep one order and one
+// state.
 
 #pragma once
 
@@ -53,9 +54,10 @@ struct Setup {  // what process_group.py hands the engine (native_setup.setup)
   int64_t recorder_entries = 0;  // the flight record's size (0: off)
 };
 
-enum Kind { K_BROADCAST = 0, K_ALL_REDUCE, K_REDUCE, K_ALL_GATHER, K_REDUCE_SCATTER, K_BARRIER };
+enum Kind { K_BROADCAST = 0, K_ALL_REDUCE, K_REDUCE, K_ALL_GATHER, K_REDUCE_SCATTER, K_BARRIER, K_GATHER, K_SCATTER, K_ALL_TO_ALL };
 inline const char* kind_name(int k) {
-  static const char* names[] = {"broadcast", "all_reduce", "reduce", "all_gather", "reduce_scatter", "barrier"};
+  static const char* names[] = {"broadcast", "all_reduce", "reduce", "all_gather", "reduce_scatter", "barrier",
+                                "gather", "scatter", "all_to_all"};
   return names[k];
 }
 
@@ -237,6 +239,102 @@ class Engine {
       c.reduce_scatter(static_cast<char*>(out.data_ptr()), static_cast<const char*>(joined.data_ptr()), joined.numel(),
                        out.scalar_type(), out.element_size(), op);
       if (avg) out.div_(setup_.size);
+    });
+  }
+
+  // gather, scatter, all_to_all (routing.py): on contiguous tensors of one dtype, the arguments
+  // as the Python path takes them (anything else goes there, which names what is wrong)
+  bool alike(const std::vector<at::Tensor>& ts, const at::Tensor& like, bool same_numel = true) const {
+    for (const auto& t : ts)
+      if (!plain(t) || t.scalar_type() != like.scalar_type() || (same_numel && t.numel() != like.numel())) return false;
+    return true;
+  }
+
+  FuturePtr gather(std::vector<std::vector<at::Tensor>>& out, std::vector<at::Tensor>& in, int root, bool caller_waits = false) {
+    if (in.size() != 1 || !plain(in[0]) || dtype_code(in[0]) < 0 || root < 0 || root >= setup_.size || out.size() > 1)
+      return nullptr;
+    std::vector<at::Tensor> outs = out.empty() ? std::vector<at::Tensor>{} : out[0];
+    if (setup_.rank == root ? (static_cast<int>(outs.size()) != setup_.size || !alike(outs, in[0])) : !outs.empty())
+      return nullptr;
+    at::Tensor t = in[0];
+    return run(K_GATHER, in, outs, t.nbytes(), caller_waits, [this, t, outs, root](Collectives& c) {
+      c.begin(setup_.kind_codes[K_GATHER], "gather", dtype_code(t), t.numel(), OP_NONE, root);
+      std::vector<char*> to;
+      for (const auto& o : outs) to.push_back(static_cast<char*>(o.data_ptr()));
+      c.gather(to, static_cast<const char*>(t.data_ptr()), t.nbytes(), root);
+    });
+  }
+
+  FuturePtr scatter(std::vector<at::Tensor>& out, std::vector<std::vector<at::Tensor>>& in, int root, bool caller_waits = false) {
+    if (out.size() != 1 || !plain(out[0]) || dtype_code(out[0]) < 0 || root < 0 || root >= setup_.size || in.size() > 1)
+      return nullptr;
+    std::vector<at::Tensor> ins = in.empty() ? std::vector<at::Tensor>{} : in[0];
+    if (setup_.rank == root ? (static_cast<int>(ins.size()) != setup_.size || !alike(ins, out[0])) : !ins.empty())
+      return nullptr;
+    at::Tensor t = out[0];
+    return run(K_SCATTER, ins, out, t.nbytes(), caller_waits, [this, t, ins, root](Collectives& c) {
+      c.begin(setup_.kind_codes[K_SCATTER], "scatter", dtype_code(t), t.numel(), OP_NONE, root);
+      std::vector<const char*> from;
+      for (const auto& i : ins) from.push_back(static_cast<const char*>(i.data_ptr()));
+      c.scatter(static_cast<char*>(t.data_ptr()), from, t.nbytes(), root);
+    });
+  }
+
+  // all_to_all_single: rows of `in` go to the ranks by in_splits (empty: evenly), rows of `out`
+  // come from them by out_splits
+  FuturePtr all_to_all_single(at::Tensor& out, at::Tensor& in, const std::vector<int64_t>& out_splits,
+                              const std::vector<int64_t>& in_splits, bool caller_waits = false) {
+    const int p = setup_.size;
+    if (!plain(out) || !plain(in) || out.scalar_type() != in.scalar_type() || dtype_code(in) < 0 || out.dim() == 0 ||
+        in.dim() == 0 || out.sizes().slice(1) != in.sizes().slice(1))
+      return nullptr;
+    std::vector<int64_t> expects, sends;
+    for (auto [t, splits, bytes] : {std::tuple<const at::Tensor*, const std::vector<int64_t>*, std::vector<int64_t>*>{
+                                        &out, &out_splits, &expects}, {&in, &in_splits, &sends}}) {
+      const int64_t rows = t->size(0), row_bytes = rows ? t->nbytes() / rows : 0;
+      if (splits->empty()) {
+        if (rows % p) return nullptr;
+        bytes->assign(p, rows / p * row_bytes);
+      } else {
+        if (static_cast<int>(splits->size()) != p) return nullptr;
+        int64_t sum = 0;
+        for (int64_t n : *splits) {
+          if (n < 0) return nullptr;
+          sum += n;
+          bytes->push_back(n * row_bytes);
+        }
+        if (sum != rows) return nullptr;
+      }
+    }
+    std::vector<at::Tensor> outs{out}, ins{in};
+    return run(K_ALL_TO_ALL, ins, outs, out.nbytes(), caller_waits, [this, out, in, expects, sends](Collectives& c) {
+      c.begin(setup_.kind_codes[K_ALL_TO_ALL], "all_to_all", -1, 0);
+      c.all_to_all(static_cast<char*>(out.data_ptr()), static_cast<const char*>(in.data_ptr()), expects, sends);
+    });
+  }
+
+  // all_to_all of tensor lists: through one joined buffer each way, as the Python path does
+  FuturePtr all_to_all_list(std::vector<at::Tensor>& outs, std::vector<at::Tensor>& ins, bool caller_waits = false) {
+    const int p = setup_.size;
+    if (static_cast<int>(outs.size()) != p || static_cast<int>(ins.size()) != p || dtype_code(ins[0]) < 0 ||
+        !alike(outs, ins[0], false) || !alike(ins, ins[0], false))
+      return nullptr;
+    std::vector<int64_t> expects, sends;
+    for (int q = 0; q < p; ++q) expects.push_back(outs[q].nbytes()), sends.push_back(ins[q].nbytes());
+    return run(K_ALL_TO_ALL, ins, outs, 0, caller_waits, [this, outs, ins, expects, sends](Collectives& c) {
+      std::vector<at::Tensor> flat_ins;
+      for (const auto& i : ins) flat_ins.push_back(i.view(-1).view(at::kByte));
+      at::Tensor joined_in = at::cat(flat_ins);
+      int64_t total = 0;
+      for (int64_t n : expects) total += n;
+      at::Tensor joined_out = at::empty({total}, joined_in.options());
+      c.begin(setup_.kind_codes[K_ALL_TO_ALL], "all_to_all", -1, 0);
+      c.all_to_all(static_cast<char*>(joined_out.data_ptr()), static_cast<const char*>(joined_in.data_ptr()), expects, sends);
+      int64_t at = 0;
+      for (size_t q = 0; q < outs.size(); ++q) {
+        outs[q].view(-1).view(at::kByte).copy_(joined_out.narrow(0, at, expects[q]));
+        at += expects[q];
+      }
     });
   }
 

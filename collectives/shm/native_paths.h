@@ -304,6 +304,76 @@ class Collectives {
     }
   }
 
+  // -- gather, scatter, all_to_all (routing.py), on bytes -----------------------------------------
+  // outs (on dst: one per rank) get every rank's `in`, round by round through its slot
+  void gather(const std::vector<char*>& outs, const char* in, int64_t nbytes, int dst) {
+    for (auto [a, b] : rounds(nbytes, 1)) {
+      const int h = next_round();
+      std::memcpy(slot(rank_, h), in + a, b - a);
+      meet();
+      if (rank_ == dst)
+        for (int q = 0; q < size_; ++q) std::memcpy(outs[q] + a, slot(q, h), b - a);
+    }
+  }
+
+  // out gets src's ins[rank]: src lays chunk q of every input side by side in its slot
+  void scatter(char* out, const std::vector<const char*>& ins, int64_t nbytes, int src) {
+    for (auto [a, b] : rounds(nbytes, 1, size_)) {
+      const int64_t k = b - a;
+      const int h = next_round();
+      if (rank_ == src)
+        for (int q = 0; q < size_; ++q) std::memcpy(slot(src, h) + q * k, ins[q] + a, k);
+      meet();
+      std::memcpy(out + a, slot(src, h) + rank_ * k, k);
+    }
+  }
+
+  // sends[q] bytes of `in` go to rank q, expects[q] bytes of `out` come from rank q (rank order).
+  // First every rank's counts, in one round: a send its receiver does not expect is an error on
+  // every rank before any data moves; then round by round, region q of this rank's slot carries
+  // the next piece for rank q.
+  void all_to_all(char* out, const char* in, const std::vector<int64_t>& expects, const std::vector<int64_t>& sends) {
+    const int p = size_, r = rank_;
+    int h = next_round();
+    auto* mine = reinterpret_cast<int64_t*>(slot(r, h));
+    for (int q = 0; q < p; ++q) mine[q] = sends[q], mine[p + q] = expects[q];
+    meet();
+    auto counts = [&](int q) { return reinterpret_cast<const int64_t*>(slot(q, h)); };
+    std::string pairs;
+    int wrong = 0;
+    int64_t largest = 0;
+    for (int q = 0; q < p; ++q) {
+      for (int d = 0; d < p; ++d) {
+        const int64_t sent = counts(q)[d], expected = counts(d)[p + q];
+        largest = std::max(largest, sent);
+        if (sent != expected && wrong++ < 4)
+          pairs += (pairs.empty() ? "" : "; ") + std::string("rank ") + std::to_string(q) + " sends " + std::to_string(sent) +
+                   " bytes to rank " + std::to_string(d) + ", which expects " + std::to_string(expected);
+      }
+    }
+    if (wrong)
+      throw NativeError(ErrorKind::Disagree, "all_to_all on rank " + std::to_string(r) +
+                                                 " of the shm group: the ranks' splits disagree (" + pairs +
+                                                 (wrong > 4 ? "; ..." : "") +
+                                                 "); none of them moved data, and the group is still usable");
+    std::vector<int64_t> in_at(p + 1, 0), out_at(p + 1, 0);
+    for (int q = 0; q < p; ++q) in_at[q + 1] = in_at[q] + sends[q], out_at[q + 1] = out_at[q] + expects[q];
+    const int64_t per = std::max<int64_t>(1, half_ / p);
+    for (auto [a, b] : rounds(largest, 1, p)) {
+      h = next_round();
+      char* mine_slot = slot(r, h);
+      for (int q = 0; q < p; ++q) {
+        const int64_t s = std::min(a, sends[q]), e = std::min(b, sends[q]);
+        if (e > s) std::memcpy(mine_slot + q * per, in + in_at[q] + s, e - s);
+      }
+      meet();
+      for (int q = 0; q < p; ++q) {
+        const int64_t s = std::min(a, expects[q]), e = std::min(b, expects[q]);
+        if (e > s) std::memcpy(out + out_at[q] + s, slot(q, h) + r * per, e - s);
+      }
+    }
+  }
+
   void barrier(int kind_code) {
     begin(kind_code, "barrier", -1, 0);
     next_round();

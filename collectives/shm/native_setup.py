@@ -22,7 +22,8 @@ from .ops import DTYPE_CODES, KINDS, OPS, ShmArgumentError, disagreement
 from .segment import ABORT, ABORT_SEEN_BY, ABORT_WHY, CALL0, CALL_WORDS, CONTROL_BYTES, PID0, SLEEP0, STEP0
 from .wait import SPIN_S_OWN_CORE, PeerFailure
 
-NATIVE_KINDS = ("broadcast", "all_reduce", "reduce", "all_gather", "reduce_scatter", "barrier")  # native_engine.h's order
+NATIVE_KINDS = ("broadcast", "all_reduce", "reduce", "all_gather", "reduce_scatter", "barrier", "gather", "scatter",
+                "all_to_all")  # native_engine.h's Kind order
 # the dtypes the native path moves, and (with an op) reduces; others take the Python path
 _REDUCED = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
             torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool)
@@ -70,10 +71,12 @@ def setup(impl) -> dict:
 def error_maker(rank: int, size: int):
     """make_error(kind, text, what, bank): the Python exception a failed native call raises, the
     Python path's own (kind 0: PeerFailure, 1: CollectiveMismatchError from every rank's call
-    words, 2: ShmArgumentError)."""
+    words, 2: ShmArgumentError, 3: CollectiveMismatchError with the engine's text)."""
     def make_error(kind: int, text: str, what: str, bank):
         if kind == 1:
             calls = [tuple(bank[4 * q:4 * q + 4]) for q in range(size)]
             return CollectiveMismatchError(disagreement(what, rank, calls))
+        if kind == 3:  # a disagreement the engine described itself (all_to_all's splits)
+            return CollectiveMismatchError(text)
         return ShmArgumentError(text) if kind == 2 else PeerFailure(text)
     return make_error

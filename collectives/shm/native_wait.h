@@ -50,7 +50,7 @@
 namespace shm_native {
 
 // Which Python exception a native error becomes (the classes the Python path raises).
-enum class ErrorKind { Peer, Mismatch, Argument };
+enum class ErrorKind { Peer, Mismatch, Argument, Disagree };  // Disagree: a mismatch described in its text
 
 struct NativeError : std::runtime_error {
   NativeError(ErrorKind k, const std::string& text) : std::runtime_error(text), kind(k) {}

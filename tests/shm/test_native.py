@@ -40,7 +40,10 @@ ROUNDS_KB = ("auto", "1", "0.25", "0.25/auto", "1/3")
 # "direct all_reduce": collectives.shm.all_reduce, into the engine without torch's dispatch (direct.py);
 # on the Python path's group it is dist.all_reduce, so the mixed group meets both in one call
 COLLECTIVES = ("all_reduce", "direct all_reduce", "reduce", "broadcast", "all_gather_into_tensor",
-               "reduce_scatter_tensor", "all_gather", "reduce_scatter", "barrier")  # the last two: the list forms
+               "reduce_scatter_tensor", "all_gather", "reduce_scatter",  # the last two: the list forms
+               "gather", "scatter", "all_to_all_single", "uneven all_to_all_single", "all_to_all", "barrier")
+MOVING = ("broadcast", "all_gather_into_tensor", "all_gather", "gather", "scatter", "all_to_all_single",
+          "uneven all_to_all_single", "all_to_all")  # no op: every dtype
 REDUCING = ("all_reduce", "direct all_reduce", "reduce", "reduce_scatter_tensor", "reduce_scatter")
 ONE_TENSOR = ("all_reduce", "direct all_reduce", "reduce", "broadcast")
 DTYPE_NAMES = [str(d).replace("torch.", "") for d in NATIVE_DTYPES]
@@ -116,6 +119,38 @@ def _call(group, collective: str, x: torch.Tensor, op: str, root: int, noncontig
     elif collective == "reduce_scatter":  # one input per rank, each its own tensor
         out = torch.empty(x.numel() // size, dtype=x.dtype)
         work = dist.reduce_scatter(out, [c.clone() for c in x.chunk(size)], op=rop, group=group, async_op=queued)
+    elif collective == "gather":  # rank q's x on the root, one tensor per rank; nothing elsewhere
+        me = dist.get_rank()
+        outs = [torch.empty_like(x) for _ in range(size)] if me == root else None
+        work = dist.gather(x, outs, dst=root, group=group, async_op=queued)
+        if work is not None:
+            work.wait()
+        work, out = None, torch.cat(outs) if outs is not None else None
+    elif collective == "scatter":  # the root's x, cut in one chunk per rank (even, or the last shorter)
+        me, k = dist.get_rank(), x.numel() // size
+        out = torch.empty(k, dtype=x.dtype)
+        chunks = [x[q * k:(q + 1) * k].clone() for q in range(size)] if me == root else None
+        work = dist.scatter(out, chunks, src=root, group=group, async_op=queued)
+    elif collective in ("all_to_all_single", "uneven all_to_all_single"):
+        per_rank = x.numel() // size if collective == "all_to_all_single" else x.numel()
+        rows = x.view(-1, 2) if per_rank % 2 == 0 else x.view(-1, 1)  # rows of 2 elements where they fit
+        if collective == "all_to_all_single":  # evenly: x is drawn as size x numel elements
+            out, sends, expects = torch.empty_like(rows), None, None
+        else:  # rank q sends table[q][d] rows to rank d; every rank computes the same table
+            n_rows, me = rows.shape[0], dist.get_group_rank(group, dist.get_rank())
+            table = [[(n_rows + 3 * q + 5 * d) % (n_rows // size + 1) for d in range(size - 1)] for q in range(size)]
+            table = [row + [n_rows - sum(row)] for row in table]  # the rest to the last rank: never negative
+            sends, expects = table[me], [table[q][me] for q in range(size)]
+            out = rows.new_empty((sum(expects),) + tuple(rows.shape[1:]))
+        work = dist.all_to_all_single(out, rows, expects, sends, group=group, async_op=queued)
+    elif collective == "all_to_all":  # the list form: rank r sends its chunk q (of uneven lengths) to rank q
+        lengths = [(x.numel() + q) // size for q in range(size)]  # every rank the same list
+        ins = list(x[:sum(lengths)].split(lengths))
+        outs = [torch.empty(lengths[dist.get_group_rank(group, dist.get_rank())], dtype=x.dtype) for _ in range(size)]
+        work = dist.all_to_all(outs, [t.clone() for t in ins], group=group, async_op=queued)
+        if work is not None:
+            work.wait()
+        work, out = None, torch.cat(outs)
     else:
         out = torch.empty(x.numel() // size, dtype=x.dtype)
         work = dist.reduce_scatter_tensor(out, x, op=rop, group=group, async_op=queued)
@@ -131,7 +166,8 @@ def _same_on_every_variant(env, case):
     collective, dtype_name, op, numel, root, seed, noncontiguous, queued, round_kb = case
     dtype = getattr(torch, dtype_name)
     groups = _made(env.rank, queued, round_kb)
-    n = numel * env.world_size if collective in ("reduce_scatter_tensor", "reduce_scatter") else numel
+    n = numel * env.world_size if collective in ("reduce_scatter_tensor", "reduce_scatter", "scatter",
+                                                 "all_to_all_single") else numel
     x = _values(seed, env.rank, n, dtype, op)
     got = {variant: _call(g, collective, x, op, root % env.world_size, noncontiguous, queued)
            for variant, g in groups.items()}
@@ -146,7 +182,7 @@ def cases(draw):
     if collective in REDUCING:
         ops = [o for o in TORCH_OPS if _allowed(o, getattr(torch, dtype))]
         if not ops:  # float8: moved, never reduced
-            collective = draw(st.sampled_from(("broadcast", "all_gather_into_tensor", "all_gather")))
+            collective = draw(st.sampled_from(MOVING))
         else:
             op = draw(st.sampled_from(ops))
     itemsize = getattr(torch, dtype).itemsize
@@ -180,6 +216,10 @@ def _allowed(op: str, dtype: torch.dtype) -> bool:
 @example(case=("direct all_reduce", "bfloat16", "avg", 3000, 0, 10, False, True, "0.25"))  # queued, in rounds
 @example(case=("all_gather", "float16", "", 1500, 0, 11, False, True, "0.25"))         # the list form, in rounds
 @example(case=("reduce_scatter", "float32", "avg", 700, 0, 12, False, False, "auto"))  # the list form's division
+@example(case=("gather", "int16", "", 1100, 1, 13, False, True, "0.25"))               # rounds to root 1
+@example(case=("scatter", "float64", "", 300, 2, 14, False, False, "1/3"))             # from root 2, regions in turn
+@example(case=("uneven all_to_all_single", "float32", "", 900, 0, 15, False, True, "0.25"))
+@example(case=("all_to_all", "bool", "", 37, 0, 16, False, False, "auto"))
 def test_the_native_path_leaves_the_python_paths_bits(world_size, case):
     for rank, same in enumerate(run_on_ranks(_same_on_every_variant, world_size, args=(case,), backend="gloo")):
         assert all(same.values()), f"rank {rank} of {world_size}, {case}: equal to the Python path's bytes: {same}"

@@ -188,11 +188,13 @@ def test_point_to_point_on_shm(dist_run):
     assert dist_run(_messages, 3, timeout=120) == [True] * 3
 
 
-def _refused(env):
+def _refused(env, path):
     """Wrong arguments: the rank that gave them raises naming them, the others raise naming the
     disagreement, nothing hangs, and the group works afterwards."""
+    from collectives.shm import new_group_with
+
     r, n = env.rank, env.world_size
-    group = dist.new_group(backend="shm")
+    group = new_group_with({"COLLECTIVES_SHM_PATH": path})
     said = []
     try:  # rank 0's gather_list is one tensor short
         dist.gather(torch.ones(2), [torch.empty(2)] * (n - 1) if r == 0 else None, dst=0, group=group)
@@ -214,8 +216,9 @@ def _refused(env):
     return said
 
 
-def test_wrong_routing_arguments_are_named_and_the_group_survives(dist_run):
-    for r, said in enumerate(dist_run(_refused, 3, timeout=60)):
+@pytest.mark.parametrize("path", PATHS)
+def test_wrong_routing_arguments_are_named_and_the_group_survives(dist_run, path):
+    for r, said in enumerate(dist_run(_refused, 3, args=(path,), timeout=60)):
         assert len(said) == 4, said
         if r == 0:
             assert "gather on rank 0 of the shm group: gather_list has 2 tensors; it must have one per rank (3)" \

@@ -183,8 +183,8 @@ def _calls_into_python(env):
     """torch's DDP in each configuration of _ddp_configurations, our bucketed DDP with PowerSGD,
     and fully_shard (nested units) train 4 steps each on a native shm group whose Python methods
     count their calls (forward.cpp calls them for what the native path does not take); then the
-    list forms of all_gather and reduce_scatter, and one non-contiguous all_reduce (the native path
-    hands that one to Python). The calls counted, by method: for each wrapper (in making it, in
+    list forms of all_gather and reduce_scatter, gather, scatter, all_to_all (even, uneven, of
+    lists), and one non-contiguous all_reduce (the native path hands that one to Python). The calls counted, by method: for each wrapper (in making it, in
     its steps), and for the calls after."""
     import collections
 
@@ -231,7 +231,14 @@ def _calls_into_python(env):
     p = env.world_size
     dist.all_gather([torch.empty(3) for _ in range(p)], torch.ones(3), group=group)
     dist.reduce_scatter(torch.empty(3), [torch.ones(3) for _ in range(p)], group=group)
-    counted["list all_gather and reduce_scatter"] = dict(seen)
+    dist.gather(torch.ones(3), [torch.empty(3) for _ in range(p)] if env.rank == 0 else None, dst=0, group=group)
+    dist.scatter(torch.empty(3), [torch.ones(3) for _ in range(p)] if env.rank == 1 else None, src=1, group=group)
+    dist.all_to_all_single(torch.empty(2 * p), torch.ones(2 * p), group=group)
+    r = env.rank  # every rank sends d + 1 rows to rank d
+    dist.all_to_all_single(torch.empty(p * (r + 1)), torch.ones(p * (p + 1) // 2), [r + 1] * p, list(range(1, p + 1)),
+                           group=group)
+    dist.all_to_all([torch.empty(2) for _ in range(p)], [torch.ones(2) for _ in range(p)], group=group)
+    counted["list forms, gather, scatter, all_to_all"] = dict(seen)
     seen.clear()
     dist.all_reduce(torch.ones(4, 2)[:, 0], group=group)
     counted["non-contiguous all_reduce"] = dict(seen)
@@ -250,6 +257,6 @@ def test_ddp_and_fully_shard_never_call_into_python_on_the_native_path(dist_run,
         assert len(ddp) == 6 and all(v == ({}, {}) for v in ddp.values()), (rank, ddp)
         assert counted["ours bucketed powersgd"] == ({}, {}), (rank, counted)
         assert counted["fully_shard"] == ({}, {}), (rank, counted)
-        assert counted["list all_gather and reduce_scatter"] == {}, (rank, counted)
+        assert counted["list forms, gather, scatter, all_to_all"] == {}, (rank, counted)
         assert counted["non-contiguous all_reduce"] == {"allreduce": 1}, (rank, counted)
 
