@@ -53,8 +53,10 @@ class PythonError : public std::runtime_error {
 // returns true when the future failed).
 class FutureWork : public Work {
  public:
-  FutureWork(intrusive_ptr<c10::ivalue::Future> fut, c10d::OpType type, std::shared_ptr<Engine> engine = nullptr)
-      : Work(-1, type), fut_(std::move(fut)), engine_(std::move(engine)) {}
+  // help_tag: the queued call a waiter runs the queue up to (Engine::help); by default this Work's own
+  FutureWork(intrusive_ptr<c10::ivalue::Future> fut, c10d::OpType type, std::shared_ptr<Engine> engine = nullptr,
+             const void* help_tag = nullptr)
+      : Work(-1, type), fut_(std::move(fut)), engine_(std::move(engine)), help_tag_(help_tag) {}
 
   bool isCompleted() override { return fut_->completed(); }
   bool isSuccess() const override { return fut_->completed() && !fut_->hasError(); }
@@ -62,7 +64,7 @@ class FutureWork : public Work {
     return fut_->completed() && fut_->hasError() ? fut_->exception_ptr() : nullptr;
   }
   bool wait(std::chrono::milliseconds /* timeout: the backend's own */) override {
-    wait_for(fut_, engine_.get());
+    wait_for(fut_, engine_.get(), help_tag_);
     return true;
   }
   intrusive_ptr<c10::ivalue::Future> getFuture() override { return fut_; }
@@ -70,14 +72,14 @@ class FutureWork : public Work {
   // Until `fut` has finished; rethrows its error. A native call's waiter: the engine's worker may
   // spin while someone waits for it, and a call still queued runs here (Engine::help) rather than
   // on the worker thread.
-  static void wait_for(const intrusive_ptr<c10::ivalue::Future>& fut, Engine* engine) {
+  static void wait_for(const intrusive_ptr<c10::ivalue::Future>& fut, Engine* engine, const void* help_tag = nullptr) {
     struct Waiting {
       std::atomic<int>* n;
       explicit Waiting(std::atomic<int>* c) : n(c) { if (n) n->fetch_add(1); }
       ~Waiting() { if (n) n->fetch_sub(1); }
     } waiting(engine && !fut->completed() ? &engine->callers_waiting() : nullptr);
     auto finish = [&] {
-      if (engine && !fut->completed()) engine->help(fut.get());
+      if (engine && !fut->completed()) engine->help(help_tag ? help_tag : fut.get());
       fut->wait();
     };
     if (PyGILState_Check()) {
@@ -104,6 +106,7 @@ class FutureWork : public Work {
  private:
   intrusive_ptr<c10::ivalue::Future> fut_;
   std::shared_ptr<Engine> engine_;
+  const void* help_tag_;
 };
 
 // Whether torch's caller waits for the call at once (dist.all_reduce(..., async_op=False) sets
@@ -153,6 +156,52 @@ class ForwardBackend : public c10d::Backend {
       fut = f(*engine_);
     }
     return fut ? c10::make_intrusive<FutureWork>(fut, type, engine_) : nullptr;
+  }
+
+  // The coalesced forms on the native path: each pair its own native call, in order, when the
+  // engine takes every pair (else null: the Python path, which does the same); one Work for them
+  // all, done when all are, failed with the first error in order, as call_queue.py's _coalesced.
+  template <typename Takes, typename Issue>
+  intrusive_ptr<Work> native_coalesced(c10d::OpType type, std::vector<at::Tensor>& outs, size_t n, Takes takes,
+                                       Issue issue) {
+    if (!engine_) {
+      return nullptr;
+    }
+    for (size_t i = 0; i < n; ++i) {
+      if (!takes(*engine_, i)) return nullptr;
+    }
+    std::vector<shm_native::FuturePtr> futs;
+    auto issue_all = [&] {
+      for (size_t i = 0; i < n; ++i) futs.push_back(issue(*engine_, i));
+    };
+    if (PyGILState_Check()) {
+      py::gil_scoped_release no_gil;
+      issue_all();
+    } else {
+      issue_all();
+    }
+    auto outer = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors());
+    std::vector<at::Tensor> value = outs;
+    if (futs.empty()) {
+      outer->markCompleted(c10::IValue(value));
+      return c10::make_intrusive<FutureWork>(outer, type);
+    }
+    auto left = std::make_shared<std::atomic<size_t>>(futs.size());
+    for (auto& f : futs) {
+      // each callback holds the others' Futures until the last one runs (a Future drops its
+      // callbacks once they have run)
+      f->addCallback([outer, left, futs, value](c10::ivalue::Future&) {
+        if (left->fetch_sub(1) != 1) return;
+        for (const auto& g : futs) {
+          if (g->hasError()) {
+            outer->setError(g->exception_ptr());
+            return;
+          }
+        }
+        outer->markCompleted(c10::IValue(value));
+      });
+    }
+    return c10::make_intrusive<FutureWork>(outer, type, engine_, futs.back().get());
   }
 
   // The error a finished Python Future carries as its value (set_exception), or none. Needs the GIL.
@@ -248,6 +297,11 @@ class ForwardBackend : public c10d::Backend {
   }
   intrusive_ptr<Work> allgather_into_tensor_coalesced(std::vector<at::Tensor>& out, std::vector<at::Tensor>& in,
                                                       const c10d::AllgatherOptions& o) override {
+    if (out.size() == in.size())
+      if (auto w = native_coalesced(
+              c10d::OpType::COALESCED, out, out.size(), [&](Engine& e, size_t i) { return e.takes_all_gather(out[i], in[i]); },
+              [&](Engine& e, size_t i) { return e.all_gather(out[i], in[i], false); }))
+        return w;
     return call("allgather_into_tensor_coalesced", c10d::OpType::COALESCED, out, in, o);
   }
   intrusive_ptr<Work> gather(std::vector<std::vector<at::Tensor>>& out, std::vector<at::Tensor>& in,
@@ -281,6 +335,12 @@ class ForwardBackend : public c10d::Backend {
   }
   intrusive_ptr<Work> reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& out, std::vector<at::Tensor>& in,
                                                       const c10d::ReduceScatterOptions& o) override {
+    if (out.size() == in.size())
+      if (auto w = native_coalesced(
+              c10d::OpType::COALESCED, out, out.size(),
+              [&](Engine& e, size_t i) { return e.takes_reduce_scatter(out[i], in[i], o.reduceOp); },
+              [&](Engine& e, size_t i) { return e.reduce_scatter(out[i], in[i], o.reduceOp, false); }))
+        return w;
     return call("reduce_scatter_tensor_coalesced", c10d::OpType::COALESCED, out, in, o);
   }
   intrusive_ptr<Work> alltoall_base(at::Tensor& out, at::Tensor& in, std::vector<int64_t>& out_splits,

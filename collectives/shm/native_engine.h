@@ -6,12 +6,12 @@
 // once before those queued behind it, and every other call is queued for the worker thread, so
 // DDP's reducer overlaps it with backward. A call's Work waits on a torch Future.
 //
-// The calls the native path takes (native_paths.h) run here with no GIL; every other call (the
-// coalesced forms, a list form with several inputs, monitored_barrier, non-contiguous tensors,
-// the large all_reduces that go by cross-memory attach, a refused call) is a task that runs the
-// Python method's job with the GIL, in the same queue, with the engine's counters handed to the
-// Python objects and back (forward.cpp builds those tasks), so both kinds keep one order and one
-// state.
+// The calls the native path takes (native_paths.h) run here with no GIL; every other call
+// (allreduce_coalesced, the coalesced list all_gather, a list form with several inputs,
+// monitored_barrier, non-contiguous tensors, the large all_reduces that go by cross-memory
+// attach, a refused call) is a task that runs the Python method's job with the GIL, in the same
+// queue, with the engine's counters handed to the Python objects and back (forward.cpp builds
+// those tasks), so both kinds keep one order and one state.
 
 #pragma once
 
@@ -179,10 +179,13 @@ class Engine {
     });
   }
 
+  bool takes_all_gather(const at::Tensor& out, const at::Tensor& in) const {
+    return plain(out) && plain(in) && out.scalar_type() == in.scalar_type() && dtype_code(in) >= 0 &&
+           out.numel() == setup_.size * in.numel();
+  }
+
   FuturePtr all_gather(at::Tensor& out, at::Tensor& in, bool caller_waits = false) {
-    if (!plain(out) || !plain(in) || out.scalar_type() != in.scalar_type() || dtype_code(in) < 0 ||
-        out.numel() != setup_.size * in.numel())
-      return nullptr;
+    if (!takes_all_gather(out, in)) return nullptr;
     std::vector<at::Tensor> outs{out}, ins{in};
     return run(K_ALL_GATHER, ins, outs, out.nbytes(), caller_waits, [this, out, in](Collectives& c) {
       c.begin(setup_.kind_codes[K_ALL_GATHER], "all_gather", dtype_code(in), in.numel());
@@ -191,12 +194,16 @@ class Engine {
     });
   }
 
-  FuturePtr reduce_scatter(at::Tensor& out, at::Tensor& in, const c10d::ReduceOp& rop, bool caller_waits = false) {
+  bool takes_reduce_scatter(const at::Tensor& out, const at::Tensor& in, const c10d::ReduceOp& rop) const {
     auto [op, avg] = op_of(rop);
-    if (!plain(out) || !plain(in) || out.scalar_type() != in.scalar_type() || !reducible(op, in) ||
-        dtype_code(in) < 0 || in.numel() != setup_.size * out.numel() || overlaps(out, in) ||
-        (avg && !in.is_floating_point() && !in.is_complex()))
-      return nullptr;
+    return plain(out) && plain(in) && out.scalar_type() == in.scalar_type() && reducible(op, in) &&
+           dtype_code(in) >= 0 && in.numel() == setup_.size * out.numel() && !overlaps(out, in) &&
+           (!avg || in.is_floating_point() || in.is_complex());
+  }
+
+  FuturePtr reduce_scatter(at::Tensor& out, at::Tensor& in, const c10d::ReduceOp& rop, bool caller_waits = false) {
+    if (!takes_reduce_scatter(out, in, rop)) return nullptr;
+    auto [op, avg] = op_of(rop);
     std::vector<at::Tensor> outs{out}, ins{in};
     return run(K_REDUCE_SCATTER, ins, outs, out.nbytes(), caller_waits, [this, out, in, op = op, avg = avg](Collectives& c) {
       c.begin(setup_.kind_codes[K_REDUCE_SCATTER], "reduce_scatter", dtype_code(in), in.numel(), op);

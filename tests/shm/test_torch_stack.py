@@ -184,7 +184,8 @@ def _calls_into_python(env):
     and fully_shard (nested units) train 4 steps each on a native shm group whose Python methods
     count their calls (forward.cpp calls them for what the native path does not take); then the
     list forms of all_gather and reduce_scatter, gather, scatter, all_to_all (even, uneven, of
-    lists), and one non-contiguous all_reduce (the native path hands that one to Python). The calls counted, by method: for each wrapper (in making it, in
+    lists), DTensor's redistributions and the functional collectives (coalesced all_gathers and
+    reduce_scatters), and one non-contiguous all_reduce (the native path hands that one to Python). The calls counted, by method: for each wrapper (in making it, in
     its steps), and for the calls after."""
     import collections
 
@@ -239,6 +240,12 @@ def _calls_into_python(env):
                            group=group)
     dist.all_to_all([torch.empty(2) for _ in range(p)], [torch.ones(2) for _ in range(p)], group=group)
     counted["list forms, gather, scatter, all_to_all"] = dict(seen)
+    seen.clear()  # DTensor's redistributions and the functional collectives: coalesced all_gathers on the CPU
+    whole = torch.arange(8.0 * p).reshape(2 * p, 4)
+    d = distribute_tensor(whole, mesh, [Shard(0)]).redistribute(mesh, [Shard(1)]).redistribute(mesh, [Replicate()])
+    assert torch.equal(d.to_local(), whole)
+    funcol.reduce_scatter_tensor(funcol.all_gather_tensor(whole, 0, group), "sum", 0, group).wait()
+    counted["DTensor and functional collectives"] = dict(seen)
     seen.clear()
     dist.all_reduce(torch.ones(4, 2)[:, 0], group=group)
     counted["non-contiguous all_reduce"] = dict(seen)
@@ -258,5 +265,6 @@ def test_ddp_and_fully_shard_never_call_into_python_on_the_native_path(dist_run,
         assert counted["ours bucketed powersgd"] == ({}, {}), (rank, counted)
         assert counted["fully_shard"] == ({}, {}), (rank, counted)
         assert counted["list forms, gather, scatter, all_to_all"] == {}, (rank, counted)
+        assert counted["DTensor and functional collectives"] == {}, (rank, counted)
         assert counted["non-contiguous all_reduce"] == {"allreduce": 1}, (rank, counted)
 
