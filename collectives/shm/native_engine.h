@@ -257,12 +257,20 @@ class Engine {
     return true;
   }
 
+  // gather's and scatter's arguments as the Python path takes them (_wrong_rooted): one tensor on
+  // every rank, and at the root a list of one like it per rank (*list), elsewhere no list
+  bool rooted(const std::vector<at::Tensor>& one, const std::vector<std::vector<at::Tensor>>& listed, int root,
+              std::vector<at::Tensor>* list) const {
+    if (one.size() != 1 || !plain(one[0]) || dtype_code(one[0]) < 0 || root < 0 || root >= setup_.size ||
+        listed.size() > 1)
+      return false;
+    *list = listed.empty() ? std::vector<at::Tensor>{} : listed[0];
+    return setup_.rank == root ? static_cast<int>(list->size()) == setup_.size && alike(*list, one[0]) : list->empty();
+  }
+
   FuturePtr gather(std::vector<std::vector<at::Tensor>>& out, std::vector<at::Tensor>& in, int root, bool caller_waits = false) {
-    if (in.size() != 1 || !plain(in[0]) || dtype_code(in[0]) < 0 || root < 0 || root >= setup_.size || out.size() > 1)
-      return nullptr;
-    std::vector<at::Tensor> outs = out.empty() ? std::vector<at::Tensor>{} : out[0];
-    if (setup_.rank == root ? (static_cast<int>(outs.size()) != setup_.size || !alike(outs, in[0])) : !outs.empty())
-      return nullptr;
+    std::vector<at::Tensor> outs;
+    if (!rooted(in, out, root, &outs)) return nullptr;
     at::Tensor t = in[0];
     return run(K_GATHER, in, outs, t.nbytes(), caller_waits, [this, t, outs, root](Collectives& c) {
       c.begin(setup_.kind_codes[K_GATHER], "gather", dtype_code(t), t.numel(), OP_NONE, root);
@@ -273,11 +281,8 @@ class Engine {
   }
 
   FuturePtr scatter(std::vector<at::Tensor>& out, std::vector<std::vector<at::Tensor>>& in, int root, bool caller_waits = false) {
-    if (out.size() != 1 || !plain(out[0]) || dtype_code(out[0]) < 0 || root < 0 || root >= setup_.size || in.size() > 1)
-      return nullptr;
-    std::vector<at::Tensor> ins = in.empty() ? std::vector<at::Tensor>{} : in[0];
-    if (setup_.rank == root ? (static_cast<int>(ins.size()) != setup_.size || !alike(ins, out[0])) : !ins.empty())
-      return nullptr;
+    std::vector<at::Tensor> ins;
+    if (!rooted(out, in, root, &ins)) return nullptr;
     at::Tensor t = out[0];
     return run(K_SCATTER, ins, out, t.nbytes(), caller_waits, [this, t, ins, root](Collectives& c) {
       c.begin(setup_.kind_codes[K_SCATTER], "scatter", dtype_code(t), t.numel(), OP_NONE, root);
