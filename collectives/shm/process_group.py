@@ -24,6 +24,7 @@ once; call_queue.py). How a group is made and found (create, new_group_with, bac
 
 from __future__ import annotations
 
+import threading
 from datetime import timedelta
 from typing import Callable, List
 
@@ -341,14 +342,29 @@ class ShmBackend(CallQueue):
         return self._coalesced(self.reduce_scatter_single, outputs, inputs, opts)
 
     def _coalesced(self, call, outputs, inputs, opts) -> torch.futures.Future:
-        """Each pair through `call`, in order; one Future for them all, with the first error."""
+        """Each pair through `call`, in order; one Future for them all, done when all are, with the
+        first error in order as it was raised (collect_all fails at the first error to come, and a
+        `then` callback's error reaches the caller as a RuntimeError)."""
         futs = [call(o, i, opts) for o, i in zip(outputs, inputs)]
+        outer, left, lock = torch.futures.Future(), [len(futs)], threading.Lock()
 
-        def finish(collected):
-            for f in collected.value():
-                f.value()  # raises its error
-            return outputs
-        return torch.futures.collect_all(futs).then(finish)
+        def one_done(_):
+            with lock:
+                left[0] -= 1
+                if left[0]:
+                    return
+            for f in futs:
+                try:
+                    f.value()
+                except BaseException as exc:  # noqa: BLE001 - the pair's own error, type and all
+                    outer.set_exception(exc)
+                    return
+            outer.set_result(outputs)
+        if not futs:
+            outer.set_result(outputs)
+        for f in futs:
+            f.add_done_callback(one_done)
+        return outer
 
     # -- barriers --------------------------------------------------------------------------------
     def monitored_barrier(self, opts=None, wait_all_ranks: bool = False):

@@ -225,6 +225,89 @@ def test_the_native_path_leaves_the_python_paths_bits(world_size, case):
         assert all(same.values()), f"rank {rank} of {world_size}, {case}: equal to the Python path's bytes: {same}"
 
 
+def _coalesced_on_every_variant(env, case):
+    """Several all_gathers or reduce_scatters in torch's coalescing manager (one
+    allgather_into_tensor_coalesced or reduce_scatter_tensor_coalesced call to the backend), on
+    the native, Python and mixed groups: whether each left the Python path's bytes. A pair with a
+    non-contiguous output sends the whole call to the Python path on a native rank."""
+    from collectives.compat import all_gather_single, reduce_scatter_single
+
+    kind, op, pairs, noncontiguous_at, round_kb, seed = case
+    p = env.world_size
+    got = {}
+    for variant, group in _made(env.rank, False, round_kb).items():
+        outs = []
+        with dist._coalescing_manager(group, async_ops=True) as cm:
+            for i, (dtype_name, numel) in enumerate(pairs):
+                dtype = getattr(torch, dtype_name)
+                x = _values(seed + i, env.rank, numel * (p if kind == "reduce_scatter" else 1), dtype, op)
+                n = numel * (p if kind == "all_gather" else 1)
+                out = torch.zeros(2 * n, dtype=dtype)[::2] if i == noncontiguous_at else torch.empty(n, dtype=dtype)
+                if kind == "all_gather":
+                    all_gather_single(out, x, group=group)
+                else:
+                    reduce_scatter_single(out, x, op=TORCH_OPS[op], group=group)
+                outs.append(out)
+        cm.wait()
+        got[variant] = [o.contiguous().view(torch.uint8) for o in outs]
+    return {variant: all(torch.equal(a, b) for a, b in zip(got["python"], outs)) for variant, outs in got.items()}
+
+
+@st.composite
+def coalesced_cases(draw):
+    kind = draw(st.sampled_from(["all_gather", "reduce_scatter"]))
+    op = draw(st.sampled_from(["sum", "avg", "max"])) if kind == "reduce_scatter" else ""
+    dtypes = ["float32", "float64", "bfloat16"] + (["int32", "bool"] if op != "avg" and kind == "all_gather" else [])
+    pairs = draw(st.lists(st.tuples(st.sampled_from(dtypes), st.integers(0, 1500)), min_size=1, max_size=4))
+    noncontiguous_at = draw(st.one_of(st.none(), st.integers(0, len(pairs) - 1)))
+    return kind, op, pairs, noncontiguous_at, draw(st.sampled_from(ROUNDS_KB)), draw(st.integers(0, 2 ** 16))
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@settings(max_examples=10, deadline=None)
+@given(case=coalesced_cases())
+@example(case=("all_gather", "", [("float32", 1000), ("bfloat16", 3), ("float64", 0)], None, "0.25", 1))
+@example(case=("reduce_scatter", "avg", [("float32", 700), ("float64", 5)], 1, "auto", 2))  # the Python path for all
+def test_coalesced_calls_leave_the_python_paths_bits(world_size, case):
+    """The coalesced forms (DTensor's redistributions and the functional collectives use them):
+    several pairs of mixed dtypes and sizes, one call a pair in order on either path."""
+    for rank, same in enumerate(run_on_ranks(_coalesced_on_every_variant, world_size, args=(case,), backend="gloo")):
+        assert all(same.values()), f"rank {rank} of {world_size}, {case}: equal to the Python path's bytes: {same}"
+
+
+def _coalesced_disagreeing(env):
+    """Three coalesced all_gathers, the second one element longer on rank 1, on each variant:
+    what each rank raised (type and text), and an all_reduce after."""
+    from collectives.compat import all_gather_single
+
+    said = {}
+    for variant, group in _made(env.rank, False).items():
+        try:
+            with dist._coalescing_manager(group, async_ops=True) as cm:
+                for i, n in enumerate((4, 3 + (env.rank == 1), 2)):
+                    all_gather_single(torch.empty(env.world_size * n), torch.ones(n), group=group)
+            cm.wait()
+            said[variant] = ("no error", "")
+        except Exception as exc:  # noqa: BLE001
+            said[variant] = (type(exc).__name__, str(exc))
+        t = torch.ones(1)
+        dist.all_reduce(t, group=group)
+        said[variant + " after"] = t.item()
+    return said
+
+
+def test_a_coalesced_call_that_disagrees_raises_the_mismatch_on_every_rank():
+    """The pair the ranks disagree on raises CollectiveMismatchError naming both calls, on every
+    rank and either path (a callback's error would reach the caller as a RuntimeError), and the
+    group still works."""
+    for rank, said in enumerate(run_on_ranks(_coalesced_disagreeing, 3, backend="gloo")):
+        for variant in ("native", "python", "mixed"):
+            kind, text = said[variant]
+            assert kind == "CollectiveMismatchError", (rank, variant, kind, text)
+            assert "rank 1: all_gather of 4 float32" in text and "all_gather of 3 float32" in text, (rank, variant, text)
+            assert said[variant + " after"] == 3.0, (rank, variant)
+
+
 # -- queued calls waited in any order -------------------------------------------------------------
 def _queued_group(path: str):
     if ("queued-only", path) not in _groups:  # every call queued for the worker thread (or run by its waiter)
