@@ -121,6 +121,12 @@ class Engine {
     const int st = static_cast<int>(t.scalar_type());
     return op > 0 && op < 8 && st >= 0 && st < 64 && setup_.reducible[op][st];
   }
+  // whether the native path reduces `t` with `rop` itself: a contiguous CPU tensor, an op it sums in
+  // the dtype, and avg only on floating or complex dtypes (an integer average is the Python path's)
+  bool reduces(const c10d::ReduceOp& rop, const at::Tensor& t) const {
+    auto [op, avg] = op_of(rop);
+    return plain(t) && reducible(op, t) && dtype_code(t) >= 0 && (!avg || t.is_floating_point() || t.is_complex());
+  }
   // ReduceOp -> (native op, avg); op 0 when the native path does not take it
   static std::pair<int, bool> op_of(const c10d::ReduceOp& r) {
     switch (r.op_) {
@@ -138,9 +144,7 @@ class Engine {
 
   FuturePtr all_reduce(std::vector<at::Tensor>& ts, const c10d::ReduceOp& rop, bool caller_waits = false) {
     auto [op, avg] = op_of(rop);
-    if (ts.size() != 1 || !plain(ts[0]) || !reducible(op, ts[0]) || dtype_code(ts[0]) < 0 ||
-        (avg && !ts[0].is_floating_point() && !ts[0].is_complex()))
-      return nullptr;
+    if (ts.size() != 1 || !reduces(rop, ts[0])) return nullptr;
     if (moves_nothing) {
       auto fut = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors());
       fut->markCompleted(c10::IValue(ts));
@@ -158,9 +162,7 @@ class Engine {
 
   FuturePtr reduce(std::vector<at::Tensor>& ts, const c10d::ReduceOp& rop, int root, bool caller_waits = false) {
     auto [op, avg] = op_of(rop);
-    if (ts.size() != 1 || !plain(ts[0]) || !reducible(op, ts[0]) || dtype_code(ts[0]) < 0 || root < 0 ||
-        root >= setup_.size || (avg && !ts[0].is_floating_point() && !ts[0].is_complex()))
-      return nullptr;
+    if (ts.size() != 1 || !reduces(rop, ts[0]) || root < 0 || root >= setup_.size) return nullptr;
     at::Tensor t = ts[0];
     return run(K_REDUCE, ts, ts, t.nbytes(), caller_waits, [this, t, op = op, avg = avg, root](Collectives& c) {
       const bool mine = setup_.rank == root;
@@ -195,10 +197,8 @@ class Engine {
   }
 
   bool takes_reduce_scatter(const at::Tensor& out, const at::Tensor& in, const c10d::ReduceOp& rop) const {
-    auto [op, avg] = op_of(rop);
-    return plain(out) && plain(in) && out.scalar_type() == in.scalar_type() && reducible(op, in) &&
-           dtype_code(in) >= 0 && in.numel() == setup_.size * out.numel() && !overlaps(out, in) &&
-           (!avg || in.is_floating_point() || in.is_complex());
+    return plain(out) && reduces(rop, in) && out.scalar_type() == in.scalar_type() &&
+           in.numel() == setup_.size * out.numel() && !overlaps(out, in);
   }
 
   FuturePtr reduce_scatter(at::Tensor& out, at::Tensor& in, const c10d::ReduceOp& rop, bool caller_waits = false) {
@@ -231,12 +231,8 @@ class Engine {
 
   FuturePtr reduce_scatter_list(at::Tensor& out, std::vector<at::Tensor>& ins, const c10d::ReduceOp& rop,
                                 bool caller_waits = false) {
+    if (!reduces(rop, out) || static_cast<int>(ins.size()) != setup_.size || !alike(ins, out)) return nullptr;
     auto [op, avg] = op_of(rop);
-    if (!plain(out) || !reducible(op, out) || dtype_code(out) < 0 || static_cast<int>(ins.size()) != setup_.size ||
-        (avg && !out.is_floating_point() && !out.is_complex()))
-      return nullptr;
-    for (const auto& i : ins)
-      if (!plain(i) || i.scalar_type() != out.scalar_type() || i.numel() != out.numel()) return nullptr;
     std::vector<at::Tensor> outs{out};
     return run(K_REDUCE_SCATTER, ins, outs, out.nbytes(), caller_waits, [this, out, ins, op = op, avg = avg](Collectives& c) {
       const int64_t n = out.numel();
