@@ -355,14 +355,15 @@ def _group_near_the_wrap(settings, below):
         Segment.create_or_attach = classmethod(original)
 
 
-WRAP_KINDS = ("broadcast", "reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "barrier")
+WRAP_KINDS = ("broadcast", "reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "gather", "scatter",
+              "all_to_all_single", "barrier")
 
 
 def _each_collective_across_the_wrap(env, path):
     """For each collective but all_reduce (the test above takes it across), small and large: a
     group whose counters start 4 steps below the wrap (the group's set-up takes 3), so the wrap
     falls in its first call, then 4 calls more; rank 1 comes to each 20 ms late. Large calls go in
-    64 KiB rounds, 4 a call. What each call left, and the counters at the end."""
+    64 KiB rounds, several a call. What each call left, and the counters at the end."""
     r, p = env.rank, env.world_size
     left, steps = {}, {}
     for kind in WRAP_KINDS:
@@ -384,6 +385,17 @@ def _each_collective_across_the_wrap(env, path):
                     out = torch.empty(p * n)
                     dist.all_gather_into_tensor(out, t, group=group)
                     t = out
+                elif kind == "gather":  # every rank's tensor on the root, one per rank
+                    outs = [torch.empty(n) for _ in range(p)] if r == root else None
+                    dist.gather(t, outs, dst=root, group=group)
+                    t = torch.cat(outs) if outs is not None else None
+                elif kind in ("scatter", "all_to_all_single"):  # chunk j of rank q is q + i + 10 j, to rank j
+                    chunks = torch.cat([torch.full((n,), float(r + i + 10 * j)) for j in range(p)])
+                    if kind == "scatter":
+                        dist.scatter(t, list(chunks.chunk(p)) if r == root else None, src=root, group=group)
+                    else:
+                        t = torch.empty(p * n)
+                        dist.all_to_all_single(t, chunks, group=group)
                 elif kind == "reduce_scatter_tensor":
                     # chunk j of rank q is q + i + 10 j: rank r gets sum_q (q + i) + 10 r p
                     chunks = torch.cat([torch.full((n,), float(r + i + 10 * j)) for j in range(p)])
@@ -391,8 +403,9 @@ def _each_collective_across_the_wrap(env, path):
                 else:
                     dist.barrier(group=group)
                     t = None
-                got.append(None if t is None else sorted(set(t.tolist())) if kind != "all_gather_into_tensor"
-                           else [sorted(set(t[q * n:(q + 1) * n].tolist())) for q in range(p)])
+                by_rank = kind in ("all_gather_into_tensor", "gather", "all_to_all_single")  # a part per rank
+                got.append(None if t is None else [sorted(set(t[q * n:(q + 1) * n].tolist())) for q in range(p)]
+                           if by_rank else sorted(set(t.tolist())))
             left[kind, n] = got
             steps[kind, n] = backend_of(group)._segment.steps.tolist()
             dist.destroy_process_group(group)
@@ -402,8 +415,9 @@ def _each_collective_across_the_wrap(env, path):
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("path", PATHS)
 def test_every_collective_crosses_the_counter_wrap_and_stays_right(dist_run, path, world_size):
-    """Broadcast, reduce, all_gather, reduce_scatter and barrier wait on the same counters as
-    all_reduce, but each through its own code (a root, a gather's slots, a scatter's pieces, rounds):
+    """Broadcast, reduce, all_gather, reduce_scatter, gather, scatter, all_to_all and barrier wait
+    on the same counters as all_reduce, but each through its own code (a root, a gather's slots, a
+    scatter's pieces, all_to_all's count table and its regions, rounds):
     one of them comparing two steps as plain numbers would pass every test but this one."""
     p = world_size
     for r, (left, steps) in enumerate(dist_run(_each_collective_across_the_wrap, p, backend="shm", args=(path,),
@@ -415,6 +429,9 @@ def test_every_collective_crosses_the_counter_wrap_and_stays_right(dist_run, pat
                 want.append({"broadcast": [float(root + i)],
                              "reduce": [total] if r == root else None,
                              "all_gather_into_tensor": [[float(q + i)] for q in range(p)],
+                             "gather": [[float(q + i)] for q in range(p)] if r == root else None,
+                             "scatter": [float(root + i + 10 * r)],
+                             "all_to_all_single": [[float(q + i + 10 * r)] for q in range(p)],
                              "reduce_scatter_tensor": [total + 10.0 * r * p],
                              "barrier": None}[kind])
             assert got == want, (r, kind, n, got)
