@@ -307,13 +307,27 @@ def _op(entry: dict) -> str:
     return entry["profiling_name"].split(":")[-1].split(" ")[0]
 
 
+def _agreed(entry: dict) -> tuple:
+    """The sizes and dtypes every rank of a call gives alike: the inputs, except where ranks
+    rightly differ. scatter: only the source has inputs, so the outputs. all_to_all: uneven
+    splits give each rank its own sizes, so the dtypes alone."""
+    op = _op(entry)
+    if op == "scatter":
+        return entry.get("output_sizes", []), entry.get("output_dtypes", [])
+    if op == "all_to_all":
+        return None, entry["input_dtypes"]
+    return entry["input_sizes"], entry["input_dtypes"]
+
+
 def _signature(entry: dict) -> tuple:
-    return _op(entry), tuple(map(tuple, entry["input_sizes"])), tuple(entry["input_dtypes"])
+    sizes, dtypes = _agreed(entry)
+    return _op(entry), None if sizes is None else tuple(map(tuple, sizes)), tuple(dtypes)
 
 
 def _describe(entry: dict) -> str:
-    sizes = ", ".join("x".join(map(str, s)) or "scalar" for s in entry["input_sizes"])
-    return f"{_op(entry)}({sizes} {'/'.join(entry['input_dtypes'])})"
+    sizes, dtypes = _agreed(entry)
+    shown = ", ".join("x".join(map(str, s)) or "scalar" for s in (entry["input_sizes"] if sizes is None else sizes))
+    return f"{_op(entry)}({shown} {'/'.join(dtypes)})"
 
 
 def _completed(record: dict, entry: dict) -> bool:

@@ -68,9 +68,9 @@ class CallQueue:
             self._waiter.abort()
             return lambda error=exc: fut.set_exception(error)
 
-    def _submit(self, op: str, job: Callable[[], None], value, nbytes: int = 0) -> torch.futures.Future:
-        """Run `job` (the collective torch calls `op`, as torchfrtrace names it in the flight
-        record) at once in this thread when nothing is queued and it is small, else on the worker
+    def _submit(self, op: str, job: Callable[[], None], value, nbytes: int = 0, inputs=None) -> torch.futures.Future:
+        """Run `job` (the collective `op`, as Gloo names it in the flight record, which gives
+        `inputs`, else `value`, as its inputs and `value` as its outputs) at once in this thread when nothing is queued and it is small, else on the worker
         thread; a Future with `value` when it is done.
 
         A call made by the worker thread itself comes from a callback of the Future it is
@@ -81,7 +81,7 @@ class CallQueue:
         order (Gloo's worker threads give no such order: docs/powersgd.md)."""
         fut = torch.futures.Future()
         if self.recorder is not None:  # the flight record (recorder.py): in torch's format
-            job = self._recorded(job, op, value)
+            job = self._recorded(job, op, value if inputs is None else inputs, value)
         if self._engine is not None:  # in the native engine's order, with its counters (forward.cpp)
             shm, waiter = self._shm, self._waiter
 
@@ -112,8 +112,8 @@ class CallQueue:
         reason = f"{kind} on rank {self.rank()} of the shm group: {why}; nothing was moved"
         return self._submit(kind, lambda: self._shm.refuse(kind, reason), None)
 
-    def _recorded(self, job: Callable[[], None], op: str, tensors) -> Callable[[], None]:
-        entry = self.recorder.scheduled(op, tensors, tensors)
+    def _recorded(self, job: Callable[[], None], op: str, inputs, outputs) -> Callable[[], None]:
+        entry = self.recorder.scheduled(op, inputs, outputs)
 
         def run():
             self.recorder.started(entry)

@@ -364,8 +364,7 @@ class Engine {
     auto fut = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors());
     std::vector<at::Tensor> value = outputs;
     Core* core = core_.get();
-    const int64_t slot = core_->recorder.scheduled(kind, inputs.empty() ? nullptr : &inputs[0],
-                                                   outputs.empty() ? nullptr : &outputs[0]);
+    const int64_t slot = core_->recorder.scheduled(kind, inputs, outputs);
     const void* tag = fut.get();
     core_->submit(
         [core, fut, value, slot, body = std::move(body), to_error = &to_error]() mutable {

@@ -66,8 +66,10 @@ class Recorder {
     }
   }
 
-  // A new entry for a native call; returns its slot, or -1 when recording is off.
-  int64_t scheduled(int kind, const at::Tensor* in, const at::Tensor* out) {
+  // A new entry for a native call; returns its slot, or -1 when recording is off. Its shapes
+  // follow recorder.py's rule: a tensor's own, a list's stack [len, *shape of the first], none for
+  // no tensor.
+  int64_t scheduled(int kind, const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& out) {
     if (ring_.empty()) return -1;
     const int64_t slot = written_.fetch_add(1, std::memory_order_relaxed);
     RecEntry& e = ring_[static_cast<size_t>(slot) % ring_.size()];
@@ -77,7 +79,8 @@ class Recorder {
     e.started = e.completed = 0;
     e.state = 0;
     e.kind = kind;
-    e.dtype = in ? static_cast<int32_t>(in->scalar_type()) : -1;
+    e.dtype = !in.empty() ? static_cast<int32_t>(in[0].scalar_type())
+              : !out.empty() ? static_cast<int32_t>(out[0].scalar_type()) : -1;
     e.in_dims = shape(in, e.in_sizes);
     e.out_dims = shape(out, e.out_sizes);
     e.thread = static_cast<uint64_t>(pthread_self());
@@ -123,10 +126,12 @@ class Recorder {
   int64_t last_enqueued = -1, last_started = -1, last_completed = -1;
 
  private:
-  static int32_t shape(const at::Tensor* t, int64_t* sizes) {
-    if (!t) return -1;
-    const int32_t d = static_cast<int32_t>(std::min<int64_t>(t->dim(), RecEntry::MAX_DIMS));
-    for (int32_t i = 0; i < d; ++i) sizes[i] = t->size(i);
+  static int32_t shape(const std::vector<at::Tensor>& ts, int64_t* sizes) {
+    if (ts.empty()) return -1;
+    const bool stacked = ts.size() > 1;
+    if (stacked) sizes[0] = static_cast<int64_t>(ts.size());
+    const int32_t d = static_cast<int32_t>(std::min<int64_t>(ts[0].dim() + stacked, RecEntry::MAX_DIMS));
+    for (int32_t i = stacked; i < d; ++i) sizes[i] = ts[0].size(i - stacked);
     return d;
   }
 

@@ -165,7 +165,7 @@ class ShmBackend(CallQueue):
 
         def job():
             _through_flat(output, lambda out: self._shm.all_gather(out, input.contiguous().view(-1)))
-        return self._submit("all_gather_single", job, [output])
+        return self._submit("all_gather", job, [output], inputs=[input])
 
     _allgather_base = all_gather_single  # the names torch used before 2.13
 
@@ -184,7 +184,7 @@ class ShmBackend(CallQueue):
                 self._shm.all_gather(joined, flat)
                 for q, out in enumerate(outs):
                     out.copy_(joined[q * flat.numel():(q + 1) * flat.numel()].view_as(out))
-        return self._submit("all_gather", job, output_tensors)
+        return self._submit("all_gather", job, output_tensors, inputs=input_tensors)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts=None):
         op = _op(opts)
@@ -198,7 +198,7 @@ class ShmBackend(CallQueue):
             _through_flat(output, lambda out: _reduced(
                 op, self.size(), lambda o: self._shm.reduce_scatter(out, input.contiguous().view(-1), o), out),
                 fresh=aliased)
-        return self._submit("reduce_scatter_single", job, [output])
+        return self._submit("reduce_scatter", job, [output], inputs=[input])
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -217,7 +217,7 @@ class ShmBackend(CallQueue):
                 flat = out.new_empty(out.numel())
                 _reduced(op, self.size(), lambda o: self._shm.reduce_scatter(flat, joined, o), flat)
                 out.copy_(flat.view_as(out))
-        return self._submit("reduce_scatter", job, output_tensors)
+        return self._submit("reduce_scatter", job, output_tensors, inputs=input_tensors)
 
     def barrier(self, opts=None):
         return self._submit("barrier", self._shm.barrier, [])
@@ -248,7 +248,7 @@ class ShmBackend(CallQueue):
             for t, s in zip(outs, staged):
                 if s is not t:
                     t.copy_(s)
-        return self._submit("gather", job, outs)
+        return self._submit("gather", job, outs, inputs=input_tensors)
 
     def scatter(self, output_tensors, input_tensors, opts):
         root, ins = opts.rootRank, input_tensors[0] if input_tensors else []
@@ -263,7 +263,7 @@ class ShmBackend(CallQueue):
             routing.scatter(self._shm, staged, [t.contiguous() for t in ins], root)
             if staged is not out:
                 out.copy_(staged)
-        return self._submit("scatter", job, output_tensors)
+        return self._submit("scatter", job, output_tensors, inputs=ins)
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         why = wrong_devices(output=output, input=input) or wrong_splits(
@@ -280,7 +280,7 @@ class ShmBackend(CallQueue):
             routing.all_to_all(self._shm, as_bytes(staged), as_bytes(input.contiguous()), out_b, in_b)
             if staged is not output:
                 output.copy_(staged)
-        return self._submit("all_to_all_single", job, [output])
+        return self._submit("all_to_all", job, [output], inputs=[input])
 
     alltoall_base = all_to_all_single  # its name before torch 2.13
 
@@ -306,7 +306,7 @@ class ShmBackend(CallQueue):
             for t, n in zip(output_tensors, out_b):
                 t.copy_(joined_out[at:at + n].view(t.dtype).view(t.shape))
                 at += n
-        return self._submit("all_to_all", job, output_tensors)
+        return self._submit("all_to_all", job, output_tensors, inputs=input_tensors)
 
     # -- the coalesced forms: one call after another, in one job -------------------------------
     def allreduce_coalesced(self, tensors, opts=None):

@@ -10,6 +10,13 @@ a sequence number per group (collectives and point-to-point counted apart, as to
 them), the op, input and output sizes and dtypes, the state (scheduled, started, completed),
 the times and the caller's Python frames.
 
+An entry names a call as Gloo's entries do (all_gather, reduce_scatter and all_to_all, whether of
+one tensor or of lists) and gives one input and one output shape, as the native path records
+them (native_recorder.h): a tensor's own shape, a list of tensors as their stack, [len, *shape of
+the first] (Gloo's gathered outputs), no shape for no tensor (gather's outputs and scatter's
+inputs off the root, barrier). So the same call gets the same entry on either path, and a group
+whose ranks take different paths reads as one program.
+
     recorder = Recorder.from_env(2000)      # None when recording is off (TORCH_FR_BUFFER_SIZE=0)
     entry = recorder.scheduled("all_reduce", inputs, outputs)
     recorder.started(entry); recorder.completed(entry)
@@ -41,6 +48,16 @@ def _flat(tensors) -> list:
     for t in tensors or []:
         out += _flat(t) if isinstance(t, (list, tuple)) else [t]
     return out
+
+
+def recorded_shapes(tensors) -> list:
+    """The (shape, dtype) an entry gives for these tensors (see the top of this file): [] for none,
+    one tensor's own, several as their stack."""
+    flat = _flat(tensors)
+    if not flat:
+        return []
+    first = flat[0]
+    return [(tuple(first.shape) if len(flat) == 1 else (len(flat), *first.shape), first.dtype)]
 
 
 class _Entry:
@@ -85,8 +102,8 @@ class Recorder:
             frames.append((f.f_code, f.f_lineno))
             f = f.f_back
         e.frames, e.op, e.p2p, e.created = frames, op, p2p, time.time_ns()
-        e.inputs = [(t.shape, t.dtype) for t in _flat(inputs)]
-        e.outputs = e.inputs if outputs is inputs else [(t.shape, t.dtype) for t in _flat(outputs)]
+        e.inputs = recorded_shapes(inputs)
+        e.outputs = e.inputs if outputs is inputs else recorded_shapes(outputs)
         e.state, e.started, e.completed, e.thread = "scheduled", None, None, threading.current_thread()
         with self._lock:
             if self.native is not None:  # one sequence with the native path's calls

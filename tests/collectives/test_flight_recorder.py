@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 import collectives as C
 from collectives import flight_recorder
+from collectives.compat import all_gather_single, reduce_scatter_single
 from collectives.flight_recorder import summary, verdict
 
 TIMEOUT_S = 3.0
@@ -160,6 +161,83 @@ def test_shm_records_its_calls_in_torchs_format(path, tmp_path, monkeypatch):
         assert record["pg_status"][str(mine[0]["pg_id"])]["last_completed_collective"] == 4
 
 
+def _every_collective(group, r, n):
+    """One call of each kind torch issues, in the order of _expected_entries."""
+    x = torch.arange(4.0) + r
+    dist.all_reduce(x.clone(), group=group)
+    dist.broadcast(x.clone(), 0, group=group)
+    dist.reduce(x.clone(), 0, group=group)
+    all_gather_single(torch.empty(4 * n), x, group=group)
+    dist.all_gather([torch.empty(4) for _ in range(n)], x, group=group)
+    reduce_scatter_single(torch.empty(2), torch.arange(2.0 * n), group=group)
+    dist.reduce_scatter(torch.empty(2), [torch.ones(2) for _ in range(n)], group=group)
+    dist.gather(x, [torch.empty(4) for _ in range(n)] if r == 0 else None, 0, group=group)
+    dist.scatter(torch.empty(4), [torch.ones(4) for _ in range(n)] if r == 0 else None, 0, group=group)
+    dist.all_to_all_single(torch.empty(2 * n), torch.ones(2 * n), group=group)
+    # uneven: rank r sends r + 1 elements to each rank
+    dist.all_to_all_single(torch.empty(n * (n + 1) // 2), torch.ones((r + 1) * n), [q + 1 for q in range(n)],
+                           [r + 1] * n, group=group)
+    dist.all_to_all([torch.empty(3) for _ in range(n)], [torch.ones(3) for _ in range(n)], group=group)
+    dist.barrier(group=group)
+    with dist._coalescing_manager(group=group):  # what DTensor and the functional collectives issue
+        all_gather_single(torch.empty(2 * n), torch.ones(2), group=group)
+        all_gather_single(torch.empty(3 * n), torch.ones(3), group=group)
+
+
+def _expected_entries(r, n):
+    """(name, input sizes, output sizes) of _every_collective's calls on rank r of n: Gloo's names;
+    a tensor's shape, a list's stack, nothing for no tensor (recorder.py)."""
+    at_root = lambda shape: [shape] if r == 0 else []  # noqa: E731
+    return [("all_reduce", [[4]], [[4]]), ("broadcast", [[4]], [[4]]), ("reduce", [[4]], [[4]]),
+            ("all_gather", [[4]], [[4 * n]]), ("all_gather", [[4]], [[n, 4]]),
+            ("reduce_scatter", [[2 * n]], [[2]]), ("reduce_scatter", [[n, 2]], [[2]]),
+            ("gather", [[4]], at_root([n, 4])), ("scatter", at_root([n, 4]), [[4]]),
+            ("all_to_all", [[2 * n]], [[2 * n]]), ("all_to_all", [[(r + 1) * n]], [[n * (n + 1) // 2]]),
+            ("all_to_all", [[n, 3]], [[n, 3]]), ("barrier", [], []),
+            ("all_gather", [[2]], [[2 * n]]), ("all_gather", [[3]], [[3 * n]])]
+
+
+def _recorded_on_both_paths(env):
+    from collectives.flight_recorder import dump
+    from collectives.shm import new_group_with
+
+    r, n = env.rank, env.world_size
+    on = {"TORCH_FR_BUFFER_SIZE": "2000"}  # the Python path records only when it is set
+    groups = {"native": new_group_with({**on, "COLLECTIVES_SHM_PATH": "native"}),
+              "python": new_group_with({**on, "COLLECTIVES_SHM_PATH": "python"}),
+              "mixed": new_group_with({**on, "COLLECTIVES_SHM_PATH": "native" if r % 2 == 0 else "python"})}
+    for group in groups.values():
+        _every_collective(group, r, n)
+    record = dump()
+    names = {dist.distributed_c10d._world.pg_names[g]: kind for kind, g in groups.items()}
+    mine = {}
+    for e in record["entries"]:
+        if e["process_group"][0] in names:
+            mine.setdefault(names[e["process_group"][0]], []).append(e)
+    record["entries"] = [e for e in record["entries"] if e["process_group"][0] in names]
+    return mine, record
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_every_collective_is_recorded_alike_on_either_path_and_in_a_mixed_group(world_size, dist_run):
+    """The same call gets the same entry whichever path ran it, so a group whose ranks take
+    different paths (the mixed group: even ranks native, odd ranks Python) reads as one program:
+    the verdict finds no mismatch in it. (The Python path once named the tensor forms
+    all_gather_single, reduce_scatter_single and all_to_all_single and gave the outputs as the
+    inputs; the native path gave a list's first tensor for the list.)"""
+    results = dist_run(_recorded_on_both_paths, world_size, timeout=120)
+    for r, (mine, _) in enumerate(results):
+        for kind in ("native", "python", "mixed"):
+            got = [(e["profiling_name"], e["input_sizes"], e["output_sizes"]) for e in mine[kind]]
+            assert got == [(f"shm:{op}", ins, outs) for op, ins, outs in _expected_entries(r, world_size)], (r, kind)
+            assert [e["collective_seq_id"] for e in mine[kind]] == list(range(1, 16)), (r, kind)
+            for e in mine[kind]:
+                assert e["input_dtypes"] == ["Float"] * len(e["input_sizes"]), (r, kind, e)
+                assert e["output_dtypes"] == ["Float"] * len(e["output_sizes"]), (r, kind, e)
+                assert e["state"] == "completed", (r, kind, e)
+    assert verdict({r: record for r, (_, record) in enumerate(results)}) == []
+
+
 def _one_rank_dies(env):
     import os
 
@@ -259,10 +337,12 @@ def test_without_the_recorder_the_failure_is_as_before(monkeypatch):
 
 # -- the analysis alone ------------------------------------------------------------------------------
 
-def _entry(seq, op="all_reduce", sizes=((4,),), dtypes=("Float",), group="0", pg_id=0, created=0):
+def _entry(seq, op="all_reduce", sizes=((4,),), dtypes=("Float",), group="0", pg_id=0, created=0, out_sizes=None,
+           out_dtypes=None):
     return {"collective_seq_id": seq, "pg_id": pg_id, "process_group": (group, ""), "profiling_name": f"gloo:{op}",
             "input_sizes": [list(s) for s in sizes], "input_dtypes": list(dtypes), "is_p2p": False,
-            "time_created_ns": created}
+            "output_sizes": [list(s) for s in (sizes if out_sizes is None else out_sizes)],
+            "output_dtypes": list(dtypes if out_dtypes is None else out_dtypes), "time_created_ns": created}
 
 
 def _record(entries, completed, groups=None):
@@ -305,6 +385,24 @@ def test_the_first_call_that_differs_is_named_not_the_later_ones():
     lines = verdict({0: r0, 1: r1}, ranks=[0, 1])
     assert lines == ["ranks called different collectives at #2 on group 0 [0, 1, 2]: rank 0 all_reduce(4 Float); "
                      "rank 1 all_reduce(6 Float)"]
+
+
+def test_calls_whose_ranks_rightly_give_other_sizes_are_no_mismatch():
+    """As Gloo records them (torch 2.13): scatter's inputs are the source's alone, gather's outputs
+    the destination's alone, and all_to_all with uneven splits has each rank's own sizes. None of
+    them is two ranks calling different collectives; scatter's outputs and all_to_all's dtypes
+    still must agree."""
+    root = [_entry(1, "scatter", sizes=((2, 4),), out_sizes=((4,),)), _entry(2, "gather", out_sizes=((2, 4),)),
+            _entry(3, "all_to_all", sizes=((2,),), out_sizes=((3,),))]
+    other = [_entry(1, "scatter", sizes=(), dtypes=(), out_sizes=((4,),), out_dtypes=("Float",)),
+             _entry(2, "gather", out_sizes=(), out_dtypes=()), _entry(3, "all_to_all", sizes=((4,),), out_sizes=((3,),))]
+    assert verdict({0: _record(root, {"0": 3}), 1: _record(other, {"0": 3})}, ranks=[0, 1]) == []
+    wrong = [_entry(1, "scatter", sizes=(), dtypes=(), out_sizes=((5,),), out_dtypes=("Float",))]
+    lines = verdict({0: _record(root[:1], {"0": 0}), 1: _record(wrong, {"0": 0})}, ranks=[0, 1])
+    assert lines[0].endswith("rank 0 scatter(4 Float); rank 1 scatter(5 Float)"), lines
+    wrong = [_entry(3, "all_to_all", sizes=((2,),), dtypes=("Int",), out_sizes=((3,),))]
+    lines = verdict({0: _record(root[2:], {"0": 2}), 1: _record(wrong, {"0": 2})}, ranks=[0, 1])
+    assert lines[0].endswith("rank 0 all_to_all(2 Float); rank 1 all_to_all(2 Int)"), lines
 
 
 def test_dtypes_differ_too():
