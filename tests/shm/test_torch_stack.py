@@ -268,3 +268,48 @@ def test_ddp_and_fully_shard_never_call_into_python_on_the_native_path(dist_run,
         assert counted["DTensor and functional collectives"] == {}, (rank, counted)
         assert counted["non-contiguous all_reduce"] == {"allreduce": 1}, (rank, counted)
 
+
+
+def _calls_into_python_on_a_2d_mesh(env):
+    """A 2 x 2 mesh of shm groups (rows and columns): DTensor's redistributions over both of its
+    dimensions, and fully_shard over it (HSDP: shards along the rows' groups, replicas across),
+    counting the calls handed to Python on the two groups this rank is in."""
+    import collections
+
+    from torch import nn
+
+    from collectives.shm import backend_of
+
+    r = env.rank
+    rows = [dist.new_group([0, 1], backend="shm"), dist.new_group([2, 3], backend="shm")]
+    cols = [dist.new_group([0, 2], backend="shm"), dist.new_group([1, 3], backend="shm")]
+    mine = [cols[r % 2], rows[r // 2]]  # mesh dim 0 (across rows), dim 1 (along a row)
+    mesh = DeviceMesh.from_group(mine, "cpu", mesh=torch.arange(4).view(2, 2), mesh_dim_names=("replicate", "shard"))
+    seen = collections.Counter()
+    for group in mine:
+        impl = backend_of(group)
+        for name in _python_methods():
+            original = getattr(impl, name)
+            setattr(impl, name, lambda *a, _original=original, _name=name, **k: (seen.update([_name]), _original(*a, **k))[1])
+    whole = torch.arange(48.0).reshape(8, 6)
+    d = distribute_tensor(whole, mesh, [Shard(0), Shard(1)])
+    for placements in ([Replicate(), Shard(0)], [Shard(1), Replicate()], [Replicate(), Replicate()]):
+        d = d.redistribute(mesh, placements)
+    assert torch.equal(d.to_local(), whole)
+    redistributed = dict(seen)
+    seen.clear()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    for layer in (model[0], model[2], model):
+        fully_shard(layer, mesh=mesh)
+    for step in range(3):
+        torch.manual_seed(step * 4 + r)
+        model(torch.randn(5, 16)).sum().backward()
+    return redistributed, dict(seen)
+
+
+def test_dtensor_and_fully_shard_on_a_2d_mesh_never_call_into_python(dist_run):
+    """The 1-D mesh test above, on two mesh dimensions: each dimension's groups take the same calls."""
+    for rank, (redistributed, hsdp) in enumerate(dist_run(_calls_into_python_on_a_2d_mesh, 4, timeout=180)):
+        assert redistributed == {}, (rank, redistributed)
+        assert hsdp == {}, (rank, hsdp)
