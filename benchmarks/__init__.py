@@ -13,6 +13,7 @@ Programs (`python -m benchmarks.NAME --help`; their figures are in benchmarks/RE
     shm_small_path       where shm's small all_reduce path should stop, limits side by side
     tensor_parallel      DP, TP and TP x DP of the small transformer: step time and bytes
     recorder_cost        what the flight record costs on shm
+    bridge_load          loading shm's built C++ bridge: from its stamp, or through torch's build tools
     wrapper_overhead     what the checked wrappers add to a raw call
     harness_speed        multi-rank test cases a minute
     ddp_step_time        DDP step time, torch's and ours
@@ -30,6 +31,6 @@ The pytest-benchmark latency test lives with the tests: tests/benchmarks/test_la
 
 PROGRAMS = ("bandwidth", "bandwidth_agreement", "plot", "algorithms", "race_ablation", "shm", "shm_paths", "shm_wait", "shm_native", "shm_small_path",
             "tensor_parallel",
-            "recorder_cost", "wrapper_overhead", "harness_speed", "ddp_step_time", "ddp_hook_cost", "sharded",
+            "recorder_cost", "bridge_load", "wrapper_overhead", "harness_speed", "ddp_step_time", "ddp_hook_cost", "sharded",
             "powersgd", "cuda_determinism", "suite_durations")
 HELPERS = ("bandwidth_rounds", "bandwidth_report", "busbw_plot", "cases", "limits", "nccl_format", "prediction", "sweep")

@@ -1,7 +1,8 @@
-"""What loading the shm backend's built C++ bridge costs a new process: the stamped file imported
-directly (collectives.shm.native.load(), what every rank of an shm group does) against going
-through torch.utils.cpp_extension.load() (import it, write the ninja file, run ninja to find
-nothing to do, import), side by side in one run.
+"""What loading the shm backend's built C++ bridge costs a new process, two ways side by side.
+
+The stamped file imported directly (collectives.shm.native.load(), what every rank of an shm group
+does) against going through torch.utils.cpp_extension.load() (import it, write the ninja file, run
+ninja to find nothing to do, import).
 
     python -m benchmarks.bridge_load [--rounds 21]
 
@@ -12,11 +13,12 @@ per-round ratios. The bridge must be built already (the first load() builds it).
 
 from __future__ import annotations
 
-import argparse
 import random
 import statistics
 import subprocess
 import sys
+
+from collectives import cli
 
 WAYS = {
     "stamped file": "native.load()",
@@ -32,11 +34,16 @@ def _once(call: str) -> float:
     return float(out.stdout.split()[-1])
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser():
+    parser = cli.ArgumentParser(prog="python -m benchmarks.bridge_load", description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=21, help="fresh processes per way (default 21)")
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
+    cli.check_at_least(parser, args, {"--rounds": 2})
     from collectives.shm import native
 
     native.load()  # built and stamped before any round
