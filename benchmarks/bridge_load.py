@@ -22,8 +22,7 @@ from collectives import cli
 
 WAYS = {
     "stamped file": "native.load()",
-    "cpp_extension.load": "from torch.utils import cpp_extension; "
-                          "cpp_extension.load(native.NAME, [native.SOURCE], extra_cflags=native._flags(), verbose=False)",
+    "cpp_extension.load": "native.load_through_torch()",
 }
 TEMPLATE = ("import time, torch; from collectives.shm import native; t = time.perf_counter(); {call}; "
             "print((time.perf_counter() - t) * 1e3)")

@@ -69,9 +69,9 @@ class CallQueue:
             return lambda error=exc: fut.set_exception(error)
 
     def _submit(self, op: str, job: Callable[[], None], value, nbytes: int = 0, inputs=None) -> torch.futures.Future:
-        """Run `job` (the collective `op`, as Gloo names it in the flight record, which gives
-        `inputs`, else `value`, as its inputs and `value` as its outputs) at once in this thread when nothing is queued and it is small, else on the worker
-        thread; a Future with `value` when it is done.
+        """Run `job` at once in this thread when nothing is queued and it is small, else on the
+        worker thread; a Future with `value` when it is done. The flight record names it `op`, as
+        Gloo names the call, with `inputs` (else `value`) as its inputs and `value` as its outputs.
 
         A call made by the worker thread itself comes from a callback of the Future it is
         completing (`fut.then(...)`: torch's PowerSGD hook all-reduces P there, and waits): it runs

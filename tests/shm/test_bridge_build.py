@@ -12,18 +12,22 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 from collectives.shm import native
 
 
 def test_a_later_process_imports_the_built_bridge_without_torchs_build_tools():
     """The first load (this process) stamps the build; a new process loads the stamped file
-    without importing torch.utils.cpp_extension (about 0.13 s a process, every rank's)."""
+    without importing torch.utils.cpp_extension (about 0.13 s a process, every rank's), and so
+    without a compiler: a machine whose cache holds the build needs none."""
     module = native.load()
     assert native.stamped(native._key()) == os.path.abspath(module.__file__)
     code = ("import sys, torch; from collectives.shm import native; m = native.load(); "
             "print(m.__file__); print('torch.utils.cpp_extension' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                         env={**os.environ, "CXX": "no-such-compiler"})
     assert out.returncode == 0, out.stderr[-3000:]
     file, imported_build_tools = out.stdout.split()
     assert os.path.abspath(file) == os.path.abspath(module.__file__)
@@ -65,3 +69,9 @@ def test_the_key_changes_with_every_source_and_header(tmp_path, monkeypatch):
             f.write("\n// changed\n")
         keys.add(native._key())
     assert len(keys) == len(copies) + 1
+
+
+def test_without_a_stamp_or_a_compiler_the_error_says_what_to_install(monkeypatch):
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    with pytest.raises(native.BuildError, match=r"no C\+\+ compiler \('no-such-compiler' is not on PATH\): install one"):
+        native.load_through_torch()
