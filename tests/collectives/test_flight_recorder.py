@@ -182,19 +182,25 @@ def _every_collective(group, r, n):
     with dist._coalescing_manager(group=group):  # what DTensor and the functional collectives issue
         all_gather_single(torch.empty(2 * n), torch.ones(2), group=group)
         all_gather_single(torch.empty(3 * n), torch.ones(3), group=group)
+    # non-contiguous: the native path hands it to the Python path, whose entry joins the same record
+    dist.all_reduce(torch.ones(5, 2, dtype=torch.int32)[:, 0], group=group)
+    dist.all_gather([torch.empty(2, dtype=torch.float64) for _ in range(n)], torch.ones(2, dtype=torch.float64),
+                    group=group)
 
 
 def _expected_entries(r, n):
-    """(name, input sizes, output sizes) of _every_collective's calls on rank r of n: Gloo's names;
-    a tensor's shape, a list's stack, nothing for no tensor (recorder.py)."""
+    """(name, input sizes, output sizes, dtype) of _every_collective's calls on rank r of n: Gloo's
+    names; a tensor's shape, a list's stack, nothing for no tensor (recorder.py)."""
     at_root = lambda shape: [shape] if r == 0 else []  # noqa: E731
-    return [("all_reduce", [[4]], [[4]]), ("broadcast", [[4]], [[4]]), ("reduce", [[4]], [[4]]),
-            ("all_gather", [[4]], [[4 * n]]), ("all_gather", [[4]], [[n, 4]]),
-            ("reduce_scatter", [[2 * n]], [[2]]), ("reduce_scatter", [[n, 2]], [[2]]),
-            ("gather", [[4]], at_root([n, 4])), ("scatter", at_root([n, 4]), [[4]]),
-            ("all_to_all", [[2 * n]], [[2 * n]]), ("all_to_all", [[(r + 1) * n]], [[n * (n + 1) // 2]]),
-            ("all_to_all", [[n, 3]], [[n, 3]]), ("barrier", [], []),
-            ("all_gather", [[2]], [[2 * n]]), ("all_gather", [[3]], [[3 * n]])]
+    return [(*e, "Float") for e in [
+        ("all_reduce", [[4]], [[4]]), ("broadcast", [[4]], [[4]]), ("reduce", [[4]], [[4]]),
+        ("all_gather", [[4]], [[4 * n]]), ("all_gather", [[4]], [[n, 4]]),
+        ("reduce_scatter", [[2 * n]], [[2]]), ("reduce_scatter", [[n, 2]], [[2]]),
+        ("gather", [[4]], at_root([n, 4])), ("scatter", at_root([n, 4]), [[4]]),
+        ("all_to_all", [[2 * n]], [[2 * n]]), ("all_to_all", [[(r + 1) * n]], [[n * (n + 1) // 2]]),
+        ("all_to_all", [[n, 3]], [[n, 3]]), ("barrier", [], []),
+        ("all_gather", [[2]], [[2 * n]]), ("all_gather", [[3]], [[3 * n]])]] + [
+        ("all_reduce", [[5]], [[5]], "Int"), ("all_gather", [[2]], [[n, 2]], "Double")]
 
 
 def _recorded_on_both_paths(env):
@@ -226,15 +232,15 @@ def test_every_collective_is_recorded_alike_on_either_path_and_in_a_mixed_group(
     all_gather_single, reduce_scatter_single and all_to_all_single and gave the outputs as the
     inputs; the native path gave a list's first tensor for the list.)"""
     results = dist_run(_recorded_on_both_paths, world_size, timeout=120)
+    expected = [_expected_entries(r, world_size) for r in range(world_size)]
     for r, (mine, _) in enumerate(results):
         for kind in ("native", "python", "mixed"):
-            got = [(e["profiling_name"], e["input_sizes"], e["output_sizes"]) for e in mine[kind]]
-            assert got == [(f"shm:{op}", ins, outs) for op, ins, outs in _expected_entries(r, world_size)], (r, kind)
-            assert [e["collective_seq_id"] for e in mine[kind]] == list(range(1, 16)), (r, kind)
-            for e in mine[kind]:
-                assert e["input_dtypes"] == ["Float"] * len(e["input_sizes"]), (r, kind, e)
-                assert e["output_dtypes"] == ["Float"] * len(e["output_sizes"]), (r, kind, e)
-                assert e["state"] == "completed", (r, kind, e)
+            got = [(e["profiling_name"], e["input_sizes"], e["output_sizes"], e["input_dtypes"], e["output_dtypes"])
+                   for e in mine[kind]]
+            assert got == [(f"shm:{op}", ins, outs, [dtype] * len(ins), [dtype] * len(outs))
+                           for op, ins, outs, dtype in expected[r]], (r, kind)
+            assert [e["collective_seq_id"] for e in mine[kind]] == list(range(1, len(expected[r]) + 1)), (r, kind)
+            assert all(e["state"] == "completed" for e in mine[kind]), (r, kind)
     assert verdict({r: record for r, (_, record) in enumerate(results)}) == []
 
 
