@@ -78,13 +78,13 @@ def _key() -> str:
 
 
 def _stamp_dir() -> str:
-    """Where the stamps live: the root of torch's extension cache, as torch finds it (TORCH_EXTENSIONS_DIR,
-    else the user's cache folder). A wrong guess only costs the fast path, never a wrong module."""
-    root = os.environ.get("TORCH_EXTENSIONS_DIR")
-    if not root:
-        cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        root = os.path.join(cache, "torch_extensions")
-    return root
+    """Where the stamps live: the root of torch's extension cache, found as torch finds it
+    (TORCH_EXTENSIONS_DIR, else cpp_extension.get_default_build_root's folder, read without
+    importing cpp_extension)."""
+    import torch._appdirs
+
+    return os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.realpath(
+        torch._appdirs.user_cache_dir(appname="torch_extensions"))
 
 
 def _stamp_path(key: str) -> str:

@@ -75,3 +75,12 @@ def test_without_a_stamp_or_a_compiler_the_error_says_what_to_install(monkeypatc
     monkeypatch.setenv("CXX", "no-such-compiler")
     with pytest.raises(native.BuildError, match=r"no C\+\+ compiler \('no-such-compiler' is not on PATH\): install one"):
         native.load_through_torch()
+
+
+def test_the_stamps_sit_at_the_root_of_torchs_extension_cache(tmp_path, monkeypatch):
+    from torch.utils import cpp_extension
+
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    assert native._stamp_dir() == cpp_extension.get_default_build_root()
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert native._stamp_dir() == str(tmp_path)
