@@ -32,7 +32,7 @@ LAYERS = [
     ("shm backend", ["collectives.shm", "collectives.shm.*"]),
     ("checks, environment, wrappers, launcher",
      ["collectives.checks", "collectives.checked_mode", "collectives.exchange", "collectives.groups",
-      "collectives.ops", "collectives.launcher.*", "collectives.flight_recorder", "collectives.testing",
+      "collectives.ops", "collectives.launcher.*", "collectives.flight_recorder", "collectives.flight_verdict", "collectives.testing",
       "collectives"]),
     ("from-scratch algorithms", ["collectives.algorithms", "collectives.algorithms.*"]),
     ("programs on the collectives", ["collectives.demo", "collectives.cluster", "collectives.cluster.*"]),

@@ -78,10 +78,11 @@ class FailureDiagnosis:
         TORCH_FR_DUMP_TEMP_FILE set (torch's setting), the records are also written there."""
         from .. import flight_recorder  # here, not at the top: `python -m collectives.flight_recorder`
         # imports this package first, and runpy warns when the module it runs is already imported
+        from ..flight_verdict import verdict
         records = flight_recorder.collect(self._recorders)
         dead = {r: describe_exit(p.exitcode) for r, p in enumerate(self._procs) if p.exitcode is not None}
         ended = set(range(self.world_size)) - set(pending) - set(dead)  # returned or raised: in no collective now
-        lines = flight_recorder.verdict(records, where, ranks=range(self.world_size), dead=dead, ended=ended)
+        lines = verdict(records, where, ranks=range(self.world_size), dead=dead, ended=ended)
         if not lines and where and not any(records.values()):  # a hang, and nothing to judge it by: say so
             lines = [f"no live rank sent its record within {flight_recorder.ANSWER_WAIT_S:g} s "
                      f"({len(records)} answered, every answer empty)" if records else
