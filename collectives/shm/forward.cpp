@@ -418,6 +418,7 @@ std::shared_ptr<Engine> make_engine(py::dict d, py::object make_error) {
   s.strategy = static_cast<shm_native::Strategy>(d["strategy"].cast<int>());
   s.timeout_s = d["timeout_s"].cast<double>();
   s.spin_s_idle = d["spin_s_idle"].cast<double>();
+  s.cores = d["cores"].cast<int>();
   s.inline_bytes = d["inline_bytes"].cast<int64_t>();
   s.worker_nice = d["worker_nice"].cast<int>();
   s.cma_min_bytes = d["cma_min_bytes"].cast<int64_t>();
@@ -562,6 +563,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("calls", [](Engine& e) { return e.ops().calls; })
       .def_property_readonly("step", [](Engine& e) { return e.waiter().step; })
       .def_property_readonly("slept", [](Engine& e) { return e.waiter().slept.load(); })
-      .def_property_readonly("woken", [](Engine& e) { return e.waiter().woken.load(); });
+      .def_property_readonly("woken", [](Engine& e) { return e.waiter().woken.load(); })
+      // the cores a waiting rank holds the machine's runnable threads against (native_wait.h)
+      .def_property_readonly("machine_cores", [](Engine& e) { return e.waiter().machine_cores(); });
   m.def("make_engine", &make_engine, py::arg("setup"), py::arg("make_error"));
 }

@@ -5,9 +5,11 @@ Every rank posts, under its own key of the group's store, its layout settings
 rank's. A rank that differs in a setting would put its data where the others do not look, so
 every rank raises the same ValueError, naming each rank's value, before any byte moves. The
 round size follows from the CPUs the ranks have between them (the union of their affinities):
-config.ShmConfig.round_bytes.
+config.ShmConfig.round_bytes. The same union is the number of cores the native wait compares the
+machine's runnable threads with (native_wait.h's MachineLoad): ranks pinned to 2 of 16 cores stop
+spinning once a third thread wants those 2.
 
-    round_bytes = agree(store, rank, world_size, config, timeout)   # ShmBackend does this
+    round_bytes, cores = agree(store, rank, world_size, config, timeout)   # ShmBackend does this
 """
 
 from __future__ import annotations
@@ -26,9 +28,9 @@ def own_cpus() -> list:
     return sorted(cpu_set())
 
 
-def agree(store, rank: int, world_size: int, config: ShmConfig, timeout: timedelta) -> int:
-    """The group's round size in bytes, the same on every rank; a ValueError on every rank where
-    the ranks' layout settings differ."""
+def agree(store, rank: int, world_size: int, config: ShmConfig, timeout: timedelta) -> tuple:
+    """(the group's round size in bytes, the CPUs its ranks may run on between them), the same on
+    every rank; a ValueError on every rank where the ranks' layout settings differ."""
     mine = {"slot_bytes": config.slot_bytes, "round_kb": config.round_kb, "regions": config.regions,
             "cpus": own_cpus()}
     store.set(f"{KEY}/{rank}", json.dumps(mine))
@@ -43,7 +45,7 @@ def agree(store, rank: int, world_size: int, config: ShmConfig, timeout: timedel
             raise ValueError(f"the shm group's ranks disagree on {var} ({shown}): every rank of a group "
                              f"must have the same value, since it sets where each rank's data lies")
     cores = len(set().union(*(p["cpus"] for p in posted)))
-    return config.round_bytes(world_size, cores)
+    return config.round_bytes(world_size, cores), cores
 
 
 def _shown(field: str, value) -> str:

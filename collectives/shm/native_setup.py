@@ -57,7 +57,7 @@ def setup(impl) -> dict:
         "small_bytes": impl._shm.small, "rank": impl.rank(), "size": impl.size(),
         "strategy": WAITS.index(waiter.strategy), "timeout_s": waiter.timeout_s,
         # the native wait reads the machine (native_wait.h), so it may spin whatever the rank count
-        "spin_s_idle": SPIN_S_OWN_CORE, "inline_bytes": impl.config.inline_bytes,
+        "spin_s_idle": SPIN_S_OWN_CORE, "cores": impl._cores, "inline_bytes": impl.config.inline_bytes,
         "worker_nice": impl.config.worker_nice,
         "cma_min_bytes": shm.cma_min_bytes if shm.cma is not None else -1,
         "round": shm.round, "calls": shm.calls, "step": waiter.step,

@@ -9,8 +9,9 @@
 //
 // "While ... a core": a waiting rank reads the machine while it spins, every 20 us. It stops
 // spinning (yields, then sleeps on the futex) once (a) /proc/loadavg has counted more runnable
-// threads than cores online at 3 checks in a row (a thread, perhaps the rank it waits for, has
-// been kept off a core for 40 us or more; a moment's extra thread on a full machine, which the
+// threads than the cores the ranks may run on (the union of their affinities, so ranks pinned to
+// 2 of 16 cores count 2) at 3 checks in a row (a thread, perhaps the rank it waits for, has been
+// kept off a core for 40 us or more; a moment's extra thread on a full machine, which the
 // spinners themselves fill, does not stop them), or (b) the rank it waits for has waited for a
 // core: the time its main thread spent runnable but off a core (/proc/<pid>/schedstat's second
 // field) has grown, which the kernel counts each time that thread gets a core back.
@@ -115,11 +116,18 @@ inline bool process_alive(int pid) {
   return !(*s == 'Z' || *s == 'X');
 }
 
-// Threads running or waiting for a core, against the cores online: whether a spinning waiter
-// would take a core some runnable thread needs. Read from /proc/loadavg ("0.52 0.58 0.59 3/612 ...").
+// Threads running or waiting for a core, against the cores the group's ranks may run on (the
+// union of their affinities, fewer than the cores online where the ranks are pinned): whether a
+// spinning waiter would take a core some runnable thread needs. Read from /proc/loadavg
+// ("0.52 0.58 0.59 3/612 ...").
+// The count is the machine's: on a machine whose other cores run other work, it also counts their
+// threads, and the ranks stop spinning sooner than they need to (they yield, then sleep).
 class MachineLoad {
  public:
-  MachineLoad() : cores_(static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN))) {
+  // cores: the CPUs the group's ranks may run on together (0: every core online)
+  explicit MachineLoad(int cores) {
+    const int online = static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN));
+    cores_ = cores > 0 && cores < online ? cores : online;
     fd_ = ::open("/proc/loadavg", O_RDONLY | O_CLOEXEC);
   }
   ~MachineLoad() {
@@ -140,6 +148,7 @@ class MachineLoad {
     }
     return -1;
   }
+  int cores() const { return cores_; }
   // some runnable thread has no core now
   bool oversubscribed() const {
     int r = runnable();
@@ -193,8 +202,8 @@ struct Words {  // the segment's control words this rank reads and writes (segme
 
 class Waiter {
  public:
-  Waiter(Words words, int rank, int size, Strategy strategy, double timeout_s, double spin_s_idle)
-      : w_(words), rank_(rank), size_(size), strategy_(strategy), timeout_s(timeout_s),
+  Waiter(Words words, int rank, int size, Strategy strategy, double timeout_s, double spin_s_idle, int cores)
+      : w_(words), rank_(rank), size_(size), strategy_(strategy), load_(cores), timeout_s(timeout_s),
         spin_s_idle(spin_s_idle), spin_s(spin_s_idle) {}
 
   int32_t step = 0;         // this rank's last announced step (the segment's word, mirrored)
@@ -303,6 +312,8 @@ class Waiter {
       }
     }
   }
+
+  int machine_cores() const { return load_.cores(); }  // what /proc/loadavg's runnable count is held against
 
   bool anyone_sleeping() const {
     for (int r = 0; r < size_; ++r) {

@@ -82,7 +82,8 @@ class ShmBackend(CallQueue):
     def __init__(self, store, rank: int, size: int, timeout: timedelta):
         self._rank, self._size = rank, size
         self.config = config = ShmConfig.from_env()
-        round_bytes = layout.agree(store, rank, size, config, timeout)  # the same on every rank, or an error
+        # the same on every rank, or an error; cores: the CPUs the ranks may run on between them
+        round_bytes, self._cores = layout.agree(store, rank, size, config, timeout)
         self._segment = Segment.create_or_attach(store, rank, size, config.slot_bytes, timeout=timeout,
                                                  mailbox_bytes=config.mailbox_bytes)
         self._waiter = Waiter(self._segment, rank, strategy=config.wait, timeout_s=timeout.total_seconds())

@@ -7,6 +7,8 @@ settings differ all raise the same error, naming each rank's value, with the wor
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -27,15 +29,20 @@ def _round_bytes_with_cpus(env, cpus_of_rank):
     dist.all_reduce(t, group=group)
     n = env.world_size
     right = bool(torch.equal(t, n * torch.arange(3 << 18, dtype=torch.float32) + n * (n - 1) / 2))
-    return backend_of(group).round_bytes, right
+    engine = backend_of(group)._engine
+    return backend_of(group).round_bytes, right, engine.machine_cores if engine is not None else None
 
 
 def test_ranks_with_a_core_each_go_in_1_mib_rounds_and_ranks_that_share_one_in_half_slots():
-    for cpus, expected in (([[0], [1]], 1 << 20),       # two CPUs between the two ranks
-                           ([[0], [0]], 4 << 20),       # both on CPU 0: half the 8 MiB slot
-                           ([[0, 1], [0]], 1 << 20)):   # the union counts, not a rank's own
+    """The union of the ranks' CPUs sets the round size, and is what the native wait holds the
+    machine's runnable threads against: ranks pinned to fewer cores than the machine has stop
+    spinning once a thread beside them wants those cores (native_wait.h's MachineLoad)."""
+    online = os.cpu_count()
+    for cpus, expected, cores in (([[0], [1]], 1 << 20, 2),      # two CPUs between the two ranks
+                                  ([[0], [0]], 4 << 20, 1),      # both on CPU 0: half the 8 MiB slot
+                                  ([[0, 1], [0]], 1 << 20, 2)):  # the union counts, not a rank's own
         got = run_on_ranks(_round_bytes_with_cpus, 2, args=(cpus,), backend="gloo")
-        assert got == [(expected, True)] * 2, (cpus, got)
+        assert got == [(expected, True, min(cores, online))] * 2, (cpus, got)
 
 
 def _disagreeing(env, var, values):
