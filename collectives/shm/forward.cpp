@@ -565,6 +565,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("slept", [](Engine& e) { return e.waiter().slept.load(); })
       .def_property_readonly("woken", [](Engine& e) { return e.waiter().woken.load(); })
       // the cores a waiting rank holds the machine's runnable threads against (native_wait.h)
-      .def_property_readonly("machine_cores", [](Engine& e) { return e.waiter().machine_cores(); });
+      .def_property_readonly("machine_cores", [](Engine& e) { return e.waiter().machine_cores(); })
+      // (waits that spun, those whose spin the machine reading cut short): native_wait.h
+      .def_property_readonly("spins", [](Engine& e) {
+        return py::make_tuple(e.waiter().spun.load(), e.waiter().spins_cut.load());
+      });
   m.def("make_engine", &make_engine, py::arg("setup"), py::arg("make_error"));
 }

@@ -214,6 +214,8 @@ class Waiter {
   bool read_machine = true; // stop spinning when the peer waited for a core (or, failing that, the machine is full)
   const std::atomic<int>* callers_waiting = nullptr;  // callers blocked in a Work's wait on this group
   std::atomic<int64_t> slept{0}, woken{0};  // futex sleeps, and those a peer's wake ended (wait.py's Waiter.slept, .woken)
+  // waits that spun (past the first reads), and those whose spin the machine reading cut short
+  std::atomic<int64_t> spun{0}, spins_cut{0};
 
   void barrier() {
     step = after(step);
@@ -259,6 +261,8 @@ class Waiter {
       delay0 = peers_.run_delay(w_.pid(missing));
       full = load_.oversubscribed() ? 1 : 0;
     }
+    if (strategy_ == FUTEX && spin_until > start) spun.fetch_add(1, std::memory_order_relaxed);
+    bool cut = false;
     while (true) {
       missing = first_missing(s);
       if (missing < 0) return;
@@ -293,7 +297,10 @@ class Waiter {
             spin_until = now;  // the peer waited for a core (counted once it got one again)
           }
           if (full >= FULL_CHECKS) spin_until = now;  // threads have waited for cores for 3 checks in a row
-
+          if (spin_until == now && !cut) {
+            cut = true;
+            spins_cut.fetch_add(1, std::memory_order_relaxed);
+          }
         }
         SHM_PAUSE();
         continue;

@@ -1,0 +1,58 @@
+"""The native path's wait reads the machine, not the rank count (native_wait.h): a waiting rank
+stops spinning once more threads want the ranks' cores than there are, so the rank it waits for
+gets a core instead of queueing behind the spinner.
+
+Both ranks pinned to one CPU: the rank that arrives first would spin its whole millisecond while
+the other cannot run. The wait must cut that spin short, in most of the waits that spin. The
+cores it counts are the CPUs the ranks may run on between them, not the cores online: counting
+those, ranks pinned to fewer cores than the machine has spun on beside a busy process and lost to
+Gloo (benchmarks/RESULTS.md, the H200 machine's Xeon). The counts are the engine's own (`spins`:
+waits that spun, and those the machine reading cut short), so this is no timed test.
+
+    pytest tests/shm/test_wait_reads_machine.py -q
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from collectives.shm import backend_of, new_group_with
+from collectives.testing import run_on_ranks
+
+CALLS = 200
+
+
+def _pinned(env, cpu):
+    """Pin this rank's thread to `cpu` while its group is made and used (the group's worker
+    thread, made then, stays there); the engine's spin counts and whether every result was right."""
+    saved = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {cpu})
+    try:
+        group = new_group_with({"COLLECTIVES_SHM_PATH": "native"})
+        engine = backend_of(group)._engine
+        right = True
+        t = torch.empty(2)
+        for _ in range(CALLS):
+            t.fill_(env.rank + 1)
+            dist.all_reduce(t, group=group)
+            right &= bool(torch.equal(t, torch.full((2,), env.world_size * (env.world_size + 1) / 2)))
+        return engine.machine_cores, engine.spins, right
+    finally:
+        os.sched_setaffinity(0, saved)
+
+
+def test_ranks_pinned_to_one_cpu_cut_their_spins_short():
+    cpu = min(os.sched_getaffinity(0))
+    got = run_on_ranks(_pinned, 2, args=(cpu,), backend="gloo")
+    for rank, (cores, (spun, cut), right) in enumerate(got):
+        assert right, f"rank {rank}: a wrong all_reduce result"
+        assert cores == 1, f"rank {rank}: the wait counts {cores} cores for ranks pinned to one"
+    spun = sum(s for _, (s, _), _ in got)
+    cut = sum(c for _, (_, c), _ in got)
+    # one of the two waits at almost every call (the one that came first); a wait the scheduler
+    # ended by preempting the spinner before the reading (60 us) does not count as cut
+    assert spun >= CALLS // 4, got
+    assert cut >= spun // 2, f"of {spun} waits that spun, the machine reading cut {cut} short: {got}"
