@@ -86,7 +86,8 @@ class ShmBackend(CallQueue):
         round_bytes, self._cores = layout.agree(store, rank, size, config, timeout)
         self._segment = Segment.create_or_attach(store, rank, size, config.slot_bytes, timeout=timeout,
                                                  mailbox_bytes=config.mailbox_bytes)
-        self._waiter = Waiter(self._segment, rank, strategy=config.wait, timeout_s=timeout.total_seconds())
+        self._waiter = Waiter(self._segment, rank, strategy=config.wait, timeout_s=timeout.total_seconds(),
+                              cores=self._cores)
         self._shm = ShmCollectives(self._segment, rank, self._waiter, config, round_bytes)
         # cross-memory attach where every rank may read and write every other's memory, else why not
         self.cma_off_reason = cma.probe(self._segment, rank, self._waiter, config.cma)
@@ -117,6 +118,16 @@ class ShmBackend(CallQueue):
         if self._engine is not None:
             slept, woken = slept + self._engine.slept, woken + self._engine.woken
         return {"slept": slept, "woken": woken}
+
+    def spins(self) -> dict:
+        """How often this rank's waits at a barrier of this group spun, and how many of those
+        spins reading the machine cut short (more runnable threads than the ranks' cores, wait.py):
+        {"spun": n, "cut": m, "cores": the cores counted}, both paths' waits together."""
+        spun, cut, cores = self._waiter.spun, self._waiter.spins_cut, self._waiter.machine_cores
+        if self._engine is not None:
+            native_spun, native_cut = self._engine.spins
+            spun, cut, cores = spun + native_spun, cut + native_cut, self._engine.machine_cores
+        return {"spun": spun, "cut": cut, "cores": cores}
 
     def rank(self) -> int:
         return self._rank

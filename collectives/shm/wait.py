@@ -10,9 +10,11 @@ question when ranks outnumber cores:
     yield  the same, giving the core away between reads (os.sched_yield)
     sleep  the same, sleeping 50 us between reads
     futex  spin up to 1 ms while every rank has a core of its own (not at all when they share
-           cores), yield for 2 ms, then sleep in the kernel on the word of the first rank still
-           missing (FUTEX_WAIT on the shared page) until that rank writes it and wakes it
-           (FUTEX_WAKE); no core is spent on a long wait
+           cores, and no longer once more threads than the ranks' cores have been runnable at
+           3 reads of /proc/loadavg in a row: one of them may be the rank it waits for), yield
+           for 2 ms, then sleep in the kernel on the word of the first rank still missing
+           (FUTEX_WAIT on the shared page) until that rank writes it and wakes it (FUTEX_WAKE);
+           no core is spent on a long wait
 
 `python -m benchmarks.shm_wait --world-size N` measures all four side by side (latency and CPU
 time per call); `futex` is the default, after those measurements (benchmarks/RESULTS.md).
@@ -47,6 +49,10 @@ SPIN_S_SHARED = 0.0
 # then give the core away (sched_yield) between reads for this long before sleeping: where ranks
 # share cores a yield answers sooner than a futex wake-up (benchmarks.shm_wait measures both)
 YIELD_S = 2e-3
+# while it spins, a rank reads the machine this often, and stops spinning once more threads than
+# the ranks' cores were runnable at this many reads in a row (a moment's extra thread does not stop it)
+LOOK_S = 2e-5
+FULL_LOOKS = 3
 STRATEGIES = WAIT_STRATEGIES  # the settings (config.py) read the same names
 
 DIED, FAILED, LATE = 0, 1, 2  # why a group was broken (the ABORT_WHY word)
@@ -77,22 +83,46 @@ class PeerFailure(CollectiveError):
 process_alive = alive  # a peer's process runs (launcher/pids.py: one answer for every part that asks)
 
 
-class Waiter:
-    """Barriers on one segment, waiting with one of STRATEGIES."""
+_loadavg_fd: Optional[int] = None
 
-    def __init__(self, segment: Segment, rank: int, strategy: Optional[str] = None, timeout_s: float = 600.0):
+
+def runnable_threads() -> int:
+    """Threads running or waiting for a core on the whole machine now (/proc/loadavg's "3/612 ...":
+    3), or -1 where it cannot be read."""
+    global _loadavg_fd
+    try:
+        if _loadavg_fd is None:
+            _loadavg_fd = os.open("/proc/loadavg", os.O_RDONLY | os.O_CLOEXEC)
+        return int(os.pread(_loadavg_fd, 128, 0).split()[3].split(b"/")[0])
+    except (OSError, IndexError, ValueError):
+        return -1
+
+
+class Waiter:
+    """Barriers on one segment, waiting with one of STRATEGIES.
+
+    The spin reads the machine: it stops (then yields, then sleeps) once more threads than
+    `cores` (the CPUs the group's ranks may run on between them; layout.agree) have been runnable
+    at FULL_LOOKS reads in a row, since one of them may be the rank it waits for, kept off a core
+    by the spinner. native_wait.h does the same, and also watches that rank's run delay."""
+
+    def __init__(self, segment: Segment, rank: int, strategy: Optional[str] = None, timeout_s: float = 600.0,
+                 cores: Optional[int] = None):
         strategy = strategy or "futex"  # ShmConfig.wait, from the process group
         if strategy not in STRATEGIES:
             raise ValueError(f"wait strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
         if strategy == "futex" and not futex.AVAILABLE:
             strategy = "yield"  # no futex number known for this machine
         self.segment, self.rank, self.strategy, self.timeout_s = segment, rank, strategy, timeout_s
-        cores = cpus()
-        self.spin_s_idle = SPIN_S_OWN_CORE if segment.world_size <= cores else SPIN_S_SHARED
+        own = cpus()
+        self.spin_s_idle = SPIN_S_OWN_CORE if segment.world_size <= own else SPIN_S_SHARED
         self.spin_s = self.spin_s_idle  # the process group sets 0 while its caller computes
+        # the cores the machine's runnable threads are held against
+        self.machine_cores = min(cores or own, os.cpu_count() or own)
         self.step = int(segment.steps[rank])
         self.what = ""  # the collective under way, for error messages
         self.slept = self.woken = 0  # futex sleeps, and those a peer's wake ended (not the 50 ms timeout)
+        self.spun = self.spins_cut = 0  # waits that spun, and those whose spin the machine reading cut short
 
     # -- the barrier ------------------------------------------------------------------------------
     def barrier(self) -> None:
@@ -112,6 +142,7 @@ class Waiter:
         start = time.monotonic()
         next_check = start + FAULT_CHECK_S
         spin_until = time.perf_counter() + self.spin_s
+        next_look, full, spinning = spin_until - self.spin_s + LOOK_S, 0, False  # a short wait reads nothing
         while True:
             missing = -1
             for r in range(len(steps)):
@@ -131,6 +162,15 @@ class Waiter:
             elif self.strategy == "sleep":
                 time.sleep(50e-6)
             elif (now_p := time.perf_counter()) < spin_until:
+                if not spinning:
+                    spinning = True
+                    self.spun += 1
+                if now_p >= next_look:  # more runnable threads than cores, FULL_LOOKS reads in a row
+                    next_look = now_p + LOOK_S
+                    full = full + 1 if runnable_threads() > self.machine_cores else 0
+                    if full >= FULL_LOOKS:
+                        spin_until = now_p
+                        self.spins_cut += 1
                 continue
             elif now_p < spin_until + YIELD_S:
                 os.sched_yield()

@@ -14,12 +14,18 @@ waits that spun, and those the machine reading cut short), so this is no timed t
 
 from __future__ import annotations
 
+import mmap
 import os
+import subprocess
+import sys
 
+import pytest
 import torch
 import torch.distributed as dist
 
 from collectives.shm import backend_of, new_group_with
+from collectives.shm.segment import CONTROL_BYTES, Segment
+from collectives.shm.wait import PeerFailure, Waiter
 from collectives.testing import run_on_ranks
 
 CALLS = 200
@@ -32,14 +38,14 @@ def _pinned(env, cpu):
     os.sched_setaffinity(0, {cpu})
     try:
         group = new_group_with({"COLLECTIVES_SHM_PATH": "native"})
-        engine = backend_of(group)._engine
         right = True
         t = torch.empty(2)
         for _ in range(CALLS):
             t.fill_(env.rank + 1)
             dist.all_reduce(t, group=group)
             right &= bool(torch.equal(t, torch.full((2,), env.world_size * (env.world_size + 1) / 2)))
-        return engine.machine_cores, engine.spins, right
+        spins = backend_of(group).spins()
+        return spins["cores"], (spins["spun"], spins["cut"]), right
     finally:
         os.sched_setaffinity(0, saved)
 
@@ -56,3 +62,21 @@ def test_ranks_pinned_to_one_cpu_cut_their_spins_short():
     # ended by preempting the spinner before the reading (60 us) does not count as cut
     assert spun >= CALLS // 4, got
     assert cut >= spun // 2, f"of {spun} waits that spun, the machine reading cut {cut} short: {got}"
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the Python path spins only where the ranks have a core each")
+def test_the_python_wait_stops_spinning_when_more_threads_than_the_ranks_cores_are_runnable():
+    """wait.py's Waiter, rank 0 of a 2-rank segment whose rank 1 never comes, counting 1 core for
+    the ranks: with a busy process beside it, 2 threads want that core, so the spin is cut short
+    (then it yields, sleeps, and names rank 1 at its timeout)."""
+    segment = Segment(mmap.mmap(-1, CONTROL_BYTES + 2 * 128 + 4 * 64), 2, 128, mailbox_bytes=64)
+    waiter = Waiter(segment, 0, strategy="futex", timeout_s=0.3, cores=1)
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        waiter.what = "all_reduce"
+        with pytest.raises(PeerFailure, match="rank 1 did not reach step 1"):
+            waiter.barrier()
+    finally:
+        busy.kill()
+        busy.wait()
+    assert (waiter.spun, waiter.spins_cut, waiter.machine_cores) == (1, 1, 1)
