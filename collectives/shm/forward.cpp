@@ -271,6 +271,9 @@ class ForwardBackend : public c10d::Backend {
   }
   intrusive_ptr<Work> allreduce_coalesced(std::vector<at::Tensor>& t,
                                           const c10d::AllreduceCoalescedOptions& o) override {
+    if (auto w = native(c10d::OpType::ALLREDUCE_COALESCED,
+                        [&](Engine& e) { return e.all_reduce_coalesced(t, o.reduceOp, caller_waits(o)); }))
+      return w;
     return call("allreduce_coalesced", c10d::OpType::ALLREDUCE_COALESCED, t, o);
   }
   intrusive_ptr<Work> reduce(std::vector<at::Tensor>& t, const c10d::ReduceOptions& o) override {

@@ -55,10 +55,12 @@ struct Setup {  // what process_group.py hands the engine (native_setup.setup)
   int64_t recorder_entries = 0;  // the flight record's size (0: off)
 };
 
-enum Kind { K_BROADCAST = 0, K_ALL_REDUCE, K_REDUCE, K_ALL_GATHER, K_REDUCE_SCATTER, K_BARRIER, K_GATHER, K_SCATTER, K_ALL_TO_ALL };
+// K_ALL_REDUCE_COALESCED names a flight-record entry only: on the wire it is one all_reduce
+enum Kind { K_BROADCAST = 0, K_ALL_REDUCE, K_REDUCE, K_ALL_GATHER, K_REDUCE_SCATTER, K_BARRIER, K_GATHER, K_SCATTER, K_ALL_TO_ALL,
+            K_ALL_REDUCE_COALESCED };
 inline const char* kind_name(int k) {
   static const char* names[] = {"broadcast", "all_reduce", "reduce", "all_gather", "reduce_scatter", "barrier",
-                                "gather", "scatter", "all_to_all"};
+                                "gather", "scatter", "all_to_all", "allreduce_coalesced"};
   return names[k];
 }
 
@@ -158,6 +160,40 @@ class Engine {
       c.begin(setup_.kind_codes[K_ALL_REDUCE], "all_reduce", dtype_code(t), t.numel(), op);
       c.reduce(static_cast<char*>(t.data_ptr()), t.numel(), t.scalar_type(), t.element_size(), op, true);
       if (avg) t.div_(setup_.size);
+    });
+  }
+
+  // allreduce_coalesced (dist.all_reduce_coalesced, all_reduce in torch's coalescing manager): the
+  // tensors, of one dtype, flattened into one and reduced as one all_reduce (its call words), then
+  // copied back: process_group.py's job, so a rank on either path meets the other at the same call.
+  FuturePtr all_reduce_coalesced(std::vector<at::Tensor>& ts, const c10d::ReduceOp& rop, bool caller_waits = false) {
+    auto [op, avg] = op_of(rop);
+    if (ts.empty()) return nullptr;
+    int64_t numel = 0;
+    for (const auto& t : ts) {
+      if (t.scalar_type() != ts[0].scalar_type() || !reduces(rop, t)) return nullptr;
+      numel += t.numel();
+    }
+    const int64_t nbytes = numel * ts[0].element_size();
+    if (setup_.cma_min_bytes >= 0 && nbytes >= setup_.cma_min_bytes) return nullptr;
+    if (moves_nothing) {
+      auto fut = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors());
+      fut->markCompleted(c10::IValue(ts));
+      return fut;
+    }
+    std::vector<at::Tensor> flat_views;
+    for (const auto& t : ts) flat_views.push_back(t.view(-1));
+    at::Tensor flat = at::cat(flat_views);
+    std::vector<at::Tensor> keep = ts;
+    return run(K_ALL_REDUCE_COALESCED, ts, ts, nbytes, caller_waits, [this, flat, keep, op = op, avg = avg](Collectives& c) {
+      c.begin(setup_.kind_codes[K_ALL_REDUCE], "all_reduce", dtype_code(flat), flat.numel(), op);
+      c.reduce(static_cast<char*>(flat.data_ptr()), flat.numel(), flat.scalar_type(), flat.element_size(), op, true);
+      if (avg) flat.div_(setup_.size);
+      int64_t at = 0;
+      for (const auto& t : keep) {
+        t.view(-1).copy_(flat.narrow(0, at, t.numel()));
+        at += t.numel();
+      }
     });
   }
 

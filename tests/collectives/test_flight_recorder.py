@@ -182,6 +182,9 @@ def _every_collective(group, r, n):
     with dist._coalescing_manager(group=group):  # what DTensor and the functional collectives issue
         all_gather_single(torch.empty(2 * n), torch.ones(2), group=group)
         all_gather_single(torch.empty(3 * n), torch.ones(3), group=group)
+    with dist._coalescing_manager(group=group):  # one allreduce_coalesced call
+        dist.all_reduce(torch.ones(3), group=group)
+        dist.all_reduce(torch.ones(2), group=group)
     # non-contiguous: the native path hands it to the Python path, whose entry joins the same record
     dist.all_reduce(torch.ones(5, 2, dtype=torch.int32)[:, 0], group=group)
     dist.all_gather([torch.empty(2, dtype=torch.float64) for _ in range(n)], torch.ones(2, dtype=torch.float64),
@@ -199,7 +202,8 @@ def _expected_entries(r, n):
         ("gather", [[4]], at_root([n, 4])), ("scatter", at_root([n, 4]), [[4]]),
         ("all_to_all", [[2 * n]], [[2 * n]]), ("all_to_all", [[(r + 1) * n]], [[n * (n + 1) // 2]]),
         ("all_to_all", [[n, 3]], [[n, 3]]), ("barrier", [], []),
-        ("all_gather", [[2]], [[2 * n]]), ("all_gather", [[3]], [[3 * n]])]] + [
+        ("all_gather", [[2]], [[2 * n]]), ("all_gather", [[3]], [[3 * n]]),
+        ("allreduce_coalesced", [[2, 3]], [[2, 3]])]] + [
         ("all_reduce", [[5]], [[5]], "Int"), ("all_gather", [[2]], [[n, 2]], "Double")]
 
 

@@ -226,10 +226,11 @@ def test_the_native_path_leaves_the_python_paths_bits(world_size, case):
 
 
 def _coalesced_on_every_variant(env, case):
-    """Several all_gathers or reduce_scatters in torch's coalescing manager (one
-    allgather_into_tensor_coalesced or reduce_scatter_tensor_coalesced call to the backend), on
-    the native, Python and mixed groups: whether each left the Python path's bytes. A pair with a
-    non-contiguous output sends the whole call to the Python path on a native rank."""
+    """Several all_reduces, all_gathers or reduce_scatters in torch's coalescing manager (one
+    allreduce_coalesced, allgather_into_tensor_coalesced or reduce_scatter_tensor_coalesced call
+    to the backend), on the native, Python and mixed groups: whether each left the Python path's
+    bytes. A pair with a non-contiguous output sends the whole call to the Python path on a native
+    rank."""
     from collectives.compat import all_gather_single, reduce_scatter_single
 
     kind, op, pairs, noncontiguous_at, round_kb, seed = case
@@ -243,7 +244,10 @@ def _coalesced_on_every_variant(env, case):
                 x = _values(seed + i, env.rank, numel * (p if kind == "reduce_scatter" else 1), dtype, op)
                 n = numel * (p if kind == "all_gather" else 1)
                 out = torch.zeros(2 * n, dtype=dtype)[::2] if i == noncontiguous_at else torch.empty(n, dtype=dtype)
-                if kind == "all_gather":
+                if kind == "all_reduce":  # in place, one dtype for every pair (as Gloo's allreduce_coalesced)
+                    out.copy_(x)
+                    dist.all_reduce(out, op=TORCH_OPS[op], group=group)
+                elif kind == "all_gather":
                     all_gather_single(out, x, group=group)
                 else:
                     reduce_scatter_single(out, x, op=TORCH_OPS[op], group=group)
@@ -256,9 +260,12 @@ def _coalesced_on_every_variant(env, case):
 
 @st.composite
 def coalesced_cases(draw):
-    kind = draw(st.sampled_from(["all_gather", "reduce_scatter"]))
-    op = draw(st.sampled_from(["sum", "avg", "max"])) if kind == "reduce_scatter" else ""
-    dtypes = ["float32", "float64", "bfloat16"] + (["int32", "bool"] if op != "avg" and kind == "all_gather" else [])
+    kind = draw(st.sampled_from(["all_gather", "reduce_scatter", "all_reduce"]))
+    op = draw(st.sampled_from(["sum", "avg", "max"])) if kind != "all_gather" else ""
+    dtypes = ["float32", "float64", "bfloat16"] + (["int32", "bool"] if op != "avg" and kind == "all_gather" else
+                                                   ["int32"] if op != "avg" and kind == "all_reduce" else [])
+    if kind == "all_reduce":  # one dtype for every pair
+        dtypes = [draw(st.sampled_from(dtypes))]
     pairs = draw(st.lists(st.tuples(st.sampled_from(dtypes), st.integers(0, 1500)), min_size=1, max_size=4))
     noncontiguous_at = draw(st.one_of(st.none(), st.integers(0, len(pairs) - 1)))
     return kind, op, pairs, noncontiguous_at, draw(st.sampled_from(ROUNDS_KB)), draw(st.integers(0, 2 ** 16))
@@ -269,6 +276,8 @@ def coalesced_cases(draw):
 @given(case=coalesced_cases())
 @example(case=("all_gather", "", [("float32", 1000), ("bfloat16", 3), ("float64", 0)], None, "0.25", 1))
 @example(case=("reduce_scatter", "avg", [("float32", 700), ("float64", 5)], 1, "auto", 2))  # the Python path for all
+@example(case=("all_reduce", "avg", [("bfloat16", 900), ("bfloat16", 1), ("bfloat16", 0)], None, "0.25", 3))  # rounds
+@example(case=("all_reduce", "sum", [("float32", 2), ("float32", 3)], 0, "auto", 4))  # non-contiguous: Python
 def test_coalesced_calls_leave_the_python_paths_bits(world_size, case):
     """The coalesced forms (DTensor's redistributions and the functional collectives use them):
     several pairs of mixed dtypes and sizes, one call a pair in order on either path."""

@@ -239,7 +239,10 @@ def _calls_into_python(env):
     dist.all_to_all_single(torch.empty(p * (r + 1)), torch.ones(p * (p + 1) // 2), [r + 1] * p, list(range(1, p + 1)),
                            group=group)
     dist.all_to_all([torch.empty(2) for _ in range(p)], [torch.ones(2) for _ in range(p)], group=group)
-    counted["list forms, gather, scatter, all_to_all"] = dict(seen)
+    with dist._coalescing_manager(group=group):  # one allreduce_coalesced call to the backend
+        dist.all_reduce(torch.ones(3), group=group)
+        dist.all_reduce(torch.ones(2, 2), group=group)
+    counted["list forms, gather, scatter, all_to_all, allreduce_coalesced"] = dict(seen)
     seen.clear()  # DTensor's redistributions and the functional collectives: coalesced all_gathers on the CPU
     whole = torch.arange(8.0 * p).reshape(2 * p, 4)
     d = distribute_tensor(whole, mesh, [Shard(0)]).redistribute(mesh, [Shard(1)]).redistribute(mesh, [Replicate()])
@@ -264,7 +267,7 @@ def test_ddp_and_fully_shard_never_call_into_python_on_the_native_path(dist_run,
         assert len(ddp) == 6 and all(v == ({}, {}) for v in ddp.values()), (rank, ddp)
         assert counted["ours bucketed powersgd"] == ({}, {}), (rank, counted)
         assert counted["fully_shard"] == ({}, {}), (rank, counted)
-        assert counted["list forms, gather, scatter, all_to_all"] == {}, (rank, counted)
+        assert counted["list forms, gather, scatter, all_to_all, allreduce_coalesced"] == {}, (rank, counted)
         assert counted["DTensor and functional collectives"] == {}, (rank, counted)
         assert counted["non-contiguous all_reduce"] == {"allreduce": 1}, (rank, counted)
 
