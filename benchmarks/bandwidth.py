@@ -46,7 +46,9 @@ from .cases import OPS
 from .nccl_format import footer, format_row, header
 from .sweep import DTYPES, check_sweep, parse_size
 
-COLLECTIVES = ["all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all"]
+# and nccl-tests' sendrecv: every rank sends its buffer to the next and receives the one before's
+# (point-to-point messages, batch_isend_irecv), busbw = algbw
+COLLECTIVES = ["all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all", "sendrecv"]
 BACKENDS = ["gloo", "shm", "nccl"]
 
 

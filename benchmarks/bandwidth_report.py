@@ -29,8 +29,9 @@ LINK_BYTES = {
     "all_to_all": "(n-1)/n of the send buffer, sent and received by every rank",
     "broadcast": "the whole buffer, sent by the root",
     "reduce": "the whole buffer, received by the root",
+    "sendrecv": "the whole buffer, sent by every rank to the next and received from the one before",
 }
-DUPLEX = {"all_reduce", "all_to_all", "all_gather", "reduce_scatter"}  # every rank sends and receives at once
+DUPLEX = {"all_reduce", "all_to_all", "all_gather", "reduce_scatter", "sendrecv"}  # every rank sends and receives at once
 
 
 REFERENCES = {

@@ -99,6 +99,18 @@ def make_case(collective: str, side: str, count: int, n: int, r: int, op: str, d
         out = torch.empty(c, dtype=dtype, device=device) if side == "oop" else inp[r * c:(r + 1) * c]
         run = lambda: compat.reduce_scatter_single(out, inp, op=torch_op, group=group)  # noqa: E731
         return run, lambda: inp.copy_(fill(count)), lambda: (out, reduced(n, c, r * c, op, dtype, device))
+    if collective == "sendrecv":  # nccl-tests' sendrecv: each rank sends to the next, receives from the one before
+        if side == "ip" or n < 2:
+            return None
+        inp, out = fill(count), torch.empty(count, dtype=dtype, device=device)
+        to, frm = (r + 1) % n, (r - 1) % n
+        peer = (lambda q: dist.get_global_rank(group, q)) if group is not None else (lambda q: q)  # noqa: E731
+        ops = [dist.P2POp(dist.isend, inp, peer(to), group=group), dist.P2POp(dist.irecv, out, peer(frm), group=group)]
+
+        def run():
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        return run, lambda: inp.copy_(fill(count)), lambda: (out, fill(count, rank=frm))
     if collective == "all_to_all":
         if side == "ip":
             return None

@@ -6,7 +6,8 @@ The meanings follow NVIDIA's nccl-tests (doc/PERFORMANCE.md there):
   count  elements of that buffer
   algbw  size / time, in GB/s with 1 GB = 1e9 bytes
   busbw  algbw x a factor that makes collectives comparable with the hardware's link speed:
-         all_reduce 2(n-1)/n; all_gather, reduce_scatter, all_to_all (n-1)/n; broadcast, reduce 1
+         all_reduce 2(n-1)/n; all_gather, reduce_scatter, all_to_all (n-1)/n; broadcast, reduce,
+         sendrecv 1
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ BUS_FACTORS = {
     "all_to_all": lambda n: (n - 1) / n,
     "broadcast": lambda n: 1.0,
     "reduce": lambda n: 1.0,
+    "sendrecv": lambda n: 1.0,
 }
 # nccl-tests' names for torch dtypes
 TYPE_NAMES = {

@@ -114,7 +114,7 @@ def test_bus_bandwidth_factors_are_nccl_tests(n):
     assert bus_factor("all_reduce", n) == 2 * (n - 1) / n
     for name in ("all_gather", "reduce_scatter", "all_to_all"):
         assert bus_factor(name, n) == (n - 1) / n
-    assert bus_factor("broadcast", n) == bus_factor("reduce", n) == 1.0
+    assert bus_factor("broadcast", n) == bus_factor("reduce", n) == bus_factor("sendrecv", n) == 1.0
     algbw, busbw = bandwidths(10**9, 10**6, "all_reduce", n)  # 1e9 bytes in one second
     assert algbw == pytest.approx(1.0) and busbw == pytest.approx(2 * (n - 1) / n)
 
@@ -184,7 +184,7 @@ def test_check_data_is_exact_and_wrong_elements_are_counted_on_every_rank(world_
     results = dist_run(_check_all, world_size, args=(op, dtype))
     for rank_results in results:  # every rank reports the same total
         assert rank_results == results[0]
-    assert len(results[0]) == 8
+    assert len(results[0]) == 9  # sendrecv out of place too
     for collective, side, clean, planted in results[0]:
         assert clean == 0, f"{collective} {side}: {clean} wrong on clean data"
         want = 1 if collective == "reduce" else world_size
