@@ -128,3 +128,5 @@ class CallQueue:
         with self._idle:
             self._idle.wait_for(lambda: self._pending == 0)
         self._p2p.drain()
+        if self._engine is not None:
+            self._engine.drain_messages()  # the native path's messages (native_p2p.h)

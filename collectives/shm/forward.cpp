@@ -109,6 +109,25 @@ class FutureWork : public Work {
   const void* help_tag_;
 };
 
+// A point-to-point message's Work (native_p2p.h): its thread fails a Future with a NativeError, and
+// wait() raises it as the Python path's exception of the same kind (which needs the GIL, so the
+// message thread never makes one).
+class MessageWork : public FutureWork {
+ public:
+  MessageWork(intrusive_ptr<c10::ivalue::Future> fut, c10d::OpType type, std::shared_ptr<Engine> engine)
+      : FutureWork(std::move(fut), type), engine_(std::move(engine)) {}
+  bool wait(std::chrono::milliseconds timeout) override {
+    try {
+      return FutureWork::wait(timeout);
+    } catch (const shm_native::NativeError& e) {
+      std::rethrow_exception(engine_->to_error(e));
+    }
+  }
+
+ private:
+  std::shared_ptr<Engine> engine_;
+};
+
 // Whether torch's caller waits for the call at once (dist.all_reduce(..., async_op=False) sets
 // opts.asyncOp = false); torch before asyncOp existed: no.
 template <typename O, typename = void>
@@ -202,6 +221,14 @@ class ForwardBackend : public c10d::Backend {
       });
     }
     return c10::make_intrusive<FutureWork>(outer, type, engine_, futs.back().get());
+  }
+
+  // A point-to-point message on the native path (native_p2p.h), or null: the Python path then
+  // checks the arguments and names what is wrong (one tensor, contiguous, a rank of the group)
+  intrusive_ptr<Work> message(c10d::OpType type, int kind, std::vector<at::Tensor>& t, int peer) {
+    if (!engine_ || t.size() != 1) return nullptr;
+    auto fut = engine_->message(kind, t[0], peer);
+    return fut ? c10::make_intrusive<MessageWork>(fut, type, engine_) : nullptr;
   }
 
   // The error a finished Python Future carries as its value (set_exception), or none. Needs the GIL.
@@ -360,12 +387,15 @@ class ForwardBackend : public c10d::Backend {
     return call("alltoall", c10d::OpType::ALLTOALL, out, in, o);
   }
   intrusive_ptr<Work> send(std::vector<at::Tensor>& t, int dst, int tag) override {
+    if (auto w = message(c10d::OpType::SEND, shm_native::Messages::SEND, t, dst)) return w;
     return call("send", c10d::OpType::SEND, t, dst, tag);
   }
   intrusive_ptr<Work> recv(std::vector<at::Tensor>& t, int src, int tag) override {
+    if (auto w = message(c10d::OpType::RECV, shm_native::Messages::RECV, t, src)) return w;
     return call("recv", c10d::OpType::RECV, t, src, tag);
   }
   intrusive_ptr<Work> recvAnysource(std::vector<at::Tensor>& t, int tag) override {
+    if (auto w = message(c10d::OpType::RECVANYSOURCE, shm_native::Messages::RECV_ANY, t, -1)) return w;
     return call("recv_anysource", c10d::OpType::RECVANYSOURCE, t, tag);
   }
   intrusive_ptr<Work> barrier(const c10d::BarrierOptions& o) override {
@@ -421,6 +451,12 @@ std::shared_ptr<Engine> make_engine(py::dict d, py::object make_error) {
   s.strategy = static_cast<shm_native::Strategy>(d["strategy"].cast<int>());
   s.timeout_s = d["timeout_s"].cast<double>();
   s.spin_s_idle = d["spin_s_idle"].cast<double>();
+  if (auto mail = d["mail"].cast<uintptr_t>()) {
+    s.mail.boxes = reinterpret_cast<uint8_t*>(mail);
+    s.mail.box_bytes = d["mailbox_bytes"].cast<int64_t>();
+    s.mail.sent = s.words.control + d["mail_sent0"].cast<int>();
+    s.mail.taken = s.words.control + d["mail_taken0"].cast<int>();
+  }
   s.cores = d["cores"].cast<int>();
   s.inline_bytes = d["inline_bytes"].cast<int64_t>();
   s.worker_nice = d["worker_nice"].cast<int>();
@@ -534,6 +570,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Engine, std::shared_ptr<Engine>>(m, "Engine")
       .def("submit_python", &submit_python, py::arg("run"), py::arg("nbytes"))
       .def("drain", &Engine::drain, py::call_guard<py::gil_scoped_release>())
+      .def("drain_messages", &Engine::drain_messages, py::call_guard<py::gil_scoped_release>())
       .def("all_reduce", &direct_all_reduce, py::arg("tensor"), py::arg("op"))
       .def_readwrite("moves_nothing", &Engine::moves_nothing)
       .def("next_ids", [](Engine& e, bool p2p) {  // (record id, collective seq, p2p seq, op id)
@@ -548,7 +585,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::list in_sizes, out_sizes;
           for (int i = 0; i < x.in_dims; ++i) in_sizes.append(x.in_sizes[i]);
           for (int i = 0; i < x.out_dims; ++i) out_sizes.append(x.out_sizes[i]);
-          out.append(py::make_tuple(x.record_id, x.collective_seq_id, x.op_id, std::string(shm_native::kind_name(x.kind)),
+          // a message: torchfrtrace's "send 0->1", "recv 1<-0" (group ranks; from any source: -1)
+          const std::string rank = std::to_string(e.waiter_rank());
+          const std::string name = x.kind == shm_native::Recorder::P2P_SEND   ? "send " + rank + "->" + std::to_string(x.peer)
+                                   : x.kind == shm_native::Recorder::P2P_RECV ? "recv " + rank + "<-" + std::to_string(x.peer)
+                                                                              : std::string(shm_native::kind_name(x.kind));
+          out.append(py::make_tuple(x.record_id, x.collective_seq_id, x.p2p_seq_id, x.op_id, name,
                                     x.created, x.started, x.completed, x.state,
                                     x.dtype < 0 ? py::object(py::none())
                                                 : py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(

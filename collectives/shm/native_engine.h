@@ -30,6 +30,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "native_p2p.h"
 #include "native_paths.h"
 #include "native_recorder.h"
 
@@ -53,6 +54,7 @@ struct Setup {  // what process_group.py hands the engine (native_setup.setup)
   uint8_t reducible[8][64];    // [op][ScalarType]: the native path sums it (check_op_dtype's rule, no widening)
   int kind_codes[16];          // native kinds below -> ops.KINDS index + 1
   int64_t recorder_entries = 0;  // the flight record's size (0: off)
+  Mailboxes mail;                // the pair mailboxes (none past 64 ranks: messages take the Python path)
 };
 
 // K_ALL_REDUCE_COALESCED names a flight-record entry only: on the wire it is one all_reduce
@@ -95,6 +97,7 @@ class Engine {
   std::function<std::exception_ptr(const NativeError&)> to_error;
 
   Waiter& waiter() { return core_->waiter; }
+  int waiter_rank() const { return setup_.rank; }
   Recorder& recorder() { return core_->recorder; }
   // callers blocked in a Work's wait on this group: the worker thread may spin for them
   std::atomic<int>& callers_waiting() { return core_->callers_waiting; }
@@ -108,6 +111,15 @@ class Engine {
 
   // until every call issued so far has finished
   void drain() { core_->drain(); }
+
+  // -- point-to-point messages (native_p2p.h): a Future of the peer, or null for the Python path ---
+  FuturePtr message(int kind, const at::Tensor& t, int peer) {
+    if (!core_->messages->available() || !plain(t)) return nullptr;
+    if (kind != Messages::RECV_ANY && (peer < 0 || peer >= setup_.size || peer == setup_.rank)) return nullptr;
+    return core_->messages->post(kind, t, peer);
+  }
+  // until every message posted so far is through
+  void drain_messages() { core_->messages->drain(); }
 
   // -- the native calls: a Future, or null when the Python path must take the call ----------------
   // caller_waits: the caller waits for the call at once (async_op=False, collectives.shm.all_reduce).
@@ -435,6 +447,7 @@ class Engine {
       waiter.callers_waiting = &callers_waiting;
       ops.round = s.round;
       ops.calls = s.calls;
+      messages = std::make_unique<Messages>(s.words, s.mail, s.rank, s.size, s.timeout_s, &recorder);
     }
     int rank;
     int worker_nice;
@@ -455,6 +468,7 @@ class Engine {
     std::atomic<std::thread::id> runner{};  // the thread running it: its own calls run at once (nested)
     bool stop = false;
     std::thread worker;
+    std::unique_ptr<Messages> messages;  // last: its thread stops before the rest goes
 
     bool idle() {
       std::lock_guard<std::mutex> lock(m);

@@ -39,7 +39,8 @@ inline int64_t wall_ns() {
 
 struct RecEntry {
   static constexpr int MAX_DIMS = 8;
-  int64_t record_id = -1, collective_seq_id = 0, op_id = 0;
+  int64_t record_id = -1, collective_seq_id = 0, p2p_seq_id = 0, op_id = 0;
+  int32_t peer = -2;  // a message's other rank (-1: any source); -2: a collective
   int64_t created = 0, started = 0, completed = 0;
   int32_t state = 0;  // 0 scheduled, 1 started, 2 completed
   int32_t kind = 0;   // native_engine.h's Kind
@@ -73,8 +74,8 @@ class Recorder {
     if (ring_.empty()) return -1;
     const int64_t slot = written_.fetch_add(1, std::memory_order_relaxed);
     RecEntry& e = ring_[static_cast<size_t>(slot) % ring_.size()];
-    int64_t p2p_id;
-    next_ids(false, &e.record_id, &e.collective_seq_id, &p2p_id, &e.op_id);
+    next_ids(false, &e.record_id, &e.collective_seq_id, &e.p2p_seq_id, &e.op_id);
+    e.peer = -2;
     e.created = static_cast<int64_t>(SHM_TICKS());
     e.started = e.completed = 0;
     e.state = 0;
@@ -88,12 +89,33 @@ class Recorder {
     return slot;
   }
 
+  // A new entry for a point-to-point message (native_p2p.h): send or recv, the other rank (-1 for
+  // any source), the tensor's shape in and out, as recorder.py's p2p entries.
+  int64_t scheduled_p2p(bool send, int peer, const at::Tensor& t) {
+    if (ring_.empty()) return -1;
+    const int64_t slot = written_.fetch_add(1, std::memory_order_relaxed);
+    RecEntry& e = ring_[static_cast<size_t>(slot) % ring_.size()];
+    next_ids(true, &e.record_id, &e.collective_seq_id, &e.p2p_seq_id, &e.op_id);
+    e.created = static_cast<int64_t>(SHM_TICKS());
+    e.started = e.completed = 0;
+    e.state = 0;
+    e.kind = send ? P2P_SEND : P2P_RECV;
+    e.peer = peer;
+    e.dtype = static_cast<int32_t>(t.scalar_type());
+    std::vector<at::Tensor> one{t};
+    e.in_dims = e.out_dims = shape(one, e.in_sizes);
+    shape(one, e.out_sizes);
+    e.thread = static_cast<uint64_t>(pthread_self());
+    return slot;
+  }
+  static constexpr int P2P_SEND = 100, P2P_RECV = 101;  // RecEntry::kind of a message
+
   void started(int64_t slot, bool at_once) {
     if (slot < 0) return;
     RecEntry& e = ring_[static_cast<size_t>(slot) % ring_.size()];
     e.started = at_once ? e.created : static_cast<int64_t>(SHM_TICKS());
     e.state = 1;
-    last_started = e.collective_seq_id;
+    if (e.peer == -2) last_started = e.collective_seq_id;
   }
 
   void completed(int64_t slot) {
@@ -101,7 +123,7 @@ class Recorder {
     RecEntry& e = ring_[static_cast<size_t>(slot) % ring_.size()];
     e.completed = static_cast<int64_t>(SHM_TICKS());
     e.state = 2;
-    last_completed = e.collective_seq_id;
+    if (e.peer == -2) last_completed = e.collective_seq_id;
   }
 
   // the entries held now, oldest first, their times in wall-clock nanoseconds (read at dump time)

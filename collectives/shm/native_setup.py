@@ -19,7 +19,8 @@ from .. import reduce_ops
 from ..dtypes import arithmetic_widening
 from ..errors import CollectiveError, CollectiveMismatchError
 from .ops import DTYPE_CODES, KINDS, OPS, ShmArgumentError, disagreement
-from .segment import ABORT, ABORT_SEEN_BY, ABORT_WHY, CALL0, CALL_WORDS, CONTROL_BYTES, PID0, SLEEP0, STEP0
+from .segment import (ABORT, ABORT_SEEN_BY, ABORT_WHY, CALL0, CALL_WORDS, CONTROL_BYTES, MAIL_SENT0, MAIL_TAKEN0, PID0,
+                      SLEEP0, STEP0)
 from .wait import SPIN_S_OWN_CORE, PeerFailure
 
 NATIVE_KINDS = ("broadcast", "all_reduce", "reduce", "all_gather", "reduce_scatter", "barrier", "gather", "scatter",
@@ -57,6 +58,9 @@ def setup(impl) -> dict:
         "small_bytes": impl._shm.small, "rank": impl.rank(), "size": impl.size(),
         "strategy": WAITS.index(waiter.strategy), "timeout_s": waiter.timeout_s,
         # the native wait reads the machine (native_wait.h), so it may spin whatever the rank count
+        # the pair mailboxes for send and recv (native_p2p.h); none past 64 ranks
+        "mail": seg.mail.data_ptr() if seg.mail is not None else 0, "mailbox_bytes": seg.mailbox_bytes,
+        "mail_sent0": MAIL_SENT0, "mail_taken0": MAIL_TAKEN0,
         "spin_s_idle": SPIN_S_OWN_CORE, "cores": impl._cores, "inline_bytes": impl.config.inline_bytes,
         "worker_nice": impl.config.worker_nice,
         "cma_min_bytes": shm.cma_min_bytes if shm.cma is not None else -1,

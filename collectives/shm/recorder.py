@@ -145,18 +145,18 @@ class Recorder:
         """The native path's entries (native_recorder.h) as torch's dicts; no frames."""
         states = ("scheduled", "started", "completed")
         out = []
-        for (record_id, seq, op_id, op, created, started, completed, state, dtype, in_sizes, out_sizes,
+        for (record_id, seq, p2p_seq, op_id, op, created, started, completed, state, dtype, in_sizes, out_sizes,
              thread) in self.native.recorded():
             out.append({"record_id": record_id, "pg_id": pg_id, "process_group": process_group,
                         "thread_name": "shm native", "thread_id": str(thread), "collective_seq_id": seq,
-                        "p2p_seq_id": 0, "op_id": op_id, "profiling_name": f"shm:{op}", "time_created_ns": created,
+                        "p2p_seq_id": p2p_seq, "op_id": op_id, "profiling_name": f"shm:{op}", "time_created_ns": created,
                         "input_sizes": [list(in_sizes)] if in_sizes is not None else [],
                         "input_dtypes": [_dtype_name(dtype)] if in_sizes is not None else [],
                         "output_sizes": [list(out_sizes)] if out_sizes is not None else [],
                         "output_dtypes": [_dtype_name(dtype)] if out_sizes is not None else [],
                         "state": states[state], "time_discovered_started_ns": started or None,
                         "time_discovered_completed_ns": completed or None, "retired": state == 2,
-                        "timeout_ms": 0, "is_p2p": False, "frames": []})
+                        "timeout_ms": 0, "is_p2p": p2p_seq > 0, "frames": []})
         return out
 
     @staticmethod

@@ -131,8 +131,8 @@ def _records_on_shm(env):
 @pytest.mark.parametrize("path", ["native", "python"])
 def test_shm_records_its_calls_in_torchs_format(path, tmp_path, monkeypatch):
     """On either path of the shm backend (COLLECTIVES_SHM_PATH): the native path records the calls
-    it runs in C++ (native_recorder.h) with the ids the Python path's entries draw from, so the
-    two merge into one record; its entries carry no frames, the Python path's do."""
+    and messages it runs in C++ (native_recorder.h) with the ids the Python path's entries draw
+    from, so the two merge into one record; its entries carry no frames, the Python path's do."""
     import subprocess
     import sys
 
@@ -153,11 +153,12 @@ def test_shm_records_its_calls_in_torchs_format(path, tmp_path, monkeypatch):
             ("shm:send 0->1" if rank == 0 else "shm:recv 1<-0", 0, 1, "completed")], mine
         assert mine[0]["input_sizes"] == [[4]] and mine[0]["input_dtypes"] == ["Double"]
         assert mine[1]["input_dtypes"] == ["Int"] and mine[0]["process_group"][0] == "0"
-        assert any(f["name"] == "_records_on_shm" for f in mine[2]["frames"]), mine[2]["frames"]  # Python's p2p
-        if path == "python":
-            assert any(f["name"] == "_records_on_shm" for f in mine[0]["frames"]), mine[0]["frames"]
-        else:
-            assert mine[0]["frames"] == [] and mine[0]["thread_name"] == "shm native", mine[0]
+        assert mine[2]["is_p2p"] and mine[2]["input_sizes"] == [[4]], mine[2]
+        for e in mine:
+            if path == "python":
+                assert any(f["name"] == "_records_on_shm" for f in e["frames"]), e["frames"]
+            else:  # messages too run in C++ (native_p2p.h)
+                assert e["frames"] == [] and e["thread_name"] == "shm native", e
         assert record["pg_status"][str(mine[0]["pg_id"])]["last_completed_collective"] == 4
 
 
