@@ -10,7 +10,8 @@
 // takes the whole message out, writes none of it, and fails naming both sizes. A receive from any
 // source takes the first rank with a message begun towards this one that no posted receive takes.
 //
-// One thread per group moves every posted message along (a ring posts a send and a receive before
+// A message the caller can move whole at once, with nothing else in flight, it moves itself.
+// Otherwise one thread per group moves every posted message along (a ring posts a send and a receive before
 // waiting for either; moving one message at a time could leave both ranks inside sends larger than
 // a mailbox), then sleeps on the counter the first stuck message waits for (0.2 ms at most; a new
 // post wakes it). After 50 ms without progress, and every 50 ms after, it checks the abort word,
@@ -72,6 +73,23 @@ class Messages {
     if (slot >= 0) rec_->started(slot, true);
     {
       std::lock_guard<std::mutex> lock(m_);
+      // Nothing else in flight, the group whole, and the whole message moves now (a send with room
+      // for it, a receive whose message is all there): the caller moves it, and no thread wakes.
+      if (posted_ == 0 && kind != RECV_ANY && !load(w_.control + w_.abort_word)) {
+        Transfer x = make(Posted{kind, t, peer, fut, slot}, kind, peer);
+        if (moves_whole(x)) {
+          progress(x);
+          if (x.done < x.total && x.error.empty())  // never: moves_whole said it all moves (a loud failure, not a short message)
+            x.error = "send/recv on rank " + std::to_string(rank_) + ": the message moved only in part at once";
+          if (x.error.empty()) {
+            if (rec_) rec_->completed(slot);
+            fut->markCompleted(c10::IValue(static_cast<int64_t>(peer)));
+          } else {
+            fut->setError(std::make_exception_ptr(NativeError(ErrorKind::Disagree, x.error)));
+          }
+          return fut;
+        }
+      }
       inbox_.push_back(Posted{kind, t, peer, fut, slot});
       ++posted_;
       if (!thread_.joinable()) thread_ = std::thread([this] { serve(); });
@@ -167,6 +185,20 @@ class Messages {
       moved = true;
     }
     return moved;
+  }
+
+  // Whether all of `x` moves at once: a send the mailbox has room for, a receive whose message is
+  // all in it. Room only grows (the receiver frees halves), and so do the pieces put in.
+  bool moves_whole(const Transfer& x) const {
+    const int64_t half = mail_.box_bytes / 2;
+    const int32_t s = load(mail_.sent + x.pair), tk = load(mail_.taken + x.pair);
+    const int32_t ahead = static_cast<int32_t>(static_cast<uint32_t>(s) - static_cast<uint32_t>(tk));
+    if (x.kind == SEND) return ahead >= 0 && ahead < 2 && x.total <= (2 - ahead) * half;
+    if (ahead <= 0) return false;
+    int64_t theirs = 0;
+    std::memcpy(&theirs, mail_.boxes + static_cast<int64_t>(x.pair) * mail_.box_bytes +
+                             (static_cast<uint32_t>(tk) & 1u) * half, HEADER_BYTES);
+    return theirs >= 0 && HEADER_BYTES + theirs <= ahead * half;
   }
 
   // A rank with a message begun towards this one that no posted receive takes, or -1.
