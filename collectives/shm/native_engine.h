@@ -447,7 +447,7 @@ class Engine {
       waiter.callers_waiting = &callers_waiting;
       ops.round = s.round;
       ops.calls = s.calls;
-      messages = std::make_unique<Messages>(s.words, s.mail, s.rank, s.size, s.timeout_s, &recorder);
+      messages = std::make_unique<Messages>(&waiter, s.mail, s.rank, s.size, s.timeout_s, &recorder);
     }
     int rank;
     int worker_nice;

@@ -14,9 +14,9 @@
 // Otherwise one thread per group moves every posted message along (a ring posts a send and a receive before
 // waiting for either; moving one message at a time could leave both ranks inside sends larger than
 // a mailbox), then sleeps on the counter the first stuck message waits for (0.2 ms at most; a new
-// post wakes it). After 50 ms without progress, and every 50 ms after, it checks the abort word,
-// that every peer's process runs, and the group's timeout, as wait.py does, and fails every posted
-// message naming the rank. Errors are NativeErrors: the Work's wait makes them the Python path's
+// post wakes it). A new message first checks the abort word; after 50 ms without progress, and
+// every 50 ms after, the thread also checks that every peer's process runs and the group's timeout
+// (the group's Waiter says each as wait.py does), and fails every posted message naming the rank. Errors are NativeErrors: the Work's wait makes them the Python path's
 // exceptions (forward.cpp), so this thread never takes the GIL.
 
 #pragma once
@@ -50,8 +50,9 @@ class Messages {
   static constexpr int64_t HEADER_BYTES = 8;  // transport.py's: the message's length, ahead of its bytes
   static constexpr double FAULT_CHECK_S = 0.05, SLEEP_S = 2e-4;
 
-  Messages(Words words, Mailboxes mail, int rank, int size, double timeout_s, Recorder* recorder)
-      : w_(words), mail_(mail), rank_(rank), size_(size), timeout_s_(timeout_s), rec_(recorder) {}
+  // waiter: the group's (its abort word and peer checks, which any thread may use)
+  Messages(Waiter* waiter, Mailboxes mail, int rank, int size, double timeout_s, Recorder* recorder)
+      : waiter_(waiter), mail_(mail), rank_(rank), size_(size), timeout_s_(timeout_s), rec_(recorder) {}
   ~Messages() {
     {
       std::lock_guard<std::mutex> lock(m_);
@@ -75,7 +76,7 @@ class Messages {
       std::lock_guard<std::mutex> lock(m_);
       // Nothing else in flight, the group whole, and the whole message moves now (a send with room
       // for it, a receive whose message is all there): the caller moves it, and no thread wakes.
-      if (posted_ == 0 && kind != RECV_ANY && !load(w_.control + w_.abort_word)) {
+      if (posted_ == 0 && kind != RECV_ANY && waiter_->broken("").empty()) {
         Transfer x = make(Posted{kind, t, peer, fut, slot}, kind, peer);
         if (moves_whole(x)) {
           progress(x);
@@ -223,44 +224,19 @@ class Messages {
     if (--posted_ == 0) idle_cv_.notify_all();
   }
 
-  // The abort word, the peers' processes and the timeout (wait.py's _check_peers): why the posted
-  // messages fail, or "".
-  std::string fault(const char* what, int peer, double waited) {
-    const int culprit = load(w_.control + w_.abort_word) - 1;
-    if (culprit >= 0) {
-      const int seen_by = load(w_.control + w_.abort_seen_by) - 1, why = load(w_.control + w_.abort_why);
-      const std::string how = why == LATE ? "did not reach a collective within rank " + std::to_string(seen_by) +
-                                                "'s timeout, which gave up on it (a late rank breaks the group, as on Gloo)"
-                              : why == FAILED || seen_by == culprit ? "failed (its error is on that rank)"
-                                                                    : "died (rank " + std::to_string(seen_by) + " saw it)";
-      return std::string(what) + " on rank " + std::to_string(rank_) + ": rank " + std::to_string(culprit) + " " + how +
-             ", so this call cannot run: the group is broken, make a new one";
-    }
-    for (int r = 0; r < size_; ++r) {
-      const int32_t pid = w_.pid(r);
-      if (r != rank_ && pid && !process_alive(pid)) {
-        raise_abort(r, DIED);
-        return std::string(what) + " on rank " + std::to_string(rank_) + ": rank " + std::to_string(r) + " (pid " +
-               std::to_string(pid) + ") died while this rank waited for it";
-      }
-    }
+  // Why the posted messages fail, or "": the abort word; with `peers`, also a peer's process gone
+  // and the group's timeout (wait.py's _check_peers, through the group's Waiter).
+  std::string fault(const char* what, int peer, double waited, bool peers) {
+    if (std::string why = waiter_->broken(what); !why.empty() || !peers) return why;
+    if (std::string died = waiter_->dead_peer(what); !died.empty()) return died;
     if (waited > timeout_s_) {
-      raise_abort(peer, LATE);
+      waiter_->abort(peer, LATE);
       char t[32];
       std::snprintf(t, sizeof t, "%g", timeout_s_);
       return std::string(what) + " on rank " + std::to_string(rank_) + ": rank " + std::to_string(peer) +
              " did not complete it within the " + t + " s timeout (is it in another collective, or stuck?)";
     }
     return "";
-  }
-
-  void raise_abort(int culprit, int why) {  // Waiter::abort's words: the others stop waiting
-    if (!load(w_.control + w_.abort_word)) {
-      store(w_.control + w_.abort_seen_by, rank_ + 1);
-      store(w_.control + w_.abort_why, why);
-      store(w_.control + w_.abort_word, culprit + 1);
-    }
-    for (int r = 0; r < size_; ++r) futex_wake(w_.step(r));
   }
 
   void wake_mover() {
@@ -282,7 +258,7 @@ class Messages {
       for (auto& p : fresh) {
         last = now_s(), next_check = last + FAULT_CHECK_S;
         const char* what = p.kind == SEND ? "send" : "recv";
-        std::string broken = fault(what, p.peer, 0.0);
+        std::string broken = fault(what, p.peer, 0.0, false);  // the abort word only, as point_to_point.py
         if (!broken.empty()) {
           finish(p, broken, ErrorKind::Peer, p.peer);
         } else if (p.kind == RECV_ANY) {
@@ -319,7 +295,7 @@ class Messages {
       if (now >= next_check) {
         next_check = now + FAULT_CHECK_S;
         const int peer = !queues.empty() ? queues.begin()->second.front().peer : rank_;
-        std::string broken = fault("a point-to-point message", peer, now - last);
+        std::string broken = fault("a point-to-point message", peer, now - last, true);
         if (!broken.empty()) {
           for (auto& [pair, line] : queues)
             for (auto& x : line) finish(x.p, broken, ErrorKind::Peer, x.peer);
@@ -347,7 +323,7 @@ class Messages {
     }
   }
 
-  Words w_;
+  Waiter* waiter_;
   Mailboxes mail_;
   int rank_, size_;
   double timeout_s_;

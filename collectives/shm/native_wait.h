@@ -331,14 +331,7 @@ class Waiter {
 
   void check_peers(int missing, double waited) {
     check_abort();
-    for (int r = 0; r < size_; ++r) {
-      const int32_t pid = w_.pid(r);
-      if (r != rank_ && pid && !process_alive(pid)) {
-        abort(r, DIED);
-        throw NativeError(ErrorKind::Peer, what + " on rank " + std::to_string(rank_) + ": rank " + std::to_string(r) +
-                                               " (pid " + std::to_string(pid) + ") died while this rank waited for it");
-      }
-    }
+    if (std::string died = dead_peer(what); !died.empty()) throw NativeError(ErrorKind::Peer, died);
     if (waited > timeout_s) {
       abort(missing, LATE);
       char t[32];
@@ -350,8 +343,27 @@ class Waiter {
   }
 
   void check_abort() {
+    if (std::string why = broken(what); !why.empty()) throw NativeError(ErrorKind::Peer, why);
+  }
+
+  // The first other rank whose process is gone, said for `what` ("" if none); it breaks the group
+  // (the abort word). Safe from any thread, as broken() and abort() are: they touch shared words only.
+  std::string dead_peer(const std::string& what) {
+    for (int r = 0; r < size_; ++r) {
+      const int32_t pid = w_.pid(r);
+      if (r != rank_ && pid && !process_alive(pid)) {
+        abort(r, DIED);
+        return what + " on rank " + std::to_string(rank_) + ": rank " + std::to_string(r) + " (pid " +
+               std::to_string(pid) + ") died while this rank waited for it";
+      }
+    }
+    return "";
+  }
+
+  // Why `what` cannot run on a group that the abort word says is broken, or "".
+  std::string broken(const std::string& what) const {
     const int culprit = load(w_.control + w_.abort_word) - 1;
-    if (culprit < 0) return;
+    if (culprit < 0) return "";
     const int seen_by = load(w_.control + w_.abort_seen_by) - 1;
     const int why = load(w_.control + w_.abort_why);
     std::string how;
@@ -363,8 +375,8 @@ class Waiter {
     } else {
       how = "died (rank " + std::to_string(seen_by) + " saw it)";
     }
-    throw NativeError(ErrorKind::Peer, what + " on rank " + std::to_string(rank_) + ": rank " + std::to_string(culprit) +
-                                           " " + how + ", so this call cannot run: the group is broken, make a new one");
+    return what + " on rank " + std::to_string(rank_) + ": rank " + std::to_string(culprit) + " " + how +
+           ", so this call cannot run: the group is broken, make a new one";
   }
 
   // Tell every other rank to stop waiting (culprit -1: this rank, whose own call failed).
