@@ -4,8 +4,9 @@ mailbox protocol, so every variant must deliver the same bytes, and a receive in
 another size must fail the same way on each, leaving the pair in step.
 
 Hypothesis draws the messages (how many, their sizes from 0 bytes to a dozen mailbox halves of a
-1 KiB mailbox, the dtype), whether each rank posts its receive before its send, which message a
-rank receives into a tensor one element too long, and which one from any source. A rank that dies
+1 KiB mailbox, the dtype), whether each rank posts its receive before its send, whether each
+message is waited for before the next is posted or all are posted first, which message a rank
+receives into a tensor one element too long, and which one from any source. A rank that dies
 while another waits for its message is named, on either path.
 
     pytest tests/shm/test_messages.py -q
@@ -49,15 +50,44 @@ def _message(seed: int, rank: int, numel: int, dtype: torch.dtype) -> torch.Tens
     return (values % 2).bool() if dtype == torch.bool else values.to(dtype)
 
 
+def _together(group, sizes, dtype, r, n, recv_first, mismatch_at):
+    """Every message posted before any is waited for (some move in the caller at once, the rest
+    queue behind them for the message thread, which must keep each pair's order); per message:
+    True for the right bytes, or the error's type and text."""
+    nxt, prv = (r + 1) % n, (r - 1) % n
+    posted = []
+    for i, numel in enumerate(sizes):
+        into = torch.full((numel + (i == mismatch_at),), 3, dtype=dtype)
+        posts = [lambda: dist.irecv(into, prv, group=group),
+                 lambda: dist.isend(_message(i, r, numel, dtype), nxt, group=group)]
+        posted.append((into, numel, [post() for post in (posts if recv_first else posts[::-1])]))
+    outcomes = []
+    for i, (into, numel, works) in enumerate(posted):
+        try:
+            for work in works:
+                work.wait()
+            outcomes.append(torch.equal(into, _message(i, prv, numel, dtype)))
+        except Exception as exc:  # noqa: BLE001
+            outcomes.append((type(exc).__name__, str(exc)))
+    return outcomes
+
+
 def _exchange(env, case):
     """Each message i: every rank sends to the next rank and receives from the one before (in the
-    order the case says); per variant, per message: True for the right bytes, or the error's type
-    and text. Then an all_reduce on the group, which must still work."""
-    sizes, dtype_name, recv_first, mismatch_at, any_at = case
+    order the case says), each waited for before the next, or all posted first (`together`); per
+    variant, per message: True for the right bytes, or the error's type and text. Then an
+    all_reduce on the group, which must still work."""
+    sizes, dtype_name, recv_first, mismatch_at, any_at, together = case
     n, r, dtype = env.world_size, env.rank, getattr(torch, dtype_name)
     nxt, prv = (r + 1) % n, (r - 1) % n
     said = {}
     for variant, group in _made(r).items():
+        if together:
+            said[variant] = _together(group, sizes, dtype, r, n, recv_first, mismatch_at)
+            t = torch.ones(1)
+            dist.all_reduce(t, group=group)
+            said[variant].append(t.item() == n)
+            continue
         outcomes = []
         for i, numel in enumerate(sizes):
             into = torch.full((numel + (i == mismatch_at),), 3, dtype=dtype)
@@ -89,17 +119,21 @@ def exchanges(draw):
     sizes = draw(st.lists(st.integers(0, 1600), min_size=1, max_size=4))
     dtype = draw(st.sampled_from(["float32", "int64", "bfloat16", "bool"]))
     at = st.one_of(st.none(), st.integers(0, len(sizes) - 1))
-    return sizes, dtype, draw(st.booleans()), draw(at), draw(at)
+    together = draw(st.booleans())
+    # posted together, a receive from any source would race the receives from its rank for a message
+    return sizes, dtype, draw(st.booleans()), draw(at), None if together else draw(at), together
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 @settings(max_examples=12, deadline=None)
 @given(case=exchanges())
-@example(case=([0, 1, 1600], "float32", False, None, None))   # 0 bytes, 1 element, 13 pieces
-@example(case=([1500, 40], "int64", True, 0, 1))             # a long message received one element too long
-@example(case=([300, 300, 2], "bool", False, 2, 0))           # from any source, then a short mismatch
+@example(case=([0, 1, 1600], "float32", False, None, None, False))   # 0 bytes, 1 element, 13 pieces
+@example(case=([1500, 40], "int64", True, 0, 1, False))             # a long message received one element too long
+@example(case=([300, 300, 2], "bool", False, 2, 0, False))           # from any source, then a short mismatch
+@example(case=([1, 1500, 2, 0], "float32", False, 2, None, True))   # all posted: small ones behind a long one
+@example(case=([2, 3, 4], "bfloat16", True, None, None, True))      # all posted, each small enough to move at once
 def test_every_path_delivers_the_same_bytes_and_names_a_size_mismatch(world_size, case):
-    sizes, dtype_name, _, mismatch_at, _ = case
+    sizes, dtype_name, _, mismatch_at, _, _ = case
     item = torch.empty(0, dtype=getattr(torch, dtype_name)).element_size()
     for rank, said in enumerate(run_on_ranks(_exchange, world_size, args=(case,), backend="gloo")):
         n = world_size
