@@ -169,3 +169,36 @@ def test_a_receive_from_a_rank_that_died_names_it(path, monkeypatch):
     message = str(info.value)
     assert "PeerFailure: a point-to-point message on rank 0: rank 1 (pid " in message, message
     assert "died while this rank waited for it" in message, message
+
+
+def _neg_views_among_plain_messages(env):
+    """Rank 0 posts sends of negative-bit views (torch._neg_view, what `.imag` of a conjugate gives
+    when contiguous) between plain ones to rank 1, all before waiting; rank 1 receives them in
+    order. The backend's own plain-tensor check would send a negative-bit tensor to the Python
+    thread, a second mover for the same pair beside the native one, with no order between them:
+    torch's dispatcher resolves the bit before the backend sees it, which this pins down by
+    counting the Python path's sends."""
+    from collectives.shm import process_group as pg
+
+    group, calls, original = _made(env.rank)["native"], [], pg.ShmBackend.send
+    pg.ShmBackend.send = lambda self, *a, **k: calls.append(1) or original(self, *a, **k)
+    try:
+        sizes = [3, 1500, 1, 700, 2]  # 1500 float64: 24 mailbox pieces, the others move at once
+        want = [torch.arange(n, dtype=torch.float64) + 100 * i for i, n in enumerate(sizes)]
+        if env.rank == 0:
+            works = [dist.isend(torch._neg_view(w) if i % 2 == 0 else w, 1, group=group) for i, w in enumerate(want)]
+            got = None
+        else:
+            got = [torch.empty(n, dtype=torch.float64) for n in sizes]
+            works = [dist.irecv(g, 0, group=group) for g in got]
+        for work in works:
+            work.wait()
+        return len(calls), got and [torch.equal(g, -w if i % 2 == 0 else w) for i, (g, w) in enumerate(zip(got, want))]
+    finally:
+        pg.ShmBackend.send = original
+
+
+def test_negative_bit_views_among_plain_messages_stay_on_the_native_path_in_order():
+    (sent_by_python, _), (_, right) = run_on_ranks(_neg_views_among_plain_messages, 2, backend="gloo")
+    assert sent_by_python == 0
+    assert right == [True] * 5
