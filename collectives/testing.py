@@ -47,6 +47,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import pytest
 
 from .launcher.pool import RankPool
+from .launcher.start_methods import TRAINING, preload
 
 DEFAULT_TIMEOUT_S = 60.0
 TEST_FILES = ("test_*.py", "*_test.py", "conftest.py")  # pytest's default python_files, and conftest
@@ -88,6 +89,7 @@ def get_pool(world_size: int, backend: Optional[str] = None) -> RankPool:
     backend = backend or os.environ.get("COLLECTIVES_TEST_BACKEND") or None
     key = (world_size, backend)
     if key not in _pools:
+        preload(*TRAINING)  # tests that train (an optimizer, torch's DDP) then find it imported in every rank
         _pools[key] = RankPool(world_size, backend=backend, setup=install_assert_rewriting)
     return _pools[key]
 

@@ -45,6 +45,7 @@ from tabulate import tabulate
 from collectives import cli
 import collectives
 from collectives.cli import command, eta
+from collectives.launcher.start_methods import TRAINING, preload
 
 from .parts.bucket import describe as bucket_describe
 from .steps.ddp import DistributedDataParallel
@@ -292,6 +293,7 @@ def main(argv=None) -> int:
     _validate(args, parser, image)
     data = f"synthetic CIFAR-shaped data ({args.batch_size} x 3 x {image} x {image} per rank)"
     chosen = {} if args.no_options else options(args.model, args.batch_size)
+    preload(*TRAINING)  # every rank builds an optimizer: the fork server imports what that needs, once
     plain = [impl for impl in args.impl if impl not in PARITY_IMPLS and impl != TP_IMPL]
     sharded = [impl for impl in args.impl if impl in PARITY_IMPLS]
     runs = _Runs(args, image, chosen, plain, sharded).run()

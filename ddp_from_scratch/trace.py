@@ -22,6 +22,7 @@ from typing import Dict
 
 from collectives import cli
 from collectives.cli import command
+from collectives.launcher.start_methods import TRAINING, preload
 
 from .workload.models import check_batch_fits, check_batchnorm_fits
 
@@ -166,6 +167,7 @@ def main(argv=None) -> int:
         parser.error(f"--bucket-cap-mb applies to --impl zero2 or zero2-bucketed here, not {args.impl}")
     cli.check_positive(parser, args, "--bucket-cap-mb", "MiB")
     options = {"bucket_cap_mb": args.bucket_cap_mb} if args.bucket_cap_mb is not None else {}
+    preload(*TRAINING)  # every rank builds an optimizer: the fork server imports what that needs, once
     results = collectives.run(_traced_steps, args.world_size,
                               args=(args.model, args.batch_size, args.steps, args.impl, options))
     events = [e for rank, (timeline, _) in enumerate(results) for e in chrome_trace_events(timeline, rank)]

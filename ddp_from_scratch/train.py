@@ -48,6 +48,7 @@ import collectives
 from collectives import cli
 from collectives.cli import command, eta
 from collectives.launcher.env import read_env
+from collectives.launcher.start_methods import TRAINING, preload
 
 from .workload import cifar10
 from .checkpoint import check_resume, gather_state, load_checkpoint, load_state, run_settings, save, weights_sha256
@@ -305,6 +306,7 @@ def main(argv=None) -> int:
     validate(args, parser, launched["world_size"] if joined else args.nproc,
              launched["local_world_size"] if joined else args.nproc)
     config = TrainConfig.from_args(args)
+    preload(*TRAINING)  # every rank builds an optimizer: the fork server imports what that needs, once
     summary = collectives.run_or_join(train_tp if config.tp is not None else train, args.nproc, args=(config,),
                                       timeout=7 * 24 * 3600)
     if summary is None:  # a torchrun/srun rank other than 0: rank 0 reports

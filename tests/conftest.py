@@ -52,6 +52,15 @@ def pytest_sessionstart(session):
     _build["thread"].start()
 
 
+def pytest_configure(config):
+    """Every process of the run (under pytest-xdist, each worker) has its fork server import what
+    an optimizer or torch's DDP imports, before any test starts one: many tests' ranks train, and
+    whichever test started the server first would otherwise decide for the whole run."""
+    from collectives.launcher.start_methods import TRAINING, preload
+
+    preload(*TRAINING)
+
+
 def pytest_collection_modifyitems(config, items):
     """The modules in WITHOUT_BRIDGE go first after the test hosts' tests (which
     tests/multinode/conftest.py puts first)."""

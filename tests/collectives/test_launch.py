@@ -534,6 +534,39 @@ def test_ranks_keep_torchs_compile_cache_out_of_tmp():
         assert where.endswith("torchinductor")
 
 
+PRELOADED = """
+import os, sys
+import collectives
+from collectives.launcher.start_methods import TRAINING, preload
+
+
+def rank(env):
+    imported = "torch._dynamo" in sys.modules  # before this rank built anything
+    import torch
+    torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    return imported
+
+
+if __name__ == "__main__":
+    first = preload(*TRAINING)
+    print(first, collectives.run(rank, world_size=2), preload("json"))
+"""
+
+
+def test_a_training_programs_ranks_start_with_what_an_optimizer_imports_and_nothing_lands_in_tmp(tmp_path):
+    """preload(*TRAINING): the fork server imports torch._dynamo once (what the first optimizer or
+    torch DDP of a rank imports, about a second of CPU each), with the compile cache pointed outside
+    the temporary directory first, since importing it makes that folder; once the server has
+    started, a preload is refused."""
+    script, tmp = tmp_path / "preloaded.py", tmp_path / "tmp"
+    script.write_text(PRELOADED)
+    tmp.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                         env={**env, "TMPDIR": str(tmp)})
+    assert out.returncode == 0 and out.stdout.split() == ["True", "[True,", "True]", "False"], out.stdout + out.stderr
+    assert not [p.name for p in tmp.iterdir() if p.name.startswith("torchinductor")]
+
 
 def _load_with_workers(env):
     """A DataLoader with worker processes inside a rank (a daemonic rank may not have children)."""
