@@ -127,7 +127,7 @@ class PointToPoint:
                     comm.waiter.what = "a point-to-point message"
                     first = moving[0][0].message if moving else None
                     peer = (first.src if first.dst == comm.rank else first.dst) if first else comm.rank
-                    comm.waiter._check_peers(peer, now - start)
+                    comm.waiter._check_peers(peer, now - start, late="did not complete it")  # native_p2p.h's words
                 except BaseException as exc:  # noqa: BLE001
                     for _, fut, _ in moving:
                         self._done(fut, error=exc)

@@ -185,7 +185,9 @@ class Waiter:
                     self.segment.sleeping[self.rank] = 0
 
     # -- faults -----------------------------------------------------------------------------------
-    def _check_peers(self, missing: int, waited: float) -> None:
+    def _check_peers(self, missing: int, waited: float, late: str = "") -> None:
+        """A peer's process gone, or `missing` later than the timeout: PeerFailure (and the abort
+        word set). `late` says what the missing rank did not do (default: reach this step)."""
         seg = self.segment
         self.check_abort()
         for r, pid in enumerate(seg.pids):
@@ -195,8 +197,8 @@ class Waiter:
                                   f"waited for it")
         if waited > self.timeout_s:
             self.abort(culprit=missing, why=LATE)
-            raise PeerFailure(f"{self.what} on rank {self.rank}: rank {missing} did not reach step {self.step} within "
-                              f"the {self.timeout_s:g} s timeout (is it in another collective, or stuck?)")
+            raise PeerFailure(f"{self.what} on rank {self.rank}: rank {missing} {late or f'did not reach step {self.step}'}"
+                              f" within the {self.timeout_s:g} s timeout (is it in another collective, or stuck?)")
 
     def check_abort(self, what: str = "") -> None:
         """Raise PeerFailure if the group is broken (the abort word), naming the call (`what`,

@@ -171,6 +171,31 @@ def test_a_receive_from_a_rank_that_died_names_it(path, monkeypatch):
     assert "died while this rank waited for it" in message, message
 
 
+def _recv_that_nobody_sends(env, path):
+    from datetime import timedelta
+
+    group = new_group_with({"COLLECTIVES_SHM_PATH": path}, timeout=timedelta(seconds=1))
+    if env.rank == 1:
+        return None  # alive, and never sends
+    start = time.monotonic()
+    try:
+        dist.recv(torch.empty(4), 1, group=group)
+    except Exception as exc:  # noqa: BLE001
+        return type(exc).__name__, str(exc), time.monotonic() - start
+    return "received"
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_receive_past_the_groups_timeout_says_the_peer_did_not_complete_it(path):
+    """Either path gives up on a message after the group's timeout, in the same words: the
+    message's peer did not complete it (not a step: messages have none)."""
+    kind, text, waited = run_on_ranks(_recv_that_nobody_sends, 2, args=(path,), backend="gloo")[0]
+    assert kind == "PeerFailure", (kind, text)
+    assert text == ("a point-to-point message on rank 0: rank 1 did not complete it within the 1 s timeout "
+                    "(is it in another collective, or stuck?)"), text
+    assert 1 <= waited < 30, waited
+
+
 def _neg_views_among_plain_messages(env):
     """Rank 0 posts sends of negative-bit views (torch._neg_view, what `.imag` of a conjugate gives
     when contiguous) between plain ones to rank 1, all before waiting; rank 1 receives them in
