@@ -323,6 +323,17 @@ class ForwardBackend : public c10d::Backend {
   }
   intrusive_ptr<Work> allgather_coalesced(std::vector<std::vector<at::Tensor>>& out, std::vector<at::Tensor>& in,
                                           const c10d::AllgatherOptions& o) override {
+    // out[q][i]: rank q's in[i]; the engine takes them per input, as the Python path does
+    bool fits = static_cast<int>(out.size()) == getSize();
+    for (const auto& outs : out) fits = fits && outs.size() == in.size();
+    if (fits) {
+      std::vector<std::vector<at::Tensor>> per_input(in.size());
+      for (size_t i = 0; i < in.size(); ++i)
+        for (auto& outs : out) per_input[i].push_back(outs[i]);
+      if (auto w = native(c10d::OpType::ALLGATHER_COALESCED,
+                          [&](Engine& e) { return e.all_gather_coalesced(per_input, in, caller_waits(o)); }))
+        return w;
+    }
     return call("allgather_coalesced", c10d::OpType::ALLGATHER_COALESCED, out, in, o);
   }
   intrusive_ptr<Work> allgather_into_tensor_coalesced(std::vector<at::Tensor>& out, std::vector<at::Tensor>& in,

@@ -278,6 +278,34 @@ class Engine {
     });
   }
 
+  // dist.all_gather_coalesced: per input i, the list form into outs[i] (one tensor a rank), one
+  // call and one record for them all, as the Python path's job runs them (inputs may differ in
+  // size and dtype; any input or output the engine does not take sends the whole call there)
+  FuturePtr all_gather_coalesced(std::vector<std::vector<at::Tensor>>& outs, std::vector<at::Tensor>& ins,
+                                 bool caller_waits = false) {
+    if (ins.empty() || outs.size() != ins.size()) return nullptr;
+    int64_t nbytes = 0;
+    std::vector<at::Tensor> flat_outs;
+    for (size_t i = 0; i < ins.size(); ++i) {
+      if (!plain(ins[i]) || dtype_code(ins[i]) < 0 || static_cast<int>(outs[i].size()) != setup_.size) return nullptr;
+      for (const auto& o : outs[i]) {
+        if (!plain(o) || o.scalar_type() != ins[i].scalar_type() || o.numel() != ins[i].numel()) return nullptr;
+        flat_outs.push_back(o);
+      }
+      nbytes += setup_.size * ins[i].nbytes();
+    }
+    return run(K_ALL_GATHER, ins, flat_outs, nbytes, caller_waits, [this, outs, ins](Collectives& c) {
+      for (size_t i = 0; i < ins.size(); ++i) {
+        const at::Tensor& in = ins[i];
+        const int64_t n = in.numel();
+        at::Tensor joined = at::empty({setup_.size * n}, in.options());
+        c.begin(setup_.kind_codes[K_ALL_GATHER], "all_gather", dtype_code(in), n);
+        c.all_gather(static_cast<char*>(joined.data_ptr()), static_cast<const char*>(in.data_ptr()), n, in.element_size());
+        for (size_t q = 0; q < outs[i].size(); ++q) outs[i][q].view(-1).copy_(joined.narrow(0, static_cast<int64_t>(q) * n, n));
+      }
+    });
+  }
+
   FuturePtr reduce_scatter_list(at::Tensor& out, std::vector<at::Tensor>& ins, const c10d::ReduceOp& rop,
                                 bool caller_waits = false) {
     if (!reduces(rop, out) || static_cast<int>(ins.size()) != setup_.size || !alike(ins, out)) return nullptr;

@@ -186,6 +186,8 @@ def _every_collective(group, r, n):
     with dist._coalescing_manager(group=group):  # one allreduce_coalesced call
         dist.all_reduce(torch.ones(3), group=group)
         dist.all_reduce(torch.ones(2), group=group)
+    dist.all_gather_coalesced([[torch.empty(2), torch.empty(2)] for _ in range(n)], [torch.ones(2), torch.ones(2)],
+                              group=group)  # the list form, one call: its inputs' stack, its outputs' stack
     # non-contiguous: the native path hands it to the Python path, whose entry joins the same record
     dist.all_reduce(torch.ones(5, 2, dtype=torch.int32)[:, 0], group=group)
     dist.all_gather([torch.empty(2, dtype=torch.float64) for _ in range(n)], torch.ones(2, dtype=torch.float64),
@@ -204,7 +206,7 @@ def _expected_entries(r, n):
         ("all_to_all", [[2 * n]], [[2 * n]]), ("all_to_all", [[(r + 1) * n]], [[n * (n + 1) // 2]]),
         ("all_to_all", [[n, 3]], [[n, 3]]), ("barrier", [], []),
         ("all_gather", [[2]], [[2 * n]]), ("all_gather", [[3]], [[3 * n]]),
-        ("allreduce_coalesced", [[2, 3]], [[2, 3]])]] + [
+        ("allreduce_coalesced", [[2, 3]], [[2, 3]]), ("all_gather", [[2, 2]], [[2 * n, 2]])]] + [
         ("all_reduce", [[5]], [[5]], "Int"), ("all_gather", [[2]], [[n, 2]], "Double")]
 
 

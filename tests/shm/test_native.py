@@ -238,6 +238,13 @@ def _coalesced_on_every_variant(env, case):
     got = {}
     for variant, group in _made(env.rank, False, round_kb).items():
         outs = []
+        if kind == "all_gather_coalesced":  # the list form: rank q's input i lands in lists[q][i]
+            ins = [_values(seed + i, env.rank, numel, getattr(torch, d), op) for i, (d, numel) in enumerate(pairs)]
+            lists = [[torch.zeros(2 * numel, dtype=x.dtype)[::2] if (i, q) == (noncontiguous_at, 0) else torch.empty_like(x)
+                      for i, (x, (_, numel)) in enumerate(zip(ins, pairs))] for q in range(p)]
+            dist.all_gather_coalesced(lists, ins, group=group)
+            got[variant] = [o.clone(memory_format=torch.contiguous_format).view(torch.uint8) for outs in lists for o in outs]
+            continue
         with dist._coalescing_manager(group, async_ops=True) as cm:
             for i, (dtype_name, numel) in enumerate(pairs):
                 dtype = getattr(torch, dtype_name)
@@ -260,11 +267,11 @@ def _coalesced_on_every_variant(env, case):
 
 @st.composite
 def coalesced_cases(draw):
-    kind = draw(st.sampled_from(["all_gather", "reduce_scatter", "all_reduce"]))
-    op = draw(st.sampled_from(["sum", "avg", "max"])) if kind != "all_gather" else ""
-    dtypes = ["float32", "float64", "bfloat16"] + (["int32", "bool"] if op != "avg" and kind == "all_gather" else
+    kind = draw(st.sampled_from(["all_gather", "reduce_scatter", "all_reduce", "all_gather_coalesced"]))
+    op = draw(st.sampled_from(["sum", "avg", "max"])) if not kind.startswith("all_gather") else ""
+    dtypes = ["float32", "float64", "bfloat16"] + (["int32", "bool"] if op != "avg" and kind.startswith("all_gather") else
                                                    ["int32"] if op != "avg" and kind == "all_reduce" else [])
-    if kind == "all_reduce":  # one dtype for every pair
+    if kind in ("all_reduce", "all_gather_coalesced"):  # one dtype for every pair (torch refuses more)
         dtypes = [draw(st.sampled_from(dtypes))]
     pairs = draw(st.lists(st.tuples(st.sampled_from(dtypes), st.integers(0, 1500)), min_size=1, max_size=4))
     noncontiguous_at = draw(st.one_of(st.none(), st.integers(0, len(pairs) - 1)))
@@ -278,9 +285,12 @@ def coalesced_cases(draw):
 @example(case=("reduce_scatter", "avg", [("float32", 700), ("float64", 5)], 1, "auto", 2))  # the Python path for all
 @example(case=("all_reduce", "avg", [("bfloat16", 900), ("bfloat16", 1), ("bfloat16", 0)], None, "0.25", 3))  # rounds
 @example(case=("all_reduce", "sum", [("float32", 2), ("float32", 3)], 0, "auto", 4))  # non-contiguous: Python
+@example(case=("all_gather_coalesced", "", [("bfloat16", 1000), ("bfloat16", 3), ("bfloat16", 0)], None, "0.25", 5))
+@example(case=("all_gather_coalesced", "", [("bool", 2), ("bool", 3)], 1, "auto", 6))  # non-contiguous: Python
 def test_coalesced_calls_leave_the_python_paths_bits(world_size, case):
     """The coalesced forms (DTensor's redistributions and the functional collectives use them):
-    several pairs of mixed dtypes and sizes, one call a pair in order on either path."""
+    several pairs of mixed dtypes and sizes, one call a pair in order on either path; and
+    dist.all_gather_coalesced, the list form, one call for all its inputs."""
     for rank, same in enumerate(run_on_ranks(_coalesced_on_every_variant, world_size, args=(case,), backend="gloo")):
         assert all(same.values()), f"rank {rank} of {world_size}, {case}: equal to the Python path's bytes: {same}"
 

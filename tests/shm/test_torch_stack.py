@@ -242,6 +242,8 @@ def _calls_into_python(env):
     with dist._coalescing_manager(group=group):  # one allreduce_coalesced call to the backend
         dist.all_reduce(torch.ones(3), group=group)
         dist.all_reduce(torch.ones(2, 2), group=group)
+    dist.all_gather_coalesced([[torch.empty(2), torch.empty(3)] for _ in range(p)], [torch.ones(2), torch.ones(3)],
+                              group=group)
     # messages: a ring of batch_isend_irecv, a blocking pair, and a receive from any source
     ring = [dist.P2POp(dist.isend, torch.ones(5), (r + 1) % p, group=group),
             dist.P2POp(dist.irecv, torch.empty(5), (r - 1) % p, group=group)]
@@ -253,7 +255,7 @@ def _calls_into_python(env):
     elif r == 1:
         dist.recv(torch.empty(70000), 0, group=group)
         dist.send(torch.ones(2), 0, group=group)
-    counted["list forms, gather, scatter, all_to_all, allreduce_coalesced, messages"] = dict(seen)
+    counted["list forms, gather, scatter, all_to_all, the coalesced all_reduce and all_gather, messages"] = dict(seen)
     seen.clear()  # DTensor's redistributions and the functional collectives: coalesced all_gathers on the CPU
     whole = torch.arange(8.0 * p).reshape(2 * p, 4)
     d = distribute_tensor(whole, mesh, [Shard(0)]).redistribute(mesh, [Shard(1)]).redistribute(mesh, [Replicate()])
@@ -278,7 +280,7 @@ def test_ddp_and_fully_shard_never_call_into_python_on_the_native_path(dist_run,
         assert len(ddp) == 6 and all(v == ({}, {}) for v in ddp.values()), (rank, ddp)
         assert counted["ours bucketed powersgd"] == ({}, {}), (rank, counted)
         assert counted["fully_shard"] == ({}, {}), (rank, counted)
-        assert counted["list forms, gather, scatter, all_to_all, allreduce_coalesced, messages"] == {}, (rank, counted)
+        assert counted["list forms, gather, scatter, all_to_all, the coalesced all_reduce and all_gather, messages"] == {}, (rank, counted)
         assert counted["DTensor and functional collectives"] == {}, (rank, counted)
         assert counted["non-contiguous all_reduce"] == {"allreduce": 1}, (rank, counted)
 
