@@ -415,6 +415,11 @@ class ForwardBackend : public c10d::Backend {
     return call("barrier", c10d::OpType::BARRIER, o);
   }
   void monitoredBarrier(const c10d::BarrierOptions& o, bool wait_all_ranks) override {
+    const double timeout_s = o.timeout.count() > 0 ? o.timeout.count() / 1000.0 : -1.0;  // else the group's
+    if (auto w = native(c10d::OpType::BARRIER, [&](Engine& e) { return e.monitored_barrier(timeout_s, wait_all_ranks); })) {
+      w->wait(std::chrono::milliseconds(0));
+      return;
+    }
     call("monitored_barrier", c10d::OpType::BARRIER, o, wait_all_ranks)->wait(std::chrono::milliseconds(0));
   }
 

@@ -58,11 +58,12 @@ struct Setup {  // what process_group.py hands the engine (native_setup.setup)
 };
 
 // K_ALL_REDUCE_COALESCED names a flight-record entry only: on the wire it is one all_reduce
+// K_MONITORED_BARRIER names the call words only: its entry is a barrier's, as on the Python path
 enum Kind { K_BROADCAST = 0, K_ALL_REDUCE, K_REDUCE, K_ALL_GATHER, K_REDUCE_SCATTER, K_BARRIER, K_GATHER, K_SCATTER, K_ALL_TO_ALL,
-            K_ALL_REDUCE_COALESCED };
+            K_MONITORED_BARRIER, K_ALL_REDUCE_COALESCED };
 inline const char* kind_name(int k) {
   static const char* names[] = {"broadcast", "all_reduce", "reduce", "all_gather", "reduce_scatter", "barrier",
-                                "gather", "scatter", "all_to_all", "allreduce_coalesced"};
+                                "gather", "scatter", "all_to_all", "monitored_barrier", "allreduce_coalesced"};
   return names[k];
 }
 
@@ -426,6 +427,13 @@ class Engine {
   FuturePtr barrier() {
     std::vector<at::Tensor> none;
     return run(K_BARRIER, none, none, 0, false, [this](Collectives& c) { c.barrier(setup_.kind_codes[K_BARRIER]); });
+  }
+  // timeout_s < 0: the group's
+  FuturePtr monitored_barrier(double timeout_s, bool wait_all) {
+    std::vector<at::Tensor> none;
+    return run(K_BARRIER, none, none, 0, false, [this, timeout_s, wait_all](Collectives& c) {
+      c.monitored_barrier(setup_.kind_codes[K_MONITORED_BARRIER], timeout_s, wait_all);
+    });
   }
 
  private:

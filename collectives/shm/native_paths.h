@@ -380,6 +380,32 @@ class Collectives {
     meet();
   }
 
+  // ops.py's monitored_barrier: a barrier whose timeout (timeout_s, or the group's when negative)
+  // names the ranks that did not reach it: the first of them, or all with wait_all (Gloo's
+  // monitoredBarrier)
+  void monitored_barrier(int kind_code, double timeout_s, bool wait_all) {
+    begin(kind_code, "monitored_barrier", -1, 0);
+    next_round();
+    const double saved = waiter_->timeout_s;
+    if (timeout_s >= 0) waiter_->timeout_s = timeout_s;
+    try {
+      meet();
+    } catch (const NativeError& e) {
+      const double waited_for = waiter_->timeout_s;
+      waiter_->timeout_s = saved;
+      std::vector<int> late = waiter_->behind_ranks();
+      if (e.kind != ErrorKind::Peer || late.empty()) throw;
+      if (!wait_all) late.resize(1);
+      std::string named = late.size() > 1 ? "ranks " : "rank ";
+      for (size_t i = 0; i < late.size(); ++i) named += (i ? ", " : "") + std::to_string(late[i]);
+      char t[32];
+      std::snprintf(t, sizeof t, "%g", waited_for);
+      throw NativeError(ErrorKind::Peer, "monitored_barrier on rank " + std::to_string(rank_) + ": " + named +
+                                             " did not reach it within " + t + " s (" + e.what() + ")");
+    }
+    waiter_->timeout_s = saved;
+  }
+
  private:
   volatile int32_t* bank_word(int bank, int q) const {
     return w_.control + w_.call0 + (static_cast<int64_t>(bank) * size_ + q) * w_.call_words;

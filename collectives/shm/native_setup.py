@@ -24,7 +24,7 @@ from .segment import (ABORT, ABORT_SEEN_BY, ABORT_WHY, CALL0, CALL_WORDS, CONTRO
 from .wait import SPIN_S_OWN_CORE, PeerFailure
 
 NATIVE_KINDS = ("broadcast", "all_reduce", "reduce", "all_gather", "reduce_scatter", "barrier", "gather", "scatter",
-                "all_to_all")  # native_engine.h's Kind order
+                "all_to_all", "monitored_barrier")  # native_engine.h's Kind order
 # the dtypes the native path moves, and (with an op) reduces; others take the Python path
 _REDUCED = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
             torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool)

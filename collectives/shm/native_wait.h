@@ -231,6 +231,15 @@ class Waiter {
     wait_for(step);
   }
 
+  // the other ranks whose word is behind this rank's step (ops.py's monitored_barrier names them)
+  std::vector<int> behind_ranks() const {
+    std::vector<int> late;
+    for (int r = 0; r < size_; ++r) {
+      if (r != rank_ && behind(load(w_.step(r)), step)) late.push_back(r);
+    }
+    return late;
+  }
+
   int first_missing(int32_t s) const {
     for (int r = 0; r < size_; ++r) {
       if (behind(load(w_.step(r)), s)) return r;

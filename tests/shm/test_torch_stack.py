@@ -7,6 +7,8 @@ fully_shard's steps call into Python.
     pytest tests/shm/test_torch_stack.py -q
 """
 
+import datetime
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -244,6 +246,7 @@ def _calls_into_python(env):
         dist.all_reduce(torch.ones(2, 2), group=group)
     dist.all_gather_coalesced([[torch.empty(2), torch.empty(3)] for _ in range(p)], [torch.ones(2), torch.ones(3)],
                               group=group)
+    group.monitored_barrier(datetime.timedelta(seconds=30), True)  # the group's own (dist's takes Gloo only)
     # messages: a ring of batch_isend_irecv, a blocking pair, and a receive from any source
     ring = [dist.P2POp(dist.isend, torch.ones(5), (r + 1) % p, group=group),
             dist.P2POp(dist.irecv, torch.empty(5), (r - 1) % p, group=group)]
@@ -255,7 +258,7 @@ def _calls_into_python(env):
     elif r == 1:
         dist.recv(torch.empty(70000), 0, group=group)
         dist.send(torch.ones(2), 0, group=group)
-    counted["list forms, gather, scatter, all_to_all, the coalesced all_reduce and all_gather, messages"] = dict(seen)
+    counted["list forms, gather, scatter, all_to_all, the coalesced all_reduce and all_gather, monitored_barrier, messages"] = dict(seen)
     seen.clear()  # DTensor's redistributions and the functional collectives: coalesced all_gathers on the CPU
     whole = torch.arange(8.0 * p).reshape(2 * p, 4)
     d = distribute_tensor(whole, mesh, [Shard(0)]).redistribute(mesh, [Shard(1)]).redistribute(mesh, [Replicate()])
@@ -280,7 +283,7 @@ def test_ddp_and_fully_shard_never_call_into_python_on_the_native_path(dist_run,
         assert len(ddp) == 6 and all(v == ({}, {}) for v in ddp.values()), (rank, ddp)
         assert counted["ours bucketed powersgd"] == ({}, {}), (rank, counted)
         assert counted["fully_shard"] == ({}, {}), (rank, counted)
-        assert counted["list forms, gather, scatter, all_to_all, the coalesced all_reduce and all_gather, messages"] == {}, (rank, counted)
+        assert counted["list forms, gather, scatter, all_to_all, the coalesced all_reduce and all_gather, monitored_barrier, messages"] == {}, (rank, counted)
         assert counted["DTensor and functional collectives"] == {}, (rank, counted)
         assert counted["non-contiguous all_reduce"] == {"allreduce": 1}, (rank, counted)
 
