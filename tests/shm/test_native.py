@@ -295,6 +295,26 @@ def test_coalesced_calls_leave_the_python_paths_bits(world_size, case):
         assert all(same.values()), f"rank {rank} of {world_size}, {case}: equal to the Python path's bytes: {same}"
 
 
+def _monitored_barrier_on_every_variant(env):
+    """The group's monitored_barrier that every rank reaches, then an all_reduce, on the native,
+    Python and mixed groups: the two paths' call words for it must agree rank by rank."""
+    from datetime import timedelta
+
+    said = {}
+    for variant, group in _made(env.rank, False).items():
+        group.monitored_barrier(timedelta(seconds=30), True)
+        t = torch.ones(1)
+        dist.all_reduce(t, group=group)
+        said[variant] = t.item()
+    return said
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_monitored_barrier_meets_on_either_path_and_in_a_mixed_group(world_size):
+    for said in run_on_ranks(_monitored_barrier_on_every_variant, world_size, backend="gloo"):
+        assert said == {"native": world_size, "python": world_size, "mixed": world_size}, said
+
+
 def _coalesced_disagreeing(env):
     """Three coalesced all_gathers, the second one element longer on rank 1, on each variant:
     what each rank raised (type and text), and an all_reduce after."""
