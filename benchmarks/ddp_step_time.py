@@ -29,6 +29,7 @@ from tabulate import tabulate
 
 import collectives
 from collectives import cli
+from collectives.launcher.start_methods import TRAINING, preload
 from collectives.cli import command
 from ddp_from_scratch.workload.models import MODELS
 from ddp_from_scratch.wrap import wrap
@@ -90,6 +91,7 @@ def main(argv=None) -> int:
            "'/ torch' is the median of the per-round ratios, with quartiles")
 
     main_variants = dict(v for k, v in MAIN_VARIANTS.items() if k == "torch" or k in args.variants)
+    preload(*TRAINING)  # every rank builds an optimizer: the fork server imports what that needs, once
     med = summarise(_run(args.model, 2, main_variants, args.rounds, args.batch_size), "torch")
     report["comparison"] = med
     rows = [[label, f"{e['median_s']:.3f}", _ratio(e)] for label, e in med.items()]

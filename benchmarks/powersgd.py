@@ -34,6 +34,7 @@ from tabulate import tabulate
 
 import collectives
 from collectives import cli
+from collectives.launcher.start_methods import TRAINING, preload
 from collectives.cli import command
 from ddp_from_scratch.workload.models import MODELS, batch
 from ddp_from_scratch.steps.powersgd import PowerSGD, compressed_numel
@@ -174,6 +175,8 @@ def main(argv=None) -> int:
         parser.error("--plot draws the curves part only")
     cli.check_outputs(parser, {"--json": args.json, "--plot": args.plot})
     command_line = cli.command_line("benchmarks.powersgd", argv)
+    if args.part != "bytes":
+        preload(*TRAINING)  # every rank builds an optimizer: the fork server imports what that needs, once
     if args.part == "bytes":
         rows = [row for name in ("small", "resnet50")
                 for row in collectives.run(count_bytes, 1, args=(name, args.ranks), backend="gloo")[0]]

@@ -32,6 +32,7 @@ from tabulate import tabulate
 
 import collectives
 from collectives import cli
+from collectives.launcher.start_methods import TRAINING, preload
 from collectives.cli import command
 from ddp_from_scratch.wrap import SHARDED, STAGES as REGISTRY, wrap
 from ddp_from_scratch.steps.fsdp import unit_plan
@@ -212,6 +213,7 @@ def main(argv=None) -> int:
         n = result["world_size"]
         args.time_stages = list(result.get("step_time", {})) or args.time_stages
     else:
+        preload(*TRAINING)  # every rank builds an optimizer: the fork server imports what that needs, once
         result = run(args)
         n = result["world_size"]
     report(result, args, n)

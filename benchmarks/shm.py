@@ -38,6 +38,7 @@ from torch import nn
 
 import collectives
 from collectives import cli
+from collectives.launcher.start_methods import TRAINING, preload
 from collectives.cli import command
 from collectives.shm import backend_of, new_group_with
 from collectives.shm.config import parse_settings
@@ -276,6 +277,8 @@ def main(argv=None) -> int:
     config = {k: getattr(args, k) for k in ("minbytes", "maxbytes", "stepfactor", "rounds", "batch_size", "skip_ddp",
                                             "only_ddp")}
     config["settings"] = list(dict.fromkeys(args.setting))
+    if not args.skip_ddp:
+        preload(*TRAINING)  # the DDP ranks build optimizers: the fork server imports what that needs, once
     result = collectives.run(run_all, args.world_size, args=(config,), timeout=6 * 3600)[0]
     print(f"# python -m benchmarks.shm {' '.join(argv)}")
     print(f"# {datetime.date.today().isoformat()}, torch {torch.__version__}, {cli.cpus()} cpus, one thread per rank")

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 import collectives
 from collectives import cli
+from collectives.launcher.start_methods import TRAINING, preload
 from collectives.algorithms.cost import CostModel
 from ddp_from_scratch.steps.ddp import DistributedDataParallel
 from ddp_from_scratch.tensor_parallel.cost import Shape, break_even_tokens, step_messages
@@ -156,6 +157,7 @@ def main(argv=None) -> int:
         parser.error(f"--heads {args.heads} must divide --hidden {args.hidden}")
     config = {k: getattr(args, k) for k in ("tp", "backend", "batch_size", "seq", "vocab", "hidden", "heads",
                                             "layers", "rounds")}
+    preload(*TRAINING)  # every rank builds an optimizer: the fork server imports what that needs, once
     result = collectives.run(measure, args.world_size, backend="gloo", args=(config,), timeout=3600)[0]
     print(report(result, config))
     if args.json:
