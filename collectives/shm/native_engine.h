@@ -265,45 +265,34 @@ class Engine {
 
   // The list forms (dist.all_gather, dist.reduce_scatter), as the Python path runs them: the
   // tensor form on one joined buffer, copied out of it (or into it) in rank order.
-  FuturePtr all_gather_list(std::vector<at::Tensor>& outs, at::Tensor& in, bool caller_waits = false) {
-    if (!plain(in) || dtype_code(in) < 0 || static_cast<int>(outs.size()) != setup_.size) return nullptr;
+  bool takes_all_gather_list(const std::vector<at::Tensor>& outs, const at::Tensor& in) const {
+    if (!plain(in) || dtype_code(in) < 0 || static_cast<int>(outs.size()) != setup_.size) return false;
     for (const auto& o : outs)
-      if (!plain(o) || o.scalar_type() != in.scalar_type() || o.numel() != in.numel()) return nullptr;
+      if (!plain(o) || o.scalar_type() != in.scalar_type() || o.numel() != in.numel()) return false;
+    return true;
+  }
+  FuturePtr all_gather_list(std::vector<at::Tensor>& outs, at::Tensor& in, bool caller_waits = false) {
+    if (!takes_all_gather_list(outs, in)) return nullptr;
     std::vector<at::Tensor> ins{in};
-    return run(K_ALL_GATHER, ins, outs, setup_.size * in.nbytes(), caller_waits, [this, outs, in](Collectives& c) {
-      const int64_t n = in.numel();
-      at::Tensor joined = at::empty({setup_.size * n}, in.options());
-      c.begin(setup_.kind_codes[K_ALL_GATHER], "all_gather", dtype_code(in), n);
-      c.all_gather(static_cast<char*>(joined.data_ptr()), static_cast<const char*>(in.data_ptr()), n, in.element_size());
-      for (size_t q = 0; q < outs.size(); ++q) outs[q].view(-1).copy_(joined.narrow(0, static_cast<int64_t>(q) * n, n));
-    });
+    return run(K_ALL_GATHER, ins, outs, setup_.size * in.nbytes(), caller_waits,
+               [this, outs, in](Collectives& c) { gather_into_list(c, outs, in); });
   }
 
   // dist.all_gather_coalesced: per input i, the list form into outs[i] (one tensor a rank), one
   // call and one record for them all, as the Python path's job runs them (inputs may differ in
-  // size and dtype; any input or output the engine does not take sends the whole call there)
+  // size; any input or output the engine does not take sends the whole call there)
   FuturePtr all_gather_coalesced(std::vector<std::vector<at::Tensor>>& outs, std::vector<at::Tensor>& ins,
                                  bool caller_waits = false) {
     if (ins.empty() || outs.size() != ins.size()) return nullptr;
     int64_t nbytes = 0;
     std::vector<at::Tensor> flat_outs;
     for (size_t i = 0; i < ins.size(); ++i) {
-      if (!plain(ins[i]) || dtype_code(ins[i]) < 0 || static_cast<int>(outs[i].size()) != setup_.size) return nullptr;
-      for (const auto& o : outs[i]) {
-        if (!plain(o) || o.scalar_type() != ins[i].scalar_type() || o.numel() != ins[i].numel()) return nullptr;
-        flat_outs.push_back(o);
-      }
+      if (!takes_all_gather_list(outs[i], ins[i])) return nullptr;
+      flat_outs.insert(flat_outs.end(), outs[i].begin(), outs[i].end());
       nbytes += setup_.size * ins[i].nbytes();
     }
     return run(K_ALL_GATHER, ins, flat_outs, nbytes, caller_waits, [this, outs, ins](Collectives& c) {
-      for (size_t i = 0; i < ins.size(); ++i) {
-        const at::Tensor& in = ins[i];
-        const int64_t n = in.numel();
-        at::Tensor joined = at::empty({setup_.size * n}, in.options());
-        c.begin(setup_.kind_codes[K_ALL_GATHER], "all_gather", dtype_code(in), n);
-        c.all_gather(static_cast<char*>(joined.data_ptr()), static_cast<const char*>(in.data_ptr()), n, in.element_size());
-        for (size_t q = 0; q < outs[i].size(); ++q) outs[i][q].view(-1).copy_(joined.narrow(0, static_cast<int64_t>(q) * n, n));
-      }
+      for (size_t i = 0; i < ins.size(); ++i) gather_into_list(c, outs[i], ins[i]);
     });
   }
 
@@ -437,6 +426,16 @@ class Engine {
   }
 
  private:
+  // the list form of all_gather, as the Python path runs it: the tensor form on one joined
+  // buffer, copied out of it in rank order
+  void gather_into_list(Collectives& c, const std::vector<at::Tensor>& outs, const at::Tensor& in) {
+    const int64_t n = in.numel();
+    at::Tensor joined = at::empty({setup_.size * n}, in.options());
+    c.begin(setup_.kind_codes[K_ALL_GATHER], "all_gather", dtype_code(in), n);
+    c.all_gather(static_cast<char*>(joined.data_ptr()), static_cast<const char*>(in.data_ptr()), n, in.element_size());
+    for (size_t q = 0; q < outs.size(); ++q) outs[q].view(-1).copy_(joined.narrow(0, static_cast<int64_t>(q) * n, n));
+  }
+
   static bool overlaps(const at::Tensor& a, const at::Tensor& b) {
     const char* a0 = static_cast<const char*>(a.data_ptr());
     const char* b0 = static_cast<const char*>(b.data_ptr());

@@ -386,24 +386,25 @@ class Collectives {
   void monitored_barrier(int kind_code, double timeout_s, bool wait_all) {
     begin(kind_code, "monitored_barrier", -1, 0);
     next_round();
-    const double saved = waiter_->timeout_s;
+    struct Restore {  // the group's timeout again, however this call ends
+      Waiter* w;
+      double saved;
+      ~Restore() { w->timeout_s = saved; }
+    } restore{waiter_, waiter_->timeout_s};
     if (timeout_s >= 0) waiter_->timeout_s = timeout_s;
     try {
       meet();
     } catch (const NativeError& e) {
-      const double waited_for = waiter_->timeout_s;
-      waiter_->timeout_s = saved;
       std::vector<int> late = waiter_->behind_ranks();
       if (e.kind != ErrorKind::Peer || late.empty()) throw;
       if (!wait_all) late.resize(1);
       std::string named = late.size() > 1 ? "ranks " : "rank ";
       for (size_t i = 0; i < late.size(); ++i) named += (i ? ", " : "") + std::to_string(late[i]);
       char t[32];
-      std::snprintf(t, sizeof t, "%g", waited_for);
+      std::snprintf(t, sizeof t, "%g", waiter_->timeout_s);
       throw NativeError(ErrorKind::Peer, "monitored_barrier on rank " + std::to_string(rank_) + ": " + named +
                                              " did not reach it within " + t + " s (" + e.what() + ")");
     }
-    waiter_->timeout_s = saved;
   }
 
  private:

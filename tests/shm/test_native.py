@@ -228,21 +228,24 @@ def test_the_native_path_leaves_the_python_paths_bits(world_size, case):
 def _coalesced_on_every_variant(env, case):
     """Several all_reduces, all_gathers or reduce_scatters in torch's coalescing manager (one
     allreduce_coalesced, allgather_into_tensor_coalesced or reduce_scatter_tensor_coalesced call
-    to the backend), on the native, Python and mixed groups: whether each left the Python path's
-    bytes. A pair with a non-contiguous output sends the whole call to the Python path on a native
-    rank."""
+    to the backend), or one dist.all_gather_coalesced, on the native, Python and mixed groups:
+    whether each left the Python path's bytes. A pair with a non-contiguous output sends the whole
+    call to the Python path on a native rank. Queued: the groups run every call on their worker
+    thread, none in the caller."""
     from collectives.compat import all_gather_single, reduce_scatter_single
 
-    kind, op, pairs, noncontiguous_at, round_kb, seed = case
+    kind, op, pairs, noncontiguous_at, round_kb, seed, queued = case
     p = env.world_size
     got = {}
-    for variant, group in _made(env.rank, False, round_kb).items():
+    for variant, group in _made(env.rank, queued, round_kb).items():
         outs = []
         if kind == "all_gather_coalesced":  # the list form: rank q's input i lands in lists[q][i]
             ins = [_values(seed + i, env.rank, numel, getattr(torch, d), op) for i, (d, numel) in enumerate(pairs)]
             lists = [[torch.zeros(2 * numel, dtype=x.dtype)[::2] if (i, q) == (noncontiguous_at, 0) else torch.empty_like(x)
                       for i, (x, (_, numel)) in enumerate(zip(ins, pairs))] for q in range(p)]
-            dist.all_gather_coalesced(lists, ins, group=group)
+            work = dist.all_gather_coalesced(lists, ins, group=group, async_op=queued)
+            if queued:
+                work.wait()
             got[variant] = [o.clone(memory_format=torch.contiguous_format).view(torch.uint8) for outs in lists for o in outs]
             continue
         with dist._coalescing_manager(group, async_ops=True) as cm:
@@ -275,18 +278,19 @@ def coalesced_cases(draw):
         dtypes = [draw(st.sampled_from(dtypes))]
     pairs = draw(st.lists(st.tuples(st.sampled_from(dtypes), st.integers(0, 1500)), min_size=1, max_size=4))
     noncontiguous_at = draw(st.one_of(st.none(), st.integers(0, len(pairs) - 1)))
-    return kind, op, pairs, noncontiguous_at, draw(st.sampled_from(ROUNDS_KB)), draw(st.integers(0, 2 ** 16))
+    return (kind, op, pairs, noncontiguous_at, draw(st.sampled_from(ROUNDS_KB)), draw(st.integers(0, 2 ** 16)),
+            draw(st.booleans()))
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 @settings(max_examples=10, deadline=None)
 @given(case=coalesced_cases())
-@example(case=("all_gather", "", [("float32", 1000), ("bfloat16", 3), ("float64", 0)], None, "0.25", 1))
-@example(case=("reduce_scatter", "avg", [("float32", 700), ("float64", 5)], 1, "auto", 2))  # the Python path for all
-@example(case=("all_reduce", "avg", [("bfloat16", 900), ("bfloat16", 1), ("bfloat16", 0)], None, "0.25", 3))  # rounds
-@example(case=("all_reduce", "sum", [("float32", 2), ("float32", 3)], 0, "auto", 4))  # non-contiguous: Python
-@example(case=("all_gather_coalesced", "", [("bfloat16", 1000), ("bfloat16", 3), ("bfloat16", 0)], None, "0.25", 5))
-@example(case=("all_gather_coalesced", "", [("bool", 2), ("bool", 3)], 1, "auto", 6))  # non-contiguous: Python
+@example(case=("all_gather", "", [("float32", 1000), ("bfloat16", 3), ("float64", 0)], None, "0.25", 1, False))
+@example(case=("reduce_scatter", "avg", [("float32", 700), ("float64", 5)], 1, "auto", 2, False))  # the Python path for all
+@example(case=("all_reduce", "avg", [("bfloat16", 900), ("bfloat16", 1), ("bfloat16", 0)], None, "0.25", 3, True))  # rounds
+@example(case=("all_reduce", "sum", [("float32", 2), ("float32", 3)], 0, "auto", 4, False))  # non-contiguous: Python
+@example(case=("all_gather_coalesced", "", [("bfloat16", 1000), ("bfloat16", 3), ("bfloat16", 0)], None, "0.25", 5, True))
+@example(case=("all_gather_coalesced", "", [("bool", 2), ("bool", 3)], 1, "auto", 6, False))  # non-contiguous: Python
 def test_coalesced_calls_leave_the_python_paths_bits(world_size, case):
     """The coalesced forms (DTensor's redistributions and the functional collectives use them):
     several pairs of mixed dtypes and sizes, one call a pair in order on either path; and
