@@ -27,7 +27,6 @@ starts after the bucket has had time to fill (the simulator starts with it full)
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import statistics
 import sys
@@ -231,7 +230,7 @@ def plot(results, path: str) -> None:
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    cli.save_figure(fig, path, dpi=100)
     plt.close(fig)
 
 
@@ -312,8 +311,7 @@ def main(argv=None) -> int:
     wrong = sum(row["backend_wrong"] + sum(m["wrong"] for m in row["algorithms"].values()) for row in result["rows"])
     print(f"# wrong elements in all checks: {wrong}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({**result, "auto": score, "command": cli.command_line("benchmarks.algorithms", argv)}, f, indent=1)
+        cli.write_json(args.json, {**result, "auto": score, "command": cli.command_line("benchmarks.algorithms", argv)})
     if args.plot:
         plot([result], args.plot)
     return 1 if wrong else 0

@@ -26,7 +26,7 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
-import json
+import io
 import os
 import platform
 import sys
@@ -176,8 +176,7 @@ def report(result: dict, args, argv) -> int:
     }
     saved = {"environment": environment, "limits": found, "reference": reference, "rows": rows}
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(saved, f, indent=1)
+        cli.write_json(args.json, saved)
     if args.csv:
         _write_csv(args.csv, rows)
     if args.plot:
@@ -189,17 +188,18 @@ def report(result: dict, args, argv) -> int:
 
 
 def _write_csv(path: str, rows) -> None:
-    with open(path, "w", newline="") as f:
-        writer = csv.writer(f)
-        keys = ("time_us", "time_us_min", "time_us_max", "algbw", "busbw", "limit_pct", "wrong")
-        writer.writerow(["backend", "collective", "size", "count", "type", "redop", "root"]
-                        + [f"{s}_{k}" for s in ("oop", "ip") for k in keys])
-        for row in rows:
-            cells = [row[k] for k in ("backend", "collective", "size", "count", "type", "redop", "root")]
-            for s in ("oop", "ip"):
-                side = row[s] or {}
-                cells += [side.get(k) for k in keys]
-            writer.writerow(cells)
+    text = io.StringIO(newline="")
+    writer = csv.writer(text)
+    keys = ("time_us", "time_us_min", "time_us_max", "algbw", "busbw", "limit_pct", "wrong")
+    writer.writerow(["backend", "collective", "size", "count", "type", "redop", "root"]
+                    + [f"{s}_{k}" for s in ("oop", "ip") for k in keys])
+    for row in rows:
+        cells = [row[k] for k in ("backend", "collective", "size", "count", "type", "redop", "root")]
+        for s in ("oop", "ip"):
+            side = row[s] or {}
+            cells += [side.get(k) for k in keys]
+        writer.writerow(cells)
+    cli.write_output(path, text.getvalue(), "--csv")
 
 
 @command

@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 from typing import Dict, List
 
+from collectives import cli
+
 from .nccl_format import size_label
 
 
@@ -107,9 +109,9 @@ def figure(results: List[Dict]):
     return fig
 
 
-def plot_results(results: List[Dict], out_png: str) -> None:
+def plot_results(results: List[Dict], out_png: str, flag: str = "--plot") -> None:
     import matplotlib.pyplot as plt
 
     fig = figure(results)
-    fig.savefig(out_png, dpi=100)
+    cli.save_figure(fig, out_png, flag, dpi=100)
     plt.close(fig)

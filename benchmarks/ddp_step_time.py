@@ -19,7 +19,6 @@ tensors): only the time is measured.
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import sys
 from typing import Optional
@@ -126,8 +125,7 @@ def main(argv=None) -> int:
     if args.json:
         environment = {"date": datetime.date.today().isoformat(), "torch": torch.__version__, "cpus": os.cpu_count(),
                        "command": cli.command_line("benchmarks.ddp_step_time", argv)}
-        with open(args.json, "w") as f:
-            json.dump({"environment": environment, "seconds_per_step": report}, f, indent=1)
+        cli.write_json(args.json, {"environment": environment, "seconds_per_step": report})
     return 0
 
 

@@ -14,7 +14,6 @@ forked from the fork server (`collectives.run`'s default), then a block of poole
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import platform
 import statistics
@@ -94,8 +93,7 @@ def main(argv=None) -> int:
             "cpus": os.cpu_count(), "machine": platform.machine(),
             "command": cli.command_line("benchmarks.harness_speed", argv),
         }
-        with open(args.json, "w") as f:
-            json.dump({"environment": environment, "results": report}, f, indent=2)
+        cli.write_json(args.json, {"environment": environment, "results": report}, indent=2)
     return 0
 
 

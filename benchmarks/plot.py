@@ -43,12 +43,13 @@ def build_parser():
     return parser
 
 
+@cli.command
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     cli.check_outputs(parser, {"-o": args.output})
     results = [_load(parser, path) for path in args.files]
-    plot_results(results, args.output)
+    plot_results(results, args.output, "-o")
     print(f"wrote {args.output}")
     return 0
 

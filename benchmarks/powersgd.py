@@ -24,7 +24,6 @@ PowerSGD starts at step 2 in every part (start_powerSGD_iter=2): plain DDP befor
 from __future__ import annotations
 
 import copy
-import json
 import os
 import statistics
 
@@ -128,7 +127,7 @@ def plot_curves(losses: dict, path: str, window: int = 10) -> None:
     ax.set_title("small CNN, synthetic CIFAR-10: PowerSGD from step 2 against plain DDP")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    cli.save_figure(fig, path, dpi=120)
 
 
 # -- time ------------------------------------------------------------------------------------------
@@ -208,8 +207,7 @@ def main(argv=None) -> int:
                        headers=["variant", "s / step (median)", "/ plain (q1-q3)"]))
         result = {**out, "model": args.model, "plain_median_s": plain}
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"command": command_line, **result}, f, indent=1)
+        cli.write_json(args.json, {"command": command_line, **result})
     return 0
 
 

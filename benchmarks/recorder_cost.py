@@ -22,7 +22,6 @@ says what is measurable).
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import statistics
@@ -146,6 +145,7 @@ def build_parser():
     return parser
 
 
+@cli.command
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -160,9 +160,8 @@ def main(argv=None) -> int:
     text = report(summary, args.world_size, args.backend)
     print(text)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"command": cli.command_line("benchmarks.recorder_cost", argv),
-                       "summary": summary, "raw": raw}, f, indent=1)
+        cli.write_json(args.json, {"command": cli.command_line("benchmarks.recorder_cost", argv),
+                                   "summary": summary, "raw": raw})
     return 0
 
 

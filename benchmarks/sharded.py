@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import sys
@@ -171,7 +170,7 @@ def plot(result: dict, path: str) -> None:
     ax.legend()
     plt.setp(ax.get_xticklabels(), rotation=20, ha="right")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    cli.save_figure(fig, path, dpi=120)
 
 
 def build_parser():
@@ -259,8 +258,7 @@ def report(result: dict, args, n: int) -> None:
                         for label, v in result["step_time"].items()],
                        headers=["stage", "median s", "ratio", "ratio q1-q3"]))
     if args.json and not args.from_json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        cli.write_json(args.json, result)
     if args.plot and "memory" in result:
         plot(result, args.plot)
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import statistics
 import sys
 import time
@@ -241,7 +240,7 @@ def plot(result, path: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    cli.save_figure(fig, path, dpi=110)
     plt.close(fig)
 
 
@@ -284,8 +283,7 @@ def main(argv=None) -> int:
     print(f"# {datetime.date.today().isoformat()}, torch {torch.__version__}, {cli.cpus()} cpus, one thread per rank")
     print(report(result))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({**result, "command": cli.command_line("benchmarks.shm", argv)}, f, indent=1)
+        cli.write_json(args.json, {**result, "command": cli.command_line("benchmarks.shm", argv)})
     if args.plot and "bandwidth" in result:
         plot(result, args.plot)
     bad = [r["size"] for r in result.get("bandwidth", []) if not r["check"]]

@@ -28,7 +28,6 @@ n (n + 1) / 2 (#wrong).
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import statistics
@@ -223,7 +222,7 @@ def main(argv=None) -> int:
         print(f"removed what DeepSpeed left in /dev/shm: {len(left)} files ({', '.join(map(os.path.basename, left))})")
     if args.json:
         result["command"] = cli.command_line("benchmarks.shm_native", argv)
-        cli.write_atomically(args.json, json.dumps(result, indent=1))
+        cli.write_json(args.json, result)
     return 0
 
 

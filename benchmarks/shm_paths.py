@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import sys
 
 import torch
@@ -159,8 +158,7 @@ def main(argv=None) -> int:
     print(f"# {datetime.date.today().isoformat()}, torch {torch.__version__}, {cli.cpus()} cpus, one thread per rank")
     print(report(result))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({**result, "command": "python -m benchmarks.shm_paths " + " ".join(argv)}, f, indent=1)
+        cli.write_json(args.json, {**result, "command": "python -m benchmarks.shm_paths " + " ".join(argv)})
     return 0 if all(r["check"] for r in result["rows"]) else 1
 
 

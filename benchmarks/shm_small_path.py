@@ -21,7 +21,6 @@ world size.
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 
@@ -132,7 +131,7 @@ def main(argv=None) -> int:
     print(report(result))
     if args.json:
         result["command"] = cli.command_line("benchmarks.shm_small_path", argv)
-        cli.write_atomically(args.json, json.dumps(result, indent=1))
+        cli.write_json(args.json, result)
     return 0
 
 

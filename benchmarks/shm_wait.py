@@ -16,7 +16,6 @@ rounds. With more ranks than cores, a rank that spins holds the core the rank it
 
 from __future__ import annotations
 
-import json
 import random
 import statistics
 import subprocess
@@ -113,9 +112,8 @@ def main(argv=None) -> int:
     summary = summarise(raw)
     print(report(summary, args.world_size, args.busy))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"command": " ".join(["python -m benchmarks.shm_wait", *(argv or sys.argv[1:])]),
-                       "world_size": args.world_size, "summary": summary, "raw": raw}, f, indent=1)
+        cli.write_json(args.json, {"command": " ".join(["python -m benchmarks.shm_wait", *(argv or sys.argv[1:])]),
+                                   "world_size": args.world_size, "summary": summary, "raw": raw})
     return 0
 
 

@@ -22,7 +22,6 @@ per step below which TP sends fewer bytes than DP (ddp_from_scratch/tensor_paral
 
 from __future__ import annotations
 
-import json
 import random
 import statistics
 import time
@@ -162,7 +161,7 @@ def main(argv=None) -> int:
     print(report(result, config))
     if args.json:
         result["command"] = cli.command_line("benchmarks.tensor_parallel", argv)
-        cli.write_atomically(args.json, json.dumps(result, indent=1))
+        cli.write_json(args.json, result)
     return 0
 
 

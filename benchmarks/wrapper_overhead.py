@@ -23,7 +23,6 @@ and above, and within 20 us per call at 4 B, with checked mode off. Checked mode
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import platform
 import random
@@ -173,8 +172,7 @@ def main(argv=None) -> int:
             "world_size": args.world_size, "cpus": os.cpu_count(), "machine": platform.machine(),
             "command": "python -m benchmarks.wrapper_overhead " + " ".join(argv if argv is not None else sys.argv[1:]),
         }
-        with open(args.json, "w") as f:
-            json.dump({"environment": environment, "results": report}, f, indent=2)
+        cli.write_json(args.json, {"environment": environment, "results": report}, indent=2)
     return 0
 
 

@@ -9,6 +9,8 @@
   code for SIGINT); the ranks are stopped by the pool on the way out.
 - A `RankFailure` prints its message (which leads with the rank that failed first and why) and
   exits with 1, instead of the launcher's own traceback glued under it.
+- An output that cannot be written (a full disk, /dev/full) is one line naming the flag and the
+  path, and exit code 1 (output_files.py says how each kind of path is written).
 - Anything else is a bug in the program and keeps its traceback.
 SIGTERM and SIGKILL need nothing here: the ranks watch their parent and end with it (launcher/pool.py).
 
@@ -22,17 +24,16 @@ Checks every program makes before its work, each a usage error (exit 2) naming t
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
-import importlib.util
 import json
 import math
 import os
 import shlex
 import sys
-from typing import BinaryIO, Callable, Iterable, Optional, Union
+from typing import Callable, Iterable, Optional
 
 from .errors import RankFailure
+from .output_files import OutputError, check_outputs, save_figure, write_json, write_output  # noqa: F401 (the programs' names)
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -131,61 +132,6 @@ def compile_cache_outside_tmp() -> None:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(cache, "torchinductor"))
 
 
-MIN_FREE_BYTES = 1 << 20  # an output's disk needs at least this much room before the work starts
-
-
-def check_outputs(parser, outputs) -> None:
-    """Before any work: every output file ({flag: path} or [(flag, path)]; a None path: not asked
-    for) can be written where asked, its disk is not full, and a .png can be drawn (matplotlib).
-    Nothing is left behind."""
-    for flag, path in (outputs.items() if isinstance(outputs, dict) else outputs):
-        if not path:
-            continue
-        if os.path.isdir(path):
-            parser.error(f"{flag} {path} is a folder; give a file name")
-        folder = os.path.dirname(os.path.abspath(path))
-        if not os.path.isdir(folder):
-            parser.error(f"{flag} {path}: the folder {folder} does not exist")
-        existed = os.path.exists(path)
-        try:
-            with open(path, "a"):  # "a": an existing file is not truncated by the check
-                pass
-        except OSError as exc:
-            parser.error(f"{flag} {path}: cannot write there ({exc.strerror or exc})")
-        finally:
-            if not existed and os.path.exists(path):
-                # every rank of a torchrun or srun job checks the same path: another may remove it first
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(path)
-        stat = os.statvfs(folder)
-        if stat.f_bavail * stat.f_frsize < MIN_FREE_BYTES:
-            parser.error(f"{flag} {path}: the disk is full ({stat.f_bavail * stat.f_frsize} bytes free in {folder})")
-        if path.lower().endswith(".png"):
-            if importlib.util.find_spec("matplotlib") is None:
-                parser.error(f"{flag} {path}: drawing needs matplotlib: pip install -e '.[plot]'")
-
-
-def write_atomically(path: str, content: Union[str, Callable[[BinaryIO], None]]) -> None:
-    """Write `content` (text, or a function that writes into the open binary file, as torch.save
-    does) to `path` whole or not at all: into a file beside it, then renamed over it. A full disk,
-    an error half-way or a kill leaves the old file, or none, never half of the new one, and no
-    temporary file."""
-    folder = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            if callable(content):
-                content(f)
-            else:
-                f.write(content.encode())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(tmp)
-
-
 def available_memory() -> Optional[int]:
     """Bytes of memory the kernel says can be allocated without swapping (MemAvailable), or None."""
     try:
@@ -251,6 +197,9 @@ def command(main: Callable[..., int]) -> Callable[..., int]:
             return 130
         except RankFailure as exc:
             print(f"\nerror: {exc}", file=sys.stderr, flush=True)
+            return 1
+        except OutputError as exc:  # the work is done; only its file could not be written
+            print(f"python -m {main.__module__}: {exc}", file=sys.stderr, flush=True)
             return 1
 
     return wrapped

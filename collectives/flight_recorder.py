@@ -39,6 +39,7 @@ import time
 from typing import Dict, List, Optional, Sequence
 
 from collectives import cli, settings
+from collectives.output_files import write_output
 from collectives.flight_verdict import summary, verdict  # noqa: F401 - this module's readers' API too
 
 # How long the launcher waits for the ranks' records; it stops as soon as every live rank has
@@ -139,8 +140,7 @@ def write(records: Dict[int, dict], prefix: str, world_size: Optional[int] = Non
         if record:
             record = {**_for_torchfrtrace(record), "collectives_run": stamp}
             path = f"{prefix}{rank}"
-            with open(path, "wb") as f:
-                pickle.dump(record, f)
+            write_output(path, lambda f, record=record: pickle.dump(record, f), "the flight record")
             paths.append(path)
     return paths
 

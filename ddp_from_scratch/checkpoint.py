@@ -150,7 +150,7 @@ def save(path: str, config, saved: dict, epochs_done: int, settings: dict, step:
     the previous one whole and no .tmp behind. `epochs_done` whole epochs and `step` steps of the next."""
     os.makedirs(config.checkpoint, exist_ok=True)
     state = {**saved, "epoch": epochs_done, "step": step, "synthetic": config.synthetic, "settings": settings}
-    cli.write_atomically(path, lambda f: torch.save(state, f))
+    cli.write_output(path, lambda f: torch.save(state, f), "the checkpoint")
 
 
 def weights_sha256(state: dict) -> str:

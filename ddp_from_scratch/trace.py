@@ -16,7 +16,6 @@ Times are microseconds from the forward's start.
 
 from __future__ import annotations
 
-import json
 import sys
 from typing import Dict
 
@@ -53,8 +52,7 @@ def chrome_trace_events(timeline: Dict, rank: int = 0) -> list:
 
 
 def write_chrome_trace(timeline: Dict, path: str, rank: int = 0) -> None:
-    with open(path, "w") as f:
-        json.dump({"traceEvents": chrome_trace_events(timeline, rank), "displayTimeUnit": "ms"}, f)
+    cli.write_json(path, {"traceEvents": chrome_trace_events(timeline, rank), "displayTimeUnit": "ms"}, None, None)
 
 
 SPAN_COLORS = {"all_gather": "tab:green", "all_gather, backward": "tab:purple", "reduce_scatter": "tab:orange"}
@@ -102,7 +100,7 @@ def plot_timeline(timeline: Dict, path: str) -> None:
     if timeline["end"] is not None:
         ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    cli.save_figure(fig, path, None, dpi=110)
     plt.close(fig)
 
 
@@ -171,8 +169,7 @@ def main(argv=None) -> int:
     results = collectives.run(_traced_steps, args.world_size,
                               args=(args.model, args.batch_size, args.steps, args.impl, options))
     events = [e for rank, (timeline, _) in enumerate(results) for e in chrome_trace_events(timeline, rank)]
-    with open(args.out + ".json", "w") as f:
-        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+    cli.write_json(args.out + ".json", {"traceEvents": events, "displayTimeUnit": "ms"}, "--out", None)
     plot_timeline(results[0][0], args.out + ".png")
     timeline, layouts = results[0]
     for when, text in layouts.items():

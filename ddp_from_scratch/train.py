@@ -315,7 +315,7 @@ def main(argv=None) -> int:
     print(text, flush=True)
     if args.json:
         try:
-            cli.write_atomically(args.json, text + "\n")
+            cli.write_output(args.json, text + "\n", "--json")
         except OSError as exc:
             print(f"python -m ddp_from_scratch.train: could not write --json {args.json} ({exc.strerror or exc}); the "
                   "summary is the line above on stdout", file=sys.stderr)

@@ -27,7 +27,7 @@ PACKAGES = ("collectives", "ddp_from_scratch", "benchmarks")
 LAYERS = [
     ("base: errors, dtypes, op table, chunk bounds, settings",
      ["collectives.errors", "collectives.dtypes", "collectives.reduce_ops", "collectives.chunks", "collectives.p2p",
-      "collectives.cli", "collectives.compat", "collectives.rates", "collectives.names", "collectives.launcher.agent_watch",
+      "collectives.output_files", "collectives.cli", "collectives.compat", "collectives.rates", "collectives.names", "collectives.launcher.agent_watch",
       "collectives.launcher", "collectives.launcher.pids", "collectives.settings"]),
     ("shm backend", ["collectives.shm", "collectives.shm.*"]),
     ("checks, environment, wrappers, launcher",

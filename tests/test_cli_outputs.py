@@ -18,7 +18,7 @@ import subprocess
 import pytest
 
 from benchmarks import algorithms, bandwidth, ddp_step_time, harness_speed, plot, sharded, shm, shm_paths, wrapper_overhead
-from collectives import cli
+from collectives import cli, output_files
 from collectives.algorithms import fit, show
 from collectives.launcher.pool import RankPool
 from ddp_from_scratch import compare, trace, train
@@ -124,15 +124,15 @@ def test_another_rank_removing_the_probe_first_is_not_an_error(tmp_path, monkeyp
         real_remove(path)
         real_remove(path)
 
-    monkeypatch.setattr(cli.os, "remove", removed_first)
+    monkeypatch.setattr(output_files.os, "remove", removed_first)
     path = tmp_path / "both.json"
     cli.check_outputs(argparse.ArgumentParser(), {"--json": str(path)})
     assert not path.exists()
 
 
 def test_a_png_without_matplotlib_is_refused_before_measuring(tmp_path, capsys, monkeypatch, no_spawning):
-    real = cli.importlib.util.find_spec
-    monkeypatch.setattr(cli.importlib.util, "find_spec", lambda name: None if name == "matplotlib" else real(name))
+    real = output_files.importlib.util.find_spec
+    monkeypatch.setattr(output_files.importlib.util, "find_spec", lambda name: None if name == "matplotlib" else real(name))
     line = usage_error(bandwidth.main, ["--plot", str(tmp_path / "a.png")], capsys)
     assert "drawing needs matplotlib: pip install -e '.[plot]'" in line, line
 

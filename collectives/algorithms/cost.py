@@ -24,6 +24,8 @@ import math
 import os
 from typing import Callable, Dict, Optional
 
+from ..output_files import write_json
+
 DEFAULT_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "model.json")
 MAX_PIECES = 256
 
@@ -63,9 +65,8 @@ class CostModel:
         return CostModel(self.alpha * share, self.beta * share, self.gamma * share,
                          f"{self.source}, x{share:g} for {share:g} ranks per core")
 
-    def save(self, path: str, **extra) -> None:
-        with open(path, "w") as f:
-            json.dump({**dataclasses.asdict(self), **extra}, f, indent=1)
+    def save(self, path: str, flag: Optional[str] = "--out", **extra) -> None:
+        write_json(path, {**dataclasses.asdict(self), **extra}, flag)
 
     def predict(self, collective: str, algorithm: str, nbytes: int, world_size: int) -> float:
         """Predicted seconds for `algorithm` doing `collective` on `nbytes` (the full buffer per

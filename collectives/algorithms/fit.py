@@ -26,7 +26,6 @@ far more than with 2).
 from __future__ import annotations
 
 import datetime
-import json
 import statistics
 import sys
 import time
@@ -145,9 +144,8 @@ def main(argv=None) -> int:
           f"gamma {model.gamma * 1e9:.4f} ns/B ({1 / model.gamma / 1e9:.2f} GB/s)")
     model.save(args.out)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"model": {"alpha": model.alpha, "beta": model.beta, "gamma": model.gamma, "source": source},
-                       "exchange": pings, "reduce": reduces}, f, indent=1)
+        cli.write_json(args.json, {"model": {"alpha": model.alpha, "beta": model.beta, "gamma": model.gamma,
+                                             "source": source}, "exchange": pings, "reduce": reduces})
     print(f"saved {args.out}", file=sys.stderr)
     return 0
 

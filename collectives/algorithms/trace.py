@@ -13,12 +13,12 @@ arrived yet).
 
 from __future__ import annotations
 
-import json
 from typing import Dict, List, Optional, Sequence
 
 import torch
 
 from ..chunks import bounds
+from ..output_files import save_figure, write_json
 
 
 def origin_inputs(collective: str, world_size: int, numel: int, root: int = 0) -> List[torch.Tensor]:
@@ -99,8 +99,7 @@ def chrome_trace_events(messages, computes=(), pid: int = 0) -> list:
 
 
 def write_chrome_trace(messages, computes, path: str) -> None:
-    with open(path, "w") as f:
-        json.dump({"traceEvents": chrome_trace_events(messages, computes), "displayTimeUnit": "ns"}, f)
+    write_json(path, {"traceEvents": chrome_trace_events(messages, computes), "displayTimeUnit": "ns"}, None, None)
 
 
 def plot_spacetime(messages, computes, world_size: int, path: str, title: str = "", predicted: Optional[float] = None):
@@ -131,7 +130,7 @@ def plot_spacetime(messages, computes, world_size: int, path: str, title: str = 
     ax.set_title(title, fontsize=10)
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, None, dpi=110)
     plt.close(fig)
 
 

@@ -128,7 +128,7 @@ def test_a_summary_that_cannot_be_written_is_said_in_one_line_and_still_printed(
                      "summary is the line above on stdout"], captured.err
     monkeypatch.undo()
     assert out.read_text() == '{"an": "older run"}\n' and list(tmp_path.iterdir()) == [out]
-    cli.write_atomically(str(out), "new\n")
+    cli.write_output(str(out), "new\n")
     assert out.read_text() == "new\n" and list(tmp_path.iterdir()) == [out]
 
 
