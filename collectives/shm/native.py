@@ -31,9 +31,7 @@ import threading
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE = os.path.join(_HERE, "forward.cpp")
-# the native path's headers, which forward.cpp includes: torch's cache keys a build on its sources
-# and flags only, so their digest goes into the flags and a changed header is rebuilt too
-HEADERS = [os.path.join(_HERE, name) for name in ("native_wait.h", "native_paths.h", "native_recorder.h", "native_engine.h")]
+
 NAME = "collectives_shm_forward"
 _lock = threading.Lock()
 _module = None
@@ -53,9 +51,20 @@ def _missing() -> str:
     return ""
 
 
+def headers() -> list:
+    """Every other C++ file beside forward.cpp (the native path's headers, which it includes), by
+    name. torch's cache keys a build on its sources and flags only, so their digest goes into the
+    flags and a changed header is rebuilt too; a list written by hand once left one out, and an
+    edit to it alone loaded the old build."""
+    folder = os.path.dirname(SOURCE)
+    return sorted(os.path.join(folder, name) for name in os.listdir(folder)
+                  if name.endswith((".h", ".hpp", ".cpp", ".cc")) and os.path.join(folder, name) != SOURCE)
+
+
 def _headers_digest() -> str:
     digest = hashlib.sha1()
-    for path in HEADERS:
+    for path in headers():
+        digest.update(os.path.basename(path).encode() + b"\0")
         with open(path, "rb") as f:
             digest.update(f.read())
     return digest.hexdigest()[:16]

@@ -55,20 +55,25 @@ def test_a_stamp_names_its_file_only_while_that_file_is_unchanged(tmp_path, monk
     assert native.stamped("k3") is None
 
 
-def test_the_key_changes_with_every_source_and_header(tmp_path, monkeypatch):
-    """A changed header must not import the file built from the old one."""
-    copies = []
-    for path in [native.SOURCE, *native.HEADERS]:
-        copies.append(str(tmp_path / os.path.basename(path)))
-        shutil.copy(path, copies[-1])
-    monkeypatch.setattr(native, "SOURCE", copies[0])
-    monkeypatch.setattr(native, "HEADERS", copies[1:])
-    keys = {native._key()}
-    for path in copies:
+def test_the_key_changes_with_every_file_the_build_reads(tmp_path, monkeypatch):
+    """A changed header must not import the file built from the old one: the key covers every C++
+    file of the folder, found here from the folder itself (not from native's own list), and a
+    header added to the folder, or renamed, changes it too."""
+    folder = tmp_path / "shm"
+    shutil.copytree(os.path.dirname(native.SOURCE), folder, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
+    monkeypatch.setattr(native, "SOURCE", str(folder / "forward.cpp"))
+    files = sorted(p for p in folder.iterdir() if p.suffix in (".h", ".cpp"))
+    assert len(files) >= 6 and folder / "native_p2p.h" in files
+    keys = [native._key()]
+    for path in files:
         with open(path, "a") as f:
             f.write("\n// changed\n")
-        keys.add(native._key())
-    assert len(keys) == len(copies) + 1
+        keys.append(native._key())
+    (folder / "native_new.h").write_text("// a header added\n")
+    keys.append(native._key())
+    (folder / "native_new.h").rename(folder / "native_newer.h")
+    keys.append(native._key())
+    assert len(set(keys)) == len(keys) == len(files) + 3
 
 
 def test_without_a_stamp_or_a_compiler_the_error_says_what_to_install(monkeypatch):
