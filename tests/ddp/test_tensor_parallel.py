@@ -277,6 +277,71 @@ def test_the_split_vocabulary_is_the_one_rank_embedding_and_cross_entropy(backen
         assert ce_forward == [("all_reduce", B * S)] * 3 and ce_backward == [], (ce_forward, ce_backward)
 
 
+def _vocab_edges(env, backend):
+    """What F.cross_entropy and nn.Embedding do at their edges, on split logits and rows: ignored
+    targets (the default -100 and another index), logits large enough that only the right shift
+    (the maximum over every rank's columns) keeps e^(z - m) from underflowing, and ids outside
+    the vocabulary, refused on every rank; the group still works after each refusal."""
+    from torch import nn
+
+    from ddp_from_scratch.tensor_parallel.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
+
+    group = dist.new_group(backend=backend)
+    r, k = env.rank, VOCAB // env.world_size
+    g = torch.Generator().manual_seed(5)
+    _, targets = _tokens()
+    got = {}
+    for name, scale, ignore, ignored in (("ignore -100", 1.0, -100, (0, 3, 7)), ("ignore 5", 1.0, 5, ()),
+                                         ("large logits", 3e3, -100, (1,)), ("all ignored", 1.0, -100, range(S))):
+        t = targets.clone()
+        t[0, list(ignored)] = ignore
+        if name == "all ignored":
+            t[:] = ignore
+        logits = (torch.randn(B, S, VOCAB, generator=g) * scale).requires_grad_(True)
+        for reduction in ("mean", "sum", "none"):
+            logits.grad = None
+            want = F.cross_entropy(logits.transpose(1, 2), t, ignore_index=ignore, reduction=reduction)
+            want.sum().backward()
+            mine = logits.detach()[..., r * k:(r + 1) * k].clone().requires_grad_(True)
+            loss = vocab_parallel_cross_entropy(mine, t, group, reduction=reduction, ignore_index=ignore)
+            loss.sum().backward()
+            got[f"{name}, {reduction}"] = (loss.detach(), want.detach(), mine.grad, logits.grad[..., r * k:(r + 1) * k])
+    said = []
+    torch.manual_seed(0)
+    embed = VocabParallelEmbedding(nn.Embedding(VOCAB, H), group)
+    for bad in (VOCAB, 200, -1):
+        for what, call in (("target", lambda t: vocab_parallel_cross_entropy(torch.zeros(B, S, k), t, group)),
+                           ("token", lambda t: embed(t))):
+            t = targets.clone()
+            t[1, 2] = bad
+            try:
+                call(t)
+                said.append("accepted")
+            except IndexError as exc:
+                said.append(str(exc))
+            ones = torch.ones(1)
+            dist.all_reduce(ones, group=group)
+            said.append(ones.item())
+    return got, said
+
+
+@pytest.mark.parametrize("backend", ["gloo", "shm"])
+def test_the_split_cross_entropy_and_embedding_keep_the_one_rank_edges(backend):
+    for rank, (got, said) in enumerate(run_on_ranks(_vocab_edges, 2, args=(backend,), backend="gloo")):
+        for name, (loss, want, grad, want_grad) in got.items():
+            assert torch.isfinite(want).all() or "all ignored" in name
+            torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-5, equal_nan=True,
+                                       msg=lambda m: f"rank {rank}, {name}, loss: {m}")
+            torch.testing.assert_close(grad, want_grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank}, {name}: {m}")
+        expected = []
+        for bad in (VOCAB, 200, -1):
+            expected += [f"rank {rank}: target {bad} is outside the vocabulary of {VOCAB} (0 to {VOCAB - 1}; 1 such "
+                         "targets); a target to leave out of the loss is ignore_index=-100", 2.0,
+                         f"rank {rank}: token {bad} is outside the vocabulary of {VOCAB} (0 to {VOCAB - 1}; 1 such "
+                         "tokens)", 2.0]
+        assert said == expected, said
+
+
 def _vocab_refused(env):
     from torch import nn
 
