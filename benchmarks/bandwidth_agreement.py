@@ -35,6 +35,14 @@ def inside(a: Dict[Cell, Dict], b: Dict[Cell, Dict]) -> Tuple[int, int, List[Tup
     return len(common) - len(outside), len(common), sorted(outside, reverse=True)
 
 
+def _extent(run: Dict[Cell, Dict]) -> str:
+    """"gloo all_reduce 8 B to 64 B" for each backend and collective of a run."""
+    sizes: Dict[Tuple[str, str], List[int]] = {}
+    for backend, collective, size, _ in run:
+        sizes.setdefault((backend, collective), []).append(size)
+    return "; ".join(f"{b} {c} {size_label(min(s))} to {size_label(max(s))}" for (b, c), s in sorted(sizes.items()))
+
+
 def build_parser():
     parser = cli.ArgumentParser(prog="python -m benchmarks.bandwidth_agreement",
                                 description="Do two bandwidth runs agree within their spread?")
@@ -44,12 +52,23 @@ def build_parser():
     return parser
 
 
+@cli.command
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    runs = [cells(cli.load_json(parser, "file", path, keys=("rows", "environment"))) for path in args.files]
-    if not all(runs):
-        parser.error("a file has no rounds (its run had --rounds 1, or predates them): nothing to compare")
+    loaded = [cli.load_json(parser, "file", path, keys=("rows", "environment")) for path in args.files]
+    for path, result in zip(args.files, loaded):
+        rounds = result["environment"].get("rounds") if isinstance(result["environment"], dict) else None
+        if isinstance(rounds, int) and rounds < 2:
+            parser.error(f"file {path}: its run had --rounds {rounds}, and one round has no range to hold the other "
+                         "run's medians against: rerun it with --rounds 2 or more")
+    runs = [cells(result) for result in loaded]
+    for path, run in zip(args.files, runs):
+        if not run:
+            parser.error(f"file {path}: no cell has its rounds' range (its run predates them): nothing to compare")
+    if not set(runs[0]) & set(runs[1]):
+        parser.error(f"the two runs share no cell (backend, collective, size, side): {args.files[0]} has "
+                     f"{_extent(runs[0])}, {args.files[1]} has {_extent(runs[1])}")
     for (i, a), (j, b) in (((0, runs[0]), (1, runs[1])), ((1, runs[1]), (0, runs[0]))):
         n_in, n, outside = inside(a, b)
         print(f"{args.files[j]}'s medians inside {args.files[i]}'s range: {n_in}/{n} ({100 * n_in / n:.0f}%)")

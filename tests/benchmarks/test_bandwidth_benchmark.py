@@ -359,3 +359,37 @@ def test_agreement_counts_the_medians_inside_the_other_runs_range(tmp_path, caps
     out = capsys.readouterr().out.splitlines()
     assert out[0].endswith("b.json's medians inside " + str(paths[0]) + "'s range: 11/12 (92%)")
     assert out[1] == "  gloo all_reduce 8 B ip: 30.0% of the median outside"
+
+
+def _agreement_refuses(tmp_path, capsys, a, b) -> str:
+    from benchmarks import bandwidth_agreement
+
+    paths = []
+    for name, result in (("a", a), ("b", b)):
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(result))
+    with pytest.raises(SystemExit) as info:
+        bandwidth_agreement.main([str(p) for p in paths])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert info.value.code == 2 and len(err) == 1, err
+    return err[0]
+
+
+def test_agreement_refuses_two_runs_that_share_no_cell(tmp_path, capsys):
+    """-b 8 -e 64 against -b 1K -e 1K: nothing to compare is a usage error naming what each has,
+    not a division by zero."""
+    a, b = _result(), _result()
+    for row in b["rows"]:
+        row["size"] *= 3  # 24 B, 3 KiB, 3 MiB: none of a's sizes
+    line = _agreement_refuses(tmp_path, capsys, a, b)
+    assert "the two runs share no cell (backend, collective, size, side)" in line, line
+    assert "gloo all_reduce" in line and " to " in line, line
+
+
+@pytest.mark.parametrize("which", [0, 1])
+def test_agreement_refuses_a_one_round_run(tmp_path, capsys, which):
+    """A --rounds 1 run has min = max = its median: every other median falls 'outside' it."""
+    runs = [_result(), _result()]
+    runs[which]["environment"]["rounds"] = 1
+    line = _agreement_refuses(tmp_path, capsys, *runs)
+    assert f"{'ab'[which]}.json: its run had --rounds 1" in line and "--rounds 2 or more" in line, line
