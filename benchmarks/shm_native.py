@@ -44,7 +44,7 @@ from collectives import cli
 from collectives.shm import backend_of, new_group_with
 from collectives.shm.config import parse_settings
 
-from .sweep import parse_size, shm_setting, size_list
+from .sweep import check_sweep, parse_size, shm_setting, size_list
 
 VARIANTS = ("gloo", "shm python", "shm native", "shm direct", "floor", "deepspeed")
 
@@ -202,6 +202,7 @@ def build_parser():
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    check_sweep(args, parser)
     cli.check_at_least(parser, args, {"--world-size": 2, "--rounds": 1, "--iters": 1, "--stepfactor": 2,
                                       "--busy": 0})
     cli.check_positive(parser, args, ["--budget-ms"])

@@ -51,6 +51,8 @@ def shm_setting(text: str) -> str:
 
 def size_list(begin: int, end: int, factor: int, with_end: bool = False) -> list:
     """begin, begin x factor, ... up to end; with_end: end too, where the steps pass it by."""
+    if begin < 1 or factor < 2:  # check_sweep refuses these first; a sweep that never ends must not start
+        raise ValueError(f"a size sweep needs begin >= 1 and factor >= 2, got begin {begin}, factor {factor}")
     sizes, size = [], begin
     while size <= end:
         sizes.append(size)

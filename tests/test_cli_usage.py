@@ -6,9 +6,12 @@ before any rank starts: sizes below 1, -b above -e, a step factor of 1 (it never
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
-from benchmarks import algorithms, bandwidth, recorder_cost, shm, shm_paths
+from benchmarks import algorithms, bandwidth, recorder_cost, shm, shm_native, shm_paths, shm_small_path
+from collectives.launcher.pool import RankPool
 from collectives.algorithms import show
 from ddp_from_scratch import trace
 
@@ -44,6 +47,35 @@ def test_usage_errors_exit_2_in_one_line(main, argv, says, capsys):
     err = capsys.readouterr().err
     assert info.value.code == 2, err
     assert len(err.strip().splitlines()) == 1 and says in err and err.rstrip().endswith("(--help for usage)"), err
+
+
+SWEEPS = [bandwidth.main, shm.main, shm_native.main, shm_paths.main, shm_small_path.main, algorithms.main]
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["-b", "0"], r"(-b 0 must be at least 1 and at most -e|--minbytes must be at least \d+, got 0)"),
+    (["-b", "64M", "-e", "8"], "-b 67108864 must be at least 1 and at most -e 8"),
+    (["-b", "8", "-e", "64", "-f", "1"], "-f 1: the step factor must be at least 2"),
+    (["-b", "8", "-e", "64", "-f", "0"], "-f 0: the step factor must be at least 2"),
+], ids=["-b 0", "-b above -e", "-f 1", "-f 0"])
+@pytest.mark.parametrize("main", SWEEPS, ids=[m.__module__ for m in SWEEPS])
+def test_every_size_sweep_refuses_its_bounds_before_any_rank(main, argv, says, capsys, monkeypatch):
+    """-b 0 never ends (0 x -f is 0, until MemoryError), -b above -e timed -e alone: every program
+    with -b/-e/-f refuses them at both edges, in one line, before a rank starts."""
+    monkeypatch.setattr(RankPool, "start", lambda self: pytest.fail("a rank was started before the sizes were checked"))
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and len(err.strip().splitlines()) == 1 and re.search(says, err), err
+
+
+def test_a_size_list_that_would_never_end_is_refused():
+    from benchmarks.sweep import size_list
+
+    assert size_list(8, 64, 2) == [8, 16, 32, 64] and size_list(8, 100, 8, with_end=True) == [8, 64, 100]
+    for begin, factor in ((0, 2), (8, 1), (-8, 2)):
+        with pytest.raises(ValueError, match="a size sweep needs begin >= 1 and factor >= 2"):
+            size_list(begin, 64, factor)
 
 
 @pytest.mark.parametrize("content, says", [
