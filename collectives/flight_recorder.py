@@ -233,10 +233,19 @@ def _load_dump(path: str) -> dict:
         raise ValueError(f"{path}: not a flight-recorder dump (a pickled {type(record).__name__} without the "
                          "'version' and 'pg_config' of torch's dumps)")
     entries = record.get("entries", [])
-    if not isinstance(entries, list) or not all(isinstance(e, dict) and {"process_group", "collective_seq_id"} <= set(e)
-                                                for e in entries):
+    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
         raise ValueError(f"{path}: not a flight-recorder dump (its 'entries' are not torch's calls)")
+    for i, e in enumerate(entries):
+        missing = [k for k in ENTRY_KEYS if k not in e]
+        if missing:
+            raise ValueError(f"{path}: not a flight-recorder dump the reader can use (entry {i} has no "
+                             f"{', '.join(repr(k) for k in missing)}; torch's entries carry {', '.join(ENTRY_KEYS)})")
     return record
+
+
+# What the verdict reads of every entry (torch's dumps, and ours, carry each)
+ENTRY_KEYS = ("process_group", "pg_id", "collective_seq_id", "profiling_name", "input_sizes", "input_dtypes",
+              "time_created_ns")
 
 
 # The reader's exit status beyond 0 (read, nothing found) and 2 (a usage error), for scripts

@@ -23,7 +23,7 @@ def summary(records: Dict[int, dict], last: int = 3) -> List[str]:
         for e in record.get("entries", []):
             by_group.setdefault(e["process_group"][0], []).append(e)
         for name, entries in sorted(by_group.items()):
-            calls = ", ".join(f"#{e['collective_seq_id'] or 'p2p ' + str(e['p2p_seq_id'])} {_describe(e)} "
+            calls = ", ".join(f"#{e['collective_seq_id'] or 'p2p ' + str(e.get('p2p_seq_id'))} {_describe(e)} "
                               f"{'completed' if _finished(records, rank, e) else e.get('state') or 'not completed'}"
                               for e in entries[-last:])
             lines.append(f"rank {rank} group {name}: {calls}")

@@ -450,6 +450,10 @@ _DUMP = {"version": "2.10", "comm_lib_version": "", "pg_config": {}, "pg_status"
     (pickle.dumps([1, 2]), "not a flight-recorder dump (a pickled list without the 'version' and 'pg_config'"),
     (pickle.dumps({"entries": []}), "not a flight-recorder dump (a pickled dict without"),
     (pickle.dumps({**_DUMP, "entries": [1, 2]}), "its 'entries' are not torch's calls"),
+    *[(pickle.dumps({**_DUMP, "entries": [_entry(1), {k: v for k, v in _entry(2).items() if k != key}]}),
+       f"not a flight-recorder dump the reader can use (entry 1 has no '{key}'")
+      for key in ("profiling_name", "input_sizes", "input_dtypes", "pg_id", "time_created_ns", "process_group",
+                  "collective_seq_id")],
     (pickle.dumps({**_DUMP, "entries": []})[:20], "cannot unpickle it"),  # truncated
     (b"hello, not a pickle", "cannot unpickle it"),
 ])
