@@ -52,8 +52,9 @@ def recording(backend: Optional[str] = None) -> bool:
     """Whether the ranks keep a flight record (the launcher's environment is its ranks'): torch's
     (TORCH_FR_BUFFER_SIZE > 0), or, on an shm world on the native path (the default), the shm
     backend's, which is on unless TORCH_FR_BUFFER_SIZE=0."""
-    native_shm = backend is not None and str(backend).lower() == "shm" and \
-        os.environ.get("COLLECTIVES_SHM_PATH", "native") == "native"
+    from .shm.config import ShmConfig  # the settings module says what a value means (unset or empty: native)
+
+    native_shm = backend is not None and str(backend).lower() == "shm" and ShmConfig.from_env().path == "native"
     default = settings.SHM_FR_ENTRIES if native_shm else 0
     return settings.fr_buffer_size(default=default) > 0
 

@@ -31,6 +31,10 @@ def whole(name: str, default: Optional[int], least: int = 0, environ: Optional[M
 
 
 SHM_FR_ENTRIES = 2000  # the shm backend records by default, as many entries as torch keeps on NCCL
+# The shm backend's native record is a ring of about 224 bytes an entry, allocated whole when a
+# group starts: 10**8 entries asked for 22 GB per rank and group, and every rank died of
+# std::bad_alloc without naming the variable. A million entries is 224 MB.
+MAX_FR_ENTRIES = 1_000_000
 
 
 def fr_buffer_size(environ: Optional[Mapping[str, str]] = None, default: int = 0) -> int:
@@ -43,4 +47,8 @@ def fr_buffer_size(environ: Optional[Mapping[str, str]] = None, default: int = 0
     if not value.strip().isdigit():
         raise ValueError(f"TORCH_FR_BUFFER_SIZE={value!r} is not a whole number of entries (torch's flight recorder: "
                          "0 or unset for off, 2000 to keep each rank's last 2000 calls)")
+    if int(value) > MAX_FR_ENTRIES:
+        raise ValueError(f"TORCH_FR_BUFFER_SIZE={value!r}: at most {MAX_FR_ENTRIES} entries (each rank's record holds "
+                         f"about 224 bytes an entry for every group, allocated as the group starts: "
+                         f"{int(value) * 224 / 1e9:.3g} GB here)")
     return int(value)

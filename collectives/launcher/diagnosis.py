@@ -124,7 +124,10 @@ class FailureDiagnosis:
         stopped += [r for r in order[1:] if r not in stopped and PEER_LOST.search(failures[r])]
         # A hang: what torch's flight records say, when the ranks keep them (TORCH_FR_BUFFER_SIZE).
         from ..flight_recorder import recording
-        told = self._flight_records(where if pending else {}, pending) if recording(self.backend) else []
+        # Not in start-up: no group exists yet to have recorded anything, and waiting for records
+        # that cannot come put "no live rank sent its record" before the error that stopped it.
+        told = self._flight_records(where if pending else {}, pending) \
+            if recording(self.backend) and what != "start-up" else []
         if pending or not self._in_step():
             self._kill()  # the next submit starts fresh ranks
         failed = [r for r in order if r not in stopped]

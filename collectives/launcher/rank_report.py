@@ -42,6 +42,12 @@ def short(text: str, limit: int = 160) -> str:
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
 
 
+def _direct_call(frame: dict) -> bool:
+    """A frame of the shm backend's direct calls (collectives.shm.all_reduce: a collective without
+    torch.distributed in the stack), which a rank waits in as it would in dist.all_reduce."""
+    return frame["file"] == os.path.join(PACKAGE_DIR, "shm", "direct.py") and not frame["func"].startswith("_")
+
+
 def where_it_was(stack: str) -> str:
     """Where a rank was, from its main thread's stack (the first block of `clean_stack`'s
     output, innermost frame first): "waiting in all_reduce (called from prog.py:6 in boom)" or
@@ -51,7 +57,7 @@ def where_it_was(stack: str) -> str:
         return ""
     user = next((f for f in frames if "/torch/" not in f["file"] and not f["file"].startswith(PACKAGE_DIR)), None)
     called = f" (called from {os.path.basename(user['file'])}:{user['line']} in {user['func']})" if user else ""
-    c10d = next((f for f in frames if "torch/distributed/" in f["file"]), None)
+    c10d = next((f for f in frames if "torch/distributed/" in f["file"] or _direct_call(f)), None)
     if c10d is not None:
         return f"waiting in {c10d['func']}{called}"
     first = frames[0]

@@ -506,6 +506,69 @@ def test_a_hang_whose_records_do_not_arrive_says_so(monkeypatch):
     assert first == f"flight recorder: no live rank sent its record within {flight_recorder.ANSWER_WAIT_S:g} s", first
 
 
+def _clear_settings(monkeypatch, **keep):
+    """No COLLECTIVES_SHM_* or TORCH_FR_* setting at all, as a new user's shell has, but `keep`."""
+    import os
+
+    for var in list(os.environ):
+        if var.startswith(("COLLECTIVES_SHM_", "TORCH_FR_")):
+            monkeypatch.delenv(var)
+    for var, value in keep.items():
+        monkeypatch.setenv(var, value)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", [None, ""], ids=["no settings at all", "COLLECTIVES_SHM_PATH empty"])
+def test_a_hang_on_the_default_shm_world_leads_with_its_flight_record(path, monkeypatch):
+    """The shm backend records by default on its native path: the launcher must read the world as
+    recording when nothing is set (and when the path is set empty, which the backend reads as
+    native), and lead with the verdict. Every other hang test sets a setting."""
+    _clear_settings(monkeypatch, **({} if path is None else {"COLLECTIVES_SHM_PATH": path}))
+    with pytest.raises(C.RankFailure) as info:
+        C.run(_skips_one_all_reduce, world_size=2, backend="shm", timeout=TIMEOUT_S)
+    first = str(info.value).splitlines()[0]
+    assert first.startswith("flight recorder: rank(s) [1] never entered all_reduce #4 on group 0 [0, 1]"), str(info.value)
+
+
+def _direct_all_reduce_one_rank_skips(env):
+    import collectives.shm
+
+    t = torch.ones(4)
+    if env.rank == 1:
+        time.sleep(600)  # never calls
+    collectives.shm.all_reduce(t)
+
+
+@pytest.mark.slow
+def test_without_a_record_a_rank_waiting_in_a_direct_call_is_not_the_one_named_first(monkeypatch):
+    """With recording off there is no verdict: the stacks decide, and a rank inside
+    collectives.shm.all_reduce is waiting in a collective as much as one in dist.all_reduce, so
+    the rank that never called leads."""
+    _clear_settings(monkeypatch, TORCH_FR_BUFFER_SIZE="0")
+    with pytest.raises(C.RankFailure) as info:
+        C.run(_direct_all_reduce_one_rank_skips, world_size=2, backend="shm", timeout=TIMEOUT_S)
+    lines = str(info.value).splitlines()
+    assert lines[0].startswith("rank 1 did not finish within the 3 s timeout: in _direct_all_reduce_one_rank_skips"), lines[:6]
+    assert "stopped because of it: rank(s) [0]" in str(info.value) and any(
+        line.strip().startswith("rank 0 did not finish within the 3 s timeout: waiting in all_reduce") for line in lines), \
+        lines[:8]
+
+
+@pytest.mark.slow
+def test_a_segment_too_large_leads_with_the_error_not_with_the_flight_recorder(monkeypatch):
+    """A failure in start-up has no group and no record: waiting 15 s for records put 'no live rank
+    sent its record' first, above rank 0's MemoryError that names the setting."""
+    _clear_settings(monkeypatch, COLLECTIVES_SHM_SLOT_MB=str(1 << 20))  # 1 TiB a rank
+    start = time.monotonic()
+    with pytest.raises(C.RankFailure) as info:
+        C.run(_rank, world_size=2, backend="shm", timeout=60)
+    first = str(info.value).splitlines()[0]
+    assert first.startswith("rank 0 raised MemoryError: the shm backend needs ") and \
+        "COLLECTIVES_SHM_SLOT_MB lower" in first, str(info.value)[:2000]
+    assert "flight recorder" not in str(info.value)
+    assert time.monotonic() - start < LOADED_BOUND_S
+
+
 def test_files_of_an_earlier_run_are_named_and_left_out(tmp_path, capsys):
     """rank_1 left from an earlier run (this run's rank 1 died and wrote nothing) used to be read
     with this run's rank_0: "no hang or mismatch", exit 0."""

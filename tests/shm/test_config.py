@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from collectives.shm.config import ShmConfig
@@ -62,8 +64,8 @@ def test_each_variable_reaches_its_field():
     ("COLLECTIVES_SHM_CMA", "yes", "must be one of auto, 1, on, 0, off"),
     ("COLLECTIVES_SHM_ROUND_KB", "some", "must be auto or a number"),
     ("COLLECTIVES_SHM_ROUND_KB", "0", "must be a positive number"),
-    ("COLLECTIVES_SHM_REGIONS", "1", "must be auto or a whole number from 2"),
-    ("COLLECTIVES_SHM_REGIONS", "2.5", "must be auto or a whole number from 2"),
+    ("COLLECTIVES_SHM_REGIONS", "1", "must be auto or a whole number from 2 to 65536"),
+    ("COLLECTIVES_SHM_REGIONS", "2.5", "must be auto or a whole number from 2 to 65536"),
     ("COLLECTIVES_SHM_REGIONS", "many", "must be auto or a number"),
     ("COLLECTIVES_SHM_WAIT", "nap", "must be one of futex, spin, yield, sleep"),
     ("COLLECTIVES_SHM_WORKER_NICE", "20", "must be a whole number from 0 to 19"),
@@ -76,6 +78,72 @@ def test_a_bad_value_is_an_error_naming_the_variable(var, value, says):
     assert str(info.value) == f"{var}={value!r}: {says}"
 
 
+# Every numeric setting at both edges: (lowest taken, just below it, highest taken, just above it).
+# A bound that refuses its own edge (the documented default 19 of WORKER_NICE, once) fails here.
+EDGES = {
+    "COLLECTIVES_SHM_SLOT_MB": ("1e-6", "0", str(1 << 20), str((1 << 20) + 1)),
+    "COLLECTIVES_SHM_INLINE_BYTES": ("0", "-1", str(1 << 40), str((1 << 40) + 1)),
+    "COLLECTIVES_SHM_MAILBOX_KB": ("1e-6", "0", str(1 << 30), str((1 << 30) + 1)),
+    "COLLECTIVES_SHM_PIECE_KB": ("1e-6", "0", str(1 << 30), "1e30"),
+    "COLLECTIVES_SHM_CMA_MIN_KB": ("1e-6", "0", str(1 << 30), str((1 << 30) + 1)),
+    "COLLECTIVES_SHM_ROUND_KB": ("1e-6", "0", str(1 << 30), str((1 << 30) + 1)),
+    "COLLECTIVES_SHM_REGIONS": ("2", "1", "65536", "65537"),
+    "COLLECTIVES_SHM_WORKER_NICE": ("0", "-1", "19", "20"),
+}
+
+
+def test_every_numeric_setting_has_its_edges_tested():
+    numeric = {"COLLECTIVES_SHM_" + f.name.upper() for f in dataclasses.fields(ShmConfig)
+               if f.name not in ("cma", "wait", "path")}
+    assert set(EDGES) == numeric
+
+
+@pytest.mark.parametrize("var", sorted(EDGES))
+def test_each_numeric_setting_takes_its_edges_and_refuses_past_them(var):
+    low, below, high, above = EDGES[var]
+    for value in (low, high):
+        ShmConfig.from_env({var: value})
+    for value in (below, above, "inf"):
+        with pytest.raises(ValueError) as info:
+            ShmConfig.from_env({var: value})
+        assert str(info.value).startswith(f"{var}={value!r}: must be"), str(info.value)
+
+
+def test_an_empty_path_setting_is_the_default_native_path_for_every_reader(monkeypatch):
+    """The settings module says what a value means: the launcher's 'does this world record?'
+    must read COLLECTIVES_SHM_PATH= as the backend does (native), and unset as native too."""
+    from collectives.flight_recorder import recording
+
+    monkeypatch.delenv("TORCH_FR_BUFFER_SIZE", raising=False)
+    for value in (None, "", "native"):
+        if value is None:
+            monkeypatch.delenv("COLLECTIVES_SHM_PATH", raising=False)
+        else:
+            monkeypatch.setenv("COLLECTIVES_SHM_PATH", value)
+        assert ShmConfig.from_env().path == "native" and recording("shm"), value
+    monkeypatch.setenv("COLLECTIVES_SHM_PATH", "python")
+    assert not recording("shm") and not recording("gloo")
+
+
+def test_the_flight_recorders_size_is_bounded_by_what_a_rank_can_hold(monkeypatch):
+    from collectives import settings
+
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", str(settings.MAX_FR_ENTRIES))
+    assert settings.fr_buffer_size() == settings.MAX_FR_ENTRIES
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "100000000")
+    with pytest.raises(ValueError, match=r"TORCH_FR_BUFFER_SIZE='100000000': at most 1000000 entries .* 22.4 GB here"):
+        settings.fr_buffer_size()
+
+
+def test_a_segment_too_large_names_the_setting_that_made_it_so():
+    from collectives.shm.segment import too_large
+
+    slots = too_large(200 << 30, 20 << 30, 2, 100 << 30, 4 * (256 << 10))
+    assert "the data slots (2 x 102400 MiB) take 204800 MiB of it, so set COLLECTIVES_SHM_SLOT_MB lower" in slots, slots
+    mail = too_large(100 << 30, 20 << 30, 2, 64 << 20, 4 * (25 << 30))
+    assert "the mailboxes (2 x 2 x 26214400 KiB) take 102400 MiB of it, so set COLLECTIVES_SHM_MAILBOX_KB lower" in mail
+
+
 def _never_called(env):
     raise AssertionError("a rank started")
 
@@ -84,6 +152,9 @@ def _never_called(env):
     ("COLLECTIVES_SHM_SLOT_MB", "lots", "shm", "COLLECTIVES_SHM_SLOT_MB='lots': must be a number"),
     ("COLLECTIVES_SHM_WAIT", "bogus", "shm", "COLLECTIVES_SHM_WAIT='bogus': must be one of"),
     ("TORCH_FR_BUFFER_SIZE", "-5", "shm", "TORCH_FR_BUFFER_SIZE='-5' is not a whole number of entries"),
+    ("TORCH_FR_BUFFER_SIZE", "100000000", "gloo", "TORCH_FR_BUFFER_SIZE='100000000': at most 1000000 entries"),
+    ("COLLECTIVES_SHM_INLINE_BYTES", "1e30", "shm", "COLLECTIVES_SHM_INLINE_BYTES='1e30': must be at most"),
+    ("COLLECTIVES_SHM_PIECE_KB", "1e30", "shm", "COLLECTIVES_SHM_PIECE_KB='1e30': must be at most"),
 ])
 def test_a_bad_setting_stops_the_run_before_any_rank_starts(var, value, backend, says, monkeypatch):
     """Read the same way as the shm backend's own: named, in the launcher, not in every rank."""
