@@ -32,6 +32,7 @@ CIFAR_TRAIN_SIZE, CIFAR_TEST_SIZE = 50_000, 10_000
 # 3,072-byte image): 27,913 bytes measured at the peak (cifar10.SyntheticCIFAR10, 20,000 images)
 SYNTHETIC_PEAK_BYTES = 28_000
 TRAIN_DESCRIPTION = "Train ResNet-50 on CIFAR-10 with torch's DDP or one of ours, as the public DDP tutorials do."
+DEFAULT_MODEL = "resnet50"
 POWERSGD_DEFAULTS = {"powersgd_rank": 1, "powersgd_start_iter": 1000}  # torch's PowerSGDState's
 
 
@@ -67,6 +68,8 @@ class TrainConfig:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "TrainConfig":
         given = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
+        if given["model"] is None and given["tp"] is None:
+            given["model"] = DEFAULT_MODEL
         for name, default in POWERSGD_DEFAULTS.items():  # not given on the command line
             if given[name] is None:
                 given[name] = default
@@ -89,7 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--impl", choices=IMPLS + SHARDED_IMPLS, default="bucketed",
                    help="which DDP, or a sharded step: " + "; ".join(f"{n}: {STAGES[n].summary}" for n in SHARDED_IMPLS))
     p.add_argument("--nproc", type=int, default=2, help="ranks to spawn when not under torchrun/srun")
-    p.add_argument("--model", choices=list(MODELS), default="resnet50", help="ResNet-50 (10 classes) or a small CNN")
+    p.add_argument("--model", choices=list(MODELS), default=None,
+                   help=f"ResNet-50 (10 classes) or a small CNN (default {DEFAULT_MODEL}; a --tp run trains its small "
+                        "transformer instead, and takes no --model)")
     p.add_argument("--data", default="./data", help="folder with cifar-10-batches-py/ or cifar-10-python.tar.gz")
     p.add_argument("--synthetic", action="store_true", help="a deterministic CIFAR-shaped stand-in instead of CIFAR-10")
     p.add_argument("--train-size", type=int, default=None, help="use only the first N training images")
@@ -146,10 +151,14 @@ def validate(args, parser, world_size: int, local_ranks: Optional[int] = None) -
     if args.sequence_parallel and args.tp is None:
         parser.error("--sequence-parallel applies to a --tp run")
     if args.tp is not None:
+        if args.model is not None:
+            parser.error(f"--model {args.model}: a --tp run trains the small transformer of train_tp.py, not a CNN; "
+                         "leave out --model")
         cli.check_outputs(parser, {"--json": args.json})
         cli.check_positive(parser, args, "--lr")
         cli.check_positive(parser, args, "--bucket-cap-mb", "MiB")
         return validate_tp(args, parser, world_size)
+    args.model = args.model or DEFAULT_MODEL
     check_batch_fits(parser, args.model, args.batch_size, local_ranks or world_size)
     check_batchnorm_fits(parser, args.model, args.batch_size)
     cli.check_outputs(parser, {"--json": args.json})

@@ -37,8 +37,8 @@ from .workload.transformer import TinyTransformer, token_batch
 VOCAB, HIDDEN, HEADS, LAYERS, SEQ = 256, 64, 4, 2, 32  # the tensor-parallel benchmark's model
 DEFAULT_SEQUENCES = 512
 # the flags --tp does not take (none of them means anything for the transformer run yet)
-NOT_WITH_TP = ("compress", "amp", "checkpoint", "checkpoint_every", "stop_at_step", "resume", "auto_resume",
-               "test_size", "deterministic")
+NOT_WITH_TP = ("compress", "powersgd_rank", "powersgd_start_iter", "amp", "checkpoint", "checkpoint_every",
+               "stop_at_step", "resume", "auto_resume", "test_size", "deterministic")
 
 
 def validate_tp(args, parser, world_size: int) -> None:
@@ -56,7 +56,8 @@ def validate_tp(args, parser, world_size: int) -> None:
                      "with --tp")
     if args.sequence_parallel and tp == 1:
         parser.error("--sequence-parallel splits the sequence over the TP group: give --tp 2 or more")
-    given = [f"--{name.replace('_', '-')}" for name in NOT_WITH_TP if getattr(args, name, None)]
+    given = [f"--{name.replace('_', '-')}" for name in NOT_WITH_TP
+             if getattr(args, name, None) is not None and getattr(args, name) is not False]
     if given:
         parser.error(f"{', '.join(given)}: not taken with --tp (the transformer run has no checkpoints, compression, "
                      "mixed precision or test set yet)")

@@ -70,3 +70,24 @@ def test_what_a_tp_run_cannot_take_is_refused_before_any_rank_starts(argv, fragm
     with pytest.raises(SystemExit) as info:
         train.main(argv)
     assert info.value.code == 2 and fragment in capsys.readouterr().err
+
+
+# A value each flag takes; the rest are switches.
+_VALUES = {"compress": "fp16", "powersgd_rank": "2", "powersgd_start_iter": "10", "checkpoint": "ck",
+           "checkpoint_every": "5", "stop_at_step": "3", "test_size": "10"}
+
+
+@pytest.mark.parametrize("name", ["compress", "compress powersgd", "powersgd_rank", "powersgd_start_iter", "amp",
+                                  "checkpoint", "checkpoint_every", "stop_at_step", "resume", "auto_resume", "test_size",
+                                  "deterministic", "model small", "model resnet50"])
+def test_every_flag_a_tp_run_cannot_take_is_refused_alone(name, capsys, monkeypatch, tmp_path):
+    """Each one by itself (a check that returned early let --powersgd-rank through, and --model
+    small trained the transformer): the whole option space, not a sample of it."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("collectives.run_or_join", lambda *a, **k: pytest.fail("a rank started"))
+    flag, _, value = name.partition(" ")
+    argv = [f"--{flag.replace('_', '-')}"] + ([value or _VALUES[flag]] if value or flag in _VALUES else [])
+    with pytest.raises(SystemExit) as info:
+        train.main(["--tp", "2", "--nproc", "2", "--synthetic", *argv])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and len(err.strip().splitlines()) == 1 and argv[0] in err, err
