@@ -37,7 +37,7 @@ import collectives
 from collectives import cli
 from collectives.cli import command
 
-from collectives.launcher.env import pick_backend
+from collectives.launcher.env import pick_backend, read_env
 
 from . import limits as machine_limits
 from .bandwidth_report import add_limits, faster_by_size, limit_line, over_limit
@@ -112,8 +112,17 @@ def validate(args, parser) -> None:
             parser.error("--device cuda / --backend nccl need a CUDA device, and none is available here")
     if "nccl" in args.backend and args.device == "cpu":
         parser.error("--backend nccl moves CUDA tensors only; use --device cuda or --backend gloo")
+    args.notes = []
+    launched = read_env(os.environ)
+    world_size = launched["world_size"] if launched["master_addr"] is not None else args.world_size
+    if world_size == 1 and "sendrecv" in args.collective:  # each rank sends to the next: there is no next
+        parser.error("-c sendrecv needs 2 ranks or more (each rank sends to the next and receives from the one "
+                     "before): give --world-size 2 or more")
     if "all" in args.collective:
         args.collective = list(COLLECTIVES)
+        if world_size == 1:
+            args.collective.remove("sendrecv")
+            args.notes.append("# sendrecv left out: it needs 2 ranks or more (each rank sends to the next)")
     if args.algorithm:
         import collectives.algorithms as A
 
@@ -151,6 +160,8 @@ def report(result: dict, args, argv) -> int:
           f"-o {args.op} -d {args.datatype} --check {args.check} --rounds {args.rounds} --budget-ms {args.budget_ms:g}")
     print(f"# each cell: the median over {args.rounds} round(s) of the median of up to -n calls (the slowest rank's)"
           + ("; spread: half the range of the rounds, % of the median" if with_spread else ""))
+    for note in getattr(args, "notes", []):
+        print(note)
     if args.algorithm:
         print(f"# algorithm {args.algorithm}: collectives.algorithms over point-to-point messages, not the backend's own")
     if with_limit:

@@ -23,6 +23,7 @@ CASES = [
     (trace.main, ["--world-size", "0"], "--world-size must be at least 1, got 0"),
     (bandwidth.main, ["-b", "64M", "-e", "8"], "-b 67108864 must be at least 1 and at most -e 8"),
     (bandwidth.main, ["-f", "1"], "-f 1: the step factor must be at least 2"),
+    (bandwidth.main, ["--world-size", "1", "-c", "sendrecv"], "-c sendrecv needs 2 ranks or more"),
     (shm.main, ["-f", "1"], "-f 1: the step factor must be at least 2"),
     (shm.main, ["-b", "1M", "-e", "1K"], "must be at least 1 and at most -e 1024"),
     (shm_paths.main, ["-f", "1"], "-f 1: the step factor must be at least 2"),
@@ -129,3 +130,15 @@ def test_no_program_writes_the_minimum_check_by_hand():
     found = [str(p.relative_to(root)) for folder in ("collectives", "ddp_from_scratch", "benchmarks")
              for p in (root / folder).rglob("*.py") if p.name != "cli.py" and hand.search(p.read_text())]
     assert found == [], found
+
+
+@pytest.mark.parametrize("world_size, sendrecv", [(1, False), (2, True), (3, True)])
+def test_all_collectives_at_one_rank_leave_out_sendrecv_and_say_so(world_size, sendrecv, monkeypatch):
+    """sendrecv sends to the next rank: alone, every row read N/A with no word why."""
+    for var in ("MASTER_ADDR", "WORLD_SIZE", "RANK", "LOCAL_RANK", "SLURM_PROCID"):
+        monkeypatch.delenv(var, raising=False)
+    parser = bandwidth.build_parser()
+    args = parser.parse_args(["--world-size", str(world_size), "-c", "all"])
+    bandwidth.validate(args, parser)
+    assert ("sendrecv" in args.collective) == sendrecv and "all_reduce" in args.collective
+    assert args.notes == ([] if sendrecv else ["# sendrecv left out: it needs 2 ranks or more (each rank sends to the next)"])
