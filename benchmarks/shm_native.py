@@ -14,8 +14,9 @@ The variants are groups over the same ranks: "gloo"; "shm python" and "shm nativ
 costs through dist.all_reduce); and "deepspeed", deepspeed.comm's
 inference_all_reduce (its C++ shared-memory op), where DeepSpeed can be imported (the optional
 extra: pip install -e ".[deepspeed]"; else a line says why it is left out). Each --setting
-VAR=VALUE adds a native group made with that setting (collectives/shm/config.py), a variant named
-"native VAR=VALUE" beside the default one.
+VAR=VALUE adds a group made with that setting (collectives/shm/config.py), a variant named
+"native VAR=VALUE" beside the default one ("python VAR=VALUE" where the setting moves the group
+to the Python path).
 
 Each round the sizes come in a shuffled order and, for each size, the variants in a shuffled
 order (the same on every rank); a variant's turn is a barrier on its group, then back-to-back
@@ -42,7 +43,7 @@ import collectives
 import collectives.shm as shm
 from collectives import cli
 from collectives.shm import backend_of, new_group_with
-from collectives.shm.config import parse_settings
+from collectives.shm.config import ShmConfig, parse_settings
 
 from .sweep import check_sweep, parse_size, shm_setting, size_list
 
@@ -81,21 +82,30 @@ def _busy(k: int):
     return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(k)]
 
 
+def variant_name(setting: str) -> str:
+    """A --setting's column: the path its group runs on, then the setting ("native
+    COLLECTIVES_SHM_WORKER_NICE=0"; "python COLLECTIVES_SHM_PATH=python", not "native ...")."""
+    path = ShmConfig.from_env({"COLLECTIVES_SHM_PATH": "native", **parse_settings(setting)}).path
+    return f"{path} {setting}"
+
+
 def measure(env, config) -> dict:
     torch.set_num_threads(1)
     n = env.world_size
     groups = {"gloo": dist.new_group(backend="gloo"), "shm python": _shm_group("python"),
               "shm native": _shm_group("native"), "floor": _shm_group("native")}
     backend_of(groups["floor"])._engine.moves_nothing = True
-    for setting in config["settings"]:  # a native group each, made with the setting
-        groups[f"native {setting}"] = new_group_with({"COLLECTIVES_SHM_PATH": "native", **parse_settings(setting)})
+    named = {}
+    for setting in config["settings"]:  # a group each, made with the setting: on the native path unless it says
+        named[variant_name(setting)] = setting
+        groups[variant_name(setting)] = new_group_with({"COLLECTIVES_SHM_PATH": "native", **parse_settings(setting)})
     calls = {name: (lambda t, g=g: dist.all_reduce(t, group=g)) for name, g in groups.items()}
     calls["shm direct"] = lambda t, g=groups["shm native"]: shm.all_reduce(t, group=g)
     turn_group = {**groups, "shm direct": groups["shm native"]}  # each variant's barrier (else the world's)
     ds_call, ds_why = _deepspeed() if "deepspeed" in config["variants"] else (None, "not asked for")
     if ds_call is not None:
         calls["deepspeed"] = ds_call
-    calls = {k: v for k, v in calls.items() if k in config["variants"] or k.startswith("native ")}
+    calls = {k: v for k, v in calls.items() if k in config["variants"] or k in named}
     wrong = {}
     for name, call in calls.items():
         if name == "floor":

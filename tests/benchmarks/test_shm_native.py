@@ -45,3 +45,13 @@ def test_a_bad_flag_is_a_usage_error_naming_it(argv, says, capsys):
     with pytest.raises(SystemExit) as info:
         shm_native.main(argv)
     assert info.value.code == 2 and says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("setting, name", [
+    ("COLLECTIVES_SHM_WORKER_NICE=0", "native COLLECTIVES_SHM_WORKER_NICE=0"),
+    ("COLLECTIVES_SHM_PATH=python", "python COLLECTIVES_SHM_PATH=python"),
+    ("COLLECTIVES_SHM_PATH=python,COLLECTIVES_SHM_SLOT_MB=2", "python COLLECTIVES_SHM_PATH=python,COLLECTIVES_SHM_SLOT_MB=2"),
+    ("COLLECTIVES_SHM_PATH=native", "native COLLECTIVES_SHM_PATH=native"),
+])
+def test_a_setting_s_column_names_the_path_its_group_runs_on(setting, name):
+    assert shm_native.variant_name(setting) == name
