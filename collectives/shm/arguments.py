@@ -48,9 +48,14 @@ def _first(tensors: dict, is_bad, say) -> str:
 
 
 def wrong_devices(**tensors) -> str:
-    """"" when every tensor is on the CPU (lists allowed), else which one is not."""
-    return _first(tensors, lambda t: t.device.type != "cpu",
-                  lambda where, t: f"{where} is on {t.device}; the shm backend moves CPU tensors only")
+    """"" when every tensor is a dense tensor on the CPU (lists allowed), else which one is not and
+    what to do instead."""
+    return _first(tensors, lambda t: t.layout != torch.strided,
+                  lambda where, t: f"{where} is a sparse tensor ({str(t.layout).replace('torch.', '')}); the shm backend "
+                                   "moves dense tensors only: pass t.to_dense(), or use a Gloo group, which sums "
+                                   "sparse COO tensors") or \
+        _first(tensors, lambda t: t.device.type != "cpu",
+               lambda where, t: f"{where} is on {t.device}; the shm backend moves CPU tensors only")
 
 
 def _shares_elements(t: torch.Tensor) -> bool:

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 import collectives as C
+import collectives.shm
 from collectives.errors import CollectiveMismatchError
 from collectives.shm.ops import ShmArgumentError
 
@@ -163,6 +164,10 @@ def _refused_by_torch_before(env, on_every_rank):
             torch.zeros(1).expand(2) if wrong else torch.zeros(2), torch.ones(2 * env.world_size), group=group),
         "all_reduce avg of int64": lambda: dist.all_reduce(
             torch.ones(3, dtype=torch.int64), op=dist.ReduceOp.AVG if wrong else dist.ReduceOp.SUM, group=group),
+        "all_reduce of a sparse tensor": lambda: dist.all_reduce(
+            torch.ones(4).to_sparse() if wrong else torch.ones(4), group=group),
+        "direct all_reduce of a sparse tensor": lambda: C.shm.all_reduce(
+            torch.ones(4).to_sparse() if wrong else torch.ones(4), group=group),
     }
     said = {}
     for label, call in calls.items():
@@ -194,5 +199,7 @@ def test_what_torch_would_refuse_mid_call_is_refused_before_a_byte_moves(on_ever
                 assert text.startswith("ShmArgumentError"), (rank, label, text)
                 assert ("share memory (an expanded or stride-0 view" in text) == ("expanded" in label), text
                 assert ("op 'avg' on torch.int64 would have to round" in text) == ("avg" in label), text
+                assert ("tensor[0] is a sparse tensor (sparse_coo); the shm backend moves dense tensors only: pass "
+                        "t.to_dense(), or use a Gloo group, which sums sparse COO tensors" in text) == ("sparse" in label), text
             else:  # rank 1, with right arguments, is told who refused
                 assert text.startswith("CollectiveMismatchError") and "refused" in text, (rank, label, text)
