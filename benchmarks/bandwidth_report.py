@@ -16,6 +16,7 @@ cache the link is faster than at 64 MiB.
 
 from __future__ import annotations
 
+import math
 import statistics
 from typing import Dict, List, Optional, Tuple
 
@@ -64,9 +65,13 @@ def add_limits(rows: List[Dict], reference: List[Dict]) -> None:
 
 
 def _ratio(a: Dict, b: Dict) -> float:
-    """The median over rounds of a's time / b's in the same round."""
+    """The median over rounds of a's time / b's in the same round, taken on the ratios' logarithms
+    so that b's over a's is its reciprocal: with an even count of rounds the plain median of
+    [0.5, 2] and of [2, 0.5] is 1.25 both ways, and each backend read as the slower one."""
     pairs = list(zip(a.get("rounds_us") or [], b.get("rounds_us") or []))
-    return statistics.median(x / y for x, y in pairs) if pairs else a["time_us"] / b["time_us"]
+    if not pairs:
+        return a["time_us"] / b["time_us"]
+    return math.exp(statistics.median(math.log(x / y) for x, y in pairs))
 
 
 def faster_by_size(rows: List[Dict], backends: List[str]) -> List[str]:

@@ -393,3 +393,80 @@ def test_agreement_refuses_a_one_round_run(tmp_path, capsys, which):
     runs[which]["environment"]["rounds"] = 1
     line = _agreement_refuses(tmp_path, capsys, *runs)
     assert f"{'ab'[which]}.json: its run had --rounds 1" in line and "--rounds 2 or more" in line, line
+
+
+# -- the report's arithmetic over its whole input space -----------------------------------------------
+
+@settings(max_examples=150, deadline=None)
+@given(st.sampled_from(bench.COLLECTIVES), st.integers(1, 1 << 20), st.integers(1, 9),
+       st.sampled_from(["float32", "bfloat16", "int64", "float64"]))
+def test_every_row_whose_size_rounding_moved_keeps_its_limit(collective, requested, n, dtype_name):
+    """%limit holds a row against the reference at the size asked for (-b 6 moves all_reduce's
+    row to 4 B, all_gather's to 8 B on 2 ranks; the reference is timed at 6 B): a row moved by the
+    rounding must keep its %limit, at exactly busbw over the reference's bandwidth."""
+    from benchmarks.bandwidth_rounds import _summarised
+
+    itemsize = bench.DTYPES[dtype_name].itemsize
+    count = cases.buffer_count(collective, requested, n, itemsize)
+    row = {"backend": "gloo", "collective": collective, "requested": requested, "size": count * itemsize,
+           "count": count, "oop": None, "ip": {"rounds_us": [10.0, 12.0, 11.0], "iters": [5, 5, 5], "wrong": 0}}
+    _summarised(row, n)
+    reference = [{"backend": "gloo", "size": requested, "rounds_us": [5.0] * 3, "time_us": 5.0,
+                  "gbps": requested / 5.0 / 1e3}]
+    add_limits([row], reference)
+    assert row["ip"]["limit_pct"] == pytest.approx(100 * row["ip"]["busbw"] / reference[0]["gbps"])
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.floats(0.5, 1e6, allow_nan=False), min_size=1, max_size=12))
+def test_a_cells_time_is_the_median_of_its_rounds_for_odd_and_even_counts(rounds):
+    """An even --rounds has two middle rounds: the cell is their mean (statistics.median), not the
+    lower one, and its range is every round's."""
+    import statistics
+
+    from benchmarks.bandwidth_rounds import _summarised
+
+    row = {"collective": "all_reduce", "size": 1024, "oop": None,
+           "ip": {"rounds_us": list(rounds), "iters": [1] * len(rounds), "wrong": 0}}
+    _summarised(row, 2)
+    ordered = sorted(rounds)
+    middle = (ordered[(len(ordered) - 1) // 2] + ordered[len(ordered) // 2]) / 2
+    assert row["ip"]["time_us"] == pytest.approx(middle) == pytest.approx(statistics.median(rounds))
+    assert (row["ip"]["time_us_min"], row["ip"]["time_us_max"]) == (min(rounds), max(rounds))
+
+
+def _two_backends(a_rounds, b_rounds, size=1024):
+    import statistics
+
+    rows = []
+    for backend, rounds in (("gloo", a_rounds), ("shm", b_rounds)):
+        rows.append({"backend": backend, "collective": "all_reduce", "size": size, "oop": None,
+                     "ip": {"rounds_us": list(rounds), "time_us": statistics.median(rounds)}})
+    return rows
+
+
+def test_the_faster_backend_is_the_one_the_paired_rounds_say_when_the_medians_disagree():
+    """gloo's median (3) is below shm's (9), yet shm was faster in 3 of the 5 rounds, the backends
+    timed back to back: the summary names shm, with a ratio below 1."""
+    rows = _two_backends([1, 2, 10, 3, 4], [0.5, 1.5, 9, 20, 20])
+    lines = faster_by_size(rows, ["gloo", "shm"])
+    assert lines[1] == "#   all_reduce: shm at 1 KiB (0.90x gloo's time)", lines
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 9).flatmap(lambda k: st.tuples(st.lists(st.floats(0.1, 1e4), min_size=k, max_size=k),
+                                                     st.lists(st.floats(0.1, 1e4), min_size=k, max_size=k))))
+def test_the_backend_named_faster_never_takes_more_time_than_the_other(pair):
+    """Whatever the rounds: the ratio printed is the named backend's time over the other's, paired
+    by round (the median of the ratios' logarithms, so that the two directions are reciprocal: the
+    plain median of [0.5, 2] is 1.25, and so is that of [2, 0.5]), and it is at most 1."""
+    import re
+    import statistics
+
+    a, b = pair
+    line = faster_by_size(_two_backends(a, b), ["gloo", "shm"])[1]
+    m = re.fullmatch(r"#   all_reduce: (gloo|shm) at 1 KiB \((\d+\.\d\d)x (gloo|shm)'s time\)", line)
+    assert m and m.group(1) != m.group(3), line
+    named, other = (a, b) if m.group(1) == "gloo" else (b, a)
+    ratio = math.exp(statistics.median(math.log(x / y) for x, y in zip(named, other)))
+    assert ratio <= 1 + 1e-12 and m.group(2) == f"{ratio:.2f}", (line, ratio)
