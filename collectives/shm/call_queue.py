@@ -68,7 +68,8 @@ class CallQueue:
             self._waiter.abort()
             return lambda error=exc: fut.set_exception(error)
 
-    def _submit(self, op: str, job: Callable[[], None], value, nbytes: int = 0, inputs=None) -> torch.futures.Future:
+    def _submit(self, op: str, job: Callable[[], None], value, nbytes: int = 0, inputs=None,
+                refusal: bool = False) -> torch.futures.Future:
         """Run `job` at once in this thread when nothing is queued and it is small, else on the
         worker thread; a Future with `value` when it is done. The flight record names it `op`, as
         Gloo names the call, with `inputs` (else `value`) as its inputs and `value` as its outputs.
@@ -80,6 +81,8 @@ class CallQueue:
         follow, whether that call ran in the caller or on the worker, so the ranks agree on the
         order (Gloo's worker threads give no such order: docs/powersgd.md)."""
         fut = torch.futures.Future()
+        if self._engine is not None and not refusal:  # a native group's call that its engine did not take
+            self._fallbacks[op] += 1
         if self.recorder is not None:  # the flight record (recorder.py): in torch's format
             job = self._recorded(job, op, value if inputs is None else inputs, value)
         if self._engine is not None:  # in the native engine's order, with its counters (forward.cpp)
@@ -110,7 +113,7 @@ class CallQueue:
         """A Work that raises ShmArgumentError naming the call, this rank and the argument, after
         meeting the other ranks at the call's first barrier (none of them waits for this one)."""
         reason = f"{kind} on rank {self.rank()} of the shm group: {why}; nothing was moved"
-        return self._submit(kind, lambda: self._shm.refuse(kind, reason), None)
+        return self._submit(kind, lambda: self._shm.refuse(kind, reason), None, refusal=True)
 
     def _recorded(self, job: Callable[[], None], op: str, inputs, outputs) -> Callable[[], None]:
         entry = self.recorder.scheduled(op, inputs, outputs)

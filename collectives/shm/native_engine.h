@@ -246,9 +246,17 @@ class Engine {
     });
   }
 
+  // Out of place, or in place: the output this rank's own chunk of the input (nccl-tests' in-place
+  // column; Megatron's distributed optimizer). In place is safe because each round copies every
+  // chunk's piece of the input into the slot before the meeting, and writes the output's piece
+  // after it: a later round reads only pieces no earlier round wrote. Any other overlap: Python.
   bool takes_reduce_scatter(const at::Tensor& out, const at::Tensor& in, const c10d::ReduceOp& rop) const {
     return plain(out) && reduces(rop, in) && out.scalar_type() == in.scalar_type() &&
-           in.numel() == setup_.size * out.numel() && !overlaps(out, in);
+           in.numel() == setup_.size * out.numel() && (!overlaps(out, in) || own_chunk(out, in));
+  }
+  bool own_chunk(const at::Tensor& out, const at::Tensor& in) const {
+    return static_cast<const char*>(out.data_ptr()) ==
+           static_cast<const char*>(in.data_ptr()) + static_cast<int64_t>(setup_.rank) * out.nbytes();
   }
 
   FuturePtr reduce_scatter(at::Tensor& out, at::Tensor& in, const c10d::ReduceOp& rop, bool caller_waits = false) {

@@ -24,6 +24,7 @@ once; call_queue.py). How a group is made and found (create, new_group_with, bac
 
 from __future__ import annotations
 
+import collections
 import threading
 from datetime import timedelta
 from typing import Callable, List
@@ -98,6 +99,9 @@ class ShmBackend(CallQueue):
         # costs nothing measurable (the native path records in C++), off on the Python path (+20%)
         self.recorder = Recorder.from_env(default=SHM_FR_ENTRIES if config.path == "native" else 0)
         self._engine = None  # the native path's engine (forward.cpp), once create() has made it
+        # on the native path: the calls its engine did not take, which ran here, by collective
+        # (docs/shm.md lists the forms it refuses); fallbacks() reads them
+        self._fallbacks = collections.Counter()
         self._start_worker(python_path=config.path == "python")  # call_queue.py
 
     @property
@@ -109,6 +113,12 @@ class ShmBackend(CallQueue):
     def path(self) -> str:
         """Where this group's calls run: "native" (C++, forward.cpp's engine) or "python"."""
         return "native" if self._engine is not None else "python"
+
+    def fallbacks(self) -> dict:
+        """On the native path: how many calls of this group the engine did not take and the Python
+        path ran, by collective ({"reduce_scatter": 3}); {} when every call ran in C++, and on a
+        group on the Python path (where every call runs there by choice)."""
+        return dict(self._fallbacks)
 
     def sleeps(self) -> dict:
         """How often this rank has slept in the kernel at a barrier of this group (futex waits,
@@ -403,6 +413,8 @@ class ShmBackend(CallQueue):
             fut = torch.futures.Future()
             fut.set_exception(ShmArgumentError(f"{kind} on rank {self.rank()} of the shm group: {why}"))
             return fut
+        if self._engine is not None:  # the native path's messages did not take it (native_p2p.h)
+            self._fallbacks[kind] += 1
         fut = self._p2p.post(kind, tensors[0], peer)
         if self.recorder is not None:
             # torchfrtrace's form: "send 0->1", "recv 1<-0" (group ranks; from any source: -1)

@@ -156,7 +156,7 @@ class Recorder:
                         "output_dtypes": [_dtype_name(dtype)] if out_sizes is not None else [],
                         "state": states[state], "time_discovered_started_ns": started or None,
                         "time_discovered_completed_ns": completed or None, "retired": state == 2,
-                        "timeout_ms": 0, "is_p2p": p2p_seq > 0, "frames": []})
+                        "timeout_ms": 0, "is_p2p": p2p_seq > 0, "frames": [], "collectives_path": "native"})
         return out
 
     @staticmethod
@@ -170,5 +170,6 @@ class Recorder:
                  "output_dtypes": [_dtype_name(d) for _, d in e.outputs], "state": e.state,
                  "time_discovered_started_ns": e.started, "time_discovered_completed_ns": e.completed,
                  "retired": e.state == "completed", "timeout_ms": 0, "is_p2p": e.p2p,
-                 "frames": [{"name": c.co_name, "filename": c.co_filename, "line": line} for c, line in e.frames]}
+                 "frames": [{"name": c.co_name, "filename": c.co_filename, "line": line} for c, line in e.frames],
+                 "collectives_path": "python"}
                 for e in kept]
