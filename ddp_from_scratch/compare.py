@@ -100,11 +100,20 @@ def train_side_by_side(env, wrapper, steps: int, model="small", batch_size: int 
             params=all(same_bits(p_ours[k], p_theirs[k]) and same_bits(p_ours[k].grad, p_theirs[k].grad) for k in p_theirs),
             buffers=all(same_bits(b_ours[k], b_theirs[k]) for k in b_theirs),
             loss=same_bits(losses[0], losses[1]),
-            largest_diff=max(relative_diff(p_ours[k].detach(), p_theirs[k].detach()) for k in p_theirs),
+            # parameters and gradients: a gradient can differ for steps before its parameter shows it
+            largest_diff=max(max(relative_diff(p_ours[k].detach(), p_theirs[k].detach()),
+                                 _grad_diff(p_ours[k].grad, p_theirs[k].grad)) for k in p_theirs),
             nonfinite_ours=count_nonfinite(p_ours.values()),
             nonfinite_theirs=count_nonfinite(p_theirs.values()),
         ))
     return report
+
+
+def _grad_diff(ours: Optional[torch.Tensor], theirs: Optional[torch.Tensor]) -> float:
+    """relative_diff of two gradients; 0 where both are None, 1 where only one is."""
+    if ours is None or theirs is None:
+        return 0.0 if ours is None and theirs is None else 1.0
+    return relative_diff(ours.detach(), theirs.detach())
 
 
 def layouts(env, model: str = "small", batch_size: int = 2, image: int = 12, verbose: bool = False) -> Dict:
@@ -116,7 +125,7 @@ def layouts(env, model: str = "small", batch_size: int = 2, image: int = 12, ver
     return {when: bucket_describe(layout, ddp.params, ddp.names, verbose) for when, layout in ddp.layout_history.items()}
 
 
-HEADERS = ["wrapper", "ranks", "steps", "bitwise equal to torch DDP", "largest relative param diff",
+HEADERS = ["wrapper", "ranks", "steps", "bitwise equal to torch DDP", "largest relative diff (params, grads)",
            "first step differing", "values"]
 NOT_BITWISE = """naive and flat are not bitwise equal to torch's DDP on more than 2 ranks, and cannot be: Gloo's ring
 all_reduce adds the ranks' values in an order that depends on where an element sits in the buffer,

@@ -42,9 +42,13 @@ class CallQueue:
             self._worker_id = worker.ident
 
     def _serve(self) -> None:
+        threads = None
         while True:
-            job, fut, value = self._queue.get()
+            job, fut, value, issuer_threads = self._queue.get()
             self._waiter.spin_s = 0.0  # the calling thread is computing (DDP's backward): do not take its core
+            if issuer_threads != threads:  # as the thread that issued it: a new thread starts with every core
+                torch.set_num_threads(issuer_threads)  # (native_engine.h: Core::as_issuer says why)
+                threads = issuer_threads
             self._run(job, fut, value)
             with self._idle:
                 self._pending -= 1
@@ -106,7 +110,7 @@ class CallQueue:
             self._waiter.spin_s = self._waiter.spin_s_idle  # the caller waits anyway: spin a little first
             self._run(job, fut, value)
         else:
-            self._queue.put((job, fut, value))
+            self._queue.put((job, fut, value, torch.get_num_threads()))
         return fut
 
     def _refuse(self, kind: str, why: str) -> torch.futures.Future:

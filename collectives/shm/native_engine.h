@@ -15,6 +15,7 @@
 
 #pragma once
 
+#include <ATen/Parallel.h>
 #include <ATen/core/ivalue.h>
 #include <ATen/core/ivalue_inl.h>
 
@@ -504,7 +505,21 @@ class Engine {
     struct Queued {
       Task task;
       const void* tag = nullptr;  // the call's Future (help); null for a Python job
+      int threads = 0;            // the issuing thread's intra-op threads (at::get_num_threads)
     };
+    int threads = 0;  // the worker's intra-op threads, as last set
+
+    // A queued call runs as the thread that issued it would: with its intra-op thread count. A
+    // thread made here starts with OpenMP's default (every core), not the rank's
+    // torch.set_num_threads; a Future's callback run here (torch's PowerSGD hook multiplies its
+    // matrices there) then split its products over 2 threads where the rank asked for 1, and
+    // left other bits than the same product in the rank's own thread.
+    void as_issuer(const Queued& q) {
+      if (q.threads > 0 && q.threads != threads) {
+        at::set_num_threads(q.threads);
+        threads = q.threads;
+      }
+    }
     std::deque<Queued> queue;
     int pending = 0;       // queued or running
     bool running = false;  // a queued call is running (in the worker or a helping caller)
@@ -529,7 +544,7 @@ class Engine {
           idle_cv.wait(lock, [this] { return !running || !queue.empty(); });
         if (!(nested || (pending == 0 && (caller_waits || nbytes <= inline_bytes)))) {
           ++pending;
-          queue.push_back({std::move(task), tag});
+          queue.push_back({std::move(task), tag, at::get_num_threads()});
           cv.notify_one();
           return false;
         }
@@ -584,6 +599,7 @@ class Engine {
           if (!take(q)) return;  // stopped
         }
         waiter.spin_s = 0;  // the calling thread is computing (DDP's backward): do not take its core
+        as_issuer(q);
         q.task();
         finished();
       }

@@ -53,7 +53,7 @@ class StepCheck(NamedTuple):
     params: bool  # every parameter and its .grad: the same bits (or both .grad None)
     buffers: bool  # every buffer (BatchNorm running statistics)
     loss: bool
-    largest_diff: float  # the largest relative parameter difference (see relative_diff)
+    largest_diff: float  # the largest relative difference of a parameter or its gradient (see relative_diff)
     nonfinite_ours: int  # parameter tensors holding inf or NaN after the step
     nonfinite_theirs: int
 
