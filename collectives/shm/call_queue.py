@@ -86,7 +86,7 @@ class CallQueue:
         order (Gloo's worker threads give no such order: docs/powersgd.md)."""
         fut = torch.futures.Future()
         if self._engine is not None and not refusal:  # a native group's call that its engine did not take
-            self._fallbacks[op] += 1
+            self._to_python[op] += 1
         if self.recorder is not None:  # the flight record (recorder.py): in torch's format
             job = self._recorded(job, op, value if inputs is None else inputs, value)
         if self._engine is not None:  # in the native engine's order, with its counters (forward.cpp)

@@ -101,7 +101,7 @@ class ShmBackend(CallQueue):
         self._engine = None  # the native path's engine (forward.cpp), once create() has made it
         # on the native path: the calls its engine did not take, which ran here, by collective
         # (docs/shm.md lists the forms it refuses); fallbacks() reads them
-        self._fallbacks = collections.Counter()
+        self._to_python = collections.Counter()
         self._start_worker(python_path=config.path == "python")  # call_queue.py
 
     @property
@@ -118,7 +118,7 @@ class ShmBackend(CallQueue):
         """On the native path: how many calls of this group the engine did not take and the Python
         path ran, by collective ({"reduce_scatter": 3}); {} when every call ran in C++, and on a
         group on the Python path (where every call runs there by choice)."""
-        return dict(self._fallbacks)
+        return dict(self._to_python)
 
     def sleeps(self) -> dict:
         """How often this rank has slept in the kernel at a barrier of this group (futex waits,
@@ -414,7 +414,7 @@ class ShmBackend(CallQueue):
             fut.set_exception(ShmArgumentError(f"{kind} on rank {self.rank()} of the shm group: {why}"))
             return fut
         if self._engine is not None:  # the native path's messages did not take it (native_p2p.h)
-            self._fallbacks[kind] += 1
+            self._to_python[kind] += 1
         fut = self._p2p.post(kind, tensors[0], peer)
         if self.recorder is not None:
             # torchfrtrace's form: "send 0->1", "recv 1<-0" (group ranks; from any source: -1)
