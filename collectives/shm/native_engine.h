@@ -46,6 +46,7 @@ struct Setup {  // what process_group.py hands the engine (native_setup.setup)
   Strategy strategy = FUTEX;
   double timeout_s = 600, spin_s_idle = 0;
   int cores = 0;               // the CPUs the ranks may run on together (layout.agree; 0: every core online)
+  std::string loadavg = "/proc/loadavg";  // where the wait reads the machine's runnable threads (native_wait.h)
   int64_t inline_bytes = 64 << 10;
   int worker_nice = 19;        // the worker thread's nice value (ShmConfig.worker_nice)
   int64_t cma_min_bytes = -1;  // all_reduces this large go by cross-memory attach (Python); -1: never
@@ -485,7 +486,7 @@ class Engine {
   struct Core {
     explicit Core(const Setup& s)
         : rank(s.rank), worker_nice(s.worker_nice), inline_bytes(s.inline_bytes),
-          waiter(s.words, s.rank, s.size, s.strategy, s.timeout_s, s.spin_s_idle, s.cores),
+          waiter(s.words, s.rank, s.size, s.strategy, s.timeout_s, s.spin_s_idle, s.cores, s.loadavg),
           ops(s.words, s.rank, s.size, s.config, &waiter), recorder(s.recorder_entries) {
       waiter.step = s.step;
       waiter.callers_waiting = &callers_waiting;

@@ -124,11 +124,12 @@ inline bool process_alive(int pid) {
 // threads, and the ranks stop spinning sooner than they need to (they yield, then sleep).
 class MachineLoad {
  public:
-  // cores: the CPUs the group's ranks may run on together (0: every core online)
-  explicit MachineLoad(int cores) {
+  // cores: the CPUs the group's ranks may run on together (0: every core online); path: where the
+  // machine's load is read (/proc/loadavg; a test hands a file of its own, to hold the reading still)
+  explicit MachineLoad(int cores, const std::string& path = "/proc/loadavg") {
     const int online = static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN));
     cores_ = cores > 0 && cores < online ? cores : online;
-    fd_ = ::open("/proc/loadavg", O_RDONLY | O_CLOEXEC);
+    fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   }
   ~MachineLoad() {
     if (fd_ >= 0) ::close(fd_);
@@ -202,8 +203,9 @@ struct Words {  // the segment's control words this rank reads and writes (segme
 
 class Waiter {
  public:
-  Waiter(Words words, int rank, int size, Strategy strategy, double timeout_s, double spin_s_idle, int cores)
-      : w_(words), rank_(rank), size_(size), strategy_(strategy), load_(cores), timeout_s(timeout_s),
+  Waiter(Words words, int rank, int size, Strategy strategy, double timeout_s, double spin_s_idle, int cores,
+         const std::string& loadavg = "/proc/loadavg")
+      : w_(words), rank_(rank), size_(size), strategy_(strategy), load_(cores, loadavg), timeout_s(timeout_s),
         spin_s_idle(spin_s_idle), spin_s(spin_s_idle) {}
 
   int32_t step = 0;         // this rank's last announced step (the segment's word, mirrored)

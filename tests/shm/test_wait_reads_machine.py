@@ -64,6 +64,54 @@ def test_ranks_pinned_to_one_cpu_cut_their_spins_short():
     assert cut >= spun // 2, f"of {spun} waits that spun, the machine reading cut {cut} short: {got}"
 
 
+def _own_cores_peer_running(env, loadavg):
+    """Each rank on a CPU of its own, the machine reading held still at one runnable thread (a
+    file of the test's own where /proc/loadavg is read), so that only the peer's run delay can cut
+    a spin: rank 1 computes for about 200 us before each call, on its own core, while rank 0 waits
+    for it. The engine's spin counts, and whether every result was right."""
+    import time
+
+    from collectives.shm import native_setup
+
+    saved = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {sorted(saved)[env.rank]})
+    real = native_setup.setup
+    native_setup.setup = lambda impl: {**real(impl), "loadavg": loadavg}
+    try:
+        group = new_group_with({"COLLECTIVES_SHM_PATH": "native"})
+    finally:
+        native_setup.setup = real
+    try:
+        right, t = True, torch.empty(2)
+        for _ in range(CALLS):
+            if env.rank == 1:
+                end = time.perf_counter() + 200e-6
+                while time.perf_counter() < end:
+                    pass
+            t.fill_(1.0)
+            dist.all_reduce(t, group=group)
+            right &= bool(torch.equal(t, torch.full((2,), 2.0)))
+        spins = backend_of(group).spins()
+        return spins["spun"], spins["cut"], right
+    finally:
+        os.sched_setaffinity(0, saved)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs a core for each rank")
+def test_a_wait_for_a_peer_running_on_its_own_core_keeps_its_spin(tmp_path):
+    """The converse of the test above: the reading that the peer waited for a core (its
+    /proc/<pid>/schedstat run delay grew) must not cut a spin while the peer runs on a core of its
+    own. A reading that cut every spin left every result right and only the speed changed. Another
+    process on a rank's core (a loaded machine) may cut some spins, rightly; not all of them."""
+    loadavg = tmp_path / "loadavg"
+    loadavg.write_text("0.00 0.00 0.00 1/100 1\n")
+    got = run_on_ranks(_own_cores_peer_running, 2, args=(str(loadavg),), backend="gloo")
+    assert all(right for _, _, right in got), got
+    spun, cut = got[0][0], got[0][1]  # rank 0 waits for rank 1 at almost every call
+    assert spun >= CALLS // 4, got
+    assert cut < spun, f"rank 0's wait cut all {spun} of its spins for a peer running on its own core: {got}"
+
+
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the Python path spins only where the ranks have a core each")
 def test_the_python_wait_stops_spinning_when_more_threads_than_the_ranks_cores_are_runnable():
     """wait.py's Waiter, rank 0 of a 2-rank segment whose rank 1 never comes, counting 1 core for
