@@ -1,0 +1,50 @@
+"""benchmarks.pipeline_parallel: a short run measures every schedule at every microbatch count,
+holds what each schedule must hold (GPipe every microbatch, 1F1B at most one a stage ahead),
+draws each schedule's step, and refuses what cannot run before any rank starts. (How long the
+bubble is, is the benchmark's to say on quiet cores, not a test's.)
+
+    pytest tests/benchmarks/test_pipeline_parallel_benchmark.py -q
+"""
+
+import json
+
+import pytest
+
+from benchmarks import pipeline_parallel
+from collectives.launcher.pool import RankPool
+
+
+def test_a_short_run_measures_every_schedule_and_draws_them(tmp_path, capsys):
+    out, prefix = tmp_path / "pp.json", tmp_path / "pp"
+    argv = ["--stages", "2", "-m", "2", "4", "--rounds", "2", "--width", "32", "--depth", "2", "--json", str(out),
+            "--timeline", str(prefix), "--timeline-m", "4"]
+    assert pipeline_parallel.main(argv) == 0
+    rows = {(r["schedule"], r["microbatches"]): r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {("gpipe", 2), ("gpipe", 4), ("1f1b", 2), ("1f1b", 4)}
+    for (name, m), row in rows.items():
+        assert row["closed_form"] == pytest.approx(1 / (m + 1))
+        assert row["in_flight_per_rank"] == ([m, m] if name == "gpipe" else [min(m, 2), 1]), row
+        assert all(0 <= b < 1 for b in row["bubble_per_rank"]) and row["step_ms"] > 0
+    # measured, not computed: GPipe holds all 4 microbatches' activations, 1F1B 2 on rank 0
+    assert rows[("1f1b", 4)]["saved_bytes_per_rank"][0] * 2 == rows[("gpipe", 4)]["saved_bytes_per_rank"][0] > 0
+    for name in ("gpipe", "1f1b"):
+        assert (tmp_path / f"pp-{name}.png").read_bytes()[:4] == b"\x89PNG"
+        events = json.loads((tmp_path / f"pp-{name}.json").read_text())["traceEvents"]
+        computed = sorted(e["name"] for e in events if e["tid"] == "compute")
+        assert computed == sorted([f"{k}{i}" for k in "FB" for i in range(4)] * 2), computed
+    printed = capsys.readouterr().out
+    assert "(p-1)/(m+p-1), p=2" in printed and "1f1b" in printed
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--stages", "4", "-m", "2"], "-m 2: 1F1B needs at least as many microbatches as stages (4)"),
+    (["--stages", "8", "--depth", "2"], "--stages 8: the model has 5 layers"),
+    (["-m", "0"], "every microbatch count must be at least 1"),
+    (["-m", "2", "4", "--timeline", "x", "--timeline-m", "3"], "--timeline-m 3 is not one of -m [2, 4]"),
+])
+def test_what_cannot_run_is_refused_before_any_rank(argv, says, capsys, monkeypatch):
+    monkeypatch.setattr(RankPool, "start", lambda self: pytest.fail("a rank started"))
+    with pytest.raises(SystemExit) as info:
+        pipeline_parallel.main(argv)
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and len(err.strip().splitlines()) == 1 and says in err, err

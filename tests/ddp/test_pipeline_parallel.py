@@ -1,0 +1,196 @@
+"""Pipeline parallelism (ddp_from_scratch/pipeline_parallel/): stages cut as asked, schedules that
+run every microbatch's forward before its backward, and one executor whose losses and gradients
+are bit for bit torch.distributed.pipelining's ScheduleGPipe and Schedule1F1B on the same stages
+and data, on Gloo and on shm, at 2 and 4 stages, with as many microbatches as stages, twice as
+many and an odd count; and bit for bit the one-rank model accumulating the same microbatches.
+
+    pytest tests/ddp/test_pipeline_parallel.py -q
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from collectives.testing import run_on_ranks
+from ddp_from_scratch.pipeline_parallel.schedule import (SCHEDULES, Action, check, gpipe, one_f_one_b, peak_in_flight,
+                                                         table)
+from ddp_from_scratch.pipeline_parallel.split import balanced_sizes, split
+from ddp_from_scratch.pipeline_parallel.stage import Stage
+
+WIDTH, CLASSES = 16, 5
+
+
+def mlp(depth: int = 4, seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    layers = [m for _ in range(depth) for m in (nn.Linear(WIDTH, WIDTH), nn.Tanh())]
+    return nn.Sequential(*layers, nn.Linear(WIDTH, CLASSES))
+
+
+def _data(microbatches: int, per_microbatch: int = 2, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    n = microbatches * per_microbatch
+    return torch.randn(n, WIDTH, generator=g), torch.randint(0, CLASSES, (n,), generator=g)
+
+
+def _ours(env, stage_module, name: str, m: int, x, y):
+    p, r = env.world_size, env.rank
+    stage = Stage(stage_module, r, p, loss_fn=F.cross_entropy)
+    xs, ys = list(x.tensor_split(m)), list(y.tensor_split(m))
+    stage.agree_shapes(xs[0] if r == 0 else None)
+    return stage.run(SCHEDULES[name](p, m)[r], xs if r == 0 else None, ys if r == p - 1 else None)
+
+
+def _against_torch(env, name: str, counts, depth: int = 4):
+    """For each microbatch count: ours and torch's schedule on copies of this rank's stage; whether
+    every gradient and (last stage) every loss has the same bits."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    p, r = env.world_size, env.rank
+    out = {}
+    for m in counts:
+        mine = split(mlp(depth), p)[r]
+        theirs = copy.deepcopy(mine)
+        x, y = _data(m)
+        schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name](
+            PipelineStage(theirs, r, p, torch.device("cpu")), m, loss_fn=F.cross_entropy)
+        losses = []
+        if r == 0:
+            schedule.step(x)
+        elif r == p - 1:
+            schedule.step(target=y, losses=losses)
+        else:
+            schedule.step()
+        result = _ours(env, mine, name, m, x, y)
+        grads = [(n, torch.equal(a.grad, b.grad)) for (n, a), b in zip(mine.named_parameters(), theirs.parameters())]
+        same_losses = [torch.equal(result.losses[i], losses[i]) for i in range(m)] if r == p - 1 else []
+        out[m] = (grads, same_losses, len(result.losses))
+    return out
+
+
+@pytest.mark.parametrize("backend", ["gloo", "shm"])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p", [2, 4])
+def test_bitwise_torchs_schedule(p, name, backend):
+    counts = (p, 2 * p, 2 * p + 1)  # as many as stages, twice as many, an odd count
+    for rank, per_count in enumerate(run_on_ranks(_against_torch, p, args=(name, counts), backend=backend,
+                                                  timeout=120)):
+        for m, (grads, same_losses, n_losses) in per_count.items():
+            assert grads and all(same for _, same in grads), (name, backend, p, m, rank, grads)
+            if rank == p - 1:
+                assert n_losses == m and same_losses == [True] * m, (name, backend, p, m, same_losses)
+
+
+def _against_one_rank(env, name: str, m: int, depth: int, sizes):
+    """Ours against the whole model on one rank, accumulating the same microbatches in the same
+    order and dividing by their count: every stage's gradients and the losses."""
+    p, r = env.world_size, env.rank
+    whole = mlp(depth)
+    x, y = _data(m)
+    one_losses = []
+    for xi, yi in zip(x.tensor_split(m), y.tensor_split(m)):
+        loss = F.cross_entropy(whole(xi), yi)
+        loss.backward()
+        one_losses.append(loss.detach())
+    for q in whole.parameters():
+        q.grad.div_(m)
+    want = split(whole, p, sizes)[r]
+    mine = split(mlp(depth), p, sizes)[r]
+    result = _ours(env, mine, name, m, x, y)
+    grads = [torch.equal(a.grad, b.grad) for a, b in zip(mine.parameters(), want.parameters())]
+    losses = [torch.equal(result.losses[i], one_losses[i]) for i in range(m)] if r == p - 1 else []
+    return grads, losses, result.peak_in_flight
+
+
+@settings(max_examples=10, deadline=None)
+@given(p=st.integers(2, 4), extra=st.integers(0, 5), depth=st.integers(3, 6), name=st.sampled_from(["gpipe", "1f1b"]),
+       balanced=st.booleans(), data=st.data())
+def test_property_bitwise_the_one_rank_model_over_stages_microbatches_and_depth(p, extra, depth, name, balanced, data):
+    """The same arithmetic as one rank accumulating gradients over the microbatches: a stage's
+    backward gets the same output gradient the whole model's autograd would, and a parameter's
+    gradient adds the microbatches in the same order; so bit for bit, for any cut."""
+    m = p + extra
+    layers = 2 * depth + 1
+    sizes = None
+    if not balanced:
+        cuts = sorted(data.draw(st.lists(st.integers(1, layers - 1), min_size=p - 1, max_size=p - 1, unique=True)))
+        sizes = [b - a for a, b in zip([0] + cuts, cuts + [layers])]
+    for rank, (grads, losses, in_flight) in enumerate(run_on_ranks(_against_one_rank, p, args=(name, m, depth, sizes),
+                                                                   backend="gloo", timeout=120)):
+        assert all(grads), (rank, name, p, m, depth, sizes, grads)
+        assert all(losses) and len(losses) == (m if rank == p - 1 else 0), (rank, losses)
+        assert in_flight == (m if name == "gpipe" else min(m, p - rank)), (rank, name, in_flight)
+
+
+# -- the parts alone --------------------------------------------------------------------------------
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 50), min_size=1, max_size=8), st.data())
+def test_balanced_sizes_make_the_lightest_heaviest_stage(weights, data):
+    stages = data.draw(st.integers(1, len(weights)))
+    sizes = balanced_sizes(weights, stages)
+    assert len(sizes) == stages and min(sizes) >= 1 and sum(sizes) == len(weights)
+
+    def heaviest(cut):
+        at, most = 0, 0
+        for size in cut:
+            most, at = max(most, sum(weights[at:at + size])), at + size
+        return most
+    best = min(heaviest([b - a for a, b in zip((0,) + c, c + (len(weights),))])
+               for c in itertools.combinations(range(1, len(weights)), stages - 1))
+    assert heaviest(sizes) == best, (weights, stages, sizes)
+
+
+def test_split_keeps_the_models_modules_and_refuses_what_does_not_cover_it():
+    model = mlp(2)  # 5 layers: Linear, Tanh, Linear, Tanh, Linear
+    stages = split(model, 2, sizes=[2, 3])
+    assert [len(s) for s in stages] == [2, 3] and stages[1][2] is model[4]
+    for stages_, sizes, says in ((2, [2, 2], "add up to the model's 5 layers"), (2, [5, 0], "at least 1"),
+                                 (3, [2, 3], "must be 3 whole numbers"), (6, None, "6 stages need at least 6 layers"),
+                                 (0, None, "at least 1 stage")):
+        with pytest.raises(ValueError, match=says):
+            split(model, stages_, sizes)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 8), st.integers(0, 24), st.sampled_from(["gpipe", "1f1b"]))
+def test_every_schedule_runs_each_forward_before_its_backward_once(p, extra, name):
+    m = p + extra
+    actions = SCHEDULES[name](p, m)
+    check(actions, m)
+    for s, acts in enumerate(actions):
+        backwards = [a.microbatch for a in acts if a.kind == "B"]
+        assert backwards == list(range(m)), (name, s, backwards)  # gradients add up in microbatch order
+        assert peak_in_flight(acts) == (m if name == "gpipe" else min(m, p - s))
+
+
+def test_1f1b_is_torchs_order_and_refuses_fewer_microbatches_than_stages():
+    assert table(one_f_one_b(2, 3)) == "rank 0: F0 F1 B0 F2 B1 B2\nrank 1: F0 B0 F1 B1 F2 B2"
+    assert table(gpipe(2, 2)) == "rank 0: F0 F1 B0 B1\nrank 1: F0 F1 B0 B1"
+    with pytest.raises(ValueError, match="1F1B needs at least as many microbatches as stages: 3 microbatches for 4"):
+        one_f_one_b(4, 3)
+    with pytest.raises(ValueError, match="rank 0: B0 comes before F0"):
+        check([[Action("B", 0), Action("F", 0)]], 1)
+
+
+def _wrong_group(env):
+    try:
+        Stage(nn.Linear(2, 2), 0, 3, loss_fn=F.mse_loss)
+    except ValueError as exc:
+        said = str(exc)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return said, t.item()
+
+
+def test_a_pipeline_whose_group_is_not_its_stage_count_is_refused():
+    for said, after in run_on_ranks(_wrong_group, 2, backend="gloo"):
+        assert said == "a pipeline of 3 stages needs a group of 3 ranks, got 2" and after == 2.0
