@@ -5,18 +5,20 @@ it held, against microbatches, beside the closed forms.
     python -m benchmarks.pipeline_parallel --stages 2 -m 2 4 8 16 --json pp.json --timeline pp-timeline
 
 An MLP of --depth Linear+Tanh layers (--width wide, and a last Linear to 10 classes) is cut into
---stages stages balanced by parameters (ddp_from_scratch/pipeline_parallel/split.py), one a rank,
-each rank pinned to a core of its own where there are enough. Each round every schedule runs one
-step (forward and backward of every microbatch of --microbatch-size rows) for every microbatch
-count, in a shuffled order the same on every rank, after a barrier; a cell is the median over
---rounds rounds (after one warm-up round). Per rank, the executor's own timestamps give the share
-of the step it spent not computing (its idle share: also the messages' time) and autograd's saved
-tensors give the most activation bytes it held (measured, parameters excluded). The bubble is the
-busiest rank's idle share: the closed form takes every stage as long as every other, and a stage
-lighter than the busiest idles its difference as well (the first stage computes no gradient for
-the model's input, so it is lighter here). Beside them:
-(p-1)/(m+p-1), the bubble of GPipe and 1F1B when every stage's forward and backward take the same
-time, and the microbatches each schedule holds at most (GPipe m, 1F1B min(m, p)).
+stages balanced by parameters (ddp_from_scratch/pipeline_parallel/split.py): --stages of them, one
+a rank, for GPipe and 1F1B; --stages x --chunks for interleaved 1F1B, rank r holding stages r,
+p + r, ... Each rank is pinned to a core of its own where there are enough. Each round every
+schedule runs one step (forward and backward of every microbatch of --microbatch-size rows) for
+every microbatch count, in a shuffled order the same on every rank, after a barrier; a cell is the
+median over --rounds rounds (after one warm-up round). Per rank, the executor's own timestamps give
+the share of the step it spent not computing (its idle share: also the messages' time) and
+autograd's saved tensors give the most activation bytes it held (measured, parameters excluded).
+The bubble is the least idle rank's share (the busiest stage's): the closed form takes every
+stage as long as every other, and a stage lighter than the busiest idles its difference as well
+(the first stage computes no gradient for the model's input, so it is lighter here). Beside them the closed form,
+the bubble when every stage's forward and backward take the same time: (p-1)/(m+p-1) for GPipe
+and 1F1B, (p-1)/(v m+p-1) interleaved; and the microbatches each holds at most (GPipe m, 1F1B
+min(m, p)).
 --timeline PREFIX draws each schedule's last step at --timeline-m microbatches (PREFIX-<schedule>.png
 and .json, a Chrome trace).
 """
@@ -36,7 +38,7 @@ from torch import nn
 import collectives
 from collectives import cli
 from collectives.launcher.start_methods import TRAINING, preload
-from ddp_from_scratch.pipeline_parallel.schedule import SCHEDULES, bubble
+from ddp_from_scratch.pipeline_parallel.schedule import SCHEDULES, bubble, interleaved, rounds_of
 from ddp_from_scratch.pipeline_parallel.split import split
 from ddp_from_scratch.pipeline_parallel.stage import Stage
 
@@ -55,14 +57,22 @@ def measure(env, config) -> dict:
         os.sched_setaffinity(0, {cpus[env.rank]})
     p, r = env.world_size, env.rank
     group = dist.new_group(backend=config["backend"])
-    module = split(_model(config), p)[r]
-    stage = Stage(module, r, p, group=group, loss_fn=F.cross_entropy)
+    v = config["chunks"]
+    # GPipe and 1F1B: the model in p stages, one a rank; interleaved: in p*v, rank r holding r, p+r, ...
+    cut = split(_model(config), p * v)
+    executors = {name: Stage([cut[c * p + r] for c in range(v)], r, p, group=group, loss_fn=F.cross_entropy)
+                 if name == "interleaved" else Stage(split(_model(config), p)[r], r, p, group=group,
+                                                     loss_fn=F.cross_entropy)
+                 for name in config["schedules"]}
+    schedules = {name: (lambda m, name=name: interleaved(p, m, v) if name == "interleaved" else SCHEDULES[name](p, m))
+                 for name in config["schedules"]}
     g = torch.Generator().manual_seed(1)
     rows = config["microbatch_size"]
     largest = max(config["counts"])
     x = torch.randn(largest * rows, config["width"], generator=g)
     y = torch.randint(0, 10, (largest * rows,), generator=g)
-    stage.agree_shapes(x[:rows] if r == 0 else None)
+    for stage in executors.values():
+        stage.agree_shapes(x[:rows] if r == 0 else None)
     cells = [(name, m) for name in config["schedules"] for m in config["counts"]]
     order = random.Random(0)
     out = {f"{name} {m}": {"step_s": [], "idle": [], "compute_s": [], "saved": [], "in_flight": []} for name, m in cells}
@@ -70,9 +80,11 @@ def measure(env, config) -> dict:
     for k in range(config["rounds"] + 1):
         for name, m in order.sample(cells, len(cells)):
             xs, ys = list(x[:m * rows].split(rows)), list(y[:m * rows].split(rows))
-            module.zero_grad(set_to_none=True)
+            stage = executors[name]
+            for chunk in stage.chunks:
+                chunk.zero_grad(set_to_none=True)
             dist.barrier(group=group)
-            result = stage.run(SCHEDULES[name](p, m)[r], xs if r == 0 else None, ys if r == p - 1 else None)
+            result = stage.run(schedules[name](m), xs if r == 0 else None, ys if r == p - 1 else None)
             if k == 0:
                 continue  # warm-up
             cell = out[f"{name} {m}"]
@@ -95,10 +107,9 @@ def summarise(per_rank, config) -> list:
             step = [max(rank["cells"][key]["step_s"][i] for rank in per_rank) for i in range(config["rounds"])]
             idle = [statistics.median(rank["cells"][key]["idle"]) for rank in per_rank]
             compute = [statistics.median(rank["cells"][key]["compute_s"]) * 1e3 for rank in per_rank]
-            busiest = max(range(p), key=lambda q: compute[q])
             rows.append({"schedule": name, "microbatches": m, "step_ms": statistics.median(step) * 1e3,
-                         "bubble": idle[busiest], "bubble_per_rank": idle, "compute_ms_per_rank": compute,
-                         "closed_form": bubble(p, m),
+                         "bubble": min(idle), "bubble_per_rank": idle, "compute_ms_per_rank": compute,
+                         "closed_form": bubble(p, m, config["chunks"] if name == "interleaved" else 1),
                          "saved_bytes_per_rank": [max(rank["cells"][key]["saved"]) for rank in per_rank],
                          "in_flight_per_rank": [max(rank["cells"][key]["in_flight"]) for rank in per_rank]})
     return rows
@@ -111,7 +122,7 @@ def report(rows, p: int) -> str:
               " ".join(f"{b:.3f}" for b in r["bubble_per_rank"]), " ".join(f"{c:.1f}" for c in r["compute_ms_per_rank"]),
               " ".join(f"{b / 2**20:.2f}" for b in r["saved_bytes_per_rank"]),
               " ".join(map(str, r["in_flight_per_rank"]))] for r in rows]
-    return tabulate(table, headers=["schedule", "m", "step ms", "bubble", f"(p-1)/(m+p-1), p={p}", "idle by rank",
+    return tabulate(table, headers=["schedule", "m", "step ms", "bubble", f"closed form, p={p}", "idle by rank",
                                     "compute ms by rank", "saved MiB by rank", "held by rank"])
 
 
@@ -122,8 +133,10 @@ def build_parser():
     parser.add_argument("--stages", type=int, default=2, help="pipeline stages, one a rank (default 2)")
     parser.add_argument("-m", "--microbatches", type=int, nargs="+", default=[2, 4, 8, 16],
                         help="microbatch counts (default 2 4 8 16: p to 8p for 2 stages)")
-    parser.add_argument("--schedules", nargs="+", choices=sorted(SCHEDULES), default=["gpipe", "1f1b"],
-                        help="schedules (default both)")
+    parser.add_argument("--schedules", nargs="+", choices=sorted(SCHEDULES), default=["gpipe", "1f1b", "interleaved"],
+                        help="schedules (default all three)")
+    parser.add_argument("--chunks", type=int, default=2,
+                        help="model chunks a rank for interleaved (v; the model is cut into stages x v; default 2)")
     parser.add_argument("--backend", choices=["gloo", "shm"], default="shm", help="the pipeline group's (default shm)")
     parser.add_argument("--width", type=int, default=512, help="layer width (default 512)")
     parser.add_argument("--depth", type=int, default=8, help="Linear+Tanh layers (default 8)")
@@ -141,12 +154,18 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     cli.check_at_least(parser, args, {"--stages": 1, "--width": 1, "--depth": 1, "--microbatch-size": 1,
-                                      "--rounds": 1})
+                                      "--rounds": 1, "--chunks": 1})
+    if "interleaved" not in args.schedules:
+        args.chunks = 1  # the stages are cut for one chunk a rank
     if min(args.microbatches) < 1:
         parser.error(f"-m: every microbatch count must be at least 1, got {args.microbatches}")
-    if args.stages > 2 * args.depth + 1:
-        parser.error(f"--stages {args.stages}: the model has {2 * args.depth + 1} layers (--depth {args.depth}), "
-                     "at least one a stage")
+    if args.stages * args.chunks > 2 * args.depth + 1:
+        parser.error(f"--stages {args.stages} x --chunks {args.chunks}: the model has {2 * args.depth + 1} layers "
+                     f"(--depth {args.depth}), at least one a stage")
+    for m in args.microbatches:
+        if "interleaved" in args.schedules and m >= 1 and m % rounds_of(args.stages, m):
+            parser.error(f"-m {m}: interleaved runs the microbatches in rounds of about one a stage, and "
+                         f"{rounds_of(args.stages, m)} rounds do not divide {m}")
     if "1f1b" in args.schedules and min(args.microbatches) < args.stages:
         parser.error(f"-m {min(args.microbatches)}: 1F1B needs at least as many microbatches as stages "
                      f"({args.stages})")
@@ -158,7 +177,7 @@ def main(argv=None) -> int:
     if args.timeline:
         outputs.update({f"--timeline ({name})": f"{args.timeline}-{name}.png" for name in args.schedules})
     cli.check_outputs(parser, outputs)
-    config = {"stages": args.stages, "counts": counts, "schedules": list(dict.fromkeys(args.schedules)),
+    config = {"stages": args.stages, "chunks": args.chunks, "counts": counts, "schedules": list(dict.fromkeys(args.schedules)),
               "backend": args.backend, "width": args.width, "depth": args.depth,
               "microbatch_size": args.microbatch_size, "rounds": args.rounds, "timeline_m": timeline_m}
     preload(*TRAINING)
@@ -167,7 +186,7 @@ def main(argv=None) -> int:
     print(f"# {cli.command_line('benchmarks.pipeline_parallel', argv)}")
     print(f"# {args.stages} stages on {args.backend}, MLP {args.depth} x {args.width}, {args.microbatch_size} rows a "
           f"microbatch, {cli.cpus()} cpus, median over {args.rounds} rounds; idle: a rank's share of its step spent "
-          "not computing (median); bubble: the busiest rank's idle share (a lighter stage idles that and its "
+          "not computing (median); bubble: the least idle rank's share (a lighter stage idles that and its "
           "imbalance too); saved: the most activation bytes autograd held for backward")
     print(report(rows, args.stages))
     if args.timeline:

@@ -2,9 +2,11 @@
 
     split.py       a model's layers cut into stages: balanced by parameter count, or sizes given
     schedule.py    schedules as data: each rank's list of actions (forward, backward of a
-                   microbatch), GPipe and 1F1B, printed as a table
-    stage.py       one rank's stage: the activations' shapes agreed once, then each action run with
+                   microbatch on a chunk), GPipe, 1F1B and interleaved 1F1B, printed as a table and
+                   simulated
+    stage.py       one rank's part (a stage, or chunks): shapes agreed once, then each action run with
                    its sends and receives (batched isend/irecv) and timed
+    timeline.py    a step as it ran: every rank on one time axis, a PNG and a Chrome trace
 
     python -m pytest tests/ddp/test_pipeline_parallel.py -q   # bit for bit torch.distributed.pipelining
 

@@ -1,29 +1,37 @@
 """Schedules as data: for each rank of the pipeline, the list of actions it runs in order.
 
-    actions = gpipe(stages=4, microbatches=8)       # actions[rank]: [F0, F1, ..., F7, B0, ..., B7]
+    actions = gpipe(stages=4, microbatches=8)          # actions[rank]: [F0, F1, ..., F7, B0, ..., B7]
     actions = one_f_one_b(stages=4, microbatches=8)
-    print(table(actions))                           # a row a rank, an action a column
+    actions = interleaved(stages=4, microbatches=8, chunks=2)   # each rank holds 2 stages of 8
+    print(table(actions))                              # a row a rank, an action a column
+    simulate(actions, forward=1, backward=2)           # each rank's idle share, with actions of those lengths
 
-An action is a forward or a backward of one microbatch on the rank's stage. Its messages are
-implied by where the stage sits (stage.py): a forward receives its input from the stage before
-and sends its output to the stage after; a backward receives its output's gradient from the
-stage after and sends its input's gradient to the stage before. One executor runs any schedule.
+An action is a forward or a backward of one microbatch on one of the rank's model chunks (chunk c
+of rank r is stage c*p + r of the p*v stages; without interleaving every rank has one chunk).
+Its messages are implied by where the stage sits (stage.py): a forward receives its input from
+the stage before and sends its output to the stage after; a backward receives its output's
+gradient from the stage after and sends its input's gradient to the stage before. One executor
+runs any schedule.
 
 - GPipe (Huang et al., 2019): every forward, then every backward. A rank holds the activations of
   all m microbatches at once; the bubble, the share of a step a rank idles, is (p-1)/(m+p-1).
 - 1F1B (PipeDream-flush, Narayanan et al., 2021): rank s runs min(m, p-s) forwards, then one
   backward and one forward in turn, then the backwards left. The same bubble, but a rank holds
-  at most p microbatches' activations instead of m. Ranks and the order of each rank's backwards
-  are torch.distributed.pipelining.Schedule1F1B's, so the gradients add up in the same order.
+  at most p microbatches' activations instead of m. Its order is torch's Schedule1F1B's.
+- Interleaved 1F1B (Narayanan et al., 2021, Megatron-LM): each rank holds v chunks, stages p
+  apart, so a microbatch passes every rank v times. The microbatches go in rounds of g (m split
+  evenly, g about p); a round runs each chunk's forwards in turn, chunk 0 first, and its
+  backwards from the last chunk back. Rank r first runs (v-1) g + 2 (p-1-r) + 1 forwards, then
+  one backward and one forward in turn. The bubble shrinks to (p-1)/(v m+p-1), for more messages.
 
-Both run the backwards of a rank in microbatch order 0, 1, ..., m-1: a parameter's gradient is
-the sum over microbatches in that order, as in one-rank gradient accumulation.
+Every schedule runs a chunk's backwards in microbatch order 0, 1, ..., m-1: a parameter's
+gradient is the sum over microbatches in that order, as in one-rank gradient accumulation.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 FORWARD, BACKWARD = "F", "B"
 
@@ -32,9 +40,10 @@ FORWARD, BACKWARD = "F", "B"
 class Action:
     kind: str  # FORWARD or BACKWARD
     microbatch: int
+    chunk: int = 0  # which of the rank's model chunks (interleaved); stage chunk * p + rank
 
     def __str__(self) -> str:
-        return f"{self.kind}{self.microbatch}"
+        return f"{self.kind}{self.microbatch}" + (f":{self.chunk}" if self.chunk else "")
 
 
 def _check(stages: int, microbatches: int) -> None:
@@ -49,6 +58,18 @@ def gpipe(stages: int, microbatches: int) -> List[List[Action]]:
     return [list(one) for _ in range(stages)]
 
 
+def _alternate(forwards: List[Action], backwards: List[Action], warmup: int) -> List[Action]:
+    """`warmup` forwards, then a backward and a forward in turn, then the backwards left."""
+    actions, f, b = list(forwards[:warmup]), warmup, 0
+    while b < len(backwards):
+        actions.append(backwards[b])
+        b += 1
+        if f < len(forwards):
+            actions.append(forwards[f])
+            f += 1
+    return actions
+
+
 def one_f_one_b(stages: int, microbatches: int) -> List[List[Action]]:
     """Rank s: min(m, p - s) forwards to fill the pipe, then a backward and a forward in turn,
     then the backwards left. Needs m >= p (as torch's Schedule1F1B): with fewer, the pipe never
@@ -57,47 +78,106 @@ def one_f_one_b(stages: int, microbatches: int) -> List[List[Action]]:
     if microbatches < stages:
         raise ValueError(f"1F1B needs at least as many microbatches as stages: {microbatches} microbatches for "
                          f"{stages} stages (with fewer the pipe never fills: use gpipe)")
-    out = []
-    for s in range(stages):
-        warmup = min(microbatches, stages - s)
-        actions = [Action(FORWARD, i) for i in range(warmup)]
-        forward, backward = warmup, 0
-        while backward < microbatches:
-            actions.append(Action(BACKWARD, backward))
-            backward += 1
-            if forward < microbatches:
-                actions.append(Action(FORWARD, forward))
-                forward += 1
-        out.append(actions)
-    return out
+    forwards = [Action(FORWARD, i) for i in range(microbatches)]
+    backwards = [Action(BACKWARD, i) for i in range(microbatches)]
+    return [_alternate(forwards, backwards, min(microbatches, stages - s)) for s in range(stages)]
 
 
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
+def rounds_of(stages: int, microbatches: int) -> int:
+    """How many rounds the interleaved schedule splits the microbatches into: m // p (at least 1),
+    which must divide m (torch's ScheduleInterleaved1F1B takes the same)."""
+    return max(1, microbatches // stages)
+
+
+def interleaved(stages: int, microbatches: int, chunks: int = 2) -> List[List[Action]]:
+    """Interleaved 1F1B with `chunks` (v) model chunks a rank (see the module docstring)."""
+    _check(stages, microbatches)
+    if chunks < 1:
+        raise ValueError(f"interleaving needs at least 1 chunk a rank, got {chunks}")
+    rounds = rounds_of(stages, microbatches)
+    if microbatches % rounds:
+        raise ValueError(f"interleaved 1F1B runs the microbatches in rounds of about one a stage: {microbatches} "
+                         f"microbatches on {stages} stages make {rounds} rounds, which must divide them (take a "
+                         f"multiple of {rounds}, or of {stages})")
+    g = microbatches // rounds
+    forwards = [Action(FORWARD, k * g + i, c) for k in range(rounds) for c in range(chunks) for i in range(g)]
+    backwards = [Action(BACKWARD, k * g + i, c) for k in range(rounds) for c in reversed(range(chunks))
+                 for i in range(g)]
+    total = microbatches * chunks
+    # Megatron's warm-up, (v-1) g + 2 (p-1-r) forwards before it alternates forward then backward:
+    # one more here, where the alternation starts with the backward
+    return [_alternate(forwards, backwards, min(total, (chunks - 1) * g + 2 * (stages - 1 - r) + 1) if chunks > 1
+                       else min(microbatches, stages - r)) for r in range(stages)]
+
+
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved}
+
+
+def chunks_of(actions: List[List[Action]]) -> int:
+    return 1 + max(a.chunk for acts in actions for a in acts)
 
 
 def check(actions: List[List[Action]], microbatches: int) -> None:
-    """ValueError unless every rank runs each microbatch's forward, then its backward, once each."""
+    """ValueError unless every rank runs each (microbatch, chunk)'s forward, then its backward,
+    once each, and the schedule cannot deadlock (simulate)."""
+    v = chunks_of(actions)
     for rank, acts in enumerate(actions):
-        seen: Dict[str, List[int]] = {FORWARD: [], BACKWARD: []}
+        seen: Dict[str, List[Tuple[int, int]]] = {FORWARD: [], BACKWARD: []}
         for a in acts:
-            if a.kind == BACKWARD and a.microbatch not in seen[FORWARD]:
-                raise ValueError(f"rank {rank}: {a} comes before F{a.microbatch}")
-            seen[a.kind].append(a.microbatch)
+            if a.kind == BACKWARD and (a.microbatch, a.chunk) not in seen[FORWARD]:
+                raise ValueError(f"rank {rank}: {a} comes before its forward")
+            seen[a.kind].append((a.microbatch, a.chunk))
+        want = sorted((i, c) for i in range(microbatches) for c in range(v))
         for kind, done in seen.items():
-            if sorted(done) != list(range(microbatches)):
-                raise ValueError(f"rank {rank} runs {kind} of microbatches {done}, not each of 0 to {microbatches - 1} once")
+            if sorted(done) != want:
+                raise ValueError(f"rank {rank} runs {kind} of {sorted(done)}, not each (microbatch, chunk) once")
+    simulate(actions)
+
+
+def simulate(actions: List[List[Action]], forward: float = 1.0, backward: float = 2.0) -> List[float]:
+    """Run the schedule with every forward `forward` long and every backward `backward` long, each
+    action starting once its rank is free and its inputs exist (the previous stage's forward of
+    that microbatch; the next stage's backward); messages take no time. Each rank's idle share of
+    the whole; a ValueError naming the ranks stuck if it cannot finish (a deadlock)."""
+    p, v = len(actions), chunks_of(actions)
+    last = p * v - 1
+    done: Dict[Tuple[str, int, int], float] = {}  # (kind, microbatch, stage) -> when it ended
+    at, free, busy = [0] * p, [0.0] * p, [0.0] * p
+    while any(at[r] < len(actions[r]) for r in range(p)):
+        progressed = False
+        for r in range(p):
+            while at[r] < len(actions[r]):
+                a = actions[r][at[r]]
+                stage = a.chunk * p + r
+                needs = [(FORWARD, a.microbatch, stage - 1)] if a.kind == FORWARD and stage > 0 else []
+                if a.kind == BACKWARD:
+                    needs = [(FORWARD, a.microbatch, stage)] + ([(BACKWARD, a.microbatch, stage + 1)]
+                                                                if stage < last else [])
+                if any(n not in done for n in needs):
+                    break
+                start = max([free[r]] + [done[n] for n in needs])
+                length = forward if a.kind == FORWARD else backward
+                done[(a.kind, a.microbatch, stage)] = free[r] = start + length
+                busy[r] += length
+                at[r] += 1
+                progressed = True
+        if not progressed:
+            stuck = [f"rank {r} at {actions[r][at[r]]}" for r in range(p) if at[r] < len(actions[r])]
+            raise ValueError(f"the schedule deadlocks: {', '.join(stuck)}")
+    end = max(free)
+    return [1.0 - b / end for b in busy]
 
 
 def table(actions: List[List[Action]]) -> str:
-    """The schedule as rows of actions, one row a rank, in the order each rank runs them (not
-    aligned in time: stage.py's timeline is the schedule as it ran)."""
+    """The schedule as rows of actions, one row a rank, in the order each rank runs them (F3:1 is
+    microbatch 3's forward on chunk 1); stage.py's timeline is the schedule as it ran."""
     width = max(len(str(a)) for acts in actions for a in acts)
     return "\n".join(f"rank {r}: " + " ".join(str(a).rjust(width) for a in acts) for r, acts in enumerate(actions))
 
 
 def peak_in_flight(actions: List[Action]) -> int:
-    """The most microbatches whose activations a rank holds at once under `actions` (a forward
-    keeps them until its backward): m for GPipe, at most p for 1F1B."""
+    """The most (microbatch, chunk) pairs whose activations a rank holds at once under `actions`
+    (a forward keeps them until its backward): m for GPipe, at most p for 1F1B."""
     held = peak = 0
     for a in actions:
         held += 1 if a.kind == FORWARD else -1
@@ -105,7 +185,7 @@ def peak_in_flight(actions: List[Action]) -> int:
     return peak
 
 
-def bubble(stages: int, microbatches: int) -> float:
-    """The closed form of the share of a step a rank idles under GPipe and 1F1B, with a backward
-    the same length on every stage: (p-1)/(m+p-1)."""
-    return (stages - 1) / (microbatches + stages - 1)
+def bubble(stages: int, microbatches: int, chunks: int = 1) -> float:
+    """The closed form of the share of a step a rank idles, every stage's forward and backward
+    taking the same time: (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v m+p-1) interleaved."""
+    return (stages - 1) / (chunks * microbatches + stages - 1)

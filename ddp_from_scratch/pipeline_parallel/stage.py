@@ -1,23 +1,27 @@
-"""One rank's pipeline stage: the module it holds, where the activations come from and go, and
-the executor that runs a schedule's actions (schedule.py) on it.
+"""One rank's part of a pipeline: the model chunk (or chunks) it holds, where the activations come
+from and go, and the executor that runs any schedule (schedule.py) on it.
 
-    stage = Stage(stages[rank], rank, num_stages, group, loss_fn=F.cross_entropy)
+    stage = Stage(stages[rank], rank, p, group, loss_fn=F.cross_entropy)
+    stage = Stage([stages[rank], stages[p + rank]], rank, p, ...)   # interleaved: chunk c is stage c*p + rank
     stage.agree_shapes(microbatches[0])          # once: each stage learns its input's shape
-    result = stage.run(one_f_one_b(p, m)[rank], microbatches, targets)
+    result = stage.run(one_f_one_b(p, m), microbatches, targets)   # the whole schedule: every rank's actions
     result.losses                                 # the last stage's loss of each microbatch
     result.timeline, result.peak_saved_bytes      # what ran when; the activations held at most
 
-A forward on stage s > 0 first receives its input from stage s-1; on stage s < p-1 it sends its
-output to stage s+1 (isend: the stage goes on at once). A backward on the last stage starts from
-its loss; on any other stage it first receives the output's gradient from stage s+1; on s > 0
-it sends its input's gradient to stage s-1. Messages between two stages go one way each and in
-microbatch order, so the receiver's order is always the sender's. After the last backward every
-parameter's gradient is divided by the number of microbatches (a mean over them, as
-torch.distributed.pipelining's scale_grads does with a mean loss).
+A forward on stage s > 0 first receives its input from stage s-1; on any stage but the last it
+sends its output to stage s+1 (isend: the rank goes on at once). A backward on the last stage
+starts from its loss; on any other stage it first receives the output's gradient from stage s+1;
+on s > 0 it sends its input's gradient to stage s-1. Messages between two ranks arrive in the
+order they were sent (the shm backend matches no tags; Gloo's order is the same), and with
+several chunks a rank may need them in another order: so each rank reads its peers' lists of
+actions, knows the order each peer sends in, receives in that order and keeps a message that
+comes before it is needed. After the last backward every parameter's gradient is divided by the
+number of microbatches (a mean over them, as torch.distributed.pipelining's scale_grads does with
+a mean loss).
 
 Shapes are agreed once: stage 0 runs its module on a microbatch (in eval mode, without a graph:
 BatchNorm's running statistics stay as they were) and sends the output's dtype and shape to stage
-1, which does the same, and so on. The timeline records, per action, when it began waiting for
+1, which does the same, and so on through every chunk. The timeline records, per action, when it began waiting for
 its message, when it began computing and when it ended; a rank's idle time is what its step spent
 not computing. Saved activations are counted as autograd saves them for backward (parameters
 excluded) and freed, so the peak is measured, not computed.
@@ -28,13 +32,13 @@ from __future__ import annotations
 import dataclasses
 import time
 import weakref
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .schedule import FORWARD, Action
+from .schedule import FORWARD, Action, chunks_of
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32]
 _META = 10  # dtype, ndim, then up to 8 dims
@@ -67,53 +71,108 @@ class _Saved:
 
 
 class Stage:
-    def __init__(self, module: nn.Module, stage_index: int, num_stages: int, group=None,
-                 loss_fn: Optional[Callable] = None):
-        if not 0 <= stage_index < num_stages:
-            raise ValueError(f"stage {stage_index} is not one of the pipeline's {num_stages} stages")
-        self.module, self.index, self.num_stages, self.loss_fn = module, stage_index, num_stages, loss_fn
-        self.group = group
+    def __init__(self, modules, rank: int, ranks: int, group=None, loss_fn: Optional[Callable] = None):
+        self.chunks = list(modules) if isinstance(modules, (list, tuple)) else [modules]
+        if not 0 <= rank < ranks:
+            raise ValueError(f"rank {rank} is not one of the pipeline's {ranks} ranks")
         size = dist.get_world_size(group)
-        if size != num_stages:
-            raise ValueError(f"a pipeline of {num_stages} stages needs a group of {num_stages} ranks, got {size}")
-        peer = lambda r: dist.get_global_rank(group, r) if group is not None else r  # noqa: E731
-        self.prev = peer(stage_index - 1) if stage_index > 0 else None
-        self.next = peer(stage_index + 1) if stage_index < num_stages - 1 else None
-        self.is_last = self.next is None
-        if self.is_last and loss_fn is None:
+        if size != ranks:
+            raise ValueError(f"a pipeline over {ranks} ranks needs a group of {ranks} ranks, got {size}")
+        self.rank, self.ranks, self.group, self.loss_fn = rank, ranks, group, loss_fn
+        self.num_stages = ranks * len(self.chunks)
+        self._global = [dist.get_global_rank(group, r) if group is not None else r for r in range(ranks)]
+        if self.num_stages - 1 in self.stages and loss_fn is None:
             raise ValueError("the last stage computes the loss: give loss_fn")
-        self.input_meta = self.output_meta = None
+        self.input_meta: Dict[int, tuple] = {}  # stage -> (dtype, shape) of its input; output_meta alike
+        self.output_meta: Dict[int, tuple] = {}
         self._saved_bytes = self._peak_bytes = 0
+
+    @property
+    def stages(self) -> List[int]:
+        return [c * self.ranks + self.rank for c in range(len(self.chunks))]
+
+    def owner(self, stage: int) -> int:
+        return stage % self.ranks
+
+    @property
+    def module(self) -> nn.Module:
+        """The rank's one chunk (without interleaving)."""
+        return self.chunks[0]
+
+    def parameters(self):
+        return (p for chunk in self.chunks for p in chunk.parameters())
 
     # -- shapes --------------------------------------------------------------------------------
     def agree_shapes(self, example: Optional[torch.Tensor] = None) -> None:
-        """Learn this stage's input (from the stage before) and output (by running the module on
-        a stand-in without a graph, in eval mode) dtypes and shapes; pass the output's on."""
-        if self.prev is None:
-            x = example
-        else:
-            meta = torch.zeros(_META, dtype=torch.int64)
-            dist.recv(meta, self.prev, group=self.group)
-            dtype, ndim = _DTYPES[int(meta[0])], int(meta[1])
-            x = torch.zeros(*meta[2:2 + ndim].tolist(), dtype=dtype)
-        self.input_meta = (x.dtype, tuple(x.shape))
-        training = [m.training for m in self.module.modules()]
-        self.module.eval()
-        try:
-            with torch.no_grad():
-                y = self.module(x)
-        finally:
-            for m, was in zip(self.module.modules(), training):
-                m.training = was
-        self.output_meta = (y.dtype, tuple(y.shape))
-        if self.next is not None:
-            if y.dim() > _META - 2 or y.dtype not in _DTYPES:
-                raise ValueError(f"stage {self.index}'s output {y.dtype} {tuple(y.shape)} cannot be described in "
-                                 f"{_META - 2} dims of {', '.join(map(str, _DTYPES))}")
-            meta = torch.zeros(_META, dtype=torch.int64)
-            meta[0], meta[1] = _DTYPES.index(y.dtype), y.dim()
-            meta[2:2 + y.dim()] = torch.tensor(y.shape)
-            dist.send(meta, self.next, group=self.group)
+        """Learn each chunk's input (from the stage before) and output (by running the chunk on a
+        stand-in without a graph, in eval mode) dtypes and shapes; pass the output's on."""
+        sends = []
+        for chunk, stage in zip(self.chunks, self.stages):
+            if stage == 0:
+                x = example
+            else:
+                if self.owner(stage - 1) == self.rank:  # this rank's own previous chunk (one rank, several chunks)
+                    meta = self._local_meta
+                else:
+                    meta = torch.zeros(_META, dtype=torch.int64)
+                    dist.recv(meta, self._global[self.owner(stage - 1)], group=self.group)
+                dtype, ndim = _DTYPES[int(meta[0])], int(meta[1])
+                x = torch.zeros(*meta[2:2 + ndim].tolist(), dtype=dtype)
+            self.input_meta[stage] = (x.dtype, tuple(x.shape))
+            training = [m.training for m in chunk.modules()]
+            chunk.eval()
+            try:
+                with torch.no_grad():
+                    y = chunk(x)
+            finally:
+                for m, was in zip(chunk.modules(), training):
+                    m.training = was
+            self.output_meta[stage] = (y.dtype, tuple(y.shape))
+            if stage < self.num_stages - 1:
+                if y.dim() > _META - 2 or y.dtype not in _DTYPES:
+                    raise ValueError(f"stage {stage}'s output {y.dtype} {tuple(y.shape)} cannot be described in "
+                                     f"{_META - 2} dims of {', '.join(map(str, _DTYPES))}")
+                meta = torch.zeros(_META, dtype=torch.int64)
+                meta[0], meta[1] = _DTYPES.index(y.dtype), y.dim()
+                meta[2:2 + y.dim()] = torch.tensor(y.shape)
+                if self.owner(stage + 1) == self.rank:  # one rank, several chunks: no message
+                    self._local_meta = meta
+                else:
+                    sends.append(dist.isend(meta, self._global[self.owner(stage + 1)], group=self.group))
+        for work in sends:
+            work.wait()
+
+    # -- messages ------------------------------------------------------------------------------
+    def _sent_by(self, schedule: List[List[Action]], src: int) -> Iterator[tuple]:
+        """The messages rank `src` sends this rank, in the order it sends them: ("F", microbatch,
+        stage) an activation stage sends on, ("B", microbatch, stage) a gradient it sends back."""
+        for a in schedule[src]:
+            stage = a.chunk * self.ranks + src
+            if a.kind == FORWARD and stage < self.num_stages - 1 and self.owner(stage + 1) == self.rank:
+                yield (FORWARD, a.microbatch, stage)
+            elif a.kind != FORWARD and stage > 0 and self.owner(stage - 1) == self.rank:
+                yield (a.kind, a.microbatch, stage)
+
+    def _take(self, key: tuple) -> torch.Tensor:
+        """The message `key`, receiving from its sender, in the sender's order, until it is here."""
+        kind, _, stage = key
+        src = self.owner(stage)
+        while key not in self._inbox:
+            got = next(self._expected[src])
+            dest = got[2] + 1 if got[0] == FORWARD else got[2] - 1
+            dtype, shape = self.input_meta[dest] if got[0] == FORWARD else self.output_meta[dest]
+            t = torch.empty(shape, dtype=dtype)
+            for work in dist.batch_isend_irecv([dist.P2POp(dist.irecv, t, self._global[src], group=self.group)]):
+                work.wait()
+            self._inbox[got] = t
+        return self._inbox.pop(key)
+
+    def _give(self, key: tuple, t: torch.Tensor, dest_stage: int) -> list:
+        dst = self.owner(dest_stage)
+        if dst == self.rank:  # the next or previous stage is this rank's own chunk
+            self._inbox[key] = t.detach().clone()
+            return []
+        return dist.batch_isend_irecv([dist.P2POp(dist.isend, t.contiguous(), self._global[dst], group=self.group)])
 
     # -- the executor --------------------------------------------------------------------------
     @staticmethod
@@ -122,22 +181,19 @@ class Stage:
         if stage is not None:
             stage._saved_bytes -= nbytes
 
-    def _recv(self, meta, peer: int) -> torch.Tensor:
-        t = torch.empty(meta[1], dtype=meta[0])
-        for work in dist.batch_isend_irecv([dist.P2POp(dist.irecv, t, peer, group=self.group)]):
-            work.wait()
-        return t
-
-    def _send(self, t: torch.Tensor, peer: int) -> list:
-        return dist.batch_isend_irecv([dist.P2POp(dist.isend, t.contiguous(), peer, group=self.group)])
-
-    def run(self, actions: List[Action], inputs: Optional[List[torch.Tensor]] = None,
+    def run(self, schedule: List[List[Action]], inputs: Optional[List[torch.Tensor]] = None,
             targets: Optional[List[torch.Tensor]] = None) -> StepResult:
-        """Run one step of `actions` (this rank's list); `inputs`: the microbatches (stage 0),
-        `targets`: their targets (the last stage)."""
-        if self.input_meta is None:
+        """Run this rank's actions of `schedule` (every rank's lists: the order peers send in comes
+        from theirs); `inputs`: the microbatches (stage 0's rank), `targets`: their targets (the
+        last stage's rank)."""
+        if not self.input_meta:
             raise RuntimeError("call agree_shapes() once before run()")
-        params = {p.data_ptr() for p in self.module.parameters()}
+        if len(schedule) != self.ranks:
+            raise ValueError(f"the schedule has {len(schedule)} ranks' actions; this pipeline has {self.ranks} ranks")
+        if chunks_of(schedule) != len(self.chunks):  # a chunk no action runs would wait for ever for its messages
+            raise ValueError(f"the schedule runs {chunks_of(schedule)} chunk(s) a rank; this rank holds "
+                             f"{len(self.chunks)}")
+        params = {p.data_ptr() for p in self.parameters()}
 
         def pack(t):
             return t if t.data_ptr() in params else _Saved(self, t)
@@ -145,8 +201,12 @@ class Stage:
         def unpack(saved):
             return saved.tensor if isinstance(saved, _Saved) else saved
 
-        microbatches = sum(a.kind == FORWARD for a in actions)
-        held: Dict[int, tuple] = {}  # microbatch -> (input, output or loss)
+        actions = schedule[self.rank]
+        last = self.num_stages - 1
+        microbatches = sum(a.kind == FORWARD for a in actions) // len(self.chunks)
+        self._inbox: Dict[tuple, torch.Tensor] = {}
+        self._expected = {src: self._sent_by(schedule, src) for src in range(self.ranks) if src != self.rank}
+        held: Dict[tuple, tuple] = {}  # (microbatch, chunk) -> (input, output or loss)
         losses: Dict[int, torch.Tensor] = {}
         sends, timeline = [], []
         compute = 0.0
@@ -154,37 +214,38 @@ class Stage:
         peak_in_flight = 0
         start = time.perf_counter()
         for a in actions:
+            stage, chunk = a.chunk * self.ranks + self.rank, self.chunks[a.chunk]
             waited = time.perf_counter()
             if a.kind == FORWARD:
-                if self.prev is None:
+                if stage == 0:
                     x = inputs[a.microbatch]
                 else:
-                    x = self._recv(self.input_meta, self.prev).requires_grad_()
+                    x = self._take((FORWARD, a.microbatch, stage - 1)).requires_grad_()
                 began = time.perf_counter()
                 with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-                    y = self.module(x)
-                    if self.is_last:
+                    y = chunk(x)
+                    if stage == last:
                         y = self.loss_fn(y, targets[a.microbatch])
                         losses[a.microbatch] = y.detach()
                 ended = time.perf_counter()
-                held[a.microbatch] = (x, y)
+                held[(a.microbatch, a.chunk)] = (x, y)
                 peak_in_flight = max(peak_in_flight, len(held))
-                if self.next is not None:
-                    sends += self._send(y.detach(), self.next)
+                if stage < last:
+                    sends += self._give((FORWARD, a.microbatch, stage), y.detach(), stage + 1)
             else:
-                x, y = held.pop(a.microbatch)
-                grad = None if self.is_last else self._recv(self.output_meta, self.next)
+                x, y = held.pop((a.microbatch, a.chunk))
+                grad = None if stage == last else self._take((a.kind, a.microbatch, stage + 1))
                 began = time.perf_counter()
                 torch.autograd.backward(y, grad)
                 ended = time.perf_counter()
-                if self.prev is not None:
-                    sends += self._send(x.grad, self.prev)
+                if stage > 0:
+                    sends += self._give((a.kind, a.microbatch, stage), x.grad, stage - 1)
                 del x, y
             compute += ended - began
             timeline.append((a, waited - start, began - start, ended - start))
         for work in sends:
             work.wait()
-        for p in self.module.parameters():
+        for p in self.parameters():
             if p.grad is not None:
                 p.grad.div_(microbatches)
         return StepResult(losses, timeline, time.perf_counter() - start, compute, self._peak_bytes, peak_in_flight,

@@ -58,9 +58,12 @@ def plot(results: List, path: str, title: str = "", flag: str = None) -> None:
                            hatch=None if action.kind == FORWARD else "///")
             if ended - began > 0.02 * max(r.step_s for r in results):
                 ax.text(base + (began + ended) / 2 * 1e3, rank, str(action), ha="center", va="center", fontsize=7)
-    ax.set_yticks(range(len(results)), [f"rank {r} (stage {r})" for r in range(len(results))])
+    p = len(results)
+    chunks = 1 + max(a.chunk for r in results for a, *_ in r.timeline)
+    ax.set_yticks(range(p), [f"rank {r} (stage{'s' if chunks > 1 else ''} "
+                             f"{', '.join(str(c * p + r) for c in range(chunks))})" for r in range(p)])
     ax.set_ylim(len(results) - 0.5, -0.5)
-    ax.set_xlabel("ms   (plain: forward, hatched: backward, colour: microbatch; gaps: the bubble)")
+    ax.set_xlabel("ms   (plain: forward, hatched: backward, colour: microbatch, :c the chunk; gaps: the bubble)")
     ax.set_title(title, fontsize=10)
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()

@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 from collectives.testing import run_on_ranks
-from ddp_from_scratch.pipeline_parallel.schedule import (SCHEDULES, Action, check, gpipe, one_f_one_b, peak_in_flight,
+from ddp_from_scratch.pipeline_parallel.schedule import (SCHEDULES, Action, bubble, check, chunks_of, gpipe,
+                                                         interleaved, one_f_one_b, peak_in_flight, rounds_of, simulate,
                                                          table)
 from ddp_from_scratch.pipeline_parallel.split import balanced_sizes, split
 from ddp_from_scratch.pipeline_parallel.stage import Stage
@@ -41,27 +42,37 @@ def _data(microbatches: int, per_microbatch: int = 2, seed: int = 1):
     return torch.randn(n, WIDTH, generator=g), torch.randint(0, CLASSES, (n,), generator=g)
 
 
-def _ours(env, stage_module, name: str, m: int, x, y):
+def _ours(env, stage_modules, name: str, m: int, x, y, chunks: int = 1):
     p, r = env.world_size, env.rank
-    stage = Stage(stage_module, r, p, loss_fn=F.cross_entropy)
+    stage = Stage(stage_modules, r, p, loss_fn=F.cross_entropy)
     xs, ys = list(x.tensor_split(m)), list(y.tensor_split(m))
     stage.agree_shapes(xs[0] if r == 0 else None)
-    return stage.run(SCHEDULES[name](p, m)[r], xs if r == 0 else None, ys if r == p - 1 else None)
+    schedule = SCHEDULES[name](p, m, chunks) if name == "interleaved" else SCHEDULES[name](p, m)
+    return stage.run(schedule, xs if r == 0 else None, ys if r == p - 1 else None)
 
 
-def _against_torch(env, name: str, counts, depth: int = 4):
-    """For each microbatch count: ours and torch's schedule on copies of this rank's stage; whether
-    every gradient and (last stage) every loss has the same bits."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+def _against_torch(env, name: str, counts, depth: int = 4, chunks: int = 1):
+    """For each microbatch count: ours and torch's schedule on copies of this rank's stage (or its
+    chunks: stages r, p + r, ...); whether every gradient and (last stage) every loss has the same
+    bits."""
+    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                              ScheduleInterleaved1F1B)
 
     p, r = env.world_size, env.rank
     out = {}
     for m in counts:
-        mine = split(mlp(depth), p)[r]
+        n = p * chunks  # interleaved: a Linear and its Tanh a stage (balanced, a stage could be a Tanh alone)
+        stages = split(mlp(depth), n) if chunks == 1 else split(mlp(n), n, [2] * (n - 1) + [3])
+        mine = [stages[c * p + r] for c in range(chunks)]
         theirs = copy.deepcopy(mine)
         x, y = _data(m)
-        schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name](
-            PipelineStage(theirs, r, p, torch.device("cpu")), m, loss_fn=F.cross_entropy)
+        if name == "interleaved":
+            schedule = ScheduleInterleaved1F1B(
+                [PipelineStage(t, c * p + r, p * chunks, torch.device("cpu")) for c, t in enumerate(theirs)], m,
+                loss_fn=F.cross_entropy)
+        else:
+            schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name](
+                PipelineStage(theirs[0], r, p, torch.device("cpu")), m, loss_fn=F.cross_entropy)
         losses = []
         if r == 0:
             schedule.step(x)
@@ -69,19 +80,23 @@ def _against_torch(env, name: str, counts, depth: int = 4):
             schedule.step(target=y, losses=losses)
         else:
             schedule.step()
-        result = _ours(env, mine, name, m, x, y)
-        grads = [(n, torch.equal(a.grad, b.grad)) for (n, a), b in zip(mine.named_parameters(), theirs.parameters())]
+        result = _ours(env, mine, name, m, x, y, chunks)
+        grads = [(f"chunk {c} {n}", torch.equal(a.grad, b.grad)) for c in range(chunks)
+                 for (n, a), b in zip(mine[c].named_parameters(), theirs[c].parameters())]
         same_losses = [torch.equal(result.losses[i], losses[i]) for i in range(m)] if r == p - 1 else []
         out[m] = (grads, same_losses, len(result.losses))
     return out
 
 
 @pytest.mark.parametrize("backend", ["gloo", "shm"])
-@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved"])
 @pytest.mark.parametrize("p", [2, 4])
 def test_bitwise_torchs_schedule(p, name, backend):
-    counts = (p, 2 * p, 2 * p + 1)  # as many as stages, twice as many, an odd count
-    for rank, per_count in enumerate(run_on_ranks(_against_torch, p, args=(name, counts), backend=backend,
+    """Interleaved: 2 chunks a rank, 4 or 8 stages in all; its odd count is 3 (p=2) or 5 (p=4),
+    the microbatches running in rounds of about p that must divide them (torch's rule too)."""
+    counts = (p, 2 * p, 2 * p + 1) if name != "interleaved" else (p, 2 * p, p + 1)
+    chunks = 2 if name == "interleaved" else 1
+    for rank, per_count in enumerate(run_on_ranks(_against_torch, p, args=(name, counts, 4, chunks), backend=backend,
                                                   timeout=120)):
         for m, (grads, same_losses, n_losses) in per_count.items():
             assert grads and all(same for _, same in grads), (name, backend, p, m, rank, grads)
@@ -89,10 +104,11 @@ def test_bitwise_torchs_schedule(p, name, backend):
                 assert n_losses == m and same_losses == [True] * m, (name, backend, p, m, same_losses)
 
 
-def _against_one_rank(env, name: str, m: int, depth: int, sizes):
+def _against_one_rank(env, name: str, m: int, depth: int, sizes, chunks: int = 1):
     """Ours against the whole model on one rank, accumulating the same microbatches in the same
     order and dividing by their count: every stage's gradients and the losses."""
     p, r = env.world_size, env.rank
+    n = p * chunks
     whole = mlp(depth)
     x, y = _data(m)
     one_losses = []
@@ -102,32 +118,41 @@ def _against_one_rank(env, name: str, m: int, depth: int, sizes):
         one_losses.append(loss.detach())
     for q in whole.parameters():
         q.grad.div_(m)
-    want = split(whole, p, sizes)[r]
-    mine = split(mlp(depth), p, sizes)[r]
-    result = _ours(env, mine, name, m, x, y)
-    grads = [torch.equal(a.grad, b.grad) for a, b in zip(mine.parameters(), want.parameters())]
+    want = [split(whole, n, sizes)[c * p + r] for c in range(chunks)]
+    mine = [split(mlp(depth), n, sizes)[c * p + r] for c in range(chunks)]
+    result = _ours(env, mine, name, m, x, y, chunks)
+    grads = [torch.equal(a.grad, b.grad) for c in range(chunks) for a, b in zip(mine[c].parameters(), want[c].parameters())]
     losses = [torch.equal(result.losses[i], one_losses[i]) for i in range(m)] if r == p - 1 else []
     return grads, losses, result.peak_in_flight
 
 
-@settings(max_examples=10, deadline=None)
-@given(p=st.integers(2, 4), extra=st.integers(0, 5), depth=st.integers(3, 6), name=st.sampled_from(["gpipe", "1f1b"]),
-       balanced=st.booleans(), data=st.data())
-def test_property_bitwise_the_one_rank_model_over_stages_microbatches_and_depth(p, extra, depth, name, balanced, data):
+@settings(max_examples=12, deadline=None)
+@given(p=st.integers(2, 4), extra=st.integers(0, 5), depth=st.integers(3, 6),
+       name=st.sampled_from(["gpipe", "1f1b", "interleaved"]), chunks=st.integers(2, 3), balanced=st.booleans(),
+       data=st.data())
+def test_property_bitwise_the_one_rank_model_over_stages_microbatches_chunks_and_depth(p, extra, depth, name, chunks,
+                                                                                        balanced, data):
     """The same arithmetic as one rank accumulating gradients over the microbatches: a stage's
     backward gets the same output gradient the whole model's autograd would, and a parameter's
-    gradient adds the microbatches in the same order; so bit for bit, for any cut."""
+    gradient adds the microbatches in the same order; so bit for bit, for any cut, any schedule."""
     m = p + extra
-    layers = 2 * depth + 1
+    chunks = chunks if name == "interleaved" else 1
+    if name == "interleaved" and m % rounds_of(p, m):
+        m -= m % rounds_of(p, m)
+    layers, n = 2 * depth + 1, p * chunks
+    if n > layers:
+        depth, layers = n, 2 * n + 1
     sizes = None
     if not balanced:
-        cuts = sorted(data.draw(st.lists(st.integers(1, layers - 1), min_size=p - 1, max_size=p - 1, unique=True)))
+        cuts = sorted(data.draw(st.lists(st.integers(1, layers - 1), min_size=n - 1, max_size=n - 1, unique=True)))
         sizes = [b - a for a, b in zip([0] + cuts, cuts + [layers])]
-    for rank, (grads, losses, in_flight) in enumerate(run_on_ranks(_against_one_rank, p, args=(name, m, depth, sizes),
+    for rank, (grads, losses, in_flight) in enumerate(run_on_ranks(_against_one_rank, p,
+                                                                   args=(name, m, depth, sizes, chunks),
                                                                    backend="gloo", timeout=120)):
         assert all(grads), (rank, name, p, m, depth, sizes, grads)
         assert all(losses) and len(losses) == (m if rank == p - 1 else 0), (rank, losses)
-        assert in_flight == (m if name == "gpipe" else min(m, p - rank)), (rank, name, in_flight)
+        if name != "interleaved":
+            assert in_flight == (m if name == "gpipe" else min(m, p - rank)), (rank, name, in_flight)
 
 
 # -- the parts alone --------------------------------------------------------------------------------
@@ -160,16 +185,43 @@ def test_split_keeps_the_models_modules_and_refuses_what_does_not_cover_it():
             split(model, stages_, sizes)
 
 
-@settings(max_examples=100, deadline=None)
-@given(st.integers(1, 8), st.integers(0, 24), st.sampled_from(["gpipe", "1f1b"]))
-def test_every_schedule_runs_each_forward_before_its_backward_once(p, extra, name):
+def _schedule(name, p, m, v):
+    return interleaved(p, m, v) if name == "interleaved" else SCHEDULES[name](p, m)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(1, 8), st.integers(0, 24), st.integers(1, 4), st.sampled_from(["gpipe", "1f1b", "interleaved"]))
+def test_every_schedule_runs_each_forward_before_its_backward_once_and_cannot_deadlock(p, extra, v, name):
     m = p + extra
-    actions = SCHEDULES[name](p, m)
-    check(actions, m)
+    if name == "interleaved" and m % rounds_of(p, m):
+        return  # refused (the next test)
+    actions = _schedule(name, p, m, v)
+    check(actions, m)  # every (microbatch, chunk) once each way, and the simulation finishes
     for s, acts in enumerate(actions):
-        backwards = [a.microbatch for a in acts if a.kind == "B"]
-        assert backwards == list(range(m)), (name, s, backwards)  # gradients add up in microbatch order
-        assert peak_in_flight(acts) == (m if name == "gpipe" else min(m, p - s))
+        for c in range(chunks_of(actions)):
+            backwards = [a.microbatch for a in acts if a.kind == "B" and a.chunk == c]
+            assert backwards == list(range(m)), (name, s, c, backwards)  # gradients add up in microbatch order
+        if name != "interleaved":
+            assert peak_in_flight(acts) == (m if name == "gpipe" else min(m, p - s))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(1, 8), st.integers(0, 24), st.integers(1, 4), st.sampled_from(["gpipe", "1f1b", "interleaved"]))
+def test_the_simulated_bubble_is_the_closed_form(p, extra, v, name):
+    """With every forward and backward the same length and messages free, each rank idles
+    (p-1)/(m+p-1) of the step under GPipe and 1F1B, and (p-1)/(v m+p-1) interleaved."""
+    m = p + extra
+    if name == "interleaved" and m % rounds_of(p, m):
+        return
+    idle = simulate(_schedule(name, p, m, v), forward=1, backward=1)
+    want = bubble(p, m, v if name == "interleaved" else 1)
+    assert idle == pytest.approx([want] * p, abs=1e-12), (name, p, m, v, idle, want)
+
+
+def test_interleaved_refuses_microbatches_its_rounds_do_not_divide():
+    with pytest.raises(ValueError, match="5 microbatches on 2 stages make 2 rounds, which must divide them"):
+        interleaved(2, 5, 2)
+    assert chunks_of(interleaved(4, 5, 3)) == 3  # fewer than a round each: one round of 5
 
 
 def test_1f1b_is_torchs_order_and_refuses_fewer_microbatches_than_stages():
@@ -177,7 +229,7 @@ def test_1f1b_is_torchs_order_and_refuses_fewer_microbatches_than_stages():
     assert table(gpipe(2, 2)) == "rank 0: F0 F1 B0 B1\nrank 1: F0 F1 B0 B1"
     with pytest.raises(ValueError, match="1F1B needs at least as many microbatches as stages: 3 microbatches for 4"):
         one_f_one_b(4, 3)
-    with pytest.raises(ValueError, match="rank 0: B0 comes before F0"):
+    with pytest.raises(ValueError, match="rank 0: B0 comes before its forward"):
         check([[Action("B", 0), Action("F", 0)]], 1)
 
 
@@ -193,4 +245,4 @@ def _wrong_group(env):
 
 def test_a_pipeline_whose_group_is_not_its_stage_count_is_refused():
     for said, after in run_on_ranks(_wrong_group, 2, backend="gloo"):
-        assert said == "a pipeline of 3 stages needs a group of 3 ranks, got 2" and after == 2.0
+        assert said == "a pipeline over 3 ranks needs a group of 3 ranks, got 2" and after == 2.0
