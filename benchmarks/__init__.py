@@ -12,6 +12,7 @@ Programs (`python -m benchmarks.NAME --help`; their figures are in benchmarks/RE
     shm_native           shm's native path against its Python path, Gloo, a floor and DeepSpeed
     shm_small_path       where shm's small all_reduce path should stop, limits side by side
     tensor_parallel      DP, TP and TP x DP of the small transformer: step time and bytes
+    pipeline_parallel    GPipe, 1F1B and interleaved 1F1B: step time, bubble and activations against microbatches
     recorder_cost        what the flight record costs on shm
     bridge_load          loading shm's built C++ bridge: from its stamp, or through torch's build tools
     wrapper_overhead     what the checked wrappers add to a raw call
@@ -30,7 +31,7 @@ The pytest-benchmark latency test lives with the tests: tests/benchmarks/test_la
 """
 
 PROGRAMS = ("bandwidth", "bandwidth_agreement", "plot", "algorithms", "race_ablation", "shm", "shm_paths", "shm_wait", "shm_native", "shm_small_path",
-            "tensor_parallel",
+            "tensor_parallel", "pipeline_parallel",
             "recorder_cost", "bridge_load", "wrapper_overhead", "harness_speed", "ddp_step_time", "ddp_hook_cost", "sharded",
             "powersgd", "cuda_determinism", "suite_durations")
 HELPERS = ("bandwidth_rounds", "bandwidth_report", "busbw_plot", "cases", "limits", "nccl_format", "prediction", "sweep")
