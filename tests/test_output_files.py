@@ -11,6 +11,7 @@ The devices are made with os.mknod in a temporary folder (needs root), never tou
 from __future__ import annotations
 
 import ast
+import json
 import os
 import stat
 import subprocess
@@ -25,7 +26,12 @@ from collectives import cli, output_files
 from collectives.output_files import OutputError, check_outputs, write_output
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULT = "benchmarks/results/bandwidth_gloo-cpu-2core_2ranks_2026-11-22.json"
+# A results file of one collective at two sizes: the smallest figure benchmarks.plot draws (about
+# 1 s; a real run's file takes 2.5 s a figure)
+SMALL_RESULT = {"environment": {"backend": "gloo", "world_size": 2, "device": "cpu", "date": "2026-11-27"},
+                "rows": [{"collective": "all_reduce", "size": size, "ip": {"time_us": 10.0 + size / 1e3,
+                                                                              "busbw": size / 1e4, "algbw": size / 1e4}}
+                         for size in (8, 1024)]}
 CONTENTS = {"text": "a result\n", "bytes": b"a result\n", "function": lambda f: f.write(b"a result\n")}
 
 
@@ -127,7 +133,10 @@ def test_stdout_redirected_to_a_file_is_appended_to_through_its_descriptor(tmp_p
     (tmp_path / "stdout").symlink_to("/proc/self/fd/1")
     (tmp_path / "fd").symlink_to("/proc/self/fd")
     names = [str(tmp_path / "stdout"), str(tmp_path / "fd" / "1"), "/proc/self/fd/1"]
-    program = ("import sys; from collectives import output_files; print('before')\n"
+    program = ("import importlib.util, sys\n"  # the module alone: importing the package would import torch (2 s)
+               f"spec = importlib.util.spec_from_file_location('output_files', {str(ROOT / 'collectives' / 'output_files.py')!r})\n"
+               "output_files = importlib.util.module_from_spec(spec); spec.loader.exec_module(output_files)\n"
+               "print('before')\n"
                "for name in sys.argv[1:]:\n"
                "    output_files.write_output(name, 'to ' + name + '\\n'); print('after')\n")
     with open(out, "w") as f:
@@ -175,32 +184,39 @@ def test_the_check_of_a_link_into_a_missing_folder_names_it(tmp_path, capsys):
 
 # -- a program, end to end ------------------------------------------------------------------------
 
-def test_a_program_writes_into_a_null_device_and_exits_0(tmp_path, capsys):
+@pytest.fixture
+def result_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("result") / "run.json"
+    path.write_text(json.dumps(SMALL_RESULT))
+    return str(path)
+
+
+def test_a_program_writes_into_a_null_device_and_exits_0(tmp_path, capsys, result_file):
     null = device(tmp_path / "null", 3)
-    assert plot.main([RESULT, "-o", str(null)]) == 0
+    assert plot.main([result_file, "-o", str(null)]) == 0
     assert stat.S_ISCHR(os.lstat(null).st_mode) and sorted(p.name for p in tmp_path.iterdir()) == ["null"]
 
 
-def test_a_program_on_a_full_device_exits_1_with_one_line(tmp_path, capsys):
+def test_a_program_on_a_full_device_exits_1_with_one_line(tmp_path, capsys, result_file):
     full = device(tmp_path / "full", 7)
-    assert plot.main([RESULT, "-o", str(full)]) == 1
+    assert plot.main([result_file, "-o", str(full)]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"python -m benchmarks.plot: could not write -o {full} (No space left on device)"], err
     assert stat.S_ISCHR(os.lstat(full).st_mode) and sorted(p.name for p in tmp_path.iterdir()) == ["full"]
 
 
-def test_a_program_writes_through_a_link_and_into_a_fifo(tmp_path):
+def test_a_program_writes_through_a_link_and_into_a_fifo(tmp_path, result_file):
     target = tmp_path / "runs" / "busbw.png"
     target.parent.mkdir()
     link = tmp_path / "busbw.png"
     link.symlink_to(target)
-    assert plot.main([RESULT, "-o", str(link)]) == 0
+    assert plot.main([result_file, "-o", str(link)]) == 0
     assert link.is_symlink() and target.read_bytes()[:4] == b"\x89PNG"
     fifo = tmp_path / "busbw.fifo"
     os.mkfifo(fifo)
     got = []
     thread = read_fifo(fifo, got)
-    assert plot.main([RESULT, "-o", str(fifo)]) == 0
+    assert plot.main([result_file, "-o", str(fifo)]) == 0
     thread.join(10)
     assert got and got[0][:4] == b"\x89PNG" and stat.S_ISFIFO(os.lstat(fifo).st_mode)
 
