@@ -54,6 +54,8 @@ from .parts.parity import StepCheck, count_nonfinite, relative_diff, same_bits, 
 from .sharded_parity import (PARITY_IMPLS, SHARDED_HEADERS, SHARDED_NOTE, must_be_bitwise, shard_layout_text,
                              train_sharded_side_by_side)
 from .compare_options import options, what_was_compared
+from .compare_pp import PP_HEADERS, PP_IMPL, pp_checks
+from .compare_pp import table_rows as pp_table_rows
 from .compare_tp import ATTENTION_NOTE, TP_HEADERS, TP_IMPL, table_rows, tp_checks
 from .wrap import WRAPPERS, wrap
 
@@ -150,12 +152,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = cli.ArgumentParser(description="Compare our data-parallel wrappers with torch's DDP, step by step.")
     parser.add_argument("--model", choices=list(MODELS), default="small",
                         help="small CNN, ResNet-50 (10 classes), or the small CNN with unused heads")
-    parser.add_argument("--impl", nargs="+", choices=list(WRAPPERS) + parity_impls + [TP_IMPL],
+    parser.add_argument("--impl", nargs="+", choices=list(WRAPPERS) + parity_impls + [TP_IMPL, PP_IMPL],
                         default=list(WRAPPERS) + [TP_IMPL],
                         help="wrappers to compare; zero1, zero2, zero2-bucketed (in buckets of a quarter of the "
                              "model) and fsdp (the sharded steps) go into a table of their own, each against "
                              "torch's fully_shard and torch's DDP; tp: tensor parallelism's table (its blocks "
-                             "against torch's parallelize_module, the split transformer against the one-rank model)")
+                             "against torch's parallelize_module, the split transformer against the one-rank model); "
+                             "pp: the pipeline schedules against torch.distributed.pipelining's and the one-rank "
+                             "model (not in the default)")
     parser.add_argument("--world-sizes", nargs="+", type=int, default=[2, 4], help="ranks to spawn, one run each")
     parser.add_argument("--units", choices=["children", "blocks"], default="children",
                         help="how fsdp (and fully_shard beside it) cut the model into units: each child with "
@@ -176,11 +180,12 @@ class _Runs:
 
     def __init__(self, args, image: int, chosen: dict, plain: list, sharded: list):
         self.args, self.image, self.chosen, self.plain, self.sharded = args, image, chosen, plain, sharded
-        self.tp = TP_IMPL in args.impl
-        self.total = len(args.world_sizes) * (len(plain) + 2 * len(sharded) + len(chosen) + self.tp)
+        self.tp, self.pp = TP_IMPL in args.impl, PP_IMPL in args.impl
+        self.total = len(args.world_sizes) * (len(plain) + 2 * len(sharded) + len(chosen) + self.tp + self.pp)
         self.done, self.start = 0, time.perf_counter()
         self.rows, self.option_rows, self.sharded_rows, self.tp_rows = [], [], [], []
-        self.tp_ok = True
+        self.tp_ok = self.pp_ok = True
+        self.pp_rows = []
 
     def _progress(self, what: str) -> None:
         left = eta(self.done, self.total, time.perf_counter() - self.start)
@@ -194,6 +199,7 @@ class _Runs:
                 self._options(pool, n, on("gloo"))
                 self._sharded(pool, n)
                 self._tensor_parallel(pool, n)
+                self._pipeline(pool, n)
             for backend in sorted({o.backend for o in self.chosen.values()} - {"gloo"}):
                 if any(what_was_compared(self.chosen[label], self.args.steps) for label in on(backend)):
                     with collectives.RankPool(n, backend=backend) as pool:
@@ -240,6 +246,15 @@ class _Runs:
         self.tp_ok = self.tp_ok and ok
         self.done += 1
 
+    def _pipeline(self, pool, n: int) -> None:
+        if not self.pp:
+            return
+        self._progress(f"pipeline schedules on {n} ranks")
+        rows, ok = pp_table_rows(pool.submit(pp_checks, timeout=3600), n)
+        self.pp_rows += rows
+        self.pp_ok = self.pp_ok and ok
+        self.done += 1
+
     def _sharded(self, pool, n: int) -> None:
         a = self.args
         for impl in self.sharded:
@@ -280,6 +295,11 @@ def _print_tables(runs: _Runs, data: str) -> None:
               "(Gloo, one step) and the split transformer against the one-rank model (SGD, momentum 0.9)")
         print(tabulate(runs.tp_rows, headers=TP_HEADERS, disable_numparse=True))
         print("\n" + ATTENTION_NOTE)
+    if runs.pp_rows:
+        print("\npipeline parallelism (ddp_from_scratch/pipeline_parallel), each schedule against torch.distributed."
+              "pipelining's and against the one-rank model: every loss and every gradient of every rank, bit for bit "
+              "(an MLP of Linear+Tanh, Gloo)")
+        print(tabulate(runs.pp_rows, headers=PP_HEADERS, disable_numparse=True))
 
 
 def _print_layouts(args, image: int, plain: list, sharded: list) -> None:
@@ -303,14 +323,14 @@ def main(argv=None) -> int:
     data = f"synthetic CIFAR-shaped data ({args.batch_size} x 3 x {image} x {image} per rank)"
     chosen = {} if args.no_options else options(args.model, args.batch_size)
     preload(*TRAINING)  # every rank builds an optimizer: the fork server imports what that needs, once
-    plain = [impl for impl in args.impl if impl not in PARITY_IMPLS and impl != TP_IMPL]
+    plain = [impl for impl in args.impl if impl not in PARITY_IMPLS and impl not in (TP_IMPL, PP_IMPL)]
     sharded = [impl for impl in args.impl if impl in PARITY_IMPLS]
     runs = _Runs(args, image, chosen, plain, sharded).run()
     _print_tables(runs, data)
     _print_layouts(args, image, plain, sharded)
     sharded_ok = all(row[4] == "yes" for row in runs.sharded_rows if row[5] == "yes")
     compared = [row for row in runs.option_rows if row[3] != "not compared"]  # stopped before the option acted
-    return 0 if sharded_ok and runs.tp_ok and all(row[3] == "yes" for row in runs.rows + compared
+    return 0 if sharded_ok and runs.tp_ok and runs.pp_ok and all(row[3] == "yes" for row in runs.rows + compared
                                    if row[0] not in ("naive", "flat") or row[1] <= 2) else 1
 
 

@@ -7,6 +7,7 @@
     stage.py       one rank's part (a stage, or chunks): shapes agreed once, then each action run with
                    its sends and receives (batched isend/irecv) and timed
     timeline.py    a step as it ran: every rank on one time axis, a PNG and a Chrome trace
+    parity.py      the proof: against torch.distributed.pipelining's schedules and the one-rank model
 
     python -m pytest tests/ddp/test_pipeline_parallel.py -q   # bit for bit torch.distributed.pipelining
 

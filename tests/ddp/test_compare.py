@@ -147,3 +147,25 @@ def test_the_tensor_parallel_verdict_needs_every_rank(rank_rows, ok):
     rows, verdict = compare_tp.table_rows([good, rank_rows], 2, 4)  # rank 0 agrees; rank 1 as given
     assert verdict == ok, rows
     assert compare_tp.table_rows([good], 3, 4)[1]  # a world size the blocks do not fit: not run
+
+
+def test_the_pipeline_table_runs_every_schedule_against_torch_and_one_rank(capsys):
+    """--impl pp: GPipe, 1F1B and interleaved 1F1B against torch.distributed.pipelining's and the
+    one-rank model, every row bit for bit, exit 0; a world of 1 says a pipeline needs 2 ranks."""
+    assert compare.main(["--impl", "pp", "--world-sizes", "1", "2", "--no-options"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.startswith(("gpipe", "1f1b", "interleaved"))]
+    assert len(rows) == 12 and all("yes" in row for row in rows), out
+    assert "a pipeline needs 2 ranks or more" in out
+    for name in ("ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B"):
+        assert f"torch {name}" in out
+
+
+def test_a_pipeline_row_that_differs_on_one_rank_fails_the_table():
+    from ddp_from_scratch.compare_pp import table_rows
+
+    good = [("gpipe", "torch ScheduleGPipe", 2, True, 10)]
+    rows, ok = table_rows([good, good], 2)
+    assert ok and rows == [["gpipe", "torch ScheduleGPipe", 2, 2, "yes", 20]]
+    rows, ok = table_rows([good, [("gpipe", "torch ScheduleGPipe", 2, False, 10)]], 2)
+    assert not ok and rows[0][4] == "no"

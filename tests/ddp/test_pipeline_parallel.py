@@ -9,7 +9,6 @@ many and an odd count; and bit for bit the one-rank model accumulating the same 
 
 from __future__ import annotations
 
-import copy
 import itertools
 
 import pytest
@@ -24,68 +23,12 @@ from collectives.testing import run_on_ranks
 from ddp_from_scratch.pipeline_parallel.schedule import (SCHEDULES, Action, bubble, check, chunks_of, gpipe,
                                                          interleaved, one_f_one_b, peak_in_flight, rounds_of, simulate,
                                                          table)
+from ddp_from_scratch.pipeline_parallel import parity
 from ddp_from_scratch.pipeline_parallel.split import balanced_sizes, split
 from ddp_from_scratch.pipeline_parallel.stage import Stage
 
-WIDTH, CLASSES = 16, 5
-
-
-def mlp(depth: int = 4, seed: int = 0) -> nn.Sequential:
-    torch.manual_seed(seed)
-    layers = [m for _ in range(depth) for m in (nn.Linear(WIDTH, WIDTH), nn.Tanh())]
-    return nn.Sequential(*layers, nn.Linear(WIDTH, CLASSES))
-
-
-def _data(microbatches: int, per_microbatch: int = 2, seed: int = 1):
-    g = torch.Generator().manual_seed(seed)
-    n = microbatches * per_microbatch
-    return torch.randn(n, WIDTH, generator=g), torch.randint(0, CLASSES, (n,), generator=g)
-
-
-def _ours(env, stage_modules, name: str, m: int, x, y, chunks: int = 1):
-    p, r = env.world_size, env.rank
-    stage = Stage(stage_modules, r, p, loss_fn=F.cross_entropy)
-    xs, ys = list(x.tensor_split(m)), list(y.tensor_split(m))
-    stage.agree_shapes(xs[0] if r == 0 else None)
-    schedule = SCHEDULES[name](p, m, chunks) if name == "interleaved" else SCHEDULES[name](p, m)
-    return stage.run(schedule, xs if r == 0 else None, ys if r == p - 1 else None)
-
-
-def _against_torch(env, name: str, counts, depth: int = 4, chunks: int = 1):
-    """For each microbatch count: ours and torch's schedule on copies of this rank's stage (or its
-    chunks: stages r, p + r, ...); whether every gradient and (last stage) every loss has the same
-    bits."""
-    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                              ScheduleInterleaved1F1B)
-
-    p, r = env.world_size, env.rank
-    out = {}
-    for m in counts:
-        n = p * chunks  # interleaved: a Linear and its Tanh a stage (balanced, a stage could be a Tanh alone)
-        stages = split(mlp(depth), n) if chunks == 1 else split(mlp(n), n, [2] * (n - 1) + [3])
-        mine = [stages[c * p + r] for c in range(chunks)]
-        theirs = copy.deepcopy(mine)
-        x, y = _data(m)
-        if name == "interleaved":
-            schedule = ScheduleInterleaved1F1B(
-                [PipelineStage(t, c * p + r, p * chunks, torch.device("cpu")) for c, t in enumerate(theirs)], m,
-                loss_fn=F.cross_entropy)
-        else:
-            schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name](
-                PipelineStage(theirs[0], r, p, torch.device("cpu")), m, loss_fn=F.cross_entropy)
-        losses = []
-        if r == 0:
-            schedule.step(x)
-        elif r == p - 1:
-            schedule.step(target=y, losses=losses)
-        else:
-            schedule.step()
-        result = _ours(env, mine, name, m, x, y, chunks)
-        grads = [(f"chunk {c} {n}", torch.equal(a.grad, b.grad)) for c in range(chunks)
-                 for (n, a), b in zip(mine[c].named_parameters(), theirs[c].parameters())]
-        same_losses = [torch.equal(result.losses[i], losses[i]) for i in range(m)] if r == p - 1 else []
-        out[m] = (grads, same_losses, len(result.losses))
-    return out
+_against_torch, _against_one_rank = parity.against_torch, parity.against_one_rank
+mlp = parity.mlp
 
 
 @pytest.mark.parametrize("backend", ["gloo", "shm"])
@@ -94,7 +37,7 @@ def _against_torch(env, name: str, counts, depth: int = 4, chunks: int = 1):
 def test_bitwise_torchs_schedule(p, name, backend):
     """Interleaved: 2 chunks a rank, 4 or 8 stages in all; its odd count is 3 (p=2) or 5 (p=4),
     the microbatches running in rounds of about p that must divide them (torch's rule too)."""
-    counts = (p, 2 * p, 2 * p + 1) if name != "interleaved" else (p, 2 * p, p + 1)
+    counts = (p, 2 * p, parity.odd_count(name, p))
     chunks = 2 if name == "interleaved" else 1
     for rank, per_count in enumerate(run_on_ranks(_against_torch, p, args=(name, counts, 4, chunks), backend=backend,
                                                   timeout=120)):
@@ -102,28 +45,6 @@ def test_bitwise_torchs_schedule(p, name, backend):
             assert grads and all(same for _, same in grads), (name, backend, p, m, rank, grads)
             if rank == p - 1:
                 assert n_losses == m and same_losses == [True] * m, (name, backend, p, m, same_losses)
-
-
-def _against_one_rank(env, name: str, m: int, depth: int, sizes, chunks: int = 1):
-    """Ours against the whole model on one rank, accumulating the same microbatches in the same
-    order and dividing by their count: every stage's gradients and the losses."""
-    p, r = env.world_size, env.rank
-    n = p * chunks
-    whole = mlp(depth)
-    x, y = _data(m)
-    one_losses = []
-    for xi, yi in zip(x.tensor_split(m), y.tensor_split(m)):
-        loss = F.cross_entropy(whole(xi), yi)
-        loss.backward()
-        one_losses.append(loss.detach())
-    for q in whole.parameters():
-        q.grad.div_(m)
-    want = [split(whole, n, sizes)[c * p + r] for c in range(chunks)]
-    mine = [split(mlp(depth), n, sizes)[c * p + r] for c in range(chunks)]
-    result = _ours(env, mine, name, m, x, y, chunks)
-    grads = [torch.equal(a.grad, b.grad) for c in range(chunks) for a, b in zip(mine[c].parameters(), want[c].parameters())]
-    losses = [torch.equal(result.losses[i], one_losses[i]) for i in range(m)] if r == p - 1 else []
-    return grads, losses, result.peak_in_flight
 
 
 @settings(max_examples=12, deadline=None)
