@@ -32,40 +32,8 @@ from .tensor_parallel.mesh import Mesh2D
 from .tensor_parallel.model import TensorParallelTransformer
 from .tensor_parallel.operators import counting
 from .tensor_parallel.vocab import vocab_parallel_cross_entropy
+from .train_args import DEFAULT_SEQUENCES, HEADS, HIDDEN, LAYERS, SEQ, VOCAB  # the sizes, with the --tp flag checks
 from .workload.transformer import TinyTransformer, token_batch
-
-VOCAB, HIDDEN, HEADS, LAYERS, SEQ = 256, 64, 4, 2, 32  # the tensor-parallel benchmark's model
-DEFAULT_SEQUENCES = 512
-# the flags --tp does not take (none of them means anything for the transformer run yet)
-NOT_WITH_TP = ("compress", "powersgd_rank", "powersgd_start_iter", "amp", "checkpoint", "checkpoint_every",
-               "stop_at_step", "resume", "auto_resume", "test_size", "deterministic")
-
-
-def validate_tp(args, parser, world_size: int) -> None:
-    """Refuse what a --tp run cannot do, before any rank starts (parser.error: exit 2)."""
-    tp = args.tp
-    if tp < 1 or world_size % tp:
-        parser.error(f"--tp {tp} must divide the {world_size} rank(s) (--nproc, or the launcher's world size)")
-    for what, size in (("heads", HEADS), ("hidden size", HIDDEN), ("vocabulary", VOCAB)):
-        if size % tp:
-            parser.error(f"--tp {tp} does not divide the transformer's {size} {what}: use 1, 2 or 4")
-    if not args.synthetic:
-        parser.error("--tp trains the small transformer on synthetic tokens (there is no token dataset): add --synthetic")
-    if args.impl != "bucketed":
-        parser.error(f"--tp puts the bucketed DDP on the data-parallel dimension: --impl {args.impl} is not taken "
-                     "with --tp")
-    if args.sequence_parallel and tp == 1:
-        parser.error("--sequence-parallel splits the sequence over the TP group: give --tp 2 or more")
-    given = [f"--{name.replace('_', '-')}" for name in NOT_WITH_TP
-             if getattr(args, name, None) is not None and getattr(args, name) is not False]
-    if given:
-        parser.error(f"{', '.join(given)}: not taken with --tp (the transformer run has no checkpoints, compression, "
-                     "mixed precision or test set yet)")
-    dp = world_size // tp
-    sequences = args.train_size or DEFAULT_SEQUENCES
-    if sequences // (args.batch_size * dp) == 0:
-        parser.error(f"{sequences} sequences make no full step of {args.batch_size} per DP rank on {dp} DP rank(s): "
-                     f"use at least {args.batch_size * dp} (--train-size) or a smaller --batch-size")
 
 
 def train_tp(env, config) -> dict:
