@@ -38,7 +38,7 @@ from torch import nn
 import collectives
 from collectives import cli
 from collectives.launcher.start_methods import TRAINING, preload
-from ddp_from_scratch.pipeline_parallel.schedule import SCHEDULES, bubble, interleaved, rounds_of
+from ddp_from_scratch.pipeline_parallel.schedule import SCHEDULES, bubble, make, rounds_of
 from ddp_from_scratch.pipeline_parallel.split import split
 from ddp_from_scratch.pipeline_parallel.stage import Stage
 
@@ -64,8 +64,6 @@ def measure(env, config) -> dict:
                  if name == "interleaved" else Stage(split(_model(config), p)[r], r, p, group=group,
                                                      loss_fn=F.cross_entropy)
                  for name in config["schedules"]}
-    schedules = {name: (lambda m, name=name: interleaved(p, m, v) if name == "interleaved" else SCHEDULES[name](p, m))
-                 for name in config["schedules"]}
     g = torch.Generator().manual_seed(1)
     rows = config["microbatch_size"]
     largest = max(config["counts"])
@@ -84,7 +82,7 @@ def measure(env, config) -> dict:
             for chunk in stage.chunks:
                 chunk.zero_grad(set_to_none=True)
             dist.barrier(group=group)
-            result = stage.run(schedules[name](m), xs if r == 0 else None, ys if r == p - 1 else None)
+            result = stage.run(make(name, p, m, v), xs if r == 0 else None, ys if r == p - 1 else None)
             if k == 0:
                 continue  # warm-up
             cell = out[f"{name} {m}"]
@@ -128,8 +126,8 @@ def report(rows, p: int) -> str:
 
 def build_parser():
     parser = cli.ArgumentParser(prog="python -m benchmarks.pipeline_parallel",
-                                description="GPipe and 1F1B side by side: step time, measured bubble and "
-                                            "activations against microbatches.")
+                                description="GPipe, 1F1B and interleaved 1F1B side by side: step time, measured "
+                                            "bubble and activations against microbatches.")
     parser.add_argument("--stages", type=int, default=2, help="pipeline stages, one a rank (default 2)")
     parser.add_argument("-m", "--microbatches", type=int, nargs="+", default=[2, 4, 8, 16],
                         help="microbatch counts (default 2 4 8 16: p to 8p for 2 stages)")

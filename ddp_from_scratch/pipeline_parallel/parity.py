@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .schedule import SCHEDULES, interleaved
+from .schedule import make
 from .split import split
 from .stage import Stage
 
@@ -49,8 +49,7 @@ def run_ours(env, stage_modules, name: str, m: int, x, y, chunks: int = 1):
     stage = Stage(stage_modules, r, p, loss_fn=F.cross_entropy)
     xs, ys = list(x.tensor_split(m)), list(y.tensor_split(m))
     stage.agree_shapes(xs[0] if r == 0 else None)
-    schedule = interleaved(p, m, chunks) if name == "interleaved" else SCHEDULES[name](p, m)
-    return stage.run(schedule, xs if r == 0 else None, ys if r == p - 1 else None)
+    return stage.run(make(name, p, m, chunks), xs if r == 0 else None, ys if r == p - 1 else None)
 
 
 def _stages(p: int, chunks: int, depth: int):

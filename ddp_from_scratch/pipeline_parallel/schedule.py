@@ -113,6 +113,13 @@ def interleaved(stages: int, microbatches: int, chunks: int = 2) -> List[List[Ac
 SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved}
 
 
+def make(name: str, stages: int, microbatches: int, chunks: int = 1) -> List[List[Action]]:
+    """The schedule called `name` (a key of SCHEDULES); `chunks` a rank for the interleaved one."""
+    if name == "interleaved":
+        return interleaved(stages, microbatches, chunks)
+    return SCHEDULES[name](stages, microbatches)
+
+
 def chunks_of(actions: List[List[Action]]) -> int:
     return 1 + max(a.chunk for acts in actions for a in acts)
 

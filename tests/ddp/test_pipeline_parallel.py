@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from collectives.testing import run_on_ranks
-from ddp_from_scratch.pipeline_parallel.schedule import (SCHEDULES, Action, bubble, check, chunks_of, gpipe,
+from ddp_from_scratch.pipeline_parallel.schedule import (Action, bubble, check, chunks_of, gpipe, make,
                                                          interleaved, one_f_one_b, peak_in_flight, rounds_of, simulate,
                                                          table)
 from ddp_from_scratch.pipeline_parallel import parity
@@ -106,17 +106,13 @@ def test_split_keeps_the_models_modules_and_refuses_what_does_not_cover_it():
             split(model, stages_, sizes)
 
 
-def _schedule(name, p, m, v):
-    return interleaved(p, m, v) if name == "interleaved" else SCHEDULES[name](p, m)
-
-
 @settings(max_examples=150, deadline=None)
 @given(st.integers(1, 8), st.integers(0, 24), st.integers(1, 4), st.sampled_from(["gpipe", "1f1b", "interleaved"]))
 def test_every_schedule_runs_each_forward_before_its_backward_once_and_cannot_deadlock(p, extra, v, name):
     m = p + extra
     if name == "interleaved" and m % rounds_of(p, m):
         return  # refused (the next test)
-    actions = _schedule(name, p, m, v)
+    actions = make(name, p, m, v)
     check(actions, m)  # every (microbatch, chunk) once each way, and the simulation finishes
     for s, acts in enumerate(actions):
         for c in range(chunks_of(actions)):
@@ -134,7 +130,7 @@ def test_the_simulated_bubble_is_the_closed_form(p, extra, v, name):
     m = p + extra
     if name == "interleaved" and m % rounds_of(p, m):
         return
-    idle = simulate(_schedule(name, p, m, v), forward=1, backward=1)
+    idle = simulate(make(name, p, m, v), forward=1, backward=1)
     want = bubble(p, m, v if name == "interleaved" else 1)
     assert idle == pytest.approx([want] * p, abs=1e-12), (name, p, m, v, idle, want)
 
