@@ -43,9 +43,8 @@ WAIT_STRATEGIES = ("futex", "spin", "yield", "sleep")  # how a rank waits at a b
 PATHS = ("native", "python")  # where a group's calls run (docs/shm.md: the native path)
 # The sizes' unit in bytes. Each is at most MAX_BYTES: the native engine holds sizes in a C++
 # int64, and 1e30 was taken as a number, then every rank failed in C++ without naming the setting.
-UNITS = {"slot_mb": 1 << 20, "inline_bytes": 1, "mailbox_kb": 1 << 10, "piece_kb": 1 << 10, "cma_min_kb": 1 << 10,
-         "round_kb": 1 << 10}
-UNIT_NAMES = {1 << 20: "MiB", 1: "bytes", 1 << 10: "KiB"}
+UNITS = {"slot_mb": (1 << 20, "MiB"), "inline_bytes": (1, "bytes"), "mailbox_kb": (1 << 10, "KiB"),
+         "piece_kb": (1 << 10, "KiB"), "cma_min_kb": (1 << 10, "KiB"), "round_kb": (1 << 10, "KiB")}
 MAX_BYTES = 1 << 40  # 1 TiB
 MAX_REGIONS = 1 << 16
 _CHOICES = {"cma": ("auto", "1", "on", "0", "off"), "wait": WAIT_STRATEGIES, "path": PATHS}
@@ -128,9 +127,9 @@ class ShmConfig:
                     raise ValueError(f"{var}={raw!r}: must be auto or a whole number from 2 to {MAX_REGIONS}")
             elif not math.isfinite(number) or number < 0 or (number == 0 and field.name != "inline_bytes"):
                 raise ValueError(f"{var}={raw!r}: must be a positive number")
-            elif number * UNITS[field.name] > MAX_BYTES:
-                unit = UNITS[field.name]
-                raise ValueError(f"{var}={raw!r}: must be at most {MAX_BYTES // unit} ({UNIT_NAMES[unit]}; 1 TiB)")
+            elif number * UNITS[field.name][0] > MAX_BYTES:
+                unit, name = UNITS[field.name]
+                raise ValueError(f"{var}={raw!r}: must be at most {MAX_BYTES // unit} ({name}; 1 TiB)")
             values[field.name] = (int(number) if field.type in (int, "int") else
                                   _text(number) if field.name in ("round_kb", "regions") else number)
         return cls(**values)

@@ -32,6 +32,7 @@ from datetime import timedelta
 import numpy as np
 import torch
 
+from ..cli import format_bytes
 from .config import ALIGN, ShmConfig
 
 SHM_DIR = "/dev/shm"
@@ -95,23 +96,18 @@ def leftovers(pids=None) -> list:
     return [n for n in names if n[: n.rindex("-") + 1] in made_by]
 
 
-def _number(x: float) -> str:
-    """64.0 -> "64", 0.5 -> "0.5", 26214400.0 -> "26214400"."""
-    return str(int(x)) if x == int(x) else f"{x:.3f}".rstrip("0")
-
-
 def too_large(size: int, free: int, world_size: int, slot_bytes: int, mail: int) -> str:
     """What a segment that does not fit in SHM_DIR is made of, the larger part named first with the
     setting that sizes it (a huge mailbox once read "set COLLECTIVES_SHM_SLOT_MB lower")."""
-    parts = [(world_size * slot_bytes, f"the data slots ({world_size} x {_number(slot_bytes / 2**20)} MiB)",
+    parts = [(world_size * slot_bytes, f"the data slots ({world_size} x {format_bytes(slot_bytes)})",
               "COLLECTIVES_SHM_SLOT_MB"),
-             (mail, f"the mailboxes ({world_size} x {world_size} x {_number(mail / max(1, world_size ** 2) / 1024)} "
-                    "KiB)", "COLLECTIVES_SHM_MAILBOX_KB")]
+             (mail, f"the mailboxes ({world_size} x {world_size} x {format_bytes(mail / max(1, world_size ** 2))})",
+              "COLLECTIVES_SHM_MAILBOX_KB")]
     parts.sort(key=lambda p: -p[0])
-    big = parts[0]
+    (big, what, setting), (small, other, _) = parts
     return (f"the shm backend needs {size >> 20} MiB in {SHM_DIR} for {world_size} ranks, and only {free >> 20} MiB "
-            f"is free there: {big[1]} take {big[0] >> 20} MiB of it, so set {big[2]} lower, or give {SHM_DIR} more "
-            f"room (docker run --shm-size); {parts[1][1]} take {parts[1][0] >> 20} MiB")
+            f"is free there: {what} take {format_bytes(big)} of it, so set {setting} lower, or give {SHM_DIR} more "
+            f"room (docker run --shm-size); {other} take {format_bytes(small)}")
 
 
 class Segment:

@@ -139,9 +139,10 @@ def test_a_segment_too_large_names_the_setting_that_made_it_so():
     from collectives.shm.segment import too_large
 
     slots = too_large(200 << 30, 20 << 30, 2, 100 << 30, 4 * (256 << 10))
-    assert "the data slots (2 x 102400 MiB) take 204800 MiB of it, so set COLLECTIVES_SHM_SLOT_MB lower" in slots, slots
+    assert "the data slots (2 x 100.0 GiB) take 200.0 GiB of it, so set COLLECTIVES_SHM_SLOT_MB lower" in slots, slots
+    assert slots.endswith("; the mailboxes (2 x 2 x 256.0 KiB) take 1.0 MiB"), slots
     mail = too_large(100 << 30, 20 << 30, 2, 64 << 20, 4 * (25 << 30))
-    assert "the mailboxes (2 x 2 x 26214400 KiB) take 102400 MiB of it, so set COLLECTIVES_SHM_MAILBOX_KB lower" in mail
+    assert "the mailboxes (2 x 2 x 25.0 GiB) take 100.0 GiB of it, so set COLLECTIVES_SHM_MAILBOX_KB lower" in mail, mail
 
 
 def _never_called(env):

@@ -616,7 +616,7 @@ def test_a_full_dev_shm_is_a_clear_error_not_a_sigbus(monkeypatch):
 
     monkeypatch.setattr(s.os, "statvfs", lambda path: Tiny())
     with pytest.raises(MemoryError, match=r"needs \d+ MiB in /dev/shm for 2 ranks, and only 3 MiB is free there: "
-                                          r"the data slots \(2 x 64 MiB\) take 128 MiB of it, so set "
+                                          r"the data slots \(2 x 64.0 MiB\) take 128.0 MiB of it, so set "
                                           r"COLLECTIVES_SHM_SLOT_MB lower"):
         s.Segment.create_or_attach(dist.HashStore(), 0, 2, 64 << 20)
     assert shm.leftovers() == [] or all(not n.startswith(f"{s.PREFIX}-{os.getpid()}-") for n in shm.leftovers())
