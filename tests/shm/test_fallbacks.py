@@ -194,3 +194,40 @@ def _python_group_counts(env):
     assert backend_of(group).path == "python"
     dist.all_reduce(torch.ones(4, 2)[:, 0], group=group)
     return backend_of(group).fallbacks()
+
+
+def _in_place_across_rounds(env):
+    """In-place reduce_scatters on a native group with 1 KiB rounds, so a chunk takes many rounds
+    (the in-place form is safe only if no round reads what an earlier one wrote), against the
+    Python path's out-of-place call on the same inputs; and two in place in one coalesced call."""
+    settings = {"COLLECTIVES_SHM_ROUND_KB": "1"}
+    native = new_group_with({**settings, "COLLECTIVES_SHM_PATH": "native"})
+    python = new_group_with({**settings, "COLLECTIVES_SHM_PATH": "python"})
+    p, r = env.world_size, env.rank
+    same = {}
+    for n in (1, 63, 64, 65, 1000, 4099):  # elements a chunk: within a round, at its edge, past it, many rounds
+        for op in ("sum", "avg", "max"):
+            g = torch.Generator().manual_seed(n)
+            inputs = [torch.randn(p * n, generator=g) for _ in range(p)]  # every rank's, drawn alike everywhere
+            t = inputs[r].clone()
+            dist.reduce_scatter_tensor(t[r * n:(r + 1) * n], t, op=TORCH_OPS[op], group=native)
+            want = torch.empty(n)
+            dist.reduce_scatter_tensor(want, inputs[r].clone(), op=TORCH_OPS[op], group=python)
+            same[f"{n} {op}"] = torch.equal(t[r * n:(r + 1) * n], want)
+    a, b = torch.arange(2.0 * p * 700) + r, torch.arange(3.0 * p * 300) - r
+    with dist._coalescing_manager(group=native):
+        dist.reduce_scatter_tensor(a[r * 1400:(r + 1) * 1400], a, group=native)
+        dist.reduce_scatter_tensor(b[r * 900:(r + 1) * 900], b, group=native)
+    same["coalesced"] = bool(torch.equal(a[r * 1400:(r + 1) * 1400],
+                                         sum(torch.arange(2.0 * p * 700)[r * 1400:(r + 1) * 1400] + q for q in range(p)))
+                             and torch.equal(b[r * 900:(r + 1) * 900],
+                                             sum(torch.arange(3.0 * p * 300)[r * 900:(r + 1) * 900] - q
+                                                 for q in range(p))))
+    return same, backend_of(native).fallbacks()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_an_in_place_reduce_scatter_over_many_rounds_is_the_python_paths_bits(dist_run, world_size):
+    for rank, (same, fallbacks) in enumerate(dist_run(_in_place_across_rounds, world_size, timeout=120)):
+        assert all(same.values()), (rank, world_size, {k: v for k, v in same.items() if not v})
+        assert fallbacks == {}, (rank, world_size, fallbacks)
