@@ -6,8 +6,8 @@ it held, against microbatches, beside the closed forms.
 
 An MLP of --depth Linear+Tanh layers (--width wide, and a last Linear to 10 classes) is cut into
 stages balanced by parameters (ddp_from_scratch/pipeline_parallel/split.py): --stages of them, one
-a rank, for GPipe and 1F1B; --stages x --chunks for interleaved 1F1B, rank r holding stages r,
-p + r, ... Each rank is pinned to a core of its own where there are enough. Each round every
+a rank, for GPipe, 1F1B and zero bubble (so zero bubble and 1F1B run the same stages); --stages x
+--chunks for interleaved 1F1B, rank r holding stages r, p + r, ... Each rank is pinned to a core of its own where there are enough. Each round every
 schedule runs one step (forward and backward of every microbatch of --microbatch-size rows) for
 every microbatch count, in a shuffled order the same on every rank, after a barrier; a cell is the
 median over --rounds rounds (after one warm-up round). Per rank, the executor's own timestamps give
@@ -17,8 +17,9 @@ The bubble is the least idle rank's share (the busiest stage's): the closed form
 stage as long as every other, and a stage lighter than the busiest idles its difference as well
 (the first stage computes no gradient for the model's input, so it is lighter here). Beside them the closed form,
 the bubble when every stage's forward and backward take the same time: (p-1)/(m+p-1) for GPipe
-and 1F1B, (p-1)/(v m+p-1) interleaved; and the microbatches each holds at most (GPipe m, 1F1B
-min(m, p)).
+and 1F1B, (p-1)/(v m+p-1) interleaved, (p-1)/(3m+p-1) zero bubble (a forward, an input-gradient I
+and a weight-gradient W each as long: in an MLP each is one matrix product a layer); and the
+microbatches each holds at most (GPipe m, 1F1B min(m, p)).
 --timeline PREFIX draws each schedule's last step at --timeline-m microbatches (PREFIX-<schedule>.png
 and .json, a Chrome trace).
 """
@@ -39,6 +40,8 @@ import collectives
 from collectives import cli
 from collectives.launcher.start_methods import TRAINING, preload
 from ddp_from_scratch.pipeline_parallel.schedule import SCHEDULES, bubble, make, rounds_of
+
+ROUNDED = ("interleaved", "zero-bubble")  # the schedules whose rounds of about p must divide m
 from ddp_from_scratch.pipeline_parallel.split import split
 from ddp_from_scratch.pipeline_parallel.stage import Stage
 
@@ -82,7 +85,7 @@ def measure(env, config) -> dict:
             for chunk in stage.chunks:
                 chunk.zero_grad(set_to_none=True)
             dist.barrier(group=group)
-            result = stage.run(make(name, p, m, v), xs if r == 0 else None, ys if r == p - 1 else None)
+            result = stage.run(make(name, p, m, v if name == "interleaved" else 1), xs if r == 0 else None, ys if r == p - 1 else None)
             if k == 0:
                 continue  # warm-up
             cell = out[f"{name} {m}"]
@@ -107,7 +110,8 @@ def summarise(per_rank, config) -> list:
             compute = [statistics.median(rank["cells"][key]["compute_s"]) * 1e3 for rank in per_rank]
             rows.append({"schedule": name, "microbatches": m, "step_ms": statistics.median(step) * 1e3,
                          "bubble": min(idle), "bubble_per_rank": idle, "compute_ms_per_rank": compute,
-                         "closed_form": bubble(p, m, config["chunks"] if name == "interleaved" else 1),
+                         "closed_form": bubble(p, m, config["chunks"] if name == "interleaved" else 1,
+                                               split=name == "zero-bubble"),
                          "saved_bytes_per_rank": [max(rank["cells"][key]["saved"]) for rank in per_rank],
                          "in_flight_per_rank": [max(rank["cells"][key]["in_flight"]) for rank in per_rank]})
     return rows
@@ -126,13 +130,13 @@ def report(rows, p: int) -> str:
 
 def build_parser():
     parser = cli.ArgumentParser(prog="python -m benchmarks.pipeline_parallel",
-                                description="GPipe, 1F1B and interleaved 1F1B side by side: step time, measured "
-                                            "bubble and activations against microbatches.")
+                                description="GPipe, 1F1B, interleaved 1F1B and zero bubble side by side: step time, "
+                                            "measured bubble and activations against microbatches.")
     parser.add_argument("--stages", type=int, default=2, help="pipeline stages, one a rank (default 2)")
     parser.add_argument("-m", "--microbatches", type=int, nargs="+", default=[2, 4, 8, 16],
                         help="microbatch counts (default 2 4 8 16: p to 8p for 2 stages)")
-    parser.add_argument("--schedules", nargs="+", choices=sorted(SCHEDULES), default=["gpipe", "1f1b", "interleaved"],
-                        help="schedules (default all three)")
+    parser.add_argument("--schedules", nargs="+", choices=sorted(SCHEDULES), default=list(SCHEDULES),
+                        help="schedules (default all four)")
     parser.add_argument("--chunks", type=int, default=2,
                         help="model chunks a rank for interleaved (v; the model is cut into stages x v; default 2)")
     parser.add_argument("--backend", choices=["gloo", "shm"], default="shm", help="the pipeline group's (default shm)")
@@ -161,9 +165,10 @@ def main(argv=None) -> int:
         parser.error(f"--stages {args.stages} x --chunks {args.chunks}: the model has {2 * args.depth + 1} layers "
                      f"(--depth {args.depth}), at least one a stage")
     for m in args.microbatches:
-        if "interleaved" in args.schedules and m >= 1 and m % rounds_of(args.stages, m):
-            parser.error(f"-m {m}: interleaved runs the microbatches in rounds of about one a stage, and "
-                         f"{rounds_of(args.stages, m)} rounds do not divide {m}")
+        for name in ROUNDED:
+            if name in args.schedules and m >= 1 and m % rounds_of(args.stages, m):
+                parser.error(f"-m {m}: {name} runs the microbatches in rounds of about one a stage, and "
+                             f"{rounds_of(args.stages, m)} rounds do not divide {m}")
     if "1f1b" in args.schedules and min(args.microbatches) < args.stages:
         parser.error(f"-m {min(args.microbatches)}: 1F1B needs at least as many microbatches as stages "
                      f"({args.stages})")

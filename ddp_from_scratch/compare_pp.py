@@ -4,9 +4,10 @@ bit for bit (pipeline_parallel/parity.py runs them).
 
     python -m ddp_from_scratch.compare --impl pp --world-sizes 2 4
 
-Rows on p ranks: GPipe, 1F1B and interleaved 1F1B (2 chunks a rank) with as many microbatches as
-ranks, twice as many, and an odd count, against torch's ScheduleGPipe, Schedule1F1B and
-ScheduleInterleaved1F1B: every loss and every gradient of every rank; then each schedule against
+Rows on p ranks: GPipe, 1F1B, interleaved 1F1B (2 chunks a rank) and zero bubble (1 and 2 chunks
+a rank) with as many microbatches as ranks, twice as many, and an odd count, against torch's
+ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B and ScheduleInterleavedZeroBubble: every
+loss and every gradient of every rank; then each schedule against
 the whole model on one rank accumulating the same microbatches. A pipeline needs 2 ranks or more;
 a world of 1 is a row that says so.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 from .pipeline_parallel import parity
 
 PP_IMPL = "pp"
+RUNS = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zero-bubble", 1), ("zero-bubble", 2)]  # (schedule, chunks)
 PP_HEADERS = ["pipeline schedule", "against", "ranks", "microbatches", "bitwise equal", "gradients compared"]
 
 
@@ -25,8 +27,8 @@ def pp_checks(env) -> list:
     if p < 2:
         return []
     rows = []
-    for name, torch_name in parity.TORCH_SCHEDULES.items():
-        chunks = 2 if name == "interleaved" else 1
+    for name, chunks in RUNS:
+        torch_name = parity.TORCH_SCHEDULES[name]
         counts = (p, 2 * p, parity.odd_count(name, p))
         for m, (grads, losses, _) in parity.against_torch(env, name, counts, chunks=chunks).items():
             rows.append((name + (f" (v={chunks})" if chunks > 1 else ""), f"torch {torch_name}", m,

@@ -17,12 +17,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .schedule import make
+from .schedule import CHUNKED, make
 from .split import split
 from .stage import Stage
 
 WIDTH, CLASSES = 16, 5
-TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B"}
+TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
+                   "zero-bubble": "ScheduleInterleavedZeroBubble"}
 
 
 def mlp(depth: int = 4, seed: int = 0) -> nn.Sequential:
@@ -39,9 +40,9 @@ def data(microbatches: int, per_microbatch: int = 2, seed: int = 1):
 
 
 def odd_count(name: str, p: int) -> int:
-    """An odd microbatch count each schedule takes on p ranks: 2p+1, or p+1 interleaved (its rounds
-    of about p must divide the count, as torch's do)."""
-    return p + 1 if name == "interleaved" else 2 * p + 1
+    """An odd microbatch count each schedule takes on p ranks: 2p+1, or p+1 interleaved and zero
+    bubble (their rounds of about p must divide the count, as torch's do)."""
+    return p + 1 if name in CHUNKED else 2 * p + 1
 
 
 def run_ours(env, stage_modules, name: str, m: int, x, y, chunks: int = 1):
@@ -72,7 +73,7 @@ def against_torch(env, name: str, counts, depth: int = 4, chunks: int = 1) -> di
         torch_stages = [pipelining.PipelineStage(t, c * p + r, p * chunks, torch.device("cpu"))
                         for c, t in enumerate(theirs)]
         schedule = getattr(pipelining, TORCH_SCHEDULES[name])(
-            torch_stages if name == "interleaved" else torch_stages[0], m, loss_fn=F.cross_entropy)
+            torch_stages if name in CHUNKED else torch_stages[0], m, loss_fn=F.cross_entropy)
         losses = []
         if r == 0:
             schedule.step(x)

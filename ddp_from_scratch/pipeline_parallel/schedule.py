@@ -24,21 +24,24 @@ runs any schedule.
   backwards from the last chunk back. Rank r first runs (v-1) g + 2 (p-1-r) + 1 forwards, then
   one backward and one forward in turn. The bubble shrinks to (p-1)/(v m+p-1), for more messages.
 
-Every schedule runs a chunk's backwards in microbatch order 0, 1, ..., m-1: a parameter's
-gradient is the sum over microbatches in that order, as in one-rank gradient accumulation.
+Every schedule runs a chunk's backwards (or its Ws) in microbatch order 0, 1, ..., m-1: a
+parameter's gradient is the sum over microbatches in that order, as in one-rank gradient
+accumulation.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 FORWARD, BACKWARD = "F", "B"
+INPUT, WEIGHT = "I", "W"  # a backward split in two: the input's gradient, then the weights'
+GRADIENT_SENDERS = (BACKWARD, INPUT)  # the actions that send a gradient to the stage before
 
 
 @dataclasses.dataclass(frozen=True)
 class Action:
-    kind: str  # FORWARD or BACKWARD
+    kind: str  # FORWARD, BACKWARD, or INPUT then WEIGHT
     microbatch: int
     chunk: int = 0  # which of the rank's model chunks (interleaved); stage chunk * p + rank
 
@@ -110,13 +113,41 @@ def interleaved(stages: int, microbatches: int, chunks: int = 2) -> List[List[Ac
                        else min(microbatches, stages - r)) for r in range(stages)]
 
 
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved}
+def zero_bubble(stages: int, microbatches: int, chunks: int = 1) -> List[List[Action]]:
+    """Zero bubble with `chunks` (v) model chunks a rank, 1 or more (see the module docstring)."""
+    _check(stages, microbatches)
+    rounds = rounds_of(stages, microbatches)
+    if microbatches % rounds:
+        raise ValueError(f"zero bubble runs the microbatches in rounds of about one a stage: {microbatches} "
+                         f"microbatches on {stages} stages make {rounds} rounds, which must divide them (take a "
+                         f"multiple of {rounds}, or of {stages})")
+    g = microbatches // rounds
+    forwards = [Action(FORWARD, k * g + i, c) for k in range(rounds) for c in range(chunks) for i in range(g)]
+    inputs = [Action(INPUT, k * g + i, c) for k in range(rounds) for c in reversed(range(chunks)) for i in range(g)]
+    total = microbatches * chunks
+    out = []
+    for r in range(stages):
+        warmup = min(total, (chunks - 1) * g + stages - 1 - r)
+        actions = list(forwards[:warmup])
+        for k, i in enumerate(inputs):
+            if warmup + k < total:
+                actions.append(forwards[warmup + k])
+            actions.append(i)
+            if k >= r:  # rank r holds back r Ws: they fill its wait in the cool-down
+                actions.append(Action(WEIGHT, inputs[k - r].microbatch, inputs[k - r].chunk))
+        actions += [Action(WEIGHT, i.microbatch, i.chunk) for i in inputs[max(0, total - r):]]
+        out.append(actions)
+    return out
+
+
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved, "zero-bubble": zero_bubble}
+CHUNKED = ("interleaved", "zero-bubble")  # the schedules that take several chunks a rank
 
 
 def make(name: str, stages: int, microbatches: int, chunks: int = 1) -> List[List[Action]]:
-    """The schedule called `name` (a key of SCHEDULES); `chunks` a rank for the interleaved one."""
-    if name == "interleaved":
-        return interleaved(stages, microbatches, chunks)
+    """The schedule called `name` (a key of SCHEDULES); `chunks` a rank for those in CHUNKED."""
+    if name in CHUNKED:
+        return SCHEDULES[name](stages, microbatches, chunks)
     return SCHEDULES[name](stages, microbatches)
 
 
@@ -125,29 +156,42 @@ def chunks_of(actions: List[List[Action]]) -> int:
 
 
 def check(actions: List[List[Action]], microbatches: int) -> None:
-    """ValueError unless every rank runs each (microbatch, chunk)'s forward, then its backward,
-    once each, and the schedule cannot deadlock (simulate)."""
+    """ValueError unless every rank runs each (microbatch, chunk)'s forward, then its backward (or
+    its I, then its W), once each, and the schedule cannot deadlock (simulate)."""
     v = chunks_of(actions)
+    before = {BACKWARD: FORWARD, INPUT: FORWARD, WEIGHT: INPUT}
     for rank, acts in enumerate(actions):
-        seen: Dict[str, List[Tuple[int, int]]] = {FORWARD: [], BACKWARD: []}
+        seen: Dict[str, List[Tuple[int, int]]] = {FORWARD: [], BACKWARD: [], INPUT: [], WEIGHT: []}
         for a in acts:
-            if a.kind == BACKWARD and (a.microbatch, a.chunk) not in seen[FORWARD]:
-                raise ValueError(f"rank {rank}: {a} comes before its forward")
+            if a.kind not in seen:
+                raise ValueError(f"rank {rank}: {a} is not one of the actions {', '.join(seen)}")
+            if a.kind in before and (a.microbatch, a.chunk) not in seen[before[a.kind]]:
+                raise ValueError(f"rank {rank}: {a} comes before its {'I' if a.kind == WEIGHT else 'forward'}")
             seen[a.kind].append((a.microbatch, a.chunk))
         want = sorted((i, c) for i in range(microbatches) for c in range(v))
+        split = bool(seen[INPUT] or seen[WEIGHT])
         for kind, done in seen.items():
+            if kind in ((BACKWARD,) if split else (INPUT, WEIGHT)):
+                if done:
+                    raise ValueError(f"rank {rank} mixes whole backwards with split ones (I and W)")
+                continue
             if sorted(done) != want:
                 raise ValueError(f"rank {rank} runs {kind} of {sorted(done)}, not each (microbatch, chunk) once")
     simulate(actions)
 
 
-def simulate(actions: List[List[Action]], forward: float = 1.0, backward: float = 2.0) -> List[float]:
-    """Run the schedule with every forward `forward` long and every backward `backward` long, each
+def simulate(actions: List[List[Action]], forward: float = 1.0, backward: float = 2.0,
+             weight: Optional[float] = None) -> List[float]:
+    """Run the schedule with every forward `forward` long and every backward `backward` long (a
+    split one: its W `weight` long, half the backward unless given, and its I the rest), each
     action starting once its rank is free and its inputs exist (the previous stage's forward of
-    that microbatch; the next stage's backward); messages take no time. Each rank's idle share of
-    the whole; a ValueError naming the ranks stuck if it cannot finish (a deadlock)."""
+    that microbatch; the next stage's backward or I; a W, its own I); messages take no time. Each
+    rank's idle share of the whole; a ValueError naming the ranks stuck if it cannot finish (a
+    deadlock)."""
     p, v = len(actions), chunks_of(actions)
     last = p * v - 1
+    weight = backward / 2 if weight is None else weight
+    lengths = {FORWARD: forward, BACKWARD: backward, INPUT: backward - weight, WEIGHT: weight}
     done: Dict[Tuple[str, int, int], float] = {}  # (kind, microbatch, stage) -> when it ended
     at, free, busy = [0] * p, [0.0] * p, [0.0] * p
     while any(at[r] < len(actions[r]) for r in range(p)):
@@ -156,16 +200,20 @@ def simulate(actions: List[List[Action]], forward: float = 1.0, backward: float 
             while at[r] < len(actions[r]):
                 a = actions[r][at[r]]
                 stage = a.chunk * p + r
-                needs = [(FORWARD, a.microbatch, stage - 1)] if a.kind == FORWARD and stage > 0 else []
-                if a.kind == BACKWARD:
-                    needs = [(FORWARD, a.microbatch, stage)] + ([(BACKWARD, a.microbatch, stage + 1)]
+                if a.kind == FORWARD:
+                    needs = [(FORWARD, a.microbatch, stage - 1)] if stage > 0 else []
+                elif a.kind == WEIGHT:
+                    needs = [(INPUT, a.microbatch, stage)]
+                else:  # the gradient the stage after sent: its backward's, or its I's
+                    needs = [(FORWARD, a.microbatch, stage)] + ([("grad", a.microbatch, stage + 1)]
                                                                 if stage < last else [])
                 if any(n not in done for n in needs):
                     break
                 start = max([free[r]] + [done[n] for n in needs])
-                length = forward if a.kind == FORWARD else backward
-                done[(a.kind, a.microbatch, stage)] = free[r] = start + length
-                busy[r] += length
+                done[(a.kind, a.microbatch, stage)] = free[r] = start + lengths[a.kind]
+                if a.kind in GRADIENT_SENDERS:
+                    done[("grad", a.microbatch, stage)] = free[r]
+                busy[r] += lengths[a.kind]
                 at[r] += 1
                 progressed = True
         if not progressed:
@@ -184,15 +232,18 @@ def table(actions: List[List[Action]]) -> str:
 
 def peak_in_flight(actions: List[Action]) -> int:
     """The most (microbatch, chunk) pairs whose activations a rank holds at once under `actions`
-    (a forward keeps them until its backward): m for GPipe, at most p for 1F1B."""
+    (a forward keeps them until its backward, or its W): m for GPipe, at most p for 1F1B."""
     held = peak = 0
     for a in actions:
+        if a.kind == INPUT:
+            continue  # the weights' side of the graph stays until the W
         held += 1 if a.kind == FORWARD else -1
         peak = max(peak, held)
     return peak
 
 
-def bubble(stages: int, microbatches: int, chunks: int = 1) -> float:
+def bubble(stages: int, microbatches: int, chunks: int = 1, split: bool = False) -> float:
     """The closed form of the share of a step a rank idles, every stage's forward and backward
-    taking the same time: (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v m+p-1) interleaved."""
-    return (stages - 1) / (chunks * microbatches + stages - 1)
+    taking the same time: (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v m+p-1) interleaved; with the
+    backward split (zero bubble) and a forward, an I and a W as long, (p-1)/(3 v m+p-1)."""
+    return (stages - 1) / ((3 if split else 1) * chunks * microbatches + stages - 1)

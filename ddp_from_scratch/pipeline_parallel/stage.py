@@ -11,7 +11,9 @@ from and go, and the executor that runs any schedule (schedule.py) on it.
 A forward on stage s > 0 first receives its input from stage s-1; on any stage but the last it
 sends its output to stage s+1 (isend: the rank goes on at once). A backward on the last stage
 starts from its loss; on any other stage it first receives the output's gradient from stage s+1;
-on s > 0 it sends its input's gradient to stage s-1. Messages between two ranks arrive in the
+on s > 0 it sends its input's gradient to stage s-1. A split backward (zero bubble) does all that
+in its I, the input's gradient (two_part_backward.py), and its W later adds the weights'
+gradients, with no message. Messages between two ranks arrive in the
 order they were sent (the shm backend matches no tags; Gloo's order is the same), and with
 several chunks a rank may need them in another order: so each rank reads its peers' lists of
 actions, knows the order each peer sends in, receives in that order and keeps a message that
@@ -38,7 +40,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .schedule import FORWARD, Action, chunks_of
+from .schedule import BACKWARD, FORWARD, GRADIENT_SENDERS, INPUT, WEIGHT, Action, chunks_of
+from .two_part_backward import input_gradient
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32]
 _META = 10  # dtype, ndim, then up to 8 dims
@@ -145,13 +148,14 @@ class Stage:
     # -- messages ------------------------------------------------------------------------------
     def _sent_by(self, schedule: List[List[Action]], src: int) -> Iterator[tuple]:
         """The messages rank `src` sends this rank, in the order it sends them: ("F", microbatch,
-        stage) an activation stage sends on, ("B", microbatch, stage) a gradient it sends back."""
+        stage) an activation stage sends on, ("B", microbatch, stage) a gradient it sends back (from a
+        backward, or from the I of a split one)."""
         for a in schedule[src]:
             stage = a.chunk * self.ranks + src
             if a.kind == FORWARD and stage < self.num_stages - 1 and self.owner(stage + 1) == self.rank:
                 yield (FORWARD, a.microbatch, stage)
-            elif a.kind != FORWARD and stage > 0 and self.owner(stage - 1) == self.rank:
-                yield (a.kind, a.microbatch, stage)
+            elif a.kind in GRADIENT_SENDERS and stage > 0 and self.owner(stage - 1) == self.rank:
+                yield (BACKWARD, a.microbatch, stage)
 
     def _take(self, key: tuple) -> torch.Tensor:
         """The message `key`, receiving from its sender, in the sender's order, until it is here."""
@@ -196,7 +200,9 @@ class Stage:
         params = {p.data_ptr() for p in self.parameters()}
 
         def pack(t):
-            return t if t.data_ptr() in params else _Saved(self, t)
+            # detached: an output a node saves would otherwise hold the node through its grad_fn, a
+            # cycle through C++ that only a backward freeing the graph breaks (a split one's I keeps it)
+            return t if t.data_ptr() in params else _Saved(self, t.detach())
 
         def unpack(saved):
             return saved.tensor if isinstance(saved, _Saved) else saved
@@ -204,6 +210,7 @@ class Stage:
         actions = schedule[self.rank]
         last = self.num_stages - 1
         microbatches = sum(a.kind == FORWARD for a in actions) // len(self.chunks)
+        weights_later: Dict[tuple, Callable[[], None]] = {}  # (microbatch, chunk) -> its W, after its I
         self._inbox: Dict[tuple, torch.Tensor] = {}
         self._expected = {src: self._sent_by(schedule, src) for src in range(self.ranks) if src != self.rank}
         held: Dict[tuple, tuple] = {}  # (microbatch, chunk) -> (input, output or loss)
@@ -232,14 +239,23 @@ class Stage:
                 peak_in_flight = max(peak_in_flight, len(held))
                 if stage < last:
                     sends += self._give((FORWARD, a.microbatch, stage), y.detach(), stage + 1)
-            else:
-                x, y = held.pop((a.microbatch, a.chunk))
-                grad = None if stage == last else self._take((a.kind, a.microbatch, stage + 1))
+            elif a.kind == WEIGHT:  # the weights' part of a split backward: nothing to receive or send
                 began = time.perf_counter()
-                torch.autograd.backward(y, grad)
+                weights_later.pop((a.microbatch, a.chunk))()
+                ended = time.perf_counter()
+                del held[(a.microbatch, a.chunk)]  # the activations the weights' side kept
+            else:  # a backward, or the I of a split one
+                x, y = held[(a.microbatch, a.chunk)] if a.kind == INPUT else held.pop((a.microbatch, a.chunk))
+                grad = None if stage == last else self._take((BACKWARD, a.microbatch, stage + 1))
+                began = time.perf_counter()
+                if a.kind == INPUT:
+                    dx, weights_later[(a.microbatch, a.chunk)] = input_gradient(y, grad, x, chunk.parameters())
+                else:
+                    torch.autograd.backward(y, grad)
+                    dx = x.grad
                 ended = time.perf_counter()
                 if stage > 0:
-                    sends += self._give((a.kind, a.microbatch, stage), x.grad, stage - 1)
+                    sends += self._give((BACKWARD, a.microbatch, stage), dx, stage - 1)
                 del x, y
             compute += ended - began
             timeline.append((a, waited - start, began - start, ended - start))

@@ -1,6 +1,6 @@
 """A pipeline step as it ran: each rank's forwards and backwards on one time axis, as a Chrome
 trace and as a picture (ranks by time, a block an action, coloured by microbatch: forwards
-plain, backwards hatched; the gaps are the bubble).
+plain, backwards (and a split backward's I) hatched, W dotted; the gaps are the bubble).
 
     results = [stage.run(...) for each rank]                 # StepResults, gathered to one rank
     write_chrome_trace(results, "pipeline.json")             # open in ui.perfetto.dev
@@ -16,7 +16,9 @@ from typing import List
 
 from collectives.output_files import save_figure, write_json
 
-from .schedule import FORWARD
+from .schedule import BACKWARD, FORWARD, INPUT, WEIGHT
+
+HATCH = {FORWARD: None, BACKWARD: "///", INPUT: "///", WEIGHT: "..."}
 
 
 def _origin(results) -> float:
@@ -55,7 +57,7 @@ def plot(results: List, path: str, title: str = "", flag: str = None) -> None:
         for action, _, began, ended in result.timeline:
             ax.broken_barh([(base + began * 1e3, max(ended - began, 1e-6) * 1e3)], (rank - 0.35, 0.7),
                            facecolor=colours(action.microbatch), edgecolor="black", linewidth=0.4,
-                           hatch=None if action.kind == FORWARD else "///")
+                           hatch=HATCH[action.kind])
             if ended - began > 0.02 * max(r.step_s for r in results):
                 ax.text(base + (began + ended) / 2 * 1e3, rank, str(action), ha="center", va="center", fontsize=7)
     p = len(results)
@@ -63,7 +65,9 @@ def plot(results: List, path: str, title: str = "", flag: str = None) -> None:
     ax.set_yticks(range(p), [f"rank {r} (stage{'s' if chunks > 1 else ''} "
                              f"{', '.join(str(c * p + r) for c in range(chunks))})" for r in range(p)])
     ax.set_ylim(len(results) - 0.5, -0.5)
-    ax.set_xlabel("ms   (plain: forward, hatched: backward, colour: microbatch, :c the chunk; gaps: the bubble)")
+    split = any(a.kind == WEIGHT for r in results for a, *_ in r.timeline)
+    ax.set_xlabel("ms   (plain: forward, hatched: " + ("input gradient I, dotted: weight gradient W" if split else "backward")
+                  + ", colour: microbatch, :c the chunk; gaps: the bubble)")
     ax.set_title(title, fontsize=10)
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()

@@ -20,21 +20,23 @@ def test_a_short_run_measures_every_schedule_and_draws_them(tmp_path, capsys):
             "--timeline", str(prefix), "--timeline-m", "4"]
     assert pipeline_parallel.main(argv) == 0
     rows = {(r["schedule"], r["microbatches"]): r for r in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {(name, m) for name in ("gpipe", "1f1b", "interleaved") for m in (2, 4)}
+    names = ("gpipe", "1f1b", "interleaved", "zero-bubble")
+    assert set(rows) == {(name, m) for name in names for m in (2, 4)}
     for (name, m), row in rows.items():
-        v = 2 if name == "interleaved" else 1  # --chunks 2 by default
-        assert row["closed_form"] == pytest.approx(1 / (v * m + 1))
-        if name != "interleaved":
-            assert row["in_flight_per_rank"] == ([m, m] if name == "gpipe" else [min(m, 2), 1]), row
+        v = 2 if name == "interleaved" else 1  # --chunks 2 by default, for interleaved only
+        assert row["closed_form"] == pytest.approx(1 / ((3 if name == "zero-bubble" else 1) * v * m + 1))
+        if name != "interleaved":  # zero bubble: rank 1 keeps one microbatch until its delayed W
+            assert row["in_flight_per_rank"] == ([m, m] if name == "gpipe" else [min(m, 2), 1 + (name != "1f1b")]), row
         assert all(0 <= b < 1 for b in row["bubble_per_rank"]) and row["step_ms"] > 0
     # measured, not computed: GPipe holds all 4 microbatches' activations, 1F1B 2 on rank 0
     assert rows[("1f1b", 4)]["saved_bytes_per_rank"][0] * 2 == rows[("gpipe", 4)]["saved_bytes_per_rank"][0] > 0
-    for name in ("gpipe", "1f1b", "interleaved"):
+    for name in names:
         assert (tmp_path / f"pp-{name}.png").read_bytes()[:4] == b"\x89PNG"
         events = json.loads((tmp_path / f"pp-{name}.json").read_text())["traceEvents"]
         computed = sorted(e["name"] for e in events if e["tid"] == "compute")
         chunks = ("", ":1") if name == "interleaved" else ("",)
-        assert computed == sorted([f"{k}{i}{c}" for k in "FB" for i in range(4) for c in chunks] * 2), computed
+        kinds = "FIW" if name == "zero-bubble" else "FB"
+        assert computed == sorted([f"{k}{i}{c}" for k in kinds for i in range(4) for c in chunks] * 2), computed
     printed = capsys.readouterr().out
     assert "closed form, p=2" in printed and "interleaved" in printed
 
@@ -43,6 +45,7 @@ def test_a_short_run_measures_every_schedule_and_draws_them(tmp_path, capsys):
     (["--stages", "4", "-m", "2"], "-m 2: 1F1B needs at least as many microbatches as stages (4)"),
     (["--stages", "8", "--depth", "2", "--schedules", "gpipe"], "--stages 8 x --chunks 1: the model has 5 layers"),
     (["--stages", "2", "-m", "5", "--schedules", "interleaved"], "-m 5: interleaved runs the microbatches in rounds"),
+    (["--stages", "2", "-m", "5", "--schedules", "zero-bubble"], "-m 5: zero-bubble runs the microbatches in rounds"),
     (["-m", "0"], "every microbatch count must be at least 1"),
     (["-m", "2", "4", "--timeline", "x", "--timeline-m", "3"], "--timeline-m 3 is not one of -m [2, 4]"),
 ])

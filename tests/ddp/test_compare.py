@@ -150,14 +150,15 @@ def test_the_tensor_parallel_verdict_needs_every_rank(rank_rows, ok):
 
 
 def test_the_pipeline_table_runs_every_schedule_against_torch_and_one_rank(capsys):
-    """--impl pp: GPipe, 1F1B and interleaved 1F1B against torch.distributed.pipelining's and the
-    one-rank model, every row bit for bit, exit 0; a world of 1 says a pipeline needs 2 ranks."""
+    """--impl pp: GPipe, 1F1B, interleaved 1F1B and zero bubble (1 and 2 chunks) against
+    torch.distributed.pipelining's and the one-rank model, every row bit for bit, exit 0; a world
+    of 1 says a pipeline needs 2 ranks."""
     assert compare.main(["--impl", "pp", "--world-sizes", "1", "2", "--no-options"]) == 0
     out = capsys.readouterr().out
-    rows = [line.split() for line in out.splitlines() if line.startswith(("gpipe", "1f1b", "interleaved"))]
-    assert len(rows) == 12 and all("yes" in row for row in rows), out
+    rows = [line.split() for line in out.splitlines() if line.startswith(("gpipe", "1f1b", "interleaved", "zero"))]
+    assert len(rows) == 20 and all("yes" in row for row in rows), out
     assert "a pipeline needs 2 ranks or more" in out
-    for name in ("ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B"):
+    for name in ("ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble"):
         assert f"torch {name}" in out
 
 
