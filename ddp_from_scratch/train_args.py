@@ -24,6 +24,7 @@ from .steps.ddp import rebuilt_bucket_count
 from .workload.models import MODELS, batch, check_batch_fits, check_batchnorm_fits
 from .steps.powersgd import CLI_NAMES as POWERSGD_CLI_NAMES
 from .parts.torch_hooks import POWERSGD_ON_GLOO
+from .pipeline_parallel.schedule import CHUNKED, SCHEDULES, rounds_of
 from .wrap import IMPLS, SHARDED_IMPLS, STAGES
 
 CIFAR_TRAIN_SIZE, CIFAR_TEST_SIZE = 50_000, 10_000
@@ -33,6 +34,7 @@ SYNTHETIC_PEAK_BYTES = 28_000
 TRAIN_DESCRIPTION = "Train ResNet-50 on CIFAR-10 with torch's DDP or one of ours, as the public DDP tutorials do."
 DEFAULT_MODEL = "resnet50"
 POWERSGD_DEFAULTS = {"powersgd_rank": 1, "powersgd_start_iter": 1000}  # torch's PowerSGDState's
+DEFAULT_SCHEDULE, DEFAULT_CHUNKS = "1f1b", 2  # --pp's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,11 +65,19 @@ class TrainConfig:
     auto_resume: bool
     tp: Optional[int]
     sequence_parallel: bool
+    pp: Optional[int] = None
+    schedule: Optional[str] = None
+    microbatches: Optional[int] = None
+    chunks: Optional[int] = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "TrainConfig":
         given = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
-        if given["model"] is None and given["tp"] is None:
+        if given["pp"] is not None:
+            given["microbatches"] = given["microbatches"] or 2 * given["pp"]
+            given["schedule"] = given["schedule"] or DEFAULT_SCHEDULE
+            given["chunks"] = (given["chunks"] or DEFAULT_CHUNKS) if given["schedule"] in CHUNKED else 1
+        if given["model"] is None and given["tp"] is None and given["pp"] is None:
             given["model"] = DEFAULT_MODEL
         for name, default in POWERSGD_DEFAULTS.items():  # not given on the command line
             if given[name] is None:
@@ -138,6 +148,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "counts sequences")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="with --tp: keep the activations between blocks split along the sequence")
+    p.add_argument("--pp", type=int, default=None, metavar="N",
+                   help="pipeline parallelism: train the small transformer on synthetic tokens, cut into N stages "
+                        "run by --schedule, with --tp inside each stage and the bucketed DDP over the rest "
+                        "(ddp_from_scratch/train_pp.py)")
+    p.add_argument("--schedule", choices=list(SCHEDULES), default=None,
+                   help=f"with --pp: the pipeline schedule (default {DEFAULT_SCHEDULE})")
+    p.add_argument("--microbatches", type=int, default=None, metavar="M",
+                   help="with --pp: microbatches a step, dividing --batch-size (default twice --pp)")
+    p.add_argument("--chunks", type=int, default=None, metavar="V",
+                   help="with --pp and --schedule interleaved or zero-bubble: model chunks a rank, stages r, N + r, "
+                        f"... (default {DEFAULT_CHUNKS})")
     p.add_argument("--json", default=None, help="also write the summary to this file")
     return p
 
@@ -150,31 +171,73 @@ NOT_WITH_TP = ("compress", "powersgd_rank", "powersgd_start_iter", "amp", "check
                "stop_at_step", "resume", "auto_resume", "test_size", "deterministic")
 
 
-def validate_tp(args, parser, world_size: int) -> None:
-    """Refuse what a --tp run cannot do, before any rank starts (parser.error: exit 2)."""
-    tp = args.tp
+def validate_tp(args, parser, world_size: int, run: str = "--tp") -> None:
+    """Refuse what a --tp run (or, with run="--pp", a --pp run with or without --tp) cannot do,
+    before any rank starts (parser.error: exit 2)."""
+    tp = args.tp or 1
     if tp < 1 or world_size % tp:
         parser.error(f"--tp {tp} must divide the {world_size} rank(s) (--nproc, or the launcher's world size)")
     for what, size in (("heads", HEADS), ("hidden size", HIDDEN), ("vocabulary", VOCAB)):
         if size % tp:
             parser.error(f"--tp {tp} does not divide the transformer's {size} {what}: use 1, 2 or 4")
     if not args.synthetic:
-        parser.error("--tp trains the small transformer on synthetic tokens (there is no token dataset): add --synthetic")
+        parser.error(f"{run} trains the small transformer on synthetic tokens (there is no token dataset): add "
+                     "--synthetic")
     if args.impl != "bucketed":
-        parser.error(f"--tp puts the bucketed DDP on the data-parallel dimension: --impl {args.impl} is not taken "
-                     "with --tp")
+        parser.error(f"{run} puts the bucketed DDP on the data-parallel dimension: --impl {args.impl} is not taken "
+                     f"with {run}")
     if args.sequence_parallel and tp == 1:
         parser.error("--sequence-parallel splits the sequence over the TP group: give --tp 2 or more")
     given = [f"--{name.replace('_', '-')}" for name in NOT_WITH_TP
              if getattr(args, name, None) is not None and getattr(args, name) is not False]
     if given:
-        parser.error(f"{', '.join(given)}: not taken with --tp (the transformer run has no checkpoints, compression, "
-                     "mixed precision or test set yet)")
-    dp = world_size // tp
+        parser.error(f"{', '.join(given)}: not taken with {run} (the transformer run has no checkpoints, "
+                     "compression, mixed precision or test set yet)")
+    dp = world_size // (tp * (args.pp or 1))
     sequences = args.train_size or DEFAULT_SEQUENCES
     if sequences // (args.batch_size * dp) == 0:
         parser.error(f"{sequences} sequences make no full step of {args.batch_size} per DP rank on {dp} DP rank(s): "
                      f"use at least {args.batch_size * dp} (--train-size) or a smaller --batch-size")
+
+
+PP_ONLY = ("schedule", "microbatches", "chunks")  # the flags that mean something only with --pp
+
+
+def validate_pp(args, parser, world_size: int) -> None:
+    """Refuse what a --pp run cannot do, before any rank starts (parser.error: exit 2)."""
+    pp, tp = args.pp, args.tp or 1
+    if pp < 1:
+        parser.error(f"--pp must be at least 1, got {pp}")
+    if pp * tp > world_size or world_size % (pp * tp):
+        parser.error(f"--pp {pp}{f' x --tp {tp}' if tp > 1 else ''} = {pp * tp} must divide the {world_size} "
+                     "rank(s) (--nproc, or the launcher's world size)")
+    if args.sequence_parallel:
+        parser.error("--sequence-parallel is not taken with --pp (a stage's activations travel whole)")
+    m = args.microbatches if args.microbatches is not None else 2 * pp
+    if m < 1:
+        parser.error(f"--microbatches must be at least 1, got {m}")
+    schedule = args.schedule or DEFAULT_SCHEDULE
+    if args.chunks is not None and schedule not in CHUNKED:
+        parser.error(f"--chunks applies to --schedule {' and '.join(CHUNKED)}, not {schedule}")
+    v = (args.chunks if args.chunks is not None else DEFAULT_CHUNKS) if schedule in CHUNKED else 1
+    if v < 1:
+        parser.error(f"--chunks must be at least 1, got {v}")
+    pieces = LAYERS + 2  # the embedding, each block, the last LayerNorm with the head
+    if pp * v > pieces:
+        parser.error(f"--pp {pp}{f' x --chunks {v}' if v > 1 else ''}: the transformer has {pieces} pieces to cut "
+                     f"into {pp * v} stages (the embedding, {LAYERS} blocks, the head), at least one a stage")
+    if args.batch_size % m:
+        parser.error(f"--microbatches {m} does not divide --batch-size {args.batch_size} (the sequences a DP rank "
+                     "takes a step)")
+    if schedule == "1f1b" and m < pp:
+        parser.error(f"--schedule 1f1b needs at least as many microbatches as stages: --microbatches {m} for "
+                     f"--pp {pp} (use gpipe, or more microbatches)")
+    if schedule in CHUNKED and m % rounds_of(pp, m):
+        parser.error(f"--schedule {schedule} runs the microbatches in rounds of about one a stage: "
+                     f"--microbatches {m} on --pp {pp} make {rounds_of(pp, m)} rounds, which must divide them")
+    if args.impl != "bucketed":
+        parser.error(f"--pp puts the bucketed DDP on the data-parallel dimension: --impl {args.impl} is not taken "
+                     "with --pp")
 
 
 def validate(args, parser, world_size: int, local_ranks: Optional[int] = None) -> None:
@@ -184,14 +247,20 @@ def validate(args, parser, world_size: int, local_ranks: Optional[int] = None) -
                                       "--test-size": 1, "--checkpoint-every": 1, "--stop-at-step": 1})
     if args.sequence_parallel and args.tp is None:
         parser.error("--sequence-parallel applies to a --tp run")
-    if args.tp is not None:
+    if args.pp is None:
+        given = [f"--{name}" for name in PP_ONLY if getattr(args, name) is not None]
+        if given:
+            parser.error(f"{', '.join(given)}: appl{'ies' if len(given) == 1 else 'y'} to a --pp run")
+    if args.tp is not None or args.pp is not None:
+        run = "--pp" if args.pp is not None else "--tp"
         if args.model is not None:
-            parser.error(f"--model {args.model}: a --tp run trains the small transformer of train_tp.py, not a CNN; "
-                         "leave out --model")
+            parser.error(f"--model {args.model}: a {run} run trains the small transformer, not a CNN; leave out --model")
         cli.check_outputs(parser, {"--json": args.json})
         cli.check_positive(parser, args, "--lr")
         cli.check_positive(parser, args, "--bucket-cap-mb", "MiB")
-        return validate_tp(args, parser, world_size)
+        if args.pp is not None:
+            validate_pp(args, parser, world_size)
+        return validate_tp(args, parser, world_size, run)
     args.model = args.model or DEFAULT_MODEL
     check_batch_fits(parser, args.model, args.batch_size, local_ranks or world_size)
     check_batchnorm_fits(parser, args.model, args.batch_size)

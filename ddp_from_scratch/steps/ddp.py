@@ -3,6 +3,7 @@
     model = DistributedDataParallel(resnet50(10))      # bucket_cap_mb=None: 25 MiB, first bucket 1 MiB
     loss = criterion(model(x), y); loss.backward()   # every rank now holds the averaged gradient
     with model.no_sync(): ...                        # accumulate locally, sync on the next backward
+    model.sync_gradients()                           # or now, outside any backward (a pipeline's step)
     print(model.layouts["initial"], model.layouts["rebuilt"])   # the bucket layout, before and after
 
 How it works, top to bottom in this file:
@@ -90,6 +91,7 @@ class DistributedDataParallel(DataParallelBase):
         self.layout_history = {"initial": [b.param_indices for b in self.buckets]}  # and "rebuilt" later
         # torch rebuilds only when it does not search for unused parameters (then the order can change)
         self._ready_order: Optional[list] = None if find_unused_parameters else []
+        self._arrivals: list = []  # the order gradients arrived in the latest backward under no_sync()
 
     def _new_timeline(self) -> Timeline:
         return Timeline(self._bucket_names, [b.nbytes for b in self.buckets])
@@ -134,12 +136,7 @@ class DistributedDataParallel(DataParallelBase):
     def forward(self, *args, **kwargs):
         will_sync = self._syncing and torch.is_grad_enabled()
         if self._ready_order and will_sync:  # the first synced backward has happened: rebuild once
-            order = torch.tensor(self._ready_order, dtype=torch.int64, device=self.meta_device)
-            collectives.broadcast(order, src=self.src, group=self.group)
-            self._set_layout(bucketing.rebuilt_layout(self.params, order.tolist(), self.bucket_cap_bytes,
-                                                      self.first_bucket_bytes))
-            self._ready_order = None
-            self.layout_history["rebuilt"] = [b.param_indices for b in self.buckets]
+            self._rebuild()
         for b in self.buckets:
             b.pending, b.work, b.sent = len(b.param_indices), None, None
         self._next_launch, self._callback_queued = 0, False
@@ -151,11 +148,21 @@ class DistributedDataParallel(DataParallelBase):
             self._unused = [i for i, p in enumerate(self.params) if id(p) not in reached]
         return output
 
+    def _rebuild(self) -> None:
+        """The buckets laid out again from the order the first synced backward showed (rank 0's)."""
+        order = torch.tensor(self._ready_order, dtype=torch.int64, device=self.meta_device)
+        collectives.broadcast(order, src=self.src, group=self.group)
+        self._set_layout(bucketing.rebuilt_layout(self.params, order.tolist(), self.bucket_cap_bytes,
+                                                  self.first_bucket_bytes))
+        self._ready_order = None
+        self.layout_history["rebuilt"] = [b.param_indices for b in self.buckets]
+
     # -- 2. each gradient as it arrives -------------------------------------------------------
     def _grad_ready(self, param: nn.Parameter) -> None:
-        if not self._syncing:
-            return
         i = self._index[id(param)]
+        if not self._syncing:  # noted for sync_gradients(): a parameter seen again starts the next backward
+            self._arrivals = [i] if i in self._arrivals else self._arrivals + [i]
+            return
         self._recorder.ready(self.names[i], self._where[i][0].index)
         if not self._callback_queued:
             # Run _end_of_backward when autograd has finished this backward. There is no public
@@ -197,6 +204,34 @@ class DistributedDataParallel(DataParallelBase):
         for b in self.buckets:
             b.unpack(used, as_view=self.gradient_as_bucket_view)
         self._recorder.finished()
+
+    def sync_gradients(self) -> None:
+        """All-reduce the gradients the parameters hold now, bucket by bucket as a backward
+        would, outside any backward. A pipeline (pipeline_parallel/) runs its microbatches'
+        forwards and backwards under no_sync() in the order its schedule says, and calls this
+        once after the step's last one. Every parameter must hold a gradient.
+
+        The buckets live as with backwards: the first call reduces in the first-iteration layout,
+        the second rebuilds them, as a forward after the first synced backward does, from the
+        order the gradients arrived in the last backward before the first call (rank 0's), or,
+        where autograd's hooks did not see them all (a weight gradient added by hand, as a
+        zero-bubble W does), the parameters in reverse, the order a chain of layers gives."""
+        missing = [n for n, p in self.named_params if p.grad is None]
+        if missing:
+            raise RuntimeError(f"DistributedDataParallel on rank {dist.get_rank()}: sync_gradients() with "
+                               f"{len(missing)} parameter(s) holding no gradient: {', '.join(missing[:10])}; run "
+                               "the step's backwards first")
+        if self._ready_order:  # after the first call: rebuild once
+            self._rebuild()
+        for b in self.buckets:
+            b.pending, b.work, b.sent = len(b.param_indices), None, None
+        self._next_launch, self._seen, self._unused = 0, bytearray(len(self.params)), []
+        for b in self.buckets:
+            for i in b.param_indices:
+                self._mark_ready(i, self.params[i])
+        if self._ready_order == []:  # the first call: the order to rebuild from at the next
+            seen_all = sorted(self._arrivals) == list(range(len(self.params)))
+            self._ready_order = list(self._arrivals) if seen_all else list(reversed(range(len(self.params))))
 
     def _end_of_backward(self) -> None:
         """Every gradient arrived (nothing to do), or some parameters got none: name them.

@@ -176,6 +176,51 @@ def test_no_sync_accumulation_matches_torch(dist_run):
     assert dist_run(_accumulate, 2) == [True, True]
 
 
+def _sync_gradients_after_no_sync(env):
+    """Both micro-batches under no_sync(), then sync_gradients() (a pipeline's step), against the
+    same DDP syncing the second micro-batch's backward, in the first step's one bucket and in the
+    second step's rebuilt ones; and against torch's DDP in the first step (its default buckets are
+    not these small ones, and on 3 ranks other bucket edges round differently)."""
+    torch.manual_seed(100 + env.rank)
+    model = SmallNet()
+    theirs = nn.parallel.DistributedDataParallel(copy.deepcopy(model))
+    synced = SmallBuckets(copy.deepcopy(model))
+    ours = SmallBuckets(model)
+    empty = SmallBuckets(SmallNet())
+    with pytest.raises(RuntimeError, match=r"sync_gradients\(\) with \d+ parameter\(s\) holding no gradient: "):
+        empty.sync_gradients()
+    steps = []
+    for step in range(2):
+        for m in (ours, synced, theirs):
+            m.zero_grad(set_to_none=True)
+        with ours.no_sync():
+            for k in range(2):
+                x, y = _batch(2 * step + k, env.rank)
+                F.cross_entropy(ours(x), y).backward()
+        ours.sync_gradients()
+        for m in (synced, theirs):
+            with m.no_sync():
+                x, y = _batch(2 * step, env.rank)
+                F.cross_entropy(m(x), y).backward()
+            x, y = _batch(2 * step + 1, env.rank)
+            F.cross_entropy(m(x), y).backward()
+        mine = list(ours.module.parameters())
+        steps.append(([torch.equal(a.grad, b.grad) for a, b in zip(mine, synced.module.parameters())],
+                      [torch.equal(a.grad, b.grad) for a, b in zip(mine, theirs.module.parameters())],
+                      ours.buckets and [b.param_indices for b in ours.buckets] == [b.param_indices for b in synced.buckets],
+                      len(ours.buckets)))
+    return steps
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_sync_gradients_after_no_sync_is_torchs_synced_backward(dist_run, ranks):
+    for first, second in dist_run(_sync_gradients_after_no_sync, ranks):
+        same, as_torch, layout, buckets = first
+        assert all(same) and all(as_torch) and layout and buckets == 1, first
+        same, _, layout, buckets = second
+        assert all(same) and layout and buckets > 2, second  # rebuilt from the order the gradients arrived
+
+
 class TwoHeads(nn.Module):
     def __init__(self):
         super().__init__()
