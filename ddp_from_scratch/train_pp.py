@@ -30,7 +30,6 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 
 from collectives.cli import eta
 
@@ -45,11 +44,6 @@ from .train_args import DEFAULT_SEQUENCES, HEADS, HIDDEN, LAYERS, SEQ, VOCAB
 from .workload.transformer import TinyTransformer, token_batch
 
 
-def pieces(model: TinyTransformer) -> nn.Sequential:
-    """The transformer's forward as a sequence of modules: embedding, blocks, LayerNorm + head."""
-    return nn.Sequential(model.embed, *model.blocks, nn.Sequential(model.ln, model.head))
-
-
 def chunks_of(config) -> int:
     return config.chunks if config.schedule in CHUNKED else 1
 
@@ -62,7 +56,7 @@ def train_pp(env, config) -> dict:
     full = TinyTransformer(VOCAB, HIDDEN, HEADS, LAYERS)  # the same seed on every rank: the same weights
     model = TensorParallelTransformer(full, mesh.tp) if tp > 1 else full
     p, v, s = config.pp, chunks_of(config), mesh.stage
-    cut = split(pieces(model), p * v)
+    cut = split(model.as_sequence(), p * v)
     mine = [cut[c * p + s] for c in range(v)]  # stages s, p + s, ... of the p x v
     if mesh.dp_size > 1:
         mine = [DistributedDataParallel(m, group=mesh.dp, bucket_cap_mb=config.bucket_cap_mb) for m in mine]

@@ -67,6 +67,11 @@ class TinyTransformer(nn.Module):
             x = block(x)
         return self.head(self.ln(x))
 
+    def as_sequence(self) -> nn.Sequential:
+        """The forward as a sequence of its own modules (shared, not copied), for a pipeline to cut:
+        the embedding, each block, then the last LayerNorm with the head."""
+        return nn.Sequential(self.embed, *self.blocks, nn.Sequential(self.ln, self.head))
+
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = self(tokens)
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))

@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from collectives.algorithms.cost import CostModel
-from ddp_from_scratch.tensor_parallel.cost import Shape, break_even_tokens, step_messages
+from ddp_from_scratch.tensor_parallel.cost import (Shape, break_even_tokens, pipeline_break_even_tokens,
+                                                   pipeline_messages, step_messages)
 from ddp_from_scratch.workload.transformer import TinyTransformer
 
 
@@ -35,7 +36,7 @@ def test_each_layout_sends_its_closed_form():
     assert tp.dp_messages == [] and tp.elements["tp"] == (4 * 2 + 2) * bsh + 3 * bs
     both = step_messages(shape, world_size=4, tp=2)
     whole = shape.whole_on_every_tp_rank()
-    assert both.elements == {"tp": (4 * 2 + 2) * bsh // 2 + 3 * bs // 2, "dp": (p - whole) // 2 + whole}
+    assert both.elements == {"tp": (4 * 2 + 2) * bsh // 2 + 3 * bs // 2, "dp": (p - whole) // 2 + whole, "pp": 0}
     assert all(group == 2 for _, group in both.tp_messages + both.dp_messages)
 
 
@@ -65,3 +66,21 @@ def test_predicted_seconds_add_one_alpha_per_message_and_the_bytes():
 def test_a_tp_size_that_does_not_divide_the_world_is_refused():
     with pytest.raises(ValueError, match="the TP size 3 must divide the world size 4"):
         step_messages(Shape(64, 16, 4, 1, 8), world_size=4, tp=3)
+
+
+@settings(max_examples=50, deadline=None)
+@given(pp=st.integers(1, 4), dp=st.integers(1, 3), m=st.integers(1, 6))
+def test_a_pipeline_sends_a_microbatch_each_way_per_stage_boundary(pp, dp, m):
+    """Per step: m sends of T h / (d m) elements for the first or last stage of two, 2m for an
+    inner stage, and DP over the replicas of the stage's share of the parameters; the bubble
+    (p-1)/(m+p-1); and the break-even is where those sends match a ring all_reduce of P."""
+    shape = Shape(vocab=64, hidden=16, heads=4, layers=2, tokens=dp * m * 32)
+    plan = pipeline_messages(shape, pp * dp, pp, m)
+    sends = 0 if pp == 1 else m if pp == 2 else 2 * m
+    assert plan.pp_messages == [32 * 16] * sends
+    assert plan.elements["dp"] == (shape.parameters() // pp if dp > 1 else 0) and plan.elements["tp"] == 0
+    assert plan.bubble == pytest.approx((pp - 1) / (m + pp - 1))
+    model = CostModel(alpha=1e-5, beta=1e-9, gamma=0.0)
+    assert plan.seconds(model)["pp"] == pytest.approx(sends * (1e-5 + 1e-9 * 32 * 16 * 4))
+    t = pipeline_break_even_tokens(shape)
+    assert 2 * t * shape.hidden == pytest.approx(2 * shape.parameters())

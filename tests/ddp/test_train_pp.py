@@ -65,6 +65,16 @@ def test_a_pp_run_has_the_one_rank_models_losses(flags, ranks, one_rank):
     assert len(got["idle_share_by_stage"]) == pp and 0 < got["bubble_closed_form"] < 1
 
 
+def test_the_transformer_as_a_sequence_is_its_forward():
+    from ddp_from_scratch.workload.transformer import TinyTransformer, token_batch
+
+    model = TinyTransformer(32, 16, 4, 3)
+    tokens, _ = token_batch(0, 0, 3, 8, 32)
+    sequence = model.as_sequence()
+    assert torch.equal(sequence(tokens), model(tokens))
+    assert {id(p) for p in sequence.parameters()} == {id(p) for p in model.parameters()}  # shared, not copied
+
+
 def _mesh(env, pp, tp):
     mesh = Mesh3D(pp=pp, tp=tp)
     ranks = dist.get_process_group_ranks
