@@ -13,14 +13,17 @@
 #     user-space wire, collectives/cluster/wire.py), the all_reduce benchmark from 8 bytes to 4 MiB.
 #  4. with powersgd=RATE: our DDP's step time with plain all_reduce, fp16 and PowerSGD rank 1,
 #     alternated in one run (benchmarks.powersgd time), the small CNN and ResNet-50, 2 hosts x 1 rank.
+#  5. with pipeline=RATE: the pipeline schedules' step time and bubble against microbatches
+#     (benchmarks.pipeline_parallel), a stage on each host, Gloo between them.
 #
 #     bash benchmarks/across_hosts.sh 500mbit 1gbit 2gbit 4gbit none    # writes benchmarks/results/across-hosts_*, algorithms-race_*2hosts*
 #     bash benchmarks/across_hosts.sh delay=100ms loss=1%
 #     bash benchmarks/across_hosts.sh powersgd=500mbit powersgd=1gbit     # writes benchmarks/results/powersgd-time_*
+#     bash benchmarks/across_hosts.sh pipeline=1gbit pipeline=100mbit    # writes benchmarks/results/pipeline-parallel_*2hosts*
 set -euo pipefail
 for arg in "$@"; do  # before anything touches the cluster
   case "$arg" in
-    -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     -*) echo "across_hosts.sh: unknown option $arg: the arguments are link rates (1gbit), none, delay=D or loss=P (--help for usage)" >&2; exit 2 ;;
   esac
 done
@@ -47,6 +50,17 @@ for rate in "${rates[@]}"; do
       echo "# python -m benchmarks.bandwidth -c all_reduce -b 8 -e 4M -f 8 -n 5 -w 1   ($(date -u +%FT%TZ), this machine: 2-core VM)"
       grep -v "hostname of the client\|^\*\|OMP_NUM_THREADS\|^$\|^\[all_reduce\]" /tmp/across-node0.txt
       sleep 1.2; echo "# node1's wire: $(python -m collectives.cluster status | grep 'wire pid' | sed 's/^ *//')"; } > "$out.txt"
+    cat "$out.txt"
+    continue;;
+  esac
+  case "$rate" in pipeline=*)  # the pipeline schedules, a stage a host, on a shaped link
+    link=${rate#*=}
+    python -m collectives.cluster up --nodes 2 --link "$link" >/dev/null
+    out="benchmarks/results/pipeline-parallel_gloo-cpu-2core_2hosts-link-${link}_${day}"
+    torchrun_on_both 1 "pp-$link" -m benchmarks.pipeline_parallel --stages 2 -m 2 4 8 16 --backend gloo \
+      --json "$out.json"
+    { echo "# python -m collectives.cluster up --nodes 2 --link $link; torchrun 2 hosts x 1 rank ($(date -u +%FT%TZ), this machine: 2-core VM):"
+      grep -v "hostname of the client\|^\*\|OMP_NUM_THREADS\|^$" /tmp/across-node0.txt; } > "$out.txt"
     cat "$out.txt"
     continue;;
   esac

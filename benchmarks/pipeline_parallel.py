@@ -3,6 +3,7 @@ it held, against microbatches, beside the closed forms.
 
     python -m benchmarks.pipeline_parallel --stages 2 -m 2 4 8 16
     python -m benchmarks.pipeline_parallel --stages 2 -m 2 4 8 16 --json pp.json --timeline pp-timeline
+    torchrun --nnodes 2 --nproc-per-node 1 ... -m benchmarks.pipeline_parallel --stages 2 --backend gloo   # across hosts
 
 An MLP of --depth Linear+Tanh layers (--width wide, and a last Linear to 10 classes) is cut into
 stages balanced by parameters (ddp_from_scratch/pipeline_parallel/split.py): --stages of them, one
@@ -38,6 +39,7 @@ from torch import nn
 
 import collectives
 from collectives import cli
+from collectives.launcher.env import read_env
 from collectives.launcher.start_methods import TRAINING, preload
 from ddp_from_scratch.pipeline_parallel.schedule import SCHEDULES, bubble, make, rounds_of
 
@@ -57,7 +59,7 @@ def measure(env, config) -> dict:
     torch.set_num_threads(1)
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) >= env.world_size:  # a core each: the bubble is the schedule's, not the scheduler's
-        os.sched_setaffinity(0, {cpus[env.rank]})
+        os.sched_setaffinity(0, {cpus[env.rank]})  # (hosts on one machine, as namespaces, share its cores)
     p, r = env.world_size, env.rank
     group = dist.new_group(backend=config["backend"])
     v = config["chunks"]
@@ -96,7 +98,9 @@ def measure(env, config) -> dict:
             cell["in_flight"].append(result.peak_in_flight)
             if m == config["timeline_m"]:
                 timelines[name] = result
-    return {"rank": r, "cells": out, "timelines": timelines}
+    everyone = [None] * p  # every rank's cells on every rank: under torchrun only rank 0's result comes back
+    dist.all_gather_object(everyone, {"rank": r, "cells": out, "timelines": timelines})
+    return everyone
 
 
 def summarise(per_rank, config) -> list:
@@ -184,11 +188,18 @@ def main(argv=None) -> int:
               "backend": args.backend, "width": args.width, "depth": args.depth,
               "microbatch_size": args.microbatch_size, "rounds": args.rounds, "timeline_m": timeline_m}
     preload(*TRAINING)
-    per_rank = collectives.run(measure, args.stages, backend="gloo", args=(config,), timeout=3600)
+    cores = cli.cpus()  # before the ranks pin themselves to a core each (under torchrun, this process is one)
+    launched = read_env(os.environ)
+    if launched["master_addr"] is not None and launched["world_size"] != args.stages:
+        parser.error(f"--stages {args.stages}: under torchrun or srun the pipeline has one stage a rank, and the job "
+                     f"has {launched['world_size']} ranks")
+    per_rank = collectives.run_or_join(measure, args.stages, backend="gloo", args=(config,), timeout=3600)
+    if per_rank is None:  # a torchrun/srun rank other than 0: rank 0 reports
+        return 0
     rows = summarise(per_rank, config)
     print(f"# {cli.command_line('benchmarks.pipeline_parallel', argv)}")
     print(f"# {args.stages} stages on {args.backend}, MLP {args.depth} x {args.width}, {args.microbatch_size} rows a "
-          f"microbatch, {cli.cpus()} cpus, median over {args.rounds} rounds; idle: a rank's share of its step spent "
+          f"microbatch, {cores} cpus, median over {args.rounds} rounds; idle: a rank's share of its step spent "
           "not computing (median); bubble: the least idle rank's share (a lighter stage idles that and its "
           "imbalance too); saved: the most activation bytes autograd held for backward")
     print(report(rows, args.stages))
