@@ -39,7 +39,7 @@ import collectives
 import collectives.algorithms as A
 from collectives.algorithms.cost import CostModel, choose
 from collectives.algorithms.topology import PAYLOAD_PER_FRAME, link_beta
-from collectives import cli
+from collectives import cli, machine
 from collectives.launcher.env import read_env
 from collectives.cli import command, eta_by_size
 
@@ -298,7 +298,7 @@ def main(argv=None) -> int:
         return 0
     score = auto_score(result)
     print(f"# python -m benchmarks.algorithms {' '.join(argv)}")
-    print(f"# {datetime.date.today().isoformat()}, torch {torch.__version__}, {cli.cpus()} cpus; cost model: "
+    print(f"# {datetime.date.today().isoformat()}, torch {torch.__version__}, {machine.cpus()} cpus; cost model: "
           f"alpha {result['model']['alpha'] * 1e6:.1f} us, beta {result['model']['beta'] * 1e9:.3f} ns/B, "
           f"gamma {result['model']['gamma'] * 1e9:.3f} ns/B ({result['model']['source']})")
     print(report(result))

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import collectives
-from collectives import cli
+from collectives import cli, machine
 from collectives.launcher.env import read_env
 from collectives.launcher.start_methods import TRAINING, preload
 from ddp_from_scratch.pipeline_parallel.schedule import SCHEDULES, bubble, make, rounds_of
@@ -188,7 +188,7 @@ def main(argv=None) -> int:
               "backend": args.backend, "width": args.width, "depth": args.depth,
               "microbatch_size": args.microbatch_size, "rounds": args.rounds, "timeline_m": timeline_m}
     preload(*TRAINING)
-    cores = cli.cpus()  # before the ranks pin themselves to a core each (under torchrun, this process is one)
+    cores = machine.cpus()  # before the ranks pin themselves to a core each (under torchrun, this process is one)
     launched = read_env(os.environ)
     if launched["master_addr"] is not None and launched["world_size"] != args.stages:
         parser.error(f"--stages {args.stages}: under torchrun or srun the pipeline has one stage a rank, and the job "

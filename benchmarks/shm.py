@@ -36,7 +36,7 @@ from tabulate import tabulate
 from torch import nn
 
 import collectives
-from collectives import cli
+from collectives import cli, machine
 from collectives.launcher.start_methods import TRAINING, preload
 from collectives.cli import command
 from collectives.shm import backend_of, new_group_with
@@ -280,7 +280,7 @@ def main(argv=None) -> int:
         preload(*TRAINING)  # the DDP ranks build optimizers: the fork server imports what that needs, once
     result = collectives.run(run_all, args.world_size, args=(config,), timeout=6 * 3600)[0]
     print(f"# python -m benchmarks.shm {' '.join(argv)}")
-    print(f"# {datetime.date.today().isoformat()}, torch {torch.__version__}, {cli.cpus()} cpus, one thread per rank")
+    print(f"# {datetime.date.today().isoformat()}, torch {torch.__version__}, {machine.cpus()} cpus, one thread per rank")
     print(report(result))
     if args.json:
         cli.write_json(args.json, {**result, "command": cli.command_line("benchmarks.shm", argv)})

@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 import collectives
 import collectives.shm as shm
-from collectives import cli
+from collectives import cli, machine
 from collectives.shm import backend_of, new_group_with
 from collectives.shm.config import ShmConfig, parse_settings
 
@@ -146,7 +146,7 @@ def measure(env, config) -> dict:
     return {"world_size": n, "sizes": sizes, "times_us": {k: {str(s): v for s, v in per.items()}
                                                            for k, per in times.items()},
             "wrong": wrong, "deepspeed_left_out": "" if ds_call is not None else ds_why,
-            "busy": config["busy"], "cores": cli.cpus()}
+            "busy": config["busy"], "cores": machine.cpus()}
 
 
 def _size(nbytes: int) -> str:

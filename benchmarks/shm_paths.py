@@ -33,7 +33,7 @@ import torch.distributed as dist
 from tabulate import tabulate
 
 import collectives
-from collectives import cli
+from collectives import cli, machine
 from collectives.cli import command
 from collectives.shm import backend_of
 from collectives.shm.ops import all_reduce_traffic, small_limit
@@ -155,7 +155,7 @@ def main(argv=None) -> int:
     config = {k: getattr(args, k) for k in ("variants", "minbytes", "maxbytes", "stepfactor", "iters")}
     result = collectives.run(run_all, args.world_size, args=(config,), timeout=6 * 3600)[0]
     print(f"# python -m benchmarks.shm_paths {' '.join(argv)}")
-    print(f"# {datetime.date.today().isoformat()}, torch {torch.__version__}, {cli.cpus()} cpus, one thread per rank")
+    print(f"# {datetime.date.today().isoformat()}, torch {torch.__version__}, {machine.cpus()} cpus, one thread per rank")
     print(report(result))
     if args.json:
         cli.write_json(args.json, {**result, "command": "python -m benchmarks.shm_paths " + " ".join(argv)})

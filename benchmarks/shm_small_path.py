@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 import collectives
 import collectives.shm as shm
-from collectives import cli
+from collectives import cli, machine
 from collectives.shm import backend_of, new_group_with, ops
 
 from .sweep import check_sweep, parse_size, size_list
@@ -71,7 +71,7 @@ def measure(env, config) -> dict:
     paths = {f"{limit}/{nbytes}": backend_of(groups[limit])._shm.all_reduce_path(nbytes)  # "small" or not
              for limit in limits for nbytes in sizes}
     return {"world_size": env.world_size, "limits": limits, "sizes": sizes, "times_us": times, "paths": paths,
-            "wrong": int(total.item()), "library_limit": ops.small_limit(env.world_size), "cores": cli.cpus()}
+            "wrong": int(total.item()), "library_limit": ops.small_limit(env.world_size), "cores": machine.cpus()}
 
 
 def _kib(nbytes: int) -> str:

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 import collectives
-from collectives import cli
+from collectives import cli, machine
 from collectives.shm import new_group_with
 from collectives.shm.wait import STRATEGIES
 
@@ -77,7 +77,7 @@ def summarise(raw: dict) -> dict:
 
 
 def report(summary: dict, world_size: int, busy: int = 0) -> str:
-    cores = cli.cpus()
+    cores = machine.cpus()
     loaded = f", {busy} process(es) busy beside them" if busy else ""
     lines = [f"float64 all_reduce on shm (by wait strategy), {world_size} ranks on {cores} cores{loaded}, medians over "
              "rounds (slowest rank):", f"  {'strategy, bytes':<16} {'us/call':>10} {'CPU us/call':>12}"]

@@ -33,6 +33,7 @@ import sys
 from typing import Callable, Iterable, Optional
 
 from .errors import RankFailure
+from .machine import available_memory
 from .output_files import OutputError, check_outputs, save_figure, write_json, write_output  # noqa: F401 (the programs' names)
 
 
@@ -68,16 +69,6 @@ def check_positive(parser, args, flags, unit: str = "") -> None:
         value = _value_of(parser, args, flag)
         if value is not None and not (math.isfinite(value) and value > 0):
             parser.error(f"{flag} must be a positive number{' of ' + unit if unit else ''}, got {value}")
-
-
-def cpu_set() -> set:
-    """The CPUs this process may run on (its affinity: what taskset or a cgroup leaves), not the machine's."""
-    return set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
-
-
-def cpus() -> int:
-    """How many CPUs this process may run on (cpu_set)."""
-    return len(cpu_set())
 
 
 def command_line(program: str, argv: Optional[Iterable[str]] = None) -> str:
@@ -130,18 +121,6 @@ def compile_cache_outside_tmp() -> None:
     """
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(cache, "torchinductor"))
-
-
-def available_memory() -> Optional[int]:
-    """Bytes of memory the kernel says can be allocated without swapping (MemAvailable), or None."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 def check_memory(parser, flag: str, need: int, what: str, available: Optional[int] = None) -> None:

@@ -28,7 +28,7 @@ LAYERS = [
     ("base: errors, dtypes, op table, chunk bounds, settings",
      ["collectives.errors", "collectives.dtypes", "collectives.reduce_ops", "collectives.chunks", "collectives.p2p",
       "collectives.output_files", "collectives.cli", "collectives.compat", "collectives.rates", "collectives.names", "collectives.launcher.agent_watch",
-      "collectives.launcher", "collectives.launcher.pids", "collectives.settings"]),
+      "collectives.launcher", "collectives.machine", "collectives.settings"]),
     ("shm backend", ["collectives.shm", "collectives.shm.*"]),
     ("checks, environment, wrappers, launcher",
      ["collectives.checks", "collectives.checked_mode", "collectives.exchange", "collectives.groups",

@@ -32,7 +32,7 @@ from typing import Dict, List, Optional
 
 from . import slurm as slurm_cluster, wire
 from ..cli import ArgumentParser
-from ..launcher.pids import alive
+from ..machine import alive
 from ..rates import burst, shapeable
 
 PREFIX = "cpc-"

@@ -105,18 +105,18 @@ def sweep(mark: bytes, ranks=(), give_up_after: float = 10.0) -> int:
     return len(killed)
 
 
-def _load_pids():
-    """launcher/pids.py, loaded by path: this file runs by path with -I -S, where no package imports."""
+def _load_machine():
+    """collectives/machine.py, loaded by path: this file runs by path with -I -S, where no package imports."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(
-        "_collectives_launcher_pids", os.path.join(os.path.dirname(os.path.abspath(__file__)), "pids.py"))
+        "_collectives_machine", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "machine.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-_exists = _load_pids().alive  # a process with this pid runs (not a zombie)
+_exists = _load_machine().alive  # a process with this pid runs (not a zombie)
 
 
 class Reaper:

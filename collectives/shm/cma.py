@@ -48,7 +48,7 @@ from typing import Callable, List, Tuple
 import torch
 
 from ..chunks import bounds
-from ..cli import cpus
+from ..machine import cpus
 from ..errors import CollectiveError
 from .segment import ABORT, Segment
 from .wait import DIED, PeerFailure, Waiter, process_alive

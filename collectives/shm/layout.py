@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from datetime import timedelta
 
-from ..cli import cpu_set
+from ..machine import cpu_set
 from .config import ShmConfig
 
 KEY = "shm-layout"

@@ -33,9 +33,8 @@ import os
 import time
 from typing import Optional
 
-from ..cli import cpus
 from ..errors import CollectiveError
-from ..launcher.pids import alive
+from ..machine import alive, cpus
 from . import futex
 from .config import WAIT_STRATEGIES
 from .segment import ABORT, ABORT_SEEN_BY, ABORT_WHY, STEP0, Segment
@@ -80,7 +79,7 @@ class PeerFailure(CollectiveError):
     """A rank of the shared-memory group died or gave up while this rank waited for it."""
 
 
-process_alive = alive  # a peer's process runs (launcher/pids.py: one answer for every part that asks)
+process_alive = alive  # a peer's process runs (machine.py: one answer for every part that asks)
 
 
 _loadavg_fd: Optional[int] = None

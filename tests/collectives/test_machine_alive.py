@@ -2,7 +2,7 @@
 test hosts' cluster (they disagreed: a zombie or an unreadable pid read as dead in one place and
 alive in another): a running process, a zombie, a reaped (dead) pid and an unreadable stat.
 
-    pytest tests/collectives/test_pids.py -q
+    pytest tests/collectives/test_machine_alive.py -q
 """
 
 import builtins
@@ -14,10 +14,11 @@ import time
 import pytest
 
 from collectives.cluster import hosts
-from collectives.launcher import pids, reaper
+from collectives import machine
+from collectives.launcher import reaper
 from collectives.shm import wait
 
-ASKERS = {"pids.alive": pids.alive, "shm peer check": wait.process_alive, "reaper": reaper._exists,
+ASKERS = {"machine.alive": machine.alive, "shm peer check": wait.process_alive, "reaper": reaper._exists,
           "cluster": hosts._running}
 
 
@@ -73,7 +74,7 @@ def test_a_command_with_parentheses_and_spaces_is_read_past(tmp_path):
         time.sleep(0.2)
         with open(f"/proc/{child.pid}/stat") as f:
             assert f.read().startswith(f"{child.pid} () Z (x) ")  # the name the kernel shows
-        assert pids.alive(child.pid)
+        assert machine.alive(child.pid)
     finally:
         child.kill()
         child.wait()
