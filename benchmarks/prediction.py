@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import collectives.algorithms as A
-from collectives import machine
+from collectives.machine import cpus
 from collectives.algorithms.cost import CostModel
 from collectives.algorithms.topology import Topology, link_beta, link_burst
 
@@ -32,7 +32,7 @@ def cpu_share() -> float:
         machine = socket.gethostname()
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, machine)
-    cores = machine.cpus()
+    cores = cpus()
     return max(1.0, everyone.count(machine) / cores)
 
 
