@@ -6,7 +6,7 @@
 #  2. on a shaped link, the algorithms race on 2 hosts x 2 ranks (every from-scratch all_reduce,
 #     hierarchical among them, against Gloo's), each time beside the simulator's prediction on the
 #     two-level topology (the fitted model within a host, RATE through the link's token bucket
-#     between hosts, CPU costs scaled for ranks sharing cores); `python -m benchmarks.race_ablation
+#     between hosts, CPU costs scaled for ranks sharing cores); `python -m benchmarks.studies.race_ablation
 #     benchmarks/results/algorithms-race_*2hosts*.json` then shows what each part of that model buys.
 #
 #  3. with delay=D or loss=P: node1's egress delayed by D or a share P of it dropped (the cluster's

@@ -3,7 +3,7 @@
 - memory copy: one rank copies a large buffer; bandwidth counts bytes read plus bytes written.
 - memory, all ranks at once (CPU): every rank copies at the same time; the bytes all of them read
   and write per second are the most this machine's memory moves for them together (the roofline
-  benchmarks/shm_paths.py holds shm's all_reduce against).
+  benchmarks/studies/shm_paths.py holds shm's all_reduce against).
 - point-to-point: rank 0 sends a large buffer to rank 1 over the same backend (send/recv); with
   Gloo on one machine this is TCP over loopback, the path every Gloo collective takes.
 

@@ -5,7 +5,7 @@ bucket), the ranks' share of the cores, and the predicted seconds of one call.
     topology = topology_of(hosts, CostModel.load(), "1gbit", share=cpu_share())
     seconds = predict("all_reduce", "ring", count, n, torch.float32, model, topology)
 
-Read by benchmarks.algorithms (beside each measured time) and benchmarks.race_ablation (the same
+Read by benchmarks.algorithms (beside each measured time) and benchmarks.studies.race_ablation (the same
 measurements predicted with parts of the model left out).
 """
 

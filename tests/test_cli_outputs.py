@@ -17,7 +17,8 @@ import subprocess
 
 import pytest
 
-from benchmarks import algorithms, bandwidth, ddp_step_time, harness_speed, plot, sharded, shm, shm_paths, wrapper_overhead
+from benchmarks import algorithms, bandwidth, ddp_step_time, plot, sharded, shm, wrapper_overhead
+from benchmarks.studies import harness_speed, shm_paths
 from collectives import cli, output_files
 from collectives.algorithms import fit, show
 from collectives.launcher.pool import RankPool

@@ -10,7 +10,8 @@ import re
 
 import pytest
 
-from benchmarks import algorithms, bandwidth, recorder_cost, shm, shm_native, shm_paths, shm_small_path
+from benchmarks import algorithms, bandwidth, shm, shm_native
+from benchmarks.studies import recorder_cost, shm_paths, shm_small_path
 from collectives.launcher.pool import RankPool
 from collectives.algorithms import show
 from ddp_from_scratch import trace

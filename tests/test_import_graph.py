@@ -122,3 +122,21 @@ def test_benchmarks_says_which_files_are_programs_and_which_helpers():
         assert f"    {name} " in benchmarks.__doc__ or f" {name}," in benchmarks.__doc__ or \
             f" {name}\n" in benchmarks.__doc__, name
     assert not list(bench.glob("test_*.py"))  # tests live in tests/
+
+
+def test_the_studies_folder_lists_every_study():
+    """benchmarks/studies/__init__.py names each study (each a program) in its one-line index, and
+    nothing one folder up imports a study: the programs stand without them."""
+    from benchmarks import studies
+
+    folder = import_graph.ROOT / "benchmarks" / "studies"
+    modules = {p.stem for p in folder.glob("*.py") if p.stem != "__init__"}
+    assert set(studies.STUDIES) == modules
+    for name in modules:
+        assert _is_program(folder / f"{name}.py") and f"    {name} " in studies.__doc__, name
+    for c in folder.glob("*.c"):
+        assert f"    {c.name} " in studies.__doc__, c.name
+    graph = import_graph.graph()
+    users = [m for m, deps in graph.items() if m.startswith("benchmarks.") and not m.startswith("benchmarks.studies")
+             and any(d.startswith("benchmarks.studies") for d in deps)]
+    assert not users, users

@@ -16,7 +16,7 @@ sum the bits, it would have there):
 Memory moved per rank: read n, write n (its own slice and the others'), against 4-4.5 n through
 the segment (ops.all_reduce_traffic). The kernel copies between the two address spaces itself,
 pinning each page as it goes, so a byte costs more CPU than a memcpy's: it pays for large
-tensors, where the segment's copies no longer stay in cache (benchmarks.shm_paths measures it).
+tensors, where the segment's copies no longer stay in cache (benchmarks.studies.shm_paths measures it).
 
 When it is used: Linux lets one process read and write another's memory this way only if it
 may ptrace it: same user, no seccomp filter refusing the calls (some container runtimes), and
@@ -55,7 +55,7 @@ from .wait import DIED, PeerFailure, Waiter, process_alive
 
 # An all_reduce of at least ShmConfig.cma_min_bytes (16 MiB) goes through cross-memory attach;
 # smaller ones through the segment, whose copies stay in the caches and beat the kernel's
-# page-by-page copies (benchmarks.shm_paths measures both).
+# page-by-page copies (benchmarks.studies.shm_paths measures both).
 
 _libc = ctypes.CDLL(None, use_errno=True)
 

@@ -163,7 +163,7 @@ def load():
 
 def load_through_torch():
     """The module as torch.utils.cpp_extension loads it, building what changed (no stamp read or
-    written: load() does that; benchmarks.bridge_load times the two ways)."""
+    written: load() does that; benchmarks.studies.bridge_load times the two ways)."""
     why = _missing()
     if why:
         raise BuildError(f"the shm backend needs its C++ bridge to torch built once, and cannot build it: {why}")

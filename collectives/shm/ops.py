@@ -69,7 +69,7 @@ def small_limit(world_size: int) -> int:
 
 
 # Step 3 in pieces of ShmConfig.piece_bytes (1 MiB): the partial sum of a piece stays in cache
-# while the others' pieces are added to it and it is copied out (benchmarks.shm_paths measures
+# while the others' pieces are added to it and it is copied out (benchmarks.studies.shm_paths measures
 # the pieces against the whole slice).
 
 
@@ -160,7 +160,7 @@ class ShmCollectives:
         self._pending: Optional[bytes] = None
         self._banks = [memoryview(segment.calls[b]).cast("B") for b in range(2)]
         self._typed: dict = {}  # (dtype, half) -> every rank's half-slot viewed as that dtype (slicing costs)
-        self.piece_bytes = config.piece_bytes  # step 3's pieces (benchmarks/shm_paths.py sets it per group)
+        self.piece_bytes = config.piece_bytes  # step 3's pieces (benchmarks/studies/shm_paths.py sets it per group)
         self.cma_min_bytes = config.cma_min_bytes
         # all_reduce through cross-memory attach, where every rank may use it (cma.probe, at start-up)
         self.cma: Optional[cma.CrossMemory] = None

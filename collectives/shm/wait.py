@@ -16,7 +16,7 @@ question when ranks outnumber cores:
            (FUTEX_WAIT on the shared page) until that rank writes it and wakes it (FUTEX_WAKE);
            no core is spent on a long wait
 
-`python -m benchmarks.shm_wait --world-size N` measures all four side by side (latency and CPU
+`python -m benchmarks.studies.shm_wait --world-size N` measures all four side by side (latency and CPU
 time per call); `futex` is the default, after those measurements (benchmarks/RESULTS.md).
 
 Faults: while it waits, a rank checks every FAULT_CHECK_S that the others' processes are alive
@@ -46,7 +46,7 @@ FAULT_CHECK_S = 0.05
 SPIN_S_OWN_CORE = 1e-3
 SPIN_S_SHARED = 0.0
 # then give the core away (sched_yield) between reads for this long before sleeping: where ranks
-# share cores a yield answers sooner than a futex wake-up (benchmarks.shm_wait measures both)
+# share cores a yield answers sooner than a futex wake-up (benchmarks.studies.shm_wait measures both)
 YIELD_S = 2e-3
 # while it spins, a rank reads the machine this often, and stops spinning once more threads than
 # the ranks' cores were runnable at this many reads in a row (a moment's extra thread does not stop it)

@@ -1,9 +1,9 @@
-"""benchmarks.bridge_load: both ways load the same built bridge, and the summary names both.
+"""benchmarks.studies.bridge_load: both ways load the same built bridge, and the summary names both.
 
     pytest tests/benchmarks/test_bridge_load.py -q
 """
 
-from benchmarks import bridge_load
+from benchmarks.studies import bridge_load
 
 
 def test_a_short_run_times_both_ways(capsys):

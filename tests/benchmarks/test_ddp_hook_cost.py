@@ -6,7 +6,7 @@
 import torch
 import torch.nn.functional as F
 
-from benchmarks import ddp_hook_cost
+from benchmarks.studies import ddp_hook_cost
 
 
 def test_hook_cost_benchmark_smoke(capsys):

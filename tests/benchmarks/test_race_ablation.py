@@ -1,4 +1,4 @@
-"""benchmarks/race_ablation.py re-predicts a saved race across hosts four ways (the link's rate
+"""benchmarks/studies/race_ablation.py re-predicts a saved race across hosts four ways (the link's rate
 alone or through its bucket, own cores or shared): on a made-up run whose measured time is 10%
 over the full model's prediction, the full model scores it within 20% at +10% and the others
 give other predictions; a run whose saved prediction is not the model's is refused, as is a
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import collectives.algorithms as A
-from benchmarks import race_ablation
+from benchmarks.studies import race_ablation
 from collectives.algorithms.cost import CostModel
 from collectives.algorithms.topology import Topology, link_beta, link_burst
 

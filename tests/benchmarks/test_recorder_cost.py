@@ -1,4 +1,4 @@
-"""benchmarks.recorder_cost: the two groups really differ only in recording, and the summary is
+"""benchmarks.studies.recorder_cost: the two groups really differ only in recording, and the summary is
 the medians' ratio.
 
     pytest tests/benchmarks/test_recorder_cost.py -q
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from benchmarks import recorder_cost
+from benchmarks.studies import recorder_cost
 
 
 def test_the_summary_is_the_ratio_of_medians():
@@ -27,4 +27,4 @@ def test_a_short_run_measures_both_sides(tmp_path, capsys):
     assert "us per 8-byte all_reduce: recording" in printed and "s per DDP step: recording" in printed
     saved = json.loads(out.read_text())
     assert len(saved["raw"]["all_reduce_8B_us"]["recording"]) == 3 == len(saved["raw"]["all_reduce_8B_us"]["off"])
-    assert saved["command"].startswith("python -m benchmarks.recorder_cost --rounds 3")
+    assert saved["command"].startswith("python -m benchmarks.studies.recorder_cost --rounds 3")

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks import shm as bench
-from benchmarks import shm_paths as paths_bench
+from benchmarks.studies import shm_paths as paths_bench
 
 
 def _free_group(env):

@@ -1,4 +1,4 @@
-"""benchmarks.shm_small_path: each group takes the small path up to its own limit and no further,
+"""benchmarks.studies.shm_small_path: each group takes the small path up to its own limit and no further,
 every call's result is right, and the report has a row per size marking the small path; a bad
 flag is a usage error. (Which limit is fastest is the benchmark's to say, not a test's.)
 
@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from benchmarks import shm_small_path
+from benchmarks.studies import shm_small_path
 
 
 def test_a_short_run_gives_each_group_its_own_limit(tmp_path, capsys):
@@ -25,7 +25,7 @@ def test_a_short_run_gives_each_group_its_own_limit(tmp_path, capsys):
     assert saved["library_limit"] == 64 << 10
     rows = {line.split()[0] + " " + line.split()[1]: line for line in printed.splitlines() if "KiB " in line[:8]}
     assert rows["32 KiB"].count("*") == 1 and rows["16 KiB"].count("*") == 2 and "*" not in rows["64 KiB"], printed
-    assert saved["command"].startswith("python -m benchmarks.shm_small_path --rounds 2")
+    assert saved["command"].startswith("python -m benchmarks.studies.shm_small_path --rounds 2")
 
 
 @pytest.mark.parametrize("argv, says", [

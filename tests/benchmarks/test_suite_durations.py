@@ -6,7 +6,7 @@ wall time, and refuses a log without a report in one line.
 
 import pytest
 
-from benchmarks import suite_durations
+from benchmarks.studies import suite_durations
 
 LOG = """\
 ........ [100%]

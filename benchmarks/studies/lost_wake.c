@@ -9,7 +9,7 @@
  * the store and the read, as native_wait.h does. The waker waits a random 0 to SPREAD loop turns
  * before each store, so the two sides meet at every offset.
  *
- *     cc -O2 -o /tmp/lost_wake benchmarks/lost_wake.c
+ *     cc -O2 -o /tmp/lost_wake benchmarks/studies/lost_wake.c
  *     /tmp/lost_wake 300000 0 3000        # ITERATIONS FENCE SPREAD
  *
  * It prints how many sleeps there were and how many ended at the timeout (a wake-up lost, or the

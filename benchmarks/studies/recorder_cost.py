@@ -1,7 +1,7 @@
 """What the shm backend's flight record costs: recording on against off, side by side in one run.
 
-    python -m benchmarks.recorder_cost --world-size 2 [--rounds 41 --iters 300 --model small] [--json out.json]
-    python -m benchmarks.recorder_cost --backend gloo     # torch's own recorder on Gloo
+    python -m benchmarks.studies.recorder_cost --world-size 2 [--rounds 41 --iters 300 --model small] [--json out.json]
+    python -m benchmarks.studies.recorder_cost --backend gloo     # torch's own recorder on Gloo
 
 Each rank holds two shm groups, one created with TORCH_FR_BUFFER_SIZE set (recording, as
 collectives/shm/recorder.py does it) and one without; everything else is the same. Rounds
@@ -35,7 +35,7 @@ from collectives import cli
 from collectives.shm import backend_of, new_group_with
 from ddp_from_scratch.workload.models import MODELS
 
-from .sweep import alternate_steps
+from ..sweep import alternate_steps
 
 
 def _group(recording: bool):
@@ -133,7 +133,7 @@ def report(summary: dict, world_size: int, backend: str = "shm") -> str:
 
 
 def build_parser():
-    parser = cli.ArgumentParser(prog="python -m benchmarks.recorder_cost", description=__doc__.splitlines()[0])
+    parser = cli.ArgumentParser(prog="python -m benchmarks.studies.recorder_cost", description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--backend", default="shm", choices=["shm", "gloo"],
                         help="whose recorder: the shm backend's (default) or torch's on Gloo")
@@ -160,7 +160,7 @@ def main(argv=None) -> int:
     text = report(summary, args.world_size, args.backend)
     print(text)
     if args.json:
-        cli.write_json(args.json, {"command": cli.command_line("benchmarks.recorder_cost", argv),
+        cli.write_json(args.json, {"command": cli.command_line("benchmarks.studies.recorder_cost", argv),
                                    "summary": summary, "raw": raw})
     return 0
 

@@ -1,9 +1,9 @@
 """Where the test suite's time goes: pytest's `--durations=0` report, summed per module.
 
     python -m pytest -n 2 -q -rfEs --durations=0 > suite.log       # the README's command, plus the report
-    python -m benchmarks.suite_durations suite.log                  # per module, slowest first
-    python -m benchmarks.suite_durations suite.log --tests 20       # and the 20 slowest tests
-    python -m benchmarks.suite_durations before.log after.log       # two runs side by side
+    python -m benchmarks.studies.suite_durations suite.log                  # per module, slowest first
+    python -m benchmarks.studies.suite_durations suite.log --tests 20       # and the 20 slowest tests
+    python -m benchmarks.studies.suite_durations before.log after.log       # two runs side by side
 
 A module's figure is the sum of its tests' set-up, call and tear-down times (pytest leaves out
 the phases under 5 ms unless run with -vv). Under pytest-xdist the workers run at once, so the

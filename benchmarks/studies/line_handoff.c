@@ -7,7 +7,7 @@
  * cache still holds those lines; the shm backend's default of two regions is RING 2). Then a
  * ping-pong of one word gives the round trip between the two cores.
  *
- *     cc -O2 -o /tmp/line_handoff benchmarks/line_handoff.c
+ *     cc -O2 -o /tmp/line_handoff benchmarks/studies/line_handoff.c
  *     /tmp/line_handoff 1048576 300 2          # BYTES ITERATIONS RING [CPU_A CPU_B] (default 0 1)
  *
  * It prints the best and mean microseconds per handoff (write plus the peer's read).

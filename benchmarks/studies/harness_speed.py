@@ -7,8 +7,8 @@ with start_method="spawn", what torch.multiprocessing.spawn-style tests do), a c
 forked from the fork server (`collectives.run`'s default), then a block of pooled cases
 (`collectives.testing.run_on_ranks`), and so on; medians per case are reported.
 
-    python -m benchmarks.harness_speed                 # 2 ranks, 5 rounds
-    python -m benchmarks.harness_speed --json benchmarks/results/harness-speed.json
+    python -m benchmarks.studies.harness_speed                 # 2 ranks, 5 rounds
+    python -m benchmarks.studies.harness_speed --json benchmarks/results/harness-speed.json
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
         environment = {
             "date": datetime.date.today().isoformat(), "torch": torch.__version__, "backend": "gloo",
             "cpus": os.cpu_count(), "machine": platform.machine(),
-            "command": cli.command_line("benchmarks.harness_speed", argv),
+            "command": cli.command_line("benchmarks.studies.harness_speed", argv),
         }
         cli.write_json(args.json, {"environment": environment, "results": report}, indent=2)
     return 0

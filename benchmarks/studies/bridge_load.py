@@ -4,7 +4,7 @@ The stamped file imported directly (collectives.shm.native.load(), what every ra
 does) against going through torch.utils.cpp_extension.load() (import it, write the ninja file, run
 ninja to find nothing to do, import).
 
-    python -m benchmarks.bridge_load [--rounds 21]
+    python -m benchmarks.studies.bridge_load [--rounds 21]
 
 Each round starts one fresh interpreter per way, in a random order, each importing torch first and
 then timing only the load. Prints the median milliseconds of each way and the median of the
@@ -34,7 +34,7 @@ def _once(call: str) -> float:
 
 
 def build_parser():
-    parser = cli.ArgumentParser(prog="python -m benchmarks.bridge_load", description=__doc__.splitlines()[0])
+    parser = cli.ArgumentParser(prog="python -m benchmarks.studies.bridge_load", description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=21, help="fresh processes per way (default 21)")
     return parser
 

@@ -1,8 +1,8 @@
 """Where the shm all_reduce's small path should stop: native groups made with several small-path
 limits, timed side by side on the same ranks at sizes around them.
 
-    python -m benchmarks.shm_small_path --world-size 2
-    python -m benchmarks.shm_small_path --world-size 8 --limits 16K 32K 64K -b 4K -e 128K --json out.json
+    python -m benchmarks.studies.shm_small_path --world-size 2
+    python -m benchmarks.studies.shm_small_path --world-size 8 --limits 16K 32K 64K -b 4K -e 128K --json out.json
 
 On the small path every rank adds all the slots itself, in rank order: one barrier, but each rank
 reads every slot, so what it reads grows with the ranks. Past the limit, each rank reduces one
@@ -32,7 +32,7 @@ import collectives.shm as shm
 from collectives import cli, machine
 from collectives.shm import backend_of, new_group_with, ops
 
-from .sweep import check_sweep, parse_size, size_list
+from ..sweep import check_sweep, parse_size, size_list
 
 
 def _group_with_limit(limit: int):
@@ -104,7 +104,7 @@ def report(result: dict) -> str:
 
 
 def build_parser():
-    parser = cli.ArgumentParser(prog="python -m benchmarks.shm_small_path", description=__doc__.splitlines()[0])
+    parser = cli.ArgumentParser(prog="python -m benchmarks.studies.shm_small_path", description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=2, help="ranks to spawn (default 2)")
     parser.add_argument("--limits", nargs="+", type=parse_size, default=[16 << 10, 32 << 10, 64 << 10],
                         help="small-path limits to compare, the first the baseline (default 16K 32K 64K)")
@@ -130,7 +130,7 @@ def main(argv=None) -> int:
     result = collectives.run(measure, args.world_size, backend="gloo", args=(config,), timeout=3600)[0]
     print(report(result))
     if args.json:
-        result["command"] = cli.command_line("benchmarks.shm_small_path", argv)
+        result["command"] = cli.command_line("benchmarks.studies.shm_small_path", argv)
         cli.write_json(args.json, result)
     return 0
 

@@ -1,6 +1,6 @@
 """What a Python gradient hook costs ResNet-50's backward, in one process with one thread.
 
-    python -m benchmarks.ddp_hook_cost --rounds 15
+    python -m benchmarks.studies.ddp_hook_cost --rounds 15
 
 Four copies of the model, their backwards alternated in a random order each round:
 no hooks; 161 no-op `register_post_accumulate_grad_hook` hooks; and 161 hooks that scale each

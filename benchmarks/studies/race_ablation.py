@@ -1,7 +1,7 @@
 """What each part of the two-level model buys: a race across hosts re-predicted with and without
 the link's token bucket and with and without the shared cores, against the same measurements.
 
-    python -m benchmarks.race_ablation benchmarks/results/algorithms-race_gloo-cpu-2core_2hosts-x2ranks-link-*_2026-11-24.json
+    python -m benchmarks.studies.race_ablation benchmarks/results/algorithms-race_gloo-cpu-2core_2hosts-x2ranks-link-*_2026-11-24.json
 
 For each saved run of `python -m benchmarks.algorithms --link RATE` across hosts (its JSON), the
 simulator predicts every algorithm at every size four ways: the link's rate alone, or through the
@@ -18,9 +18,9 @@ import sys
 from collectives import cli
 from collectives.algorithms.cost import CostModel
 
-from .prediction import predict, topology_of
-from .sweep import DTYPES
-from .cases import buffer_count
+from ..prediction import predict, topology_of
+from ..sweep import DTYPES
+from ..cases import buffer_count
 
 VARIANTS = [("rate alone", False, False), ("bucket", True, False), ("shared cores", False, True),
             ("bucket + shared cores", True, True)]
@@ -46,7 +46,7 @@ def score(run: dict, bucket: bool, shared: bool, tolerance: float = 0.2):
 
 
 def build_parser():
-    parser = cli.ArgumentParser(prog="python -m benchmarks.race_ablation", description=__doc__.split("\n\n")[0])
+    parser = cli.ArgumentParser(prog="python -m benchmarks.studies.race_ablation", description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", metavar="RUN.json", help="races across hosts (benchmarks.algorithms --json)")
     return parser
 

@@ -1,9 +1,9 @@
 """How an shm rank waits for the others: latency and CPU time of an 8-byte all_reduce under each
 wait strategy (collectives/shm/wait.py), side by side in one run.
 
-    python -m benchmarks.shm_wait --world-size 2
-    python -m benchmarks.shm_wait --world-size 4 --json benchmarks/results/shm-wait.json
-    python -m benchmarks.shm_wait --busy 1 --bytes 8 4M --gloo   # a process busy beside the ranks, against Gloo
+    python -m benchmarks.studies.shm_wait --world-size 2
+    python -m benchmarks.studies.shm_wait --world-size 4 --json benchmarks/results/shm-wait.json
+    python -m benchmarks.studies.shm_wait --busy 1 --bytes 8 4M --gloo   # a process busy beside the ranks, against Gloo
 
 One shm group per strategy (COLLECTIVES_SHM_WAIT, read when a group is made) over the same ranks;
 the groups take turns in a shuffled order each round, `--iters` calls each, after a barrier on
@@ -30,7 +30,7 @@ from collectives import cli, machine
 from collectives.shm import new_group_with
 from collectives.shm.wait import STRATEGIES
 
-from .sweep import parse_size
+from ..sweep import parse_size
 
 
 def _group(strategy: str):
@@ -87,7 +87,7 @@ def report(summary: dict, world_size: int, busy: int = 0) -> str:
 
 
 def build_parser():
-    parser = cli.ArgumentParser(prog="python -m benchmarks.shm_wait", description=__doc__.splitlines()[0])
+    parser = cli.ArgumentParser(prog="python -m benchmarks.studies.shm_wait", description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES,
                         help=f"the wait strategies to compare (default: all of {', '.join(STRATEGIES)})")
@@ -112,7 +112,7 @@ def main(argv=None) -> int:
     summary = summarise(raw)
     print(report(summary, args.world_size, args.busy))
     if args.json:
-        cli.write_json(args.json, {"command": " ".join(["python -m benchmarks.shm_wait", *(argv or sys.argv[1:])]),
+        cli.write_json(args.json, {"command": " ".join(["python -m benchmarks.studies.shm_wait", *(argv or sys.argv[1:])]),
                                    "world_size": args.world_size, "summary": summary, "raw": raw})
     return 0
 

@@ -1,8 +1,8 @@
 """The shm all_reduce's paths side by side: through the segment with step 3 at once or in pieces,
 and cross-memory attach; each against Gloo and against what this machine's memory can move.
 
-    python -m benchmarks.shm_paths --world-size 4
-    python -m benchmarks.shm_paths --world-size 2 --variants whole pieces=1M pieces=256K cma=1M cma=256K \\
+    python -m benchmarks.studies.shm_paths --world-size 4
+    python -m benchmarks.studies.shm_paths --world-size 2 --variants whole pieces=1M pieces=256K cma=1M cma=256K \\
         -b 1M -e 128M --json out.json
 
 A variant is a path and its piece size: `whole` (the segment, step 3 at once), `pieces=SIZE`
@@ -38,9 +38,9 @@ from collectives.cli import command
 from collectives.shm import backend_of
 from collectives.shm.ops import all_reduce_traffic, small_limit
 
-from .sweep import alternate_calls, check_sweep, parse_size, size_list
-from .limits import aggregate_copy_gbps
-from .nccl_format import bandwidths
+from ..sweep import alternate_calls, check_sweep, parse_size, size_list
+from ..limits import aggregate_copy_gbps
+from ..nccl_format import bandwidths
 
 HUGE = 1 << 62
 
@@ -127,7 +127,7 @@ def report(result) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = cli.ArgumentParser(prog="python -m benchmarks.shm_paths", description=__doc__.split("\n\n")[0])
+    parser = cli.ArgumentParser(prog="python -m benchmarks.studies.shm_paths", description=__doc__.split("\n\n")[0])
     parser.add_argument("--world-size", type=int, default=4, help="ranks to spawn")
     parser.add_argument("--variants", type=parse_variant, nargs="+",
                         default=[("whole", 0), ("pieces", 1 << 20), ("cma", 1 << 20)],
@@ -154,11 +154,11 @@ def main(argv=None) -> int:
                      f"{args.world_size} ranks, the same in every variant: start above it (-b)")
     config = {k: getattr(args, k) for k in ("variants", "minbytes", "maxbytes", "stepfactor", "iters")}
     result = collectives.run(run_all, args.world_size, args=(config,), timeout=6 * 3600)[0]
-    print(f"# python -m benchmarks.shm_paths {' '.join(argv)}")
+    print(f"# python -m benchmarks.studies.shm_paths {' '.join(argv)}")
     print(f"# {datetime.date.today().isoformat()}, torch {torch.__version__}, {machine.cpus()} cpus, one thread per rank")
     print(report(result))
     if args.json:
-        cli.write_json(args.json, {**result, "command": "python -m benchmarks.shm_paths " + " ".join(argv)})
+        cli.write_json(args.json, {**result, "command": "python -m benchmarks.studies.shm_paths " + " ".join(argv)})
     return 0 if all(r["check"] for r in result["rows"]) else 1
 
 
