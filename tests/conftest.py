@@ -42,7 +42,7 @@ def _load_bridge():
 
 
 def pytest_sessionstart(session):
-    """Start building the shm backend's C++ bridge (about 35 s of one core on a fresh machine, then
+    """Start building the shm backend's C++ bridge (under a minute on a fresh machine, then
     cached) while the first tests run: the test hosts' tests, which go first, never need it. Under
     pytest-xdist the controller builds and the workers wait for it (torch's build lock) before
     their first test that is not a test hosts' one."""

@@ -1,7 +1,7 @@
 """The shm backend's one piece of C++ (forward.cpp), built on first use and cached.
 
     from collectives.shm import native
-    native.load()        # builds once (about 35 s on 2 cores), then imports in about a millisecond
+    native.load()        # builds once per machine and torch, then loads the built file from its stamp
 
 torch registers a group's backend for a device as a C++ `c10d::Backend`; that is how a group gets
 its name, how DeviceMesh, DTensor and the functional collectives find it, and how torch's C++
@@ -171,7 +171,7 @@ def load_through_torch():
 
     build_dir = cpp_extension._get_build_directory(NAME, verbose=False)
     if not os.path.exists(os.path.join(build_dir, NAME + ".so")):
-        print(f"collectives.shm: building the backend's C++ bridge to torch once (about 35 s) in {build_dir}",
+        print(f"collectives.shm: building the backend's C++ bridge to torch once (up to a minute) in {build_dir}",
               file=sys.stderr, flush=True)
     try:
         return cpp_extension.load(NAME, [SOURCE], extra_cflags=_flags(), verbose=False)

@@ -1,6 +1,6 @@
 """Our DDPs and sharded steps on CUDA tensors, bitwise against torch's: NCCL at world size 1, and
 Gloo with CUDA tensors for 2 ranks on one GPU (one GPU cannot host two NCCL ranks). Skipped with a
-reason without a GPU; `bash benchmarks/gpu_checks.sh tests` runs it on the device machine.
+reason without a GPU; `bash benchmarks/gpu_checks.sh tests` runs it on a machine with a GPU.
 
     pytest tests/ddp/test_gpu_ddp.py -q -rs
 """
