@@ -8,7 +8,7 @@
     COLLECTIVES_SHM_REGIONS=2            a slot is cut into round-sized regions that rounds use in turn: 2 (its
                                          halves), more, or auto (as many as fit, so a region is written again
                                          only after its lines have left the peers' caches: meant for where
-                                         handing lines between cores is slow; 1.5x slower elsewhere, RESULTS.md)
+                                         handing lines between cores is slow; 1.5x slower elsewhere: the record below)
     COLLECTIVES_SHM_INLINE_BYTES=65536   calls this small run in the calling thread when nothing is queued; on
                                          the native path so does any call its caller waits for at once
                                          (async_op=False), whatever its size
@@ -26,7 +26,7 @@
     config = ShmConfig.from_env()        # ShmBackend does this once, and hands it down
 
 A value that is not a number (or not one of the choices) is a ValueError naming the variable.
-Why the defaults are what they are: docs/shm.md; the measurements: benchmarks/RESULTS.md.
+Why the defaults are what they are: docs/shm.md; the measurements: benchmarks/results/earlier-figures_2026-11-22-to-27.md.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import os
 from typing import Mapping, Optional
 
 ALIGN = 64  # every slot, half-slot and mailbox half starts 64-byte aligned
-AUTO_ROUND_BYTES = 1 << 20  # COLLECTIVES_SHM_ROUND_KB=auto where every rank has a core (RESULTS.md)
+AUTO_ROUND_BYTES = 1 << 20  # COLLECTIVES_SHM_ROUND_KB=auto where every rank has a core (docs/shm.md)
 
 WAIT_STRATEGIES = ("futex", "spin", "yield", "sleep")  # how a rank waits at a barrier (wait.py)
 PATHS = ("native", "python")  # where a group's calls run (docs/shm.md: the native path)

@@ -6,7 +6,7 @@
 
 dist.all_reduce reaches a backend through distributed_c10d.py's checks, torch's dispatcher, a Work
 and its wait: several microseconds a call, more than the native path's own small all_reduce
-(benchmarks/RESULTS.md, "The shm backend's native path"). C++ callers such as DDP's reducer skip
+(benchmarks/RESULTS.md, "How close to the machine's limit?"). C++ callers such as DDP's reducer skip
 the Python part; a Python loop of small all_reduces (tensor-parallel inference, the case DeepSpeed's
 inference_all_reduce is for) does not. This function hands the tensor to the group's native engine
 itself: the same engine call, in the same order with the group's other calls, with the same checks

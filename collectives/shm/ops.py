@@ -64,7 +64,7 @@ def small_limit(world_size: int) -> int:
     """The largest all_reduce or reduce, in bytes, that takes the small path on world_size ranks.
     There every rank reads every slot, so what it reads grows with the ranks: the small path runs
     while the slots add up to SMALL_TOTAL_BYTES, and always up to SMALL_BYTES. That is 64 KiB on 2
-    ranks, 32 KiB on 4, 16 KiB from 8 (benchmarks/RESULTS.md, measured on the H100 machine's Xeon)."""
+    ranks, 32 KiB on 4, 16 KiB from 8 (measured on the 16-core Xeon: benchmarks/results/earlier-figures_2026-11-22-to-27.md)."""
     return max(SMALL_BYTES, SMALL_TOTAL_BYTES // world_size)
 
 
@@ -212,7 +212,7 @@ class ShmCollectives:
         names it, as the default is the slot's two halves): a rank may fill the next round's
         region while a slower one still reads the last's. More regions (COLLECTIVES_SHM_REGIONS)
         write a region again only after its lines have left the peers' caches, which pays where
-        handing lines between cores is slow (RESULTS.md)."""
+        handing lines between cores is slow (docs/shm.md)."""
         self.round += 1
         return self.round % self.regions
 

@@ -6,7 +6,7 @@ Both ranks pinned to one CPU: the rank that arrives first would spin its whole m
 the other cannot run. The wait must cut that spin short, in most of the waits that spin. The
 cores it counts are the CPUs the ranks may run on between them, not the cores online: counting
 those, ranks pinned to fewer cores than the machine has spun on beside a busy process and lost to
-Gloo (benchmarks/RESULTS.md, the H200 machine's Xeon). The counts are the engine's own (`spins`:
+Gloo (benchmarks/RESULTS.md, "Which backend for my sizes?", the 16-core Xeon). The counts are the engine's own (`spins`:
 waits that spun, and those the machine reading cut short), so this is no timed test.
 
     pytest tests/shm/test_wait_reads_machine.py -q
