@@ -5,6 +5,7 @@
     dist.init_process_group("shm", init_method=..., rank=r, world_size=n)
     collectives.run(fn, world_size=4, backend="shm")   # or through this project's launcher
     collectives.shm.all_reduce(t, group=g)             # dist.all_reduce without torch's dispatch (direct.py)
+    collectives.shm.takes_all_reduce(t, group=g)       # whether that call runs on the native path
 
 On one machine Gloo still goes through TCP. Here the ranks map one segment of shared memory
 (segment.py) and each collective is copies and adds in it (ops.py), waiting for each other
@@ -23,7 +24,7 @@ attach (cma.py: reading and writing another rank's tensor directly).
 
 import torch.distributed as dist
 
-from .direct import all_reduce
+from .direct import all_reduce, takes_all_reduce
 from .groups import backend_of, create, new_group_with
 from .process_group import ShmBackend
 from .segment import leftovers, sweep
@@ -40,4 +41,4 @@ def register() -> None:
 
 register()
 
-__all__ = ["BACKEND", "register", "all_reduce", "ShmBackend", "backend_of", "new_group_with", "PeerFailure", "leftovers", "sweep"]
+__all__ = ["BACKEND", "register", "all_reduce", "takes_all_reduce", "ShmBackend", "backend_of", "new_group_with", "PeerFailure", "leftovers", "sweep"]

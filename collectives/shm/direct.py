@@ -3,6 +3,7 @@
     import collectives.shm
     collectives.shm.all_reduce(t, group=g)        # what dist.all_reduce(t, group=g) does, synchronously
     collectives.shm.all_reduce(t, dist.ReduceOp.MAX, g)
+    collectives.shm.takes_all_reduce(t, group=g)  # True: the call above runs on the native path
 
 dist.all_reduce reaches a backend through distributed_c10d.py's checks, torch's dispatcher, a Work
 and its wait: several microseconds a call, more than the native path's own small all_reduce
@@ -51,6 +52,16 @@ def _engine_of(group):
             engine = impl._engine
         _engines[group] = engine
     return None if engine is _NOT_NATIVE else engine
+
+
+def takes_all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> bool:
+    """Whether all_reduce(tensor, op, group) runs on the group's native path: the engine's own
+    answer (native_takes.h, the one place it is decided, which every native call asks first), not
+    a copy of its rule. False on a group that is not an shm group on the native path."""
+    engine = _engine_of(dist.group.WORLD if group is None else group)
+    code = _CODES.get(op) if isinstance(op, dist.ReduceOp.RedOpType) else None
+    return engine is not None and code is not None and type(tensor) is torch.Tensor and \
+        engine.takes_all_reduce(tensor, code)
 
 
 def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> None:

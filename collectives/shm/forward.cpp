@@ -9,8 +9,12 @@
 // in a Work whose wait() raises the collective's error.
 //
 // With the native path on (COLLECTIVES_SHM_PATH=native, the default), the calls it takes run in
-// C++ with no GIL (native_engine.h, native_paths.h, native_wait.h), and the others go to Python
+// C++ with no GIL (native_engine.h, native_collectives.h, native_wait.h), and the others go to Python
 // through the same engine's queue, so both keep one order.
+//
+// This file is the call table (ForwardBackend: each c10d call, to the engine or to Python) and the
+// module's bindings; forward_work.h holds the Work types its calls return, forward_engine.h what
+// makes a group's engine from Python and hands Python jobs to it.
 //
 // Built on first import by torch.utils.cpp_extension (collectives/shm/native.py).
 
@@ -21,127 +25,10 @@
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 
-#include "native_engine.h"
-
-namespace py = pybind11;
-using c10::intrusive_ptr;
-using c10d::Work;
-using shm_native::Engine;
+#include "forward_work.h"
+#include "forward_engine.h"
 
 namespace {
-
-// A Python exception carried as a C++ one: C++ callers see what(); a pybind boundary (a Python
-// caller of Work.wait) raises the original exception object again, its type included.
-class PythonError : public std::runtime_error {
- public:
-  PythonError(PyObject* error, const std::string& text)
-      : std::runtime_error(text), error_(error, [](PyObject* e) {
-          if (Py_IsInitialized()) {
-            py::gil_scoped_acquire gil;
-            Py_DECREF(e);
-          }
-        }) {
-    Py_INCREF(error);
-  }
-  PyObject* error() const { return error_.get(); }
-
- private:
-  std::shared_ptr<PyObject> error_;
-};
-
-// A Work on a Future: wait() rethrows the Future's error (torch's own future-wrapping Work
-// returns true when the future failed).
-class FutureWork : public Work {
- public:
-  // help_tag: the queued call a waiter runs the queue up to (Engine::help); by default this Work's own
-  FutureWork(intrusive_ptr<c10::ivalue::Future> fut, c10d::OpType type, std::shared_ptr<Engine> engine = nullptr,
-             const void* help_tag = nullptr)
-      : Work(-1, type), fut_(std::move(fut)), engine_(std::move(engine)), help_tag_(help_tag) {}
-
-  bool isCompleted() override { return fut_->completed(); }
-  bool isSuccess() const override { return fut_->completed() && !fut_->hasError(); }
-  std::exception_ptr exception() const override {
-    return fut_->completed() && fut_->hasError() ? fut_->exception_ptr() : nullptr;
-  }
-  bool wait(std::chrono::milliseconds /* timeout: the backend's own */) override {
-    wait_for(fut_, engine_.get(), help_tag_);
-    return true;
-  }
-  intrusive_ptr<c10::ivalue::Future> getFuture() override { return fut_; }
-
-  // Until `fut` has finished; rethrows its error. A native call's waiter: the engine's worker may
-  // spin while someone waits for it, and a call still queued runs here (Engine::help) rather than
-  // on the worker thread.
-  static void wait_for(const intrusive_ptr<c10::ivalue::Future>& fut, Engine* engine, const void* help_tag = nullptr) {
-    struct Waiting {
-      std::atomic<int>* n;
-      explicit Waiting(std::atomic<int>* c) : n(c) { if (n) n->fetch_add(1); }
-      ~Waiting() { if (n) n->fetch_sub(1); }
-    } waiting(engine && !fut->completed() ? &engine->callers_waiting() : nullptr);
-    auto finish = [&] {
-      if (engine && !fut->completed()) engine->help(help_tag ? help_tag : fut.get());
-      fut->wait();
-    };
-    if (PyGILState_Check()) {
-      py::gil_scoped_release no_gil;  // the worker thread that completes it needs the GIL
-      finish();
-    } else {
-      finish();
-    }
-    if (fut->hasError()) {
-      std::rethrow_exception(fut->exception_ptr());
-    }
-  }
-
-  // recv from any source: the Future's value is the rank the message came from
-  int sourceRank() const override {
-    const auto& value = fut_->value();
-    if (value.isInt()) {
-      return static_cast<int>(value.toInt());
-    }
-    py::gil_scoped_acquire gil;
-    return py::cast<int>(torch::jit::toPyObject(value));
-  }
-
- private:
-  intrusive_ptr<c10::ivalue::Future> fut_;
-  std::shared_ptr<Engine> engine_;
-  const void* help_tag_;
-};
-
-// A point-to-point message's Work (native_p2p.h): its thread fails a Future with a NativeError, and
-// wait() raises it as the Python path's exception of the same kind (which needs the GIL, so the
-// message thread never makes one).
-class MessageWork : public FutureWork {
- public:
-  MessageWork(intrusive_ptr<c10::ivalue::Future> fut, c10d::OpType type, std::shared_ptr<Engine> engine)
-      : FutureWork(std::move(fut), type), engine_(std::move(engine)) {}
-  bool wait(std::chrono::milliseconds timeout) override {
-    try {
-      return FutureWork::wait(timeout);
-    } catch (const shm_native::NativeError& e) {
-      std::rethrow_exception(engine_->to_error(e));
-    }
-  }
-
- private:
-  std::shared_ptr<Engine> engine_;
-};
-
-// Whether torch's caller waits for the call at once (dist.all_reduce(..., async_op=False) sets
-// opts.asyncOp = false); torch before asyncOp existed: no.
-template <typename O, typename = void>
-struct HasAsyncOp : std::false_type {};
-template <typename O>
-struct HasAsyncOp<O, std::void_t<decltype(std::declval<O>().asyncOp)>> : std::true_type {};
-template <typename O>
-bool caller_waits(const O& o) {
-  if constexpr (HasAsyncOp<O>::value) {
-    return !o.asyncOp;
-  } else {
-    return false;
-  }
-}
 
 class ForwardBackend : public c10d::Backend {
  public:
@@ -429,143 +316,6 @@ class ForwardBackend : public c10d::Backend {
   std::shared_ptr<Engine> engine_;
 };
 
-// A Python object kept by C++ code that may drop it in a thread without the GIL.
-struct PyHolder {
-  explicit PyHolder(py::object o) : obj(std::move(o)) {}
-  ~PyHolder() {
-    if (Py_IsInitialized()) {
-      py::gil_scoped_acquire gil;
-      obj = py::object();
-    } else {
-      obj.release();
-    }
-  }
-  py::object obj;
-};
-
-// The engine of a group, from native_setup.setup()'s dict; make_error(kind,
-// text, what, bank) is the Python exception a failed native call raises.
-std::shared_ptr<Engine> make_engine(py::dict d, py::object make_error) {
-  shm_native::Setup s;
-  s.words.control = reinterpret_cast<volatile int32_t*>(d["control"].cast<uintptr_t>());
-  s.words.step0 = d["step0"].cast<int>();
-  s.words.pid0 = d["pid0"].cast<int>();
-  s.words.sleep0 = d["sleep0"].cast<int>();
-  s.words.call0 = d["call0"].cast<int>();
-  s.words.call_words = d["call_words"].cast<int>();
-  s.words.abort_word = d["abort"].cast<int>();
-  s.words.abort_seen_by = d["abort_seen_by"].cast<int>();
-  s.words.abort_why = d["abort_why"].cast<int>();
-  s.config.control_bytes = d["control_bytes"].cast<int64_t>();
-  s.config.slot_bytes = d["slot_bytes"].cast<int64_t>();
-  s.config.half_bytes = d["half_bytes"].cast<int64_t>();
-  s.config.regions = d["regions"].cast<int64_t>();
-  s.config.piece_bytes = d["piece_bytes"].cast<int64_t>();
-  s.config.small_bytes = d["small_bytes"].cast<int64_t>();
-  s.rank = d["rank"].cast<int>();
-  s.size = d["size"].cast<int>();
-  s.strategy = static_cast<shm_native::Strategy>(d["strategy"].cast<int>());
-  s.timeout_s = d["timeout_s"].cast<double>();
-  s.spin_s_idle = d["spin_s_idle"].cast<double>();
-  if (auto mail = d["mail"].cast<uintptr_t>()) {
-    s.mail.boxes = reinterpret_cast<uint8_t*>(mail);
-    s.mail.box_bytes = d["mailbox_bytes"].cast<int64_t>();
-    s.mail.sent = s.words.control + d["mail_sent0"].cast<int>();
-    s.mail.taken = s.words.control + d["mail_taken0"].cast<int>();
-  }
-  s.cores = d["cores"].cast<int>();
-  if (d.contains("loadavg")) s.loadavg = d["loadavg"].cast<std::string>();
-  s.inline_bytes = d["inline_bytes"].cast<int64_t>();
-  s.worker_nice = d["worker_nice"].cast<int>();
-  s.cma_min_bytes = d["cma_min_bytes"].cast<int64_t>();
-  s.round = d["round"].cast<int64_t>();
-  s.calls = d["calls"].cast<int64_t>();
-  s.step = d["step"].cast<int>();
-  for (auto& c : s.dtype_codes) c = -1;
-  auto scalar_type = [](py::handle dtype) {  // a torch.dtype's ScalarType number
-    if (!THPDtype_Check(dtype.ptr())) throw std::invalid_argument("make_engine: expected a torch.dtype");
-    return static_cast<int>(reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type);
-  };
-  for (auto pair : d["dtype_codes"].cast<py::list>()) {  // [(torch.dtype, ops.DTYPE_CODES code)]
-    auto t = pair.cast<py::tuple>();
-    const int st = scalar_type(t[0]);
-    if (st >= 0 && st < 64) s.dtype_codes[st] = t[1].cast<int>();
-  }
-  std::memset(s.reducible, 0, sizeof s.reducible);
-  for (auto pair : d["reducible"].cast<py::list>()) {  // [(ops.OPS index, torch.dtype)]
-    auto t = pair.cast<py::tuple>();
-    const int op = t[0].cast<int>(), st = scalar_type(t[1]);
-    if (op > 0 && op < 8 && st >= 0 && st < 64) s.reducible[op][st] = 1;
-  }
-  s.recorder_entries = d["recorder_entries"].cast<int64_t>();
-  auto kinds = d["kind_codes"].cast<py::list>();  // in native_engine.h's Kind order
-  for (size_t k = 0; k < kinds.size() && k < 16; ++k) s.kind_codes[k] = kinds[k].cast<int>();
-  auto engine = std::make_shared<Engine>(s);
-  auto maker = std::make_shared<PyHolder>(std::move(make_error));
-  engine->to_error = [maker](const shm_native::NativeError& e) -> std::exception_ptr {
-    py::gil_scoped_acquire gil;
-    py::object bank = py::none();
-    std::string what;
-    if (auto m = dynamic_cast<const shm_native::Mismatch*>(&e)) {
-      bank = py::cast(m->bank);
-      what = m->what;
-    }
-    py::object error = maker->obj(static_cast<int>(e.kind), std::string(e.what()), what, bank);
-    std::string text =
-        py::str(py::type::of(error).attr("__name__")).cast<std::string>() + ": " + py::str(error).cast<std::string>();
-    return std::make_exception_ptr(PythonError(error.ptr(), text));
-  };
-  return engine;
-}
-
-// collectives.shm.all_reduce (direct.py): the native all_reduce called from Python without torch's
-// dispatch, as DeepSpeed's inference_all_reduce is called. The same engine call a dist.all_reduce
-// on the group makes, waited for as its Work waits. False when the native path does not take the
-// call (the caller then goes through dist.all_reduce); op is a c10d RedOpType number.
-bool direct_all_reduce(const std::shared_ptr<Engine>& engine, const at::Tensor& tensor, int op) {
-  if (tensor.is_complex() || op < 0 || op >= static_cast<int>(c10d::ReduceOp::PREMUL_SUM)) {
-    return false;  // dist.all_reduce views a complex tensor as real pairs (or refuses the op)
-  }
-  std::vector<at::Tensor> ts{tensor};
-  const c10d::ReduceOp rop(static_cast<c10d::ReduceOp::RedOpType>(op));
-  shm_native::FuturePtr fut;
-  {
-    py::gil_scoped_release no_gil;
-    fut = engine->all_reduce(ts, rop, /*caller_waits=*/true);
-  }
-  if (!fut) {
-    return false;
-  }
-  FutureWork::wait_for(fut, engine.get());
-  return true;
-}
-
-// A call the Python path runs, in the engine's order: run(round, calls, step, spin_s) runs the
-// job with the engine's counters and returns the counters it left and what settles its Future
-// (call_queue.py: _submit), called once the counters are back.
-void submit_python(Engine& engine, py::object run, int64_t nbytes) {
-  auto holder = std::make_shared<PyHolder>(std::move(run));
-  Engine* e = &engine;
-  engine.submit(
-      [e, holder] {
-        py::gil_scoped_acquire gil;
-        auto& ops = e->ops();
-        auto& waiter = e->waiter();
-        try {
-          py::tuple left = holder->obj(ops.round, ops.calls, waiter.step, waiter.spin_s);
-          ops.round = left[0].cast<int64_t>();
-          ops.calls = left[1].cast<int64_t>();
-          waiter.step = left[2].cast<int>();
-          left[3]();  // settle the Future: its callbacks' collectives run on the counters just handed back
-        } catch (py::error_already_set& err) {  // _run catches the job's errors: this is a bug
-          err.restore();
-          PyErr_Print();
-          waiter.abort();
-        }
-      },
-      nbytes);
-}
-
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -589,6 +339,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("drain", &Engine::drain, py::call_guard<py::gil_scoped_release>())
       .def("drain_messages", &Engine::drain_messages, py::call_guard<py::gil_scoped_release>())
       .def("all_reduce", &direct_all_reduce, py::arg("tensor"), py::arg("op"))
+      .def("takes_all_reduce", &direct_takes, py::arg("tensor"), py::arg("op"))
       .def_readwrite("moves_nothing", &Engine::moves_nothing)
       .def("next_ids", [](Engine& e, bool p2p) {  // (record id, collective seq, p2p seq, op id)
         int64_t r, c, p, o;

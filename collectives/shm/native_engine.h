@@ -6,7 +6,8 @@
 // once before those queued behind it, and every other call is queued for the worker thread, so
 // DDP's reducer overlaps it with backward. A call's Work waits on a torch Future.
 //
-// The calls the native path takes (native_paths.h) run here with no GIL; every other call
+// The queue and its worker thread are native_queue.h's Core, and which calls the native path takes
+// is native_takes.h's answer; the calls it takes (native_collectives.h) run here with no GIL; every other call
 // (allreduce_coalesced, the coalesced list all_gather, a list form with several inputs,
 // monitored_barrier, non-contiguous tensors, the large all_reduces that go by cross-memory
 // attach, a refused call) is a task that runs the Python method's job with the GIL, in the same
@@ -31,33 +32,10 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#include "native_p2p.h"
-#include "native_paths.h"
-#include "native_recorder.h"
+#include "native_queue.h"
+#include "native_takes.h"
 
 namespace shm_native {
-
-using FuturePtr = c10::intrusive_ptr<c10::ivalue::Future>;
-
-struct Setup {  // what process_group.py hands the engine (native_setup.setup)
-  Words words;
-  Config config;
-  int rank = 0, size = 1;
-  Strategy strategy = FUTEX;
-  double timeout_s = 600, spin_s_idle = 0;
-  int cores = 0;               // the CPUs the ranks may run on together (layout.agree; 0: every core online)
-  std::string loadavg = "/proc/loadavg";  // where the wait reads the machine's runnable threads (native_wait.h)
-  int64_t inline_bytes = 64 << 10;
-  int worker_nice = 19;        // the worker thread's nice value (ShmConfig.worker_nice)
-  int64_t cma_min_bytes = -1;  // all_reduces this large go by cross-memory attach (Python); -1: never
-  int64_t round = 0, calls = 0;
-  int step = 0;
-  int dtype_codes[64];         // ScalarType -> ops.DTYPE_CODES (-1: not known)
-  uint8_t reducible[8][64];    // [op][ScalarType]: the native path sums it (check_op_dtype's rule, no widening)
-  int kind_codes[16];          // native kinds below -> ops.KINDS index + 1
-  int64_t recorder_entries = 0;  // the flight record's size (0: off)
-  Mailboxes mail;                // the pair mailboxes (none past 64 ranks: messages take the Python path)
-};
 
 // K_ALL_REDUCE_COALESCED names a flight-record entry only: on the wire it is one all_reduce
 // K_MONITORED_BARRIER names the call words only: its entry is a barrier's, as on the Python path
@@ -69,12 +47,11 @@ inline const char* kind_name(int k) {
   return names[k];
 }
 
-class Engine {
+class Engine : public Takes {
  public:
-  using Task = std::function<void()>;
 
   explicit Engine(const Setup& s)
-      : setup_(s),
+      : Takes(s),
         core_(std::make_shared<Core>(s)) {
     std::promise<void> started;
     auto ready = started.get_future();
@@ -128,48 +105,16 @@ class Engine {
   // caller_waits: the caller waits for the call at once (async_op=False, collectives.shm.all_reduce).
   // With nothing queued it then runs now in the caller, whatever its size: queued, it would wake the
   // worker thread only for the caller to run it (help) or sleep until the worker has.
-  static bool plain(const at::Tensor& t) {
-    return t.device().is_cpu() && t.layout() == at::kStrided && t.is_contiguous() && !t.is_conj() && !t.is_neg();
-  }
-  int dtype_code(const at::Tensor& t) const {
-    const int st = static_cast<int>(t.scalar_type());
-    return st >= 0 && st < 64 ? setup_.dtype_codes[st] : -1;
-  }
-  bool reducible(int op, const at::Tensor& t) const {
-    const int st = static_cast<int>(t.scalar_type());
-    return op > 0 && op < 8 && st >= 0 && st < 64 && setup_.reducible[op][st];
-  }
-  // whether the native path reduces `t` with `rop` itself: a contiguous CPU tensor, an op it sums in
-  // the dtype, and avg only on floating or complex dtypes (an integer average is the Python path's)
-  bool reduces(const c10d::ReduceOp& rop, const at::Tensor& t) const {
-    auto [op, avg] = op_of(rop);
-    return plain(t) && reducible(op, t) && dtype_code(t) >= 0 && (!avg || t.is_floating_point() || t.is_complex());
-  }
-  // ReduceOp -> (native op, avg); op 0 when the native path does not take it
-  static std::pair<int, bool> op_of(const c10d::ReduceOp& r) {
-    switch (r.op_) {
-      case c10d::ReduceOp::SUM: return {OP_SUM, false};
-      case c10d::ReduceOp::AVG: return {OP_SUM, true};
-      case c10d::ReduceOp::PRODUCT: return {OP_PRODUCT, false};
-      case c10d::ReduceOp::MIN: return {OP_MIN, false};
-      case c10d::ReduceOp::MAX: return {OP_MAX, false};
-      case c10d::ReduceOp::BAND: return {OP_BAND, false};
-      case c10d::ReduceOp::BOR: return {OP_BOR, false};
-      case c10d::ReduceOp::BXOR: return {OP_BXOR, false};
-      default: return {0, false};
-    }
-  }
-
   FuturePtr all_reduce(std::vector<at::Tensor>& ts, const c10d::ReduceOp& rop, bool caller_waits = false) {
     auto [op, avg] = op_of(rop);
-    if (ts.size() != 1 || !reduces(rop, ts[0])) return nullptr;
-    if (moves_nothing) {
+    if (ts.size() != 1) return nullptr;
+    if (moves_nothing && reduces(rop, ts[0])) {
       auto fut = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors());
       fut->markCompleted(c10::IValue(ts));
       return fut;
     }
+    if (!takes_all_reduce(ts[0], rop)) return nullptr;
     const int64_t nbytes = ts[0].nbytes();
-    if (setup_.cma_min_bytes >= 0 && nbytes >= setup_.cma_min_bytes) return nullptr;
     at::Tensor t = ts[0];
     return run(K_ALL_REDUCE, ts, ts, nbytes, caller_waits, [this, t, op = op, avg = avg](Collectives& c) {
       c.begin(setup_.kind_codes[K_ALL_REDUCE], "all_reduce", dtype_code(t), t.numel(), op);
@@ -233,11 +178,6 @@ class Engine {
     });
   }
 
-  bool takes_all_gather(const at::Tensor& out, const at::Tensor& in) const {
-    return plain(out) && plain(in) && out.scalar_type() == in.scalar_type() && dtype_code(in) >= 0 &&
-           out.numel() == setup_.size * in.numel();
-  }
-
   FuturePtr all_gather(at::Tensor& out, at::Tensor& in, bool caller_waits = false) {
     if (!takes_all_gather(out, in)) return nullptr;
     std::vector<at::Tensor> outs{out}, ins{in};
@@ -246,19 +186,6 @@ class Engine {
       c.all_gather(static_cast<char*>(out.data_ptr()), static_cast<const char*>(in.data_ptr()), in.numel(),
                    in.element_size());
     });
-  }
-
-  // Out of place, or in place: the output this rank's own chunk of the input (nccl-tests' in-place
-  // column; Megatron's distributed optimizer). In place is safe because each round copies every
-  // chunk's piece of the input into the slot before the meeting, and writes the output's piece
-  // after it: a later round reads only pieces no earlier round wrote. Any other overlap: Python.
-  bool takes_reduce_scatter(const at::Tensor& out, const at::Tensor& in, const c10d::ReduceOp& rop) const {
-    return plain(out) && reduces(rop, in) && out.scalar_type() == in.scalar_type() &&
-           in.numel() == setup_.size * out.numel() && (!overlaps(out, in) || own_chunk(out, in));
-  }
-  bool own_chunk(const at::Tensor& out, const at::Tensor& in) const {
-    return static_cast<const char*>(out.data_ptr()) ==
-           static_cast<const char*>(in.data_ptr()) + static_cast<int64_t>(setup_.rank) * out.nbytes();
   }
 
   FuturePtr reduce_scatter(at::Tensor& out, at::Tensor& in, const c10d::ReduceOp& rop, bool caller_waits = false) {
@@ -275,12 +202,6 @@ class Engine {
 
   // The list forms (dist.all_gather, dist.reduce_scatter), as the Python path runs them: the
   // tensor form on one joined buffer, copied out of it (or into it) in rank order.
-  bool takes_all_gather_list(const std::vector<at::Tensor>& outs, const at::Tensor& in) const {
-    if (!plain(in) || dtype_code(in) < 0 || static_cast<int>(outs.size()) != setup_.size) return false;
-    for (const auto& o : outs)
-      if (!plain(o) || o.scalar_type() != in.scalar_type() || o.numel() != in.numel()) return false;
-    return true;
-  }
   FuturePtr all_gather_list(std::vector<at::Tensor>& outs, at::Tensor& in, bool caller_waits = false) {
     if (!takes_all_gather_list(outs, in)) return nullptr;
     std::vector<at::Tensor> ins{in};
@@ -320,25 +241,6 @@ class Engine {
                        out.scalar_type(), out.element_size(), op);
       if (avg) out.div_(setup_.size);
     });
-  }
-
-  // gather, scatter, all_to_all (routing.py): on contiguous tensors of one dtype, the arguments
-  // as the Python path takes them (anything else goes there, which names what is wrong)
-  bool alike(const std::vector<at::Tensor>& ts, const at::Tensor& like, bool same_numel = true) const {
-    for (const auto& t : ts)
-      if (!plain(t) || t.scalar_type() != like.scalar_type() || (same_numel && t.numel() != like.numel())) return false;
-    return true;
-  }
-
-  // gather's and scatter's arguments as the Python path takes them (_wrong_rooted): one tensor on
-  // every rank, and at the root a list of one like it per rank (*list), elsewhere no list
-  bool rooted(const std::vector<at::Tensor>& one, const std::vector<std::vector<at::Tensor>>& listed, int root,
-              std::vector<at::Tensor>* list) const {
-    if (one.size() != 1 || !plain(one[0]) || dtype_code(one[0]) < 0 || root < 0 || root >= setup_.size ||
-        listed.size() > 1)
-      return false;
-    *list = listed.empty() ? std::vector<at::Tensor>{} : listed[0];
-    return setup_.rank == root ? static_cast<int>(list->size()) == setup_.size && alike(*list, one[0]) : list->empty();
   }
 
   FuturePtr gather(std::vector<std::vector<at::Tensor>>& out, std::vector<at::Tensor>& in, int root, bool caller_waits = false) {
@@ -446,12 +348,6 @@ class Engine {
     for (size_t q = 0; q < outs.size(); ++q) outs[q].view(-1).copy_(joined.narrow(0, static_cast<int64_t>(q) * n, n));
   }
 
-  static bool overlaps(const at::Tensor& a, const at::Tensor& b) {
-    const char* a0 = static_cast<const char*>(a.data_ptr());
-    const char* b0 = static_cast<const char*>(b.data_ptr());
-    return a.nbytes() && b.nbytes() && a0 < b0 + b.nbytes() && b0 < a0 + a.nbytes();
-  }
-
   template <typename Body>
   FuturePtr run(int kind, const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& outputs,
                 int64_t nbytes, bool caller_waits, Body body) {
@@ -483,158 +379,6 @@ class Engine {
     return fut;
   }
 
-  struct Core {
-    explicit Core(const Setup& s)
-        : rank(s.rank), worker_nice(s.worker_nice), inline_bytes(s.inline_bytes),
-          waiter(s.words, s.rank, s.size, s.strategy, s.timeout_s, s.spin_s_idle, s.cores, s.loadavg),
-          ops(s.words, s.rank, s.size, s.config, &waiter), recorder(s.recorder_entries) {
-      waiter.step = s.step;
-      waiter.callers_waiting = &callers_waiting;
-      ops.round = s.round;
-      ops.calls = s.calls;
-      messages = std::make_unique<Messages>(&waiter, s.mail, s.rank, s.size, s.timeout_s, &recorder);
-    }
-    int rank;
-    int worker_nice;
-    int64_t inline_bytes;
-    std::atomic<int> callers_waiting{0};
-    Waiter waiter;
-    Collectives ops;
-    Recorder recorder;
-    std::mutex m;
-    std::condition_variable cv, idle_cv;
-    struct Queued {
-      Task task;
-      const void* tag = nullptr;  // the call's Future (help); null for a Python job
-      int threads = 0;            // the issuing thread's intra-op threads (at::get_num_threads)
-    };
-    int threads = 0;  // the worker's intra-op threads, as last set
-
-    // A queued call runs as the thread that issued it would: with its intra-op thread count. A
-    // thread made here starts with OpenMP's default (every core), not the rank's
-    // torch.set_num_threads; a Future's callback run here (torch's PowerSGD hook multiplies its
-    // matrices there) then split its products over 2 threads where the rank asked for 1, and
-    // left other bits than the same product in the rank's own thread.
-    void as_issuer(const Queued& q) {
-      if (q.threads > 0 && q.threads != threads) {
-        at::set_num_threads(q.threads);
-        threads = q.threads;
-      }
-    }
-    std::deque<Queued> queue;
-    int pending = 0;       // queued or running
-    bool running = false;  // a queued call is running (in the worker or a helping caller)
-    std::atomic<std::thread::id> runner{};  // the thread running it: its own calls run at once (nested)
-    bool stop = false;
-    std::thread worker;
-    std::unique_ptr<Messages> messages;  // last: its thread stops before the rest goes
-
-    bool idle() {
-      std::lock_guard<std::mutex> lock(m);
-      return pending == 0;
-    }
-
-    bool submit(Task task, int64_t nbytes, const void* tag = nullptr, bool caller_waits = false) {
-      const bool nested = std::this_thread::get_id() == runner.load(std::memory_order_relaxed);
-      {
-        std::unique_lock<std::mutex> lock(m);
-        // A call its caller waits for at once, behind only a call that another thread is running
-        // (often one that has just completed its Future, its thread not yet back here): wait
-        // for that one, then run this one here instead of queueing it for the worker.
-        if (caller_waits && !nested && running && queue.empty())
-          idle_cv.wait(lock, [this] { return !running || !queue.empty(); });
-        if (!(nested || (pending == 0 && (caller_waits || nbytes <= inline_bytes)))) {
-          ++pending;
-          queue.push_back({std::move(task), tag, at::get_num_threads()});
-          cv.notify_one();
-          return false;
-        }
-      }
-      waiter.spin_s = waiter.spin_s_idle;  // the caller waits anyway: spin a little first
-      task();
-      return true;
-    }
-
-    // Whether the call tagged `tag` is still waiting in the queue. Called with m held.
-    bool queued(const void* tag) const {
-      for (const auto& q : queue)
-        if (q.tag == tag) return true;
-      return false;
-    }
-
-    // The task at the head of the queue, when none is running: marked running in this thread.
-    // Called with m held.
-    bool take(Queued& out) {
-      if (running || queue.empty()) return false;
-      out = std::move(queue.front());
-      queue.pop_front();
-      running = true;
-      runner.store(std::this_thread::get_id(), std::memory_order_relaxed);
-      return true;
-    }
-
-    void finished() {
-      bool more;
-      {
-        std::lock_guard<std::mutex> lock(m);
-        running = false;
-        runner.store(std::thread::id(), std::memory_order_relaxed);
-        --pending;
-        more = !queue.empty();
-      }
-      if (more) cv.notify_one();  // the worker may take the next; woken for nothing, it would take a core
-      idle_cv.notify_all();
-    }
-
-    void serve(std::promise<void>& started) {
-      // Below the threads that compute: a queued call (DDP's bucket during the backward) takes a
-      // core that is free, not one a rank computes on. A caller that waits for it runs it itself
-      // (help), at its own priority. Linux sets a thread's nice value by its thread id.
-      if (worker_nice) setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), worker_nice);
-      started.set_value();
-      while (true) {
-        Queued q;
-        {
-          std::unique_lock<std::mutex> lock(m);
-          cv.wait(lock, [this] { return stop || (!queue.empty() && !running); });
-          if (!take(q)) return;  // stopped
-        }
-        waiter.spin_s = 0;  // the calling thread is computing (DDP's backward): do not take its core
-        as_issuer(q);
-        q.task();
-        finished();
-      }
-    }
-
-    // A caller about to block on the call tagged `tag`: it runs the queued calls up to and
-    // including that one itself, so a blocking call skips the two thread hand-offs (wake the
-    // worker, wake the caller). While another thread runs a call, it waits for that call to
-    // finish, then goes on; it returns once `tag`'s call is no longer queued (it has run, or
-    // another thread took it: then the caller waits on its Future). The thread running a call
-    // (a Future's callback waiting) does not wait for itself.
-    void help(const void* tag) {
-      while (true) {
-        Queued q;
-        {
-          std::unique_lock<std::mutex> lock(m);
-          if (runner.load(std::memory_order_relaxed) != std::this_thread::get_id())
-            idle_cv.wait(lock, [&] { return !running || !queued(tag); });
-          if (!queued(tag) || !take(q)) return;
-        }
-        waiter.spin_s = waiter.spin_s_idle;  // the caller waits anyway
-        q.task();
-        finished();
-        if (q.tag == tag) return;
-      }
-    }
-
-    void drain() {
-      std::unique_lock<std::mutex> lock(m);
-      idle_cv.wait(lock, [this] { return pending == 0; });
-    }
-  };
-
-  Setup setup_;
   std::shared_ptr<Core> core_;
 };
 

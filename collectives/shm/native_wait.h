@@ -19,178 +19,29 @@
 // on a Work of the group (callers_waiting).
 //
 // Faults, as in wait.py: every 50 ms of waiting a rank checks the abort word, that every peer's
-// process runs (/proc/<pid>/stat, as launcher/pids.py reads it) and its timeout; it then raises
+// process runs (/proc/<pid>/stat, as machine.py reads it: native_machine.h) and its timeout; it then raises
 // the same errors with the same words.
+
 
 #pragma once
 
-#include <fcntl.h>
-#include <linux/futex.h>
 #include <sched.h>
-#include <sys/syscall.h>
-#include <time.h>
 #include <unistd.h>
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define SHM_PAUSE() _mm_pause()
-#elif defined(__aarch64__)
-#define SHM_PAUSE() __asm__ __volatile__("yield")
-#else
-#define SHM_PAUSE() ((void)0)
-#endif
 
-#include <chrono>
-#include <cstdint>
 #include <atomic>
+#include <cstdint>
 #include <cstdio>
-#include <cstring>
-#include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "native_errors.h"
+#include "native_futex.h"
+#include "native_machine.h"
+
 namespace shm_native {
-
-// Which Python exception a native error becomes (the classes the Python path raises).
-enum class ErrorKind { Peer, Mismatch, Argument, Disagree };  // Disagree: a mismatch described in its text
-
-struct NativeError : std::runtime_error {
-  NativeError(ErrorKind k, const std::string& text) : std::runtime_error(text), kind(k) {}
-  ErrorKind kind;
-};
 
 enum Strategy { FUTEX = 0, SPIN = 1, YIELD = 2, SLEEP = 3 };
 constexpr int DIED = 0, FAILED = 1, LATE = 2;  // the ABORT_WHY word's values (wait.py)
-
-inline double now_s() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
-// The step counters are int32 words that wrap from INT32_MAX to INT32_MIN (a long job passes 2^31
-// barriers: hours of small calls back to back). The ranks are never 2^31 steps apart, so a rank is
-// behind a step when the 32-bit difference is negative (wait.py's after and behind).
-inline int32_t after(int32_t step) { return static_cast<int32_t>(static_cast<uint32_t>(step) + 1u); }
-inline bool behind(int32_t word, int32_t step) {
-  return static_cast<int32_t>(static_cast<uint32_t>(word) - static_cast<uint32_t>(step)) < 0;
-}
-
-inline int32_t load(volatile int32_t* w) { return __atomic_load_n(w, __ATOMIC_ACQUIRE); }
-inline void store(volatile int32_t* w, int32_t v) { __atomic_store_n(w, v, __ATOMIC_RELEASE); }
-
-// true when another thread's FUTEX_WAKE ended the sleep (not the timeout, a changed word or a signal)
-inline bool futex_wait(volatile int32_t* w, int32_t expected, double timeout_s) {
-  struct timespec ts;
-  ts.tv_sec = static_cast<time_t>(timeout_s);
-  ts.tv_nsec = static_cast<long>((timeout_s - ts.tv_sec) * 1e9);
-  return syscall(SYS_futex, const_cast<int32_t*>(w), FUTEX_WAIT, expected, &ts, nullptr, 0) == 0;
-}
-
-inline void futex_wake(volatile int32_t* w) {
-  syscall(SYS_futex, const_cast<int32_t*>(w), FUTEX_WAKE, 1 << 30, nullptr, nullptr, 0);
-}
-
-// Whether a process runs: it exists and is neither a zombie nor dead (launcher/pids.py's rule; a
-// stat that cannot be read for another reason counts as running).
-inline bool process_alive(int pid) {
-  char path[64];
-  std::snprintf(path, sizeof path, "/proc/%d/stat", pid);
-  int fd = ::open(path, O_RDONLY | O_CLOEXEC);
-  if (fd < 0) {
-    return !(errno == ENOENT || errno == ESRCH);
-  }
-  char buf[1024];
-  ssize_t n = ::read(fd, buf, sizeof buf - 1);
-  ::close(fd);
-  if (n <= 0) {
-    return true;
-  }
-  buf[n] = 0;
-  const char* close_paren = nullptr;
-  for (const char* p = buf; *p; ++p) {
-    if (*p == ')') close_paren = p;
-  }
-  if (!close_paren) {
-    return true;
-  }
-  const char* s = close_paren + 1;
-  while (*s == ' ') ++s;
-  return !(*s == 'Z' || *s == 'X');
-}
-
-// Threads running or waiting for a core, against the cores the group's ranks may run on (the
-// union of their affinities, fewer than the cores online where the ranks are pinned): whether a
-// spinning waiter would take a core some runnable thread needs. Read from /proc/loadavg
-// ("0.52 0.58 0.59 3/612 ...").
-// The count is the machine's: on a machine whose other cores run other work, it also counts their
-// threads, and the ranks stop spinning sooner than they need to (they yield, then sleep).
-class MachineLoad {
- public:
-  // cores: the CPUs the group's ranks may run on together (0: every core online); path: where the
-  // machine's load is read (/proc/loadavg; a test hands a file of its own, to hold the reading still)
-  explicit MachineLoad(int cores, const std::string& path = "/proc/loadavg") {
-    const int online = static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN));
-    cores_ = cores > 0 && cores < online ? cores : online;
-    fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  }
-  ~MachineLoad() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  // -1 when it cannot be read (the caller then keeps the rank-count rule)
-  int runnable() const {
-    if (fd_ < 0) return -1;
-    char buf[128];
-    ssize_t n = ::pread(fd_, buf, sizeof buf - 1, 0);
-    if (n <= 0) return -1;
-    buf[n] = 0;
-    int fields = 0;
-    for (char* p = buf; *p; ++p) {
-      if (*p == ' ' && ++fields == 3) {
-        return std::atoi(p + 1);
-      }
-    }
-    return -1;
-  }
-  int cores() const { return cores_; }
-  // some runnable thread has no core now
-  bool oversubscribed() const {
-    int r = runnable();
-    return r >= 0 && r > cores_;
-  }
-
- private:
-  int fd_ = -1;
-  int cores_;
-};
-
-// The time a peer's main thread has spent runnable but off a core, in ns (/proc/<pid>/schedstat's
-// second field), or -1 when it cannot be read.
-class PeerDelay {
- public:
-  ~PeerDelay() {
-    for (auto& [pid, fd] : fds_) ::close(fd);
-  }
-  int64_t run_delay(int pid) {
-    int fd = -1;
-    for (auto& [p, f] : fds_) {
-      if (p == pid) fd = f;
-    }
-    if (fd < 0) {
-      char path[64];
-      std::snprintf(path, sizeof path, "/proc/%d/schedstat", pid);
-      fd = ::open(path, O_RDONLY | O_CLOEXEC);
-      if (fd < 0) return -1;
-      fds_.emplace_back(pid, fd);
-    }
-    char buf[96];
-    ssize_t n = ::pread(fd, buf, sizeof buf - 1, 0);
-    if (n <= 0) return -1;
-    buf[n] = 0;
-    char* space = std::strchr(buf, ' ');
-    return space ? std::atoll(space + 1) : -1;
-  }
-
- private:
-  std::vector<std::pair<int, int>> fds_;
-};
 
 struct Words {  // the segment's control words this rank reads and writes (segment.py's layout)
   volatile int32_t* control = nullptr;

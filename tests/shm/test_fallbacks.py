@@ -183,6 +183,48 @@ def test_calls_that_leave_the_native_path_are_counted_and_named_in_the_record(di
             (rank, shm_entries)
 
 
+def _predicate_against_the_engine(env):
+    """For tensors of every dtype the engine knows, each op, contiguous or not, small or past the
+    cross-memory-attach size: what takes_all_reduce says, and whether a dist.all_reduce of the
+    same tensor then left the native path."""
+    from collectives.shm import takes_all_reduce
+
+    group = new_group_with({"COLLECTIVES_SHM_PATH": "native", "COLLECTIVES_SHM_CMA": "1",
+                            "COLLECTIVES_SHM_CMA_MIN_KB": "4"})
+    impl = backend_of(group)
+    rows = []
+    dtypes = sorted({d for _, d in _claimed()} | {torch.uint32, torch.complex64}, key=str)
+    for dtype in dtypes:
+        for name, op in TORCH_OPS.items():
+            for contiguous in (True, False):
+                for numel in (8, 2048):  # 2048 elements of 4 bytes or more: past the 4 KiB cma size
+                    whole = _values(env.rank, 2 * numel, dtype, name).view(numel, 2)
+                    t = whole[:, 0].contiguous() if contiguous else whole[:, 0]
+                    says = takes_all_reduce(t, op, group)
+                    before = sum(impl.fallbacks().values())
+                    try:
+                        dist.all_reduce(t, op=op, group=group)
+                    except (RuntimeError, ValueError, TypeError):
+                        continue  # an op torch itself refuses for the dtype: no native call to compare
+                    left = sum(impl.fallbacks().values()) - before
+                    rows.append((str(dtype), name, contiguous, numel, says, left))
+    return rows
+
+
+def test_the_engines_predicate_is_what_the_engine_does(dist_run):
+    """One answer to "does the native path take this call?": takes_all_reduce (the engine's own
+    predicate, asked from Python) is True exactly where a dist.all_reduce of the same tensor stays
+    on the native path, over dtypes, ops, contiguity and size. A complex tensor is the exception
+    by design: dist.all_reduce hands the backend its real view, the direct call does not."""
+    for rank, rows in enumerate(dist_run(_predicate_against_the_engine, 2, timeout=300)):
+        assert len(rows) > 100 and any(r[4] for r in rows) and not all(r[4] for r in rows), (rank, len(rows))
+        for dtype, op, contiguous, numel, says, left in rows:
+            if "complex" in dtype:
+                assert not says, (rank, dtype, op)
+                continue
+            assert says == (left == 0), (rank, dtype, op, contiguous, numel, says, left)
+
+
 def test_a_group_on_the_python_path_counts_no_fallbacks(dist_run):
     """Where every call runs in Python by choice, nothing 'fell' off the native path."""
     for counts in dist_run(_python_group_counts, 2, timeout=120):
