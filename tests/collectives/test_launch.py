@@ -10,7 +10,9 @@ grid is small.
 import atexit
 import ctypes
 import os
+import pathlib
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -558,14 +560,20 @@ def test_a_training_programs_ranks_start_with_what_an_optimizer_imports_and_noth
     torch DDP of a rank imports, about a second of CPU each), with the compile cache pointed outside
     the temporary directory first, since importing it makes that folder; once the server has
     started, a preload is refused."""
-    script, tmp = tmp_path / "preloaded.py", tmp_path / "tmp"
+    script = tmp_path / "preloaded.py"
     script.write_text(PRELOADED)
-    tmp.mkdir()
-    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
-                         env={**env, "TMPDIR": str(tmp)})
-    assert out.returncode == 0 and out.stdout.split() == ["True", "[True,", "True]", "False"], out.stdout + out.stderr
-    assert not [p.name for p in tmp.iterdir() if p.name.startswith("torchinductor")]
+    # a short TMPDIR: under pytest's own (pytest-of-root/pytest-NNN/popen-gwN/<test name>/) the fork
+    # server's socket path passes 107 bytes once NNN has three digits, and the ranks are spawned
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="pre"))
+    try:
+        env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TMPDIR")}
+        out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                             env={**env, "TMPDIR": str(tmp)})
+        assert out.returncode == 0 and out.stdout.split() == ["True", "[True,", "True]", "False"], \
+            out.stdout + out.stderr
+        assert not [p.name for p in tmp.iterdir() if p.name.startswith("torchinductor")]
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _load_with_workers(env):
