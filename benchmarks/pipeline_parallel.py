@@ -41,9 +41,7 @@ import collectives
 from collectives import cli, machine
 from collectives.launcher.env import read_env
 from collectives.launcher.start_methods import TRAINING, preload
-from ddp_from_scratch.pipeline_parallel.schedule import SCHEDULES, bubble, make, rounds_of
-
-ROUNDED = ("interleaved", "zero-bubble")  # the schedules whose rounds of about p must divide m
+from ddp_from_scratch.pipeline_parallel.schedule import CHUNKED, SCHEDULES, bubble, make, rounds_of
 from ddp_from_scratch.pipeline_parallel.split import split
 from ddp_from_scratch.pipeline_parallel.stage import Stage
 
@@ -169,7 +167,7 @@ def main(argv=None) -> int:
         parser.error(f"--stages {args.stages} x --chunks {args.chunks}: the model has {2 * args.depth + 1} layers "
                      f"(--depth {args.depth}), at least one a stage")
     for m in args.microbatches:
-        for name in ROUNDED:
+        for name in CHUNKED:  # the schedules whose rounds of about p must divide m
             if name in args.schedules and m >= 1 and m % rounds_of(args.stages, m):
                 parser.error(f"-m {m}: {name} runs the microbatches in rounds of about one a stage, and "
                              f"{rounds_of(args.stages, m)} rounds do not divide {m}")

@@ -27,6 +27,7 @@ pipeline, send fewer bytes than DP (ddp_from_scratch/tensor_parallel/cost.py).
 from __future__ import annotations
 
 import contextlib
+import math
 import random
 import statistics
 import time
@@ -124,19 +125,12 @@ def _pipeline(config, n, b, seq, vocab, backend) -> dict:
     stage.agree_shapes(tokens[:rows // m] if mesh.stage == 0 else None)
     sent = 0  # a microbatch's activation forward, and its input's gradient back
     if mesh.stage < p - 1:
-        sent += m * _numel(stage.output_meta[mesh.stage][1])
+        sent += m * math.prod(stage.output_meta[mesh.stage][1])
     if mesh.stage > 0:
-        sent += m * _numel(stage.input_meta[mesh.stage][1])
+        sent += m * math.prod(stage.input_meta[mesh.stage][1])
     return {"mesh": mesh, "stage": stage, "ddp": ddp, "rows": rows, "schedule": one_f_one_b(p, m),
             "held": sum(q.numel() for q in module.parameters()) if ddp else 0, "sent": sent,
             "m": m, "seq": seq, "vocab": vocab}
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _pipeline_step(pipe, rnd: int, opt) -> float:

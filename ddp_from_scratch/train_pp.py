@@ -31,21 +31,16 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from collectives.cli import eta
-
 from .pipeline_parallel.mesh3d import Mesh3D
-from .pipeline_parallel.schedule import CHUNKED, bubble, make
+from .pipeline_parallel.schedule import bubble, make
 from .pipeline_parallel.split import split
 from .pipeline_parallel.stage import Stage
 from .steps.ddp import DistributedDataParallel
 from .tensor_parallel.model import TensorParallelTransformer
 from .tensor_parallel.vocab import vocab_parallel_cross_entropy
 from .train_args import DEFAULT_SEQUENCES, HEADS, HIDDEN, LAYERS, SEQ, VOCAB
+from .train_tp import progress
 from .workload.transformer import TinyTransformer, token_batch
-
-
-def chunks_of(config) -> int:
-    return config.chunks if config.schedule in CHUNKED else 1
 
 
 def train_pp(env, config) -> dict:
@@ -55,7 +50,7 @@ def train_pp(env, config) -> dict:
     mesh = Mesh3D(pp=config.pp, tp=tp)
     full = TinyTransformer(VOCAB, HIDDEN, HEADS, LAYERS)  # the same seed on every rank: the same weights
     model = TensorParallelTransformer(full, mesh.tp) if tp > 1 else full
-    p, v, s = config.pp, chunks_of(config), mesh.stage
+    p, v, s = config.pp, config.chunks, mesh.stage  # chunks: 1 but for CHUNKED schedules (TrainConfig)
     cut = split(model.as_sequence(), p * v)
     mine = [cut[c * p + s] for c in range(v)]  # stages s, p + s, ... of the p x v
     if mesh.dp_size > 1:
@@ -90,11 +85,7 @@ def train_pp(env, config) -> dict:
             idle.append(result.idle_share)
             losses.append(_global_mean(result, mesh, config.microbatches))
             if env.rank == 0:
-                done = epoch * steps + step + 1
-                print(f"\repoch {epoch + 1}/{config.epochs} step {step + 1}/{steps} loss {losses[-1]:.4f} "
-                      f"{done * per_step * SEQ / (time.perf_counter() - start):.0f} tokens/s, "
-                      f"{eta(done, steps * config.epochs, time.perf_counter() - start)} [synthetic tokens]",
-                      end="", flush=True, file=sys.stderr)
+                progress(config, epoch, step, steps, losses[-1], per_step, start)
     seconds = time.perf_counter() - start
     if env.rank == 0:
         print(file=sys.stderr)

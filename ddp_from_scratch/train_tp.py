@@ -36,6 +36,15 @@ from .train_args import DEFAULT_SEQUENCES, HEADS, HIDDEN, LAYERS, SEQ, VOCAB  # 
 from .workload.transformer import TinyTransformer, token_batch
 
 
+def progress(config, epoch: int, step: int, steps: int, loss: float, per_step: int, start: float) -> None:
+    """Rank 0's progress line of a transformer run (--tp, --pp) on stderr: step, loss, tokens/s, time left."""
+    done = epoch * steps + step + 1
+    elapsed = time.perf_counter() - start
+    print(f"\repoch {epoch + 1}/{config.epochs} step {step + 1}/{steps} loss {loss:.4f} "
+          f"{done * per_step * SEQ / elapsed:.0f} tokens/s, {eta(done, steps * config.epochs, elapsed)} "
+          "[synthetic tokens]", end="", flush=True, file=sys.stderr)
+
+
 def train_tp(env, config) -> dict:
     """One rank of a --tp run; the summary on every rank."""
     torch.manual_seed(config.seed)
@@ -71,11 +80,7 @@ def train_tp(env, config) -> dict:
                 mean /= mesh.dp_size
             losses.append(mean.item())
             if env.rank == 0:
-                done = epoch * steps + step + 1
-                print(f"\repoch {epoch + 1}/{config.epochs} step {step + 1}/{steps} loss {losses[-1]:.4f} "
-                      f"{done * per_step * SEQ / (time.perf_counter() - start):.0f} tokens/s, "
-                      f"{eta(done, steps * config.epochs, time.perf_counter() - start)} [synthetic tokens]",
-                      end="", flush=True, file=sys.stderr)
+                progress(config, epoch, step, steps, losses[-1], per_step, start)
     seconds = time.perf_counter() - start
     if env.rank == 0:
         print(file=sys.stderr)

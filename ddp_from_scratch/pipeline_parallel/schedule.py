@@ -92,17 +92,23 @@ def rounds_of(stages: int, microbatches: int) -> int:
     return max(1, microbatches // stages)
 
 
+def _rounds(schedule: str, stages: int, microbatches: int):
+    """(rounds, microbatches a round) of a schedule that runs them in rounds; ValueError unless the
+    rounds divide them."""
+    rounds = rounds_of(stages, microbatches)
+    if microbatches % rounds:
+        raise ValueError(f"{schedule} runs the microbatches in rounds of about one a stage: {microbatches} "
+                         f"microbatches on {stages} stages make {rounds} rounds, which must divide them (take a "
+                         f"multiple of {rounds}, or of {stages})")
+    return rounds, microbatches // rounds
+
+
 def interleaved(stages: int, microbatches: int, chunks: int = 2) -> List[List[Action]]:
     """Interleaved 1F1B with `chunks` (v) model chunks a rank (see the module docstring)."""
     _check(stages, microbatches)
     if chunks < 1:
         raise ValueError(f"interleaving needs at least 1 chunk a rank, got {chunks}")
-    rounds = rounds_of(stages, microbatches)
-    if microbatches % rounds:
-        raise ValueError(f"interleaved 1F1B runs the microbatches in rounds of about one a stage: {microbatches} "
-                         f"microbatches on {stages} stages make {rounds} rounds, which must divide them (take a "
-                         f"multiple of {rounds}, or of {stages})")
-    g = microbatches // rounds
+    rounds, g = _rounds("interleaved 1F1B", stages, microbatches)
     forwards = [Action(FORWARD, k * g + i, c) for k in range(rounds) for c in range(chunks) for i in range(g)]
     backwards = [Action(BACKWARD, k * g + i, c) for k in range(rounds) for c in reversed(range(chunks))
                  for i in range(g)]
@@ -116,12 +122,7 @@ def interleaved(stages: int, microbatches: int, chunks: int = 2) -> List[List[Ac
 def zero_bubble(stages: int, microbatches: int, chunks: int = 1) -> List[List[Action]]:
     """Zero bubble with `chunks` (v) model chunks a rank, 1 or more (see the module docstring)."""
     _check(stages, microbatches)
-    rounds = rounds_of(stages, microbatches)
-    if microbatches % rounds:
-        raise ValueError(f"zero bubble runs the microbatches in rounds of about one a stage: {microbatches} "
-                         f"microbatches on {stages} stages make {rounds} rounds, which must divide them (take a "
-                         f"multiple of {rounds}, or of {stages})")
-    g = microbatches // rounds
+    rounds, g = _rounds("zero bubble", stages, microbatches)
     forwards = [Action(FORWARD, k * g + i, c) for k in range(rounds) for c in range(chunks) for i in range(g)]
     inputs = [Action(INPUT, k * g + i, c) for k in range(rounds) for c in reversed(range(chunks)) for i in range(g)]
     total = microbatches * chunks
