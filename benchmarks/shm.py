@@ -12,7 +12,7 @@ rank's, medians over iterations. Four parts:
 1. all_reduce busbw on each, 8 B to 256 MiB, the ratio, and the machine's memory limits measured
    in the same run: one rank's copy, and the roofline (all ranks copying at once: the bytes
    they move together per second); from the bytes shm's all_reduce reads and writes
-   (collectives.shm.ops.all_reduce_traffic) the memory GB/s it reached and the speed-up over Gloo
+   (collectives.shm.python_path.all_reduce_traffic) the memory GB/s it reached and the speed-up over Gloo
    it would have at the roofline, the most this machine allows;
 2. 8-byte all_reduce latency (dist.all_reduce, as a user calls it);
 3. the shm waiting strategies (wait.py): latency and CPU seconds per 8-byte all_reduce;
@@ -41,7 +41,7 @@ from collectives.launcher.start_methods import TRAINING, preload
 from collectives.cli import command
 from collectives.shm import backend_of, new_group_with
 from collectives.shm.config import parse_settings
-from collectives.shm.ops import SMALL_BYTES, all_reduce_traffic
+from collectives.shm.python_path import SMALL_BYTES, all_reduce_traffic
 from ddp_from_scratch.workload.resnet import resnet50
 
 from .sweep import alternate_calls, alternate_steps, check_sweep, parse_size, shm_setting, size_list, summarise
@@ -161,7 +161,7 @@ def report(result) -> str:
                               + ["result"], disable_numparse=True))
         if roof:
             lines.append("shm memory GB/s: the bytes all ranks read and write in one shm all_reduce (the model in "
-                         "collectives.shm.ops.all_reduce_traffic, by the path it took: copies through the segment in pieces, "
+                         "collectives.shm.python_path.all_reduce_traffic, by the path it took: copies through the segment in pieces, "
                          "or cma, cross-memory attach) over its time. At the roofline: Gloo's time over the least time those "
                          "bytes take at the roofline, the most shm could be faster here")
         lat = result["latency"]

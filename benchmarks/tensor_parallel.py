@@ -21,7 +21,7 @@ gradient buckets (the parameters the rank holds), both as the payload each all_r
 PP's: the elements of every activation and gradient a rank sends its neighbour stages, and the
 bubble's closed form (the share of its compute a pipeline idles). Beside them, the same messages'
 time under the project's alpha-beta-gamma model, and the tokens per step below which TP, and a
-pipeline, send fewer bytes than DP (ddp_from_scratch/tensor_parallel/cost.py).
+pipeline, send fewer bytes than DP (ddp_from_scratch/tensor_parallel/messages.py).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from ddp_from_scratch.pipeline_parallel.schedule import one_f_one_b
 from ddp_from_scratch.pipeline_parallel.split import split
 from ddp_from_scratch.pipeline_parallel.stage import Stage
 from ddp_from_scratch.steps.ddp import DistributedDataParallel
-from ddp_from_scratch.tensor_parallel.cost import (Shape, break_even_tokens, pipeline_break_even_tokens,
+from ddp_from_scratch.tensor_parallel.messages import (Shape, break_even_tokens, pipeline_break_even_tokens,
                                                    pipeline_messages, step_messages)
 from ddp_from_scratch.tensor_parallel.mesh import Mesh2D
 from ddp_from_scratch.tensor_parallel.model import TensorParallelTransformer
@@ -190,7 +190,7 @@ def report(result: dict, config: dict) -> str:
                  "TP's are all on the critical path, DP's overlap the backward")
     t0 = break_even_tokens(shape)
     lines.append(f"TP sends fewer bytes than DP below {t0:,.0f} tokens per step per TP group; this step has "
-                 f"{shape.tokens:,} (ddp_from_scratch/tensor_parallel/cost.py)")
+                 f"{shape.tokens:,} (ddp_from_scratch/tensor_parallel/messages.py)")
     lines.append(f"a pipeline stage sends fewer bytes than a DP rank below {pipeline_break_even_tokens(shape):,.0f} "
                  f"tokens per step per replica; this step has {shape.tokens // (n // result['pp']):,}; what it pays "
                  "instead is the bubble, compute idled, not messages")

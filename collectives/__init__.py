@@ -19,7 +19,7 @@ from .checked_mode import checked, is_checked
 from .checks import NotInGroup
 from .launcher.env import DistEnv, init_from_env, shutdown
 from .errors import BackendFailure, CollectiveError, CollectiveMismatchError, RankFailure
-from .groups import Mesh2D, global_rank, group_rank, new_group, split
+from .groups import RankGrid, global_rank, group_rank, new_group, split
 from .launcher.launch import run, run_or_join
 from .ops import (
     Work, all_gather, all_reduce, all_to_all, barrier, broadcast, gather, reduce, reduce_scatter, scatter,
@@ -31,6 +31,6 @@ __all__ = [
     "DistEnv", "init_from_env", "shutdown", "run", "run_or_join", "RankPool",
     "broadcast", "all_reduce", "reduce", "all_gather", "reduce_scatter", "gather", "scatter", "all_to_all",
     "barrier", "Work", "checked", "is_checked",
-    "new_group", "split", "Mesh2D", "group_rank", "global_rank", "NotInGroup",
+    "new_group", "split", "RankGrid", "group_rank", "global_rank", "NotInGroup",
     "BackendFailure", "CollectiveError", "CollectiveMismatchError", "RankFailure",
 ]

@@ -1,13 +1,13 @@
-"""Subgroups: new_group, a split into disjoint groups, and a 2-D mesh of row and column groups.
+"""Subgroups: new_group, a split into disjoint groups, and a grid of row and column groups.
 
 Every rank must create every group (torch.distributed requires it), even the groups it is not
 in; these helpers do that and hand each rank the group(s) it belongs to.
 
     rows = collectives.split([[0, 1], [2, 3]])     # rank 2 gets the group {2, 3}
-    mesh = collectives.Mesh2D(2, 2)                # on 4 ranks: mesh.row, mesh.col
-    collectives.all_reduce(t, group=mesh.row)      # sum over this rank's row
+    grid = collectives.RankGrid(2, 2)              # on 4 ranks: grid.row, grid.col
+    collectives.all_reduce(t, group=grid.row)      # sum over this rank's row
 
-Words: a mesh "row" is the set of ranks that share a row index (rank // cols); a "column"
+Words: a grid "row" is the set of ranks that share a row index (rank // cols); a "column"
 shares rank % cols. A tensor's "dim" is never called an axis here.
 """
 
@@ -64,7 +64,7 @@ def split(partition: Sequence[Sequence[int]], backend: Optional[str] = None) -> 
 
 
 @dataclasses.dataclass
-class Mesh2D:
+class RankGrid:
     """A rows x cols grid of the world's ranks, rank = row * cols + col.
 
     Attributes:
@@ -79,7 +79,7 @@ class Mesh2D:
     def __post_init__(self):
         world = dist.get_world_size()
         if self.rows * self.cols != world:
-            raise CollectiveError(f"Mesh2D: {self.rows} x {self.cols} = {self.rows * self.cols} != world_size {world}")
+            raise CollectiveError(f"RankGrid: {self.rows} x {self.cols} = {self.rows * self.cols} != world_size {world}")
         self.row_index, self.col_index = divmod(dist.get_rank(), self.cols)
         self.row = split([[r * self.cols + c for c in range(self.cols)] for r in range(self.rows)])
         self.col = split([[r * self.cols + c for r in range(self.rows)] for c in range(self.cols)])

@@ -50,7 +50,7 @@ from collectives.launcher.start_methods import TRAINING, preload
 from .parts.bucket import describe as bucket_describe
 from .steps.ddp import DistributedDataParallel
 from .workload.models import MODELS, batch, check_batch_fits, check_batchnorm_fits
-from .parts.parity import StepCheck, count_nonfinite, relative_diff, same_bits, summarise, table_row
+from .parts.step_check import StepCheck, count_nonfinite, relative_diff, same_bits, summarise, table_row
 from .sharded_parity import (PARITY_IMPLS, SHARDED_HEADERS, SHARDED_NOTE, must_be_bitwise, shard_layout_text,
                              train_sharded_side_by_side)
 from .compare_options import options, what_was_compared

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .parts.parity import StepCheck, count_nonfinite, relative_diff, same_bits
+from .parts.step_check import StepCheck, count_nonfinite, relative_diff, same_bits
 from .steps.fsdp import unit_plan
 from .workload.models import MODELS, batch
 from .parts.sharding import ShardLayout

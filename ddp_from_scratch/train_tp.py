@@ -11,7 +11,7 @@ of SEQ tokens (token_batch(step, 0, ...): the same global batch whatever the lay
 losses are the one-rank model's within float32 rounding, whatever --tp and --nproc are (the test
 checks this). The loss logged is the global batch's mean; the summary (the last line on stdout)
 lists every step's loss and the elements TP all-reduced in a step (the closed form of
-tensor_parallel/cost.py). --train-size counts sequences (default 512); there is no token dataset,
+tensor_parallel/messages.py). --train-size counts sequences (default 512); there is no token dataset,
 so --tp needs --synthetic, and takes no checkpoint, compression or mixed precision yet.
 """
 
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from collectives.cli import eta
 
 from .steps.ddp import DistributedDataParallel
-from .tensor_parallel.cost import Shape
+from .tensor_parallel.messages import Shape
 from .tensor_parallel.mesh import Mesh2D
 from .tensor_parallel.model import TensorParallelTransformer
 from .tensor_parallel.operators import counting

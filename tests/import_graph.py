@@ -38,7 +38,7 @@ LAYERS = [
     ("programs on the collectives", ["collectives.demo", "collectives.cluster", "collectives.cluster.*"]),
     ("data parallel: parts", ["ddp_from_scratch.parts.timeline", "ddp_from_scratch.workload.models", "ddp_from_scratch.workload.resnet",
                               "ddp_from_scratch.workload.cifar10", "ddp_from_scratch.parts.unused", "ddp_from_scratch.parts.bucket",
-                              "ddp_from_scratch.parts.memory", "ddp_from_scratch.parts.parity"]),
+                              "ddp_from_scratch.parts.memory", "ddp_from_scratch.parts.step_check"]),
     ("data parallel: the steps", ["ddp_from_scratch.parts.base", "ddp_from_scratch.steps.naive", "ddp_from_scratch.steps.flat",
                                   "ddp_from_scratch.steps.ddp", "ddp_from_scratch.parts.sharding", "ddp_from_scratch.steps.zero1",
                                   "ddp_from_scratch.steps.zero2", "ddp_from_scratch.steps.fsdp", "ddp_from_scratch.steps.powersgd",

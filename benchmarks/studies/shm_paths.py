@@ -13,7 +13,7 @@ them, Gloo included, so each call finds the caches as the others left them; each
 after a barrier on its own group and is timed as the slowest rank's; medians over iterations.
 
 Memory traffic: the bytes each rank reads and writes in memory for one all_reduce
-(collectives.shm.ops.all_reduce_traffic, counted from the paths' steps): on 2 ranks 4.5 n
+(collectives.shm.python_path.all_reduce_traffic, counted from the paths' steps): on 2 ranks 4.5 n
 (whole), 4 n (pieces), 2 n (cma); on 4 ranks 5.75 n, 4.5 n, 2 n. The roofline: every rank copies
 64 MiB buffers at once (beyond the caches), after each size (this machine's memory bandwidth
 drifts by half within minutes), and the best bytes read and written by all ranks together per
@@ -36,7 +36,7 @@ import collectives
 from collectives import cli, machine
 from collectives.cli import command
 from collectives.shm import backend_of
-from collectives.shm.ops import all_reduce_traffic, small_limit
+from collectives.shm.python_path import all_reduce_traffic, small_limit
 
 from ..sweep import alternate_calls, check_sweep, parse_size, size_list
 from ..limits import aggregate_copy_gbps
@@ -121,7 +121,7 @@ def report(result) -> str:
     lines.append(tabulate(table, headers=["bytes", "gloo us (busbw)", "shm variant", "shm us", "busbw GB/s",
                                           "memory GB/s", "of roofline", "speed-up", "at the roofline", "result"],
                           disable_numparse=True))
-    lines.append("memory GB/s: the bytes all ranks read and write for one call (collectives.shm.ops.all_reduce_traffic) "
+    lines.append("memory GB/s: the bytes all ranks read and write for one call (collectives.shm.python_path.all_reduce_traffic) "
                  "over its time; 'at the roofline': Gloo's time over the least time that variant could take here")
     return "\n".join(lines)
 

@@ -7,7 +7,7 @@ limits, timed side by side on the same ranks at sizes around them.
 On the small path every rank adds all the slots itself, in rank order: one barrier, but each rank
 reads every slot, so what it reads grows with the ranks. Past the limit, each rank reduces one
 slice and copies the others' (two barriers, each slot read once). The library's limit is
-collectives.shm.ops.small_limit(world size); here each group is made with a limit of its own
+collectives.shm.python_path.small_limit(world size); here each group is made with a limit of its own
 (ops.small_limit is replaced while the group is made, on every rank alike). The first limit
 given is the baseline.
 
@@ -99,7 +99,7 @@ def report(result: dict) -> str:
              "first limit, median and quartiles; * the small path"]
     lines += ["  ".join(str(c).rjust(w) for c, w in zip(r, widths)) for r in [head] + rows]
     lines.append(f"the library's limit on {result['world_size']} ranks: {_kib(result['library_limit'])} "
-                 f"(collectives.shm.ops.small_limit); wrong elements: {result['wrong']}")
+                 f"(collectives.shm.python_path.small_limit); wrong elements: {result['wrong']}")
     return "\n".join(lines)
 
 

@@ -149,7 +149,7 @@ def simulate(collective: str, algorithm: str, inputs: Sequence[torch.Tensor], op
         model: the cost model (default: CostModel.load()), or a Topology (which host each
             rank is on, a model within hosts and one between them).
         watch: watch(buffer) is kept for each rank after every step (result.snapshots): the
-            working buffer (all_to_all: the receive buffer), e.g. trace.chunk_sets.
+            working buffer (all_to_all: the receive buffer), e.g. draw.chunk_sets.
         kwargs: the algorithm's own options (pieces=...).
 
     Returns:

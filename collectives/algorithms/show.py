@@ -23,7 +23,7 @@ from .. import cli
 from ..cli import command
 from . import ALGORITHMS, simulate
 from .cost import CostModel
-from .trace import chunk_sets, message_summary, origin_inputs, plot_spacetime, step_table, write_chrome_trace
+from .draw import chunk_sets, message_summary, origin_inputs, plot_spacetime, step_table, write_chrome_trace
 
 
 def _parse_bytes(text: str) -> int:

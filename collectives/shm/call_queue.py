@@ -12,7 +12,7 @@ is running runs at once (torch's PowerSGD hook issues collectives there, and wai
 call runs on the worker thread, in the order issued, the same on every rank. A job's error goes to
 whoever waits on its Future; any error but the ranks disagreeing breaks the group (the abort word).
 
-CallQueue is ShmBackend's base: it uses the backend's config, recorder, _waiter, _shm (ops.py),
+CallQueue is ShmBackend's base: it uses the backend's config, recorder, _waiter, _shm (python_path.py),
 _p2p (point_to_point.py) and _engine (the native path's, or None), and rank().
 """
 
@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 
 from ..errors import CollectiveMismatchError
-from .ops import ShmArgumentError
+from .python_path import ShmArgumentError
 
 
 class CallQueue:
@@ -36,7 +36,7 @@ class CallQueue:
         self._pending = 0
         self._idle = threading.Condition()
         self._worker_id = None
-        if python_path:  # the native path's engine (groups.create) has its own thread
+        if python_path:  # the native path's engine (creator.create) has its own thread
             worker = threading.Thread(target=self._serve, daemon=True, name="shm-collectives")
             worker.start()
             self._worker_id = worker.ident

@@ -3,13 +3,13 @@ straight back into them (process_vm_readv / process_vm_writev), instead of copyi
 in and out of the segment.
 
 all_reduce on p ranks, rank r owns slice r of every round of every rank's tensor (the element
-ranges the segment would take in turn, ops.py's rounds; so each element has the owner, and the
+ranges the segment would take in turn, python_path.py's rounds; so each element has the owner, and the
 sum the bits, it would have there):
 
     0. every rank puts its tensor's address in its word of the segment; barrier (the call's
        agreement check, as for every call: a disagreement raises before anyone reads)
     1. piece by piece through its slices: read the piece from every other rank's tensor, add
-       (its own value first, then the others in rank order: ops.py's order, so the same bits),
+       (its own value first, then the others in rank order: python_path.py's order, so the same bits),
        write the sum into every other rank's tensor
     2. barrier: every rank has written into every other
 
@@ -25,7 +25,7 @@ not. At start-up every rank tries both calls on every other rank (probe); the ra
 if all of them succeeded, else every call goes through the segment, with the same results. It is
 also off where ranks outnumber cores: the kernel's copies cost more CPU than memcpy's, and there
 the CPU is what the ranks lack (measured slower at 4 ranks on 2 cores). It is off by default
-(COLLECTIVES_SHM_CMA=0): where it could be on, the segment in 1 MiB rounds (ops.py) measured
+(COLLECTIVES_SHM_CMA=0): where it could be on, the segment in 1 MiB rounds (python_path.py) measured
 faster at every size on the native path (benchmarks/results/earlier-figures_2026-11-22-to-27.md). =auto turns it on where the
 ranks have cores and the calls work, =1 wherever the calls work; `group.cma_off_reason` says why
 it is off ("" when on).
@@ -111,7 +111,7 @@ class CrossMemory:
                    rounds: List[Tuple[int, int]]) -> None:
         """The module docstring's steps on a contiguous CPU tensor. `first_barrier` is the call's
         checked barrier; add(into, first, others, op) is ops._sum, the order every path adds in.
-        `rounds`: the element ranges the segment would take in turn (ops.py's _rounds); rank r
+        `rounds`: the element ranges the segment would take in turn (python_path.py's _rounds); rank r
         reduces slice r of each, as it would there, so each element has the same first addend
         and the sums the same bits."""
         seg, r, p = self.segment, self.rank, self.size

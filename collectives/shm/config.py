@@ -13,7 +13,7 @@
                                          the native path so does any call its caller waits for at once
                                          (async_op=False), whatever its size
     COLLECTIVES_SHM_MAILBOX_KB=256       point-to-point mailbox per ordered pair of ranks, KiB
-    COLLECTIVES_SHM_PIECE_KB=1024        all_reduce's step 3 in pieces this size, KiB (ops.py)
+    COLLECTIVES_SHM_PIECE_KB=1024        all_reduce's step 3 in pieces this size, KiB (python_path.py)
     COLLECTIVES_SHM_CMA=0                cross-memory attach: 0/off, auto (where ranks have cores), 1/on;
                                          off by default: the segment in 1 MiB rounds is faster there
     COLLECTIVES_SHM_CMA_MIN_KB=16384     all_reduces this large or larger use it, KiB (cma.py)
@@ -21,7 +21,7 @@
     COLLECTIVES_SHM_WORKER_NICE=19       the nice value of the native engine's worker thread (0-19): the
                                          queued calls it runs yield to computing threads (docs/shm.md)
     COLLECTIVES_SHM_PATH=native          native: the collectives run in C++ (forward.cpp's engine); python:
-                                         every call runs in Python (ops.py, the reference the docs teach)
+                                         every call runs in Python (python_path.py, the reference the docs teach)
 
     config = ShmConfig.from_env()        # ShmBackend does this once, and hands it down
 

@@ -1,7 +1,7 @@
-// The native path's collectives: ops.py in C++, step for step, on the same segment, so that every
+// The native path's collectives: python_path.py in C++, step for step, on the same segment, so that every
 // element is reduced by the same rank in the same order and the native path leaves the same bits
 // as the Python one (tests/shm/test_native.py checks it over collectives, dtypes, ops, sizes,
-// world sizes and roots). ops.py's docstring explains the steps; the comments here name them.
+// world sizes and roots). python_path.py's docstring explains the steps; the comments here name them.
 //
 // The arithmetic: a sum of float32, float64 or a signed or unsigned 8, 16, 32 or 64-bit integer
 // (wrapping, as torch's) is a loop compiled for AVX-512, AVX2 and plain x86-64 and chosen at run
@@ -112,7 +112,7 @@ inline void combine_twice(void* out, void* also, const void* a, const void* b, i
 
 // What a collective needs from the process group (set once, from Python: process_group.py).
 struct Config {
-  // half_bytes: what a round uses of a slot (ops.py's ShmCollectives.half: half a slot, or less
+  // half_bytes: what a round uses of a slot (python_path.py's ShmCollectives.half: half a slot, or less
   // with COLLECTIVES_SHM_ROUND_KB; the name is from when rounds alternated halves); regions: how
   // many such regions of a slot the rounds use in turn (ShmCollectives.regions); small_bytes: the
   // small path's largest all_reduce (ShmCollectives.small: ops.small_limit of the world size, at
@@ -121,7 +121,7 @@ struct Config {
           small_bytes = 16 << 10;
 };
 
-// One rank's call, as ops.py packs it: kind | op | root, dtype code, numel (two words).
+// One rank's call, as python_path.py packs it: kind | op | root, dtype code, numel (two words).
 struct Call {
   int32_t words[4] = {0, 0, 0, 0};
 };
@@ -141,10 +141,10 @@ class Collectives {
         data_(reinterpret_cast<char*>(const_cast<int32_t*>(words.control)) + config.control_bytes),
         half_(config.half_bytes) {}
 
-  int64_t round = 0;  // ops.py's ShmCollectives.round: the half of every slot a round uses
+  int64_t round = 0;  // python_path.py's ShmCollectives.round: the half of every slot a round uses
   int64_t calls = 0;  // ShmCollectives.calls: collectives entered (the words' bank parity)
 
-  // -- the call words (ops.py: begin, meet) -------------------------------------------------------
+  // -- the call words (python_path.py: begin, meet) -------------------------------------------------------
   void begin(int kind_code, const char* kind, int dtype_code, int64_t numel, int op = OP_NONE, int root = -1) {
     waiter_->what = kind;
     pending_.words[0] = kind_code | op << 4 | (root + 1) << 8;
@@ -180,7 +180,7 @@ class Collectives {
     }
   }
 
-  int next_round() { return static_cast<int>(++round % cfg_.regions); }  // ops.py's next_round
+  int next_round() { return static_cast<int>(++round % cfg_.regions); }  // python_path.py's next_round
 
   char* slot(int q, int half) const { return data_ + q * cfg_.slot_bytes + half * half_; }
 
@@ -198,7 +198,7 @@ class Collectives {
     return {start, start + base + (r < extra ? 1 : 0)};
   }
 
-  // -- all_reduce and reduce (ops.py: _reduce) ------------------------------------------------------
+  // -- all_reduce and reduce (python_path.py: _reduce) ------------------------------------------------------
   void reduce(char* flat, int64_t numel, at::ScalarType dtype, int es, int op, bool copy_out) {
     const int p = size_, r = rank_;
     if (numel * es <= cfg_.small_bytes) {  // ShmCollectives.small: never more than a round
@@ -380,7 +380,7 @@ class Collectives {
     meet();
   }
 
-  // ops.py's monitored_barrier: a barrier whose timeout (timeout_s, or the group's when negative)
+  // python_path.py's monitored_barrier: a barrier whose timeout (timeout_s, or the group's when negative)
   // names the ranks that did not reach it: the first of them, or all with wait_all (Gloo's
   // monitoredBarrier)
   void monitored_barrier(int kind_code, double timeout_s, bool wait_all) {

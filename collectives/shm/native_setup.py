@@ -5,7 +5,7 @@ its errors become the Python path's exceptions.
 
 setup(impl) is a dict: where the segment's control words are and their layout (segment.py), the
 group's settings, the counters the Python side has reached so far (a group's first barriers run in
-Python: the cross-memory-attach probe), and the tables of ops.py the engine writes its call words
+Python: the cross-memory-attach probe), and the tables of python_path.py the engine writes its call words
 with (dtype codes, kind codes) and which (op, dtype) pairs it reduces itself: the ops every backend
 allows on the dtype (reduce_ops.check_op_dtype) that torch computes in the dtype itself. Every
 other call, or dtype, goes to the Python path.
@@ -18,7 +18,7 @@ import torch
 from .. import reduce_ops
 from ..dtypes import arithmetic_widening
 from ..errors import CollectiveError, CollectiveMismatchError
-from .ops import DTYPE_CODES, KINDS, OPS, ShmArgumentError, disagreement
+from .python_path import DTYPE_CODES, KINDS, OPS, ShmArgumentError, disagreement
 from .segment import (ABORT, ABORT_SEEN_BY, ABORT_WHY, CALL0, CALL_WORDS, CONTROL_BYTES, MAIL_SENT0, MAIL_TAKEN0, PID0,
                       SLEEP0, STEP0)
 from .wait import SPIN_S_OWN_CORE, PeerFailure

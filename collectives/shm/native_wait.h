@@ -84,7 +84,7 @@ class Waiter {
     wait_for(step);
   }
 
-  // the other ranks whose word is behind this rank's step (ops.py's monitored_barrier names them)
+  // the other ranks whose word is behind this rank's step (python_path.py's monitored_barrier names them)
   std::vector<int> behind_ranks() const {
     std::vector<int> late;
     for (int r = 0; r < size_; ++r) {

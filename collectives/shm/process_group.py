@@ -11,7 +11,7 @@ reaches ShmBackend's method of the same name through a C++ Backend that forwards
 (forward.cpp, built on first use: native.py). `backend_of(group)` is the ShmBackend of a group.
 
 Every call runs in shared memory: broadcast, all_reduce, reduce, all_gather, reduce_scatter and
-barrier (ops.py; large all_reduces by cross-memory attach where it is turned on and the ranks
+barrier (python_path.py; large all_reduces by cross-memory attach where it is turned on and the ranks
 may, cma.py: `backend_of(group).cma_off_reason` says why not), gather, scatter and all_to_all (routing.py),
 the coalesced forms (one call after another), monitored_barrier, and send/recv through the pair
 mailboxes (point_to_point.py). The collectives run one after another on a worker thread, in the
@@ -19,7 +19,7 @@ order they were issued (the same on every rank), and each returns at once with a
 that forward.cpp wraps in a Work, so DDP overlaps them with backward as it does with Gloo; small
 calls with nothing queued before them run at once in the calling thread, since the hand-off to
 the worker costs more than they do (on the native path, so does any call its caller waits for at
-once; call_queue.py). How a group is made and found (create, new_group_with, backend_of): groups.py.
+once; call_queue.py). How a group is made and found (create, new_group_with, backend_of): creator.py.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from .call_queue import CallQueue
 from .config import ShmConfig
 from . import routing
 from .arguments import overlap, unwritable, wrong_devices, wrong_list, wrong_op, wrong_sizes, wrong_splits
-from .ops import ShmArgumentError, ShmCollectives
+from .python_path import ShmArgumentError, ShmCollectives
 from .point_to_point import PointToPoint
 from ..settings import SHM_FR_ENTRIES
 from .recorder import Recorder

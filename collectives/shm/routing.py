@@ -1,5 +1,5 @@
 """The collectives that route data without reducing it, in shared memory: gather, scatter and
-all_to_all (even or uneven splits). They use the slots as ops.py does (round by round through
+all_to_all (even or uneven splits). They use the slots as python_path.py does (round by round through
 alternating half-slots, the call check at the first barrier), on bytes, so every dtype goes.
 
     gather:      every rank copies its tensor into its slot; barrier; dst copies every slot out
@@ -24,7 +24,7 @@ import torch
 
 from ..dtypes import as_bytes
 from ..errors import CollectiveMismatchError
-from .ops import ShmCollectives
+from .python_path import ShmCollectives
 
 
 def _rounds_of(total: int, per: int):

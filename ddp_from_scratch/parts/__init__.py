@@ -6,6 +6,6 @@
   timeline.py     what happened when in one backward: the recorder every wrapper fills in
   sharding.py     what the sharded steps share: ShardLayout, ShardedOptimizer, the all-gather after the step
   memory.py       what a rank holds during a step (parameters, gradients, optimizer state), sampled
-  parity.py       how two trainings are compared: the same bits, StepCheck, the summary
+  step_check.py   how two trainings are compared: the same bits, StepCheck, the summary
   torch_hooks.py  torch's DDP comm hooks as they run in the comparisons and training
 """

@@ -11,7 +11,7 @@ import json
 import pytest
 
 from benchmarks import tensor_parallel
-from ddp_from_scratch.tensor_parallel.cost import pipeline_messages, step_messages
+from ddp_from_scratch.tensor_parallel.messages import pipeline_messages, step_messages
 
 
 def test_a_short_run_reports_the_closed_form_bytes(tmp_path, capsys):
@@ -32,7 +32,7 @@ def test_a_short_run_reports_the_closed_form_bytes(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "TP x DP" in printed and "TP sends fewer bytes than DP below" in printed
     assert "PP x DP" in printed and "a pipeline stage sends fewer bytes than a DP rank below" in printed
-    # the closed forms of ddp_from_scratch/tensor_parallel/cost.py are what the run counted
+    # the closed forms of ddp_from_scratch/tensor_parallel/messages.py are what the run counted
     config = {"vocab": 8, "hidden": h, "heads": 2, "layers": layers, "batch_size": 2, "seq": s}
     shape = tensor_parallel.shape_of(config, n)
     assert step_messages(shape, n, tp=n).elements == saved["elements"]["TP"]

@@ -1,4 +1,4 @@
-"""Subgroups: new_group, split, a 2x2 mesh, rank translation, collectives on several subgroups at once.
+"""Subgroups: new_group, split, a 2x2 grid of ranks, rank translation, collectives on several subgroups at once.
 
     pytest tests/collectives/test_groups.py -q
 """
@@ -29,21 +29,21 @@ def test_split_runs_collectives_on_disjoint_groups_at_once(env):
 
 
 @distributed(world_size=4)
-def test_mesh_rows_and_columns(env):
-    mesh = C.Mesh2D(2, 2)
+def test_grid_rows_and_columns(env):
+    grid = C.RankGrid(2, 2)
     r = env.rank
-    assert (mesh.row_index, mesh.col_index) == divmod(r, 2)
-    row_sum = C.all_reduce(torch.tensor([r + 1.0]), group=mesh.row)
-    col_sum = C.all_reduce(torch.tensor([r + 1.0]), group=mesh.col)
+    assert (grid.row_index, grid.col_index) == divmod(r, 2)
+    row_sum = C.all_reduce(torch.tensor([r + 1.0]), group=grid.row)
+    col_sum = C.all_reduce(torch.tensor([r + 1.0]), group=grid.col)
     # row i holds ranks 2i, 2i+1; column j holds ranks j, j+2 (values are rank + 1)
-    assert row_sum.item() == (2 * mesh.row_index + 1) + (2 * mesh.row_index + 2)
-    assert col_sum.item() == (mesh.col_index + 1) + (mesh.col_index + 3)
-    assert C.group_rank(mesh.col) == mesh.row_index
-    assert C.global_rank(mesh.row, 1) == 2 * mesh.row_index + 1
+    assert row_sum.item() == (2 * grid.row_index + 1) + (2 * grid.row_index + 2)
+    assert col_sum.item() == (grid.col_index + 1) + (grid.col_index + 3)
+    assert C.group_rank(grid.col) == grid.row_index
+    assert C.global_rank(grid.row, 1) == 2 * grid.row_index + 1
     # reduce_scatter inside a row: each of the 2 ranks gets its half of the row's sum
-    half = C.reduce_scatter(torch.arange(4.0) + r, group=mesh.row)
-    lo = 2 * C.group_rank(mesh.row)
-    assert half.tolist() == [2 * (lo + i) + (4 * mesh.row_index + 1) for i in range(2)]
+    half = C.reduce_scatter(torch.arange(4.0) + r, group=grid.row)
+    lo = 2 * C.group_rank(grid.row)
+    assert half.tolist() == [2 * (lo + i) + (4 * grid.row_index + 1) for i in range(2)]
 
 
 @distributed(world_size=4)
@@ -69,7 +69,7 @@ def test_group_errors(env):
     with pytest.raises(CollectiveError, match=r"ranks \[5\] are out of range for world_size 2"):
         C.new_group([0, 5])
     with pytest.raises(CollectiveError, match="2 x 2 = 4 != world_size 2"):
-        C.Mesh2D(2, 2)
+        C.RankGrid(2, 2)
     with pytest.raises(CollectiveError, match="group rank 2 is out of range"):
         C.global_rank(C.new_group([0, 1]), 2)
 

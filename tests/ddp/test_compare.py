@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ddp_from_scratch import compare, compare_options
-from ddp_from_scratch.parts import parity
+from ddp_from_scratch.parts import step_check
 
 
 def test_compare_program_prints_the_tables_and_the_layouts(capsys):
@@ -77,14 +77,14 @@ def test_nonsense_is_refused_before_any_rank_starts(argv, fragment, capsys):
 
 def test_same_bits_counts_identical_nans_as_equal():
     nan = torch.tensor([float("nan"), 1.0])
-    assert parity.same_bits(nan, nan.clone())  # torch.equal says False here
+    assert step_check.same_bits(nan, nan.clone())  # torch.equal says False here
     assert not torch.equal(nan, nan.clone())
-    assert not parity.same_bits(nan, torch.tensor([1.0, 1.0]))  # a NaN against a number
-    assert not parity.same_bits(torch.tensor([0.0]), torch.tensor([-0.0]))  # torch.equal says True here
-    assert parity.same_bits(torch.tensor([-0.0], dtype=torch.bfloat16), torch.tensor([-0.0], dtype=torch.bfloat16))
-    assert not parity.same_bits(torch.ones(2), torch.ones(2, dtype=torch.float64))
-    assert parity.same_bits(None, None) and not parity.same_bits(None, torch.ones(1))
-    assert parity.same_bits(torch.tensor([1 + 2j]), torch.tensor([1 + 2j]))
+    assert not step_check.same_bits(nan, torch.tensor([1.0, 1.0]))  # a NaN against a number
+    assert not step_check.same_bits(torch.tensor([0.0]), torch.tensor([-0.0]))  # torch.equal says True here
+    assert step_check.same_bits(torch.tensor([-0.0], dtype=torch.bfloat16), torch.tensor([-0.0], dtype=torch.bfloat16))
+    assert not step_check.same_bits(torch.ones(2), torch.ones(2, dtype=torch.float64))
+    assert step_check.same_bits(None, None) and not step_check.same_bits(None, torch.ones(1))
+    assert step_check.same_bits(torch.tensor([1 + 2j]), torch.tensor([1 + 2j]))
 
 
 def _fp16_resnet50_batch2(env):
@@ -100,9 +100,9 @@ def test_fp16_overflow_on_resnet50_is_identical_on_both_sides(dist_run):
         check = steps[0]
         assert check.bitwise, check
         assert check.nonfinite_ours == check.nonfinite_theirs > 100, check
-    res = parity.summarise(per_rank)
+    res = step_check.summarise(per_rank)
     assert res["bitwise"] and res["nonfinite"]["first_step"] == 0
-    assert parity.describe_nonfinite(res).startswith("both sides overflow (inf/NaN) from step 0")
+    assert step_check.describe_nonfinite(res).startswith("both sides overflow (inf/NaN) from step 0")
     assert "run with 4 images per rank" in compare.options("resnet50", 2)["compress fp16"].note
     assert compare.options("resnet50", 2)["compress fp16"].kwargs["batch_size"] == 4
 

@@ -13,7 +13,7 @@ import torch
 
 from collectives.testing import run_on_ranks
 from ddp_from_scratch import train
-from ddp_from_scratch.tensor_parallel.cost import Shape, step_messages
+from ddp_from_scratch.tensor_parallel.messages import Shape, step_messages
 from ddp_from_scratch.train_args import TrainConfig, build_parser
 from ddp_from_scratch.train_tp import HEADS, HIDDEN, LAYERS, SEQ, VOCAB, train_tp
 

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 import collectives
 from ddp_from_scratch.parts import sharding as shard_module
-from ddp_from_scratch.parts.parity import summarise
+from ddp_from_scratch.parts.step_check import summarise
 from ddp_from_scratch.sharded_parity import PARITY_IMPLS, _gather_dim0, must_be_bitwise, train_sharded_side_by_side
 from ddp_from_scratch.wrap import SHARDED, wrap
 from ddp_from_scratch.steps.fsdp import FullyShardedDataParallel, unit_plan, units_of

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from collectives.shm import backend_of, new_group_with
 from collectives.shm.native_setup import _REDUCED, reducible
-from collectives.shm.ops import OPS
+from collectives.shm.python_path import OPS
 
 TORCH_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "product": dist.ReduceOp.PRODUCT,
              "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX, "band": dist.ReduceOp.BAND,

@@ -1,4 +1,4 @@
-"""The native path (C++) leaves the same bits as the Python path (ops.py, the reference), for every
+"""The native path (C++) leaves the same bits as the Python path (python_path.py, the reference), for every
 collective it takes and the calls it hands back to Python, and the two paths meet in one group.
 collectives.shm.all_reduce (direct.py), which calls the engine without torch's dispatch, is one of
 the collectives drawn.
@@ -29,7 +29,7 @@ from collectives.errors import CollectiveError
 from collectives.reduce_ops import TORCH_OPS, check_op_dtype
 from collectives.shm import backend_of, new_group_with
 from collectives.shm.native_setup import NATIVE_DTYPES
-from collectives.shm.ops import small_limit
+from collectives.shm.python_path import small_limit
 from collectives.testing import run_on_ranks
 
 SETTINGS = {"COLLECTIVES_SHM_SLOT_MB": str(4 / 1024), "COLLECTIVES_SHM_PIECE_KB": "0.25"}

@@ -27,7 +27,7 @@ import collectives as C
 from collectives import shm
 from collectives.launcher.pool import RankPool
 from collectives.shm import backend_of
-from collectives.shm.ops import small_limit
+from collectives.shm.python_path import small_limit
 from collectives.shm.segment import Segment
 from collectives.testing import distributed
 
@@ -175,9 +175,9 @@ def test_the_memory_traffic_model_counts_what_the_all_reduce_does(world_size, mo
     results = C.run(_count_all_reduce_bytes, world_size, backend="gloo", args=(numel,), timeout=60)
     for rank, (moved, unknown) in enumerate(results):
         assert not unknown, f"rank {rank}: ops the model does not count: {unknown}"
-        assert moved == shm.ops.all_reduce_traffic(numel * 4, world_size, "whole"), (rank, moved)
+        assert moved == shm.python_path.all_reduce_traffic(numel * 4, world_size, "whole"), (rank, moved)
     paths = ("whole", "pieces", "cma")
-    assert [shm.ops.all_reduce_traffic(1.0, p, path) for p in (2, 4) for path in paths] == [4.5, 4.0, 2.0, 5.75, 4.5, 2.0]
+    assert [shm.python_path.all_reduce_traffic(1.0, p, path) for p in (2, 4) for path in paths] == [4.5, 4.0, 2.0, 5.75, 4.5, 2.0]
 
 
 def _routing_without_warnings(env):

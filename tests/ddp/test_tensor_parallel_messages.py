@@ -1,7 +1,7 @@
-"""ddp_from_scratch/tensor_parallel/cost.py: the closed forms against the model they describe (its
+"""ddp_from_scratch/tensor_parallel/messages.py: the closed forms against the model they describe (its
 parameters counted), the messages of each layout, and the break-even it states.
 
-    pytest tests/ddp/test_tensor_parallel_cost.py -q
+    pytest tests/ddp/test_tensor_parallel_messages.py -q
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from collectives.algorithms.cost import CostModel
-from ddp_from_scratch.tensor_parallel.cost import (Shape, break_even_tokens, pipeline_break_even_tokens,
+from ddp_from_scratch.tensor_parallel.messages import (Shape, break_even_tokens, pipeline_break_even_tokens,
                                                    pipeline_messages, step_messages)
 from ddp_from_scratch.workload.transformer import TinyTransformer
 
