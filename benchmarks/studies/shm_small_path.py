@@ -8,7 +8,7 @@ On the small path every rank adds all the slots itself, in rank order: one barri
 reads every slot, so what it reads grows with the ranks. Past the limit, each rank reduces one
 slice and copies the others' (two barriers, each slot read once). The library's limit is
 collectives.shm.python_path.small_limit(world size); here each group is made with a limit of its own
-(ops.small_limit is replaced while the group is made, on every rank alike). The first limit
+(python_path.small_limit is replaced while the group is made, on every rank alike). The first limit
 given is the baseline.
 
 Each round, for each size, the groups take turns, in an order that reverses from round to round.
@@ -30,19 +30,19 @@ import torch.distributed as dist
 import collectives
 import collectives.shm as shm
 from collectives import cli, machine
-from collectives.shm import backend_of, new_group_with, ops
+from collectives.shm import backend_of, new_group_with, python_path
 
 from ..sweep import check_sweep, parse_size, size_list
 
 
 def _group_with_limit(limit: int):
     """A native shm group whose small path stops at `limit` bytes (half its round at most)."""
-    kept = ops.small_limit
-    ops.small_limit = lambda world_size: limit
+    kept = python_path.small_limit
+    python_path.small_limit = lambda world_size: limit
     try:
         return new_group_with({"COLLECTIVES_SHM_PATH": "native"})
     finally:
-        ops.small_limit = kept
+        python_path.small_limit = kept
 
 
 def measure(env, config) -> dict:
@@ -71,7 +71,7 @@ def measure(env, config) -> dict:
     paths = {f"{limit}/{nbytes}": backend_of(groups[limit])._shm.all_reduce_path(nbytes)  # "small" or not
              for limit in limits for nbytes in sizes}
     return {"world_size": env.world_size, "limits": limits, "sizes": sizes, "times_us": times, "paths": paths,
-            "wrong": int(total.item()), "library_limit": ops.small_limit(env.world_size), "cores": machine.cpus()}
+            "wrong": int(total.item()), "library_limit": python_path.small_limit(env.world_size), "cores": machine.cpus()}
 
 
 def _kib(nbytes: int) -> str:
