@@ -6,7 +6,10 @@ COLLECTIVES_TEST_BACKEND=shm) to run the suites on another backend.
 
 The `slow` mark (pyproject.toml) names the tests that a quick run, `pytest -m "not slow"`, leaves
 out: the test hosts' tests (tests/multinode, marked in its conftest.py) and the cases that each
-take seconds.
+take seconds on 2 cores: a program, or ranks, started as fresh interpreters (each imports torch,
+about 3 s of CPU; a forked rank of the pools does not), ResNet-50, 8 ranks, and property tests
+that train at every example. The quick run keeps a case of each behaviour: the fork server's
+variant of a launcher test, the small models' parity.
 """
 
 import os

@@ -194,6 +194,7 @@ def test_plot_refuses_a_results_file_that_is_missing_or_wrong(content, says, tmp
     assert not (tmp_path / "out.png").exists()
 
 
+@pytest.mark.slow
 def test_plot_draws_a_real_results_file(tmp_path):
     out = tmp_path / "out.png"
     assert plot.main(["benchmarks/results/bandwidth_gloo-cpu-2core_2ranks_2026-11-22.json", "-o", str(out)]) == 0
@@ -214,6 +215,7 @@ def test_earlier_runs_read_back_are_checked(main, argv, flag, content, says, tmp
     assert f"{flag} {path}" in line and says in line, line
 
 
+@pytest.mark.slow
 def test_a_real_earlier_run_replots(tmp_path):
     out = tmp_path / "race.png"
     run = "benchmarks/results/algorithms-race_gloo-cpu-2core_2ranks_2026-11-22.json"

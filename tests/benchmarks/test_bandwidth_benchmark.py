@@ -216,6 +216,7 @@ def test_size_column_is_the_bytes_of_the_buffer_moved(world_size, nbytes, dtype,
             assert (size // bench.DTYPES[dtype].itemsize) % world_size == 0
 
 
+@pytest.mark.slow
 def test_end_to_end_small_run(tmp_path, capfd):  # capfd: the progress comes from the spawned ranks
     files = {k: tmp_path / f"run.{k}" for k in ("json", "csv", "png")}
     # -b 6: the sizes asked for (6, 24, 96, 384 B) are not what moves at the smallest: 1 float of

@@ -3,12 +3,14 @@
     pytest tests/benchmarks/test_ddp_hook_cost.py -q
 """
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 from benchmarks.studies import ddp_hook_cost
 
 
+@pytest.mark.slow
 def test_hook_cost_benchmark_smoke(capsys):
     assert ddp_hook_cost.main(["--rounds", "1", "--batch-size", "2"]) == 0
     text = capsys.readouterr().out

@@ -12,6 +12,8 @@ import sys
 import textwrap
 import time
 
+import pytest
+
 from collectives.launcher import agent_watch
 
 WORKER = textwrap.dedent("""
@@ -60,6 +62,7 @@ def _start(tmp_path, worker=WORKER):
     return agent, worker, err
 
 
+@pytest.mark.slow
 def test_a_worker_whose_agent_is_killed_says_so_in_one_line(tmp_path):
     agent, worker, err = _start(tmp_path)
     try:
@@ -78,6 +81,7 @@ def test_a_worker_whose_agent_is_killed_says_so_in_one_line(tmp_path):
         os.kill(worker, signal.SIGKILL)
 
 
+@pytest.mark.slow
 def test_a_worker_that_ends_before_its_watch_looks_again_still_says_so_once(tmp_path):
     agent, worker, err = _start(tmp_path, SHORT_WORKER)
     agent.kill()

@@ -115,6 +115,7 @@ def _free_port():
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_plain_python_program_leaves_nothing_in_tmp(tmp_path):
     (tmp_path / "prog.py").write_text(PROGRAM)
     tmp = tmp_path / "tmp"
@@ -147,6 +148,7 @@ def _launch_slurm_like(script):
     return [(p.wait(timeout=180), *p.communicate()) for p in procs]
 
 
+@pytest.mark.slow
 def test_slurm_like_program(tmp_path):
     """Two processes given only SLURM's variables, as srun would, find each other, and leave
     nothing of their group to interpreter shutdown (where Gloo's threads aborted 1 run in 60)."""

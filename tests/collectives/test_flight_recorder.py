@@ -128,7 +128,7 @@ def _records_on_shm(env):
     return dump()
 
 
-@pytest.mark.parametrize("path", ["native", "python"])
+@pytest.mark.parametrize("path", ["native", pytest.param("python", marks=pytest.mark.slow)])
 def test_shm_records_its_calls_in_torchs_format(path, tmp_path, monkeypatch):
     """On either path of the shm backend (COLLECTIVES_SHM_PATH): the native path records the calls
     and messages it runs in C++ (native_recorder.h) with the ids the Python path's entries draw

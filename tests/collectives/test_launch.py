@@ -35,7 +35,7 @@ def _who(env, k):
     return env.rank, env.world_size, env.backend, str(env.device), torch.get_num_threads(), t.item() * k
 
 
-@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+@pytest.mark.parametrize("start_method", ["forkserver", pytest.param("spawn", marks=pytest.mark.slow)])  # spawn: seconds a rank
 def test_results_come_back_in_rank_order(start_method):
     assert C.run(_who, world_size=3, args=(2,), start_method=start_method) == [
         (r, 3, "gloo", "cpu", 1, 12.0) for r in range(3)]
@@ -51,7 +51,7 @@ SLOW_IMPORT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+@pytest.mark.parametrize("start_method", ["forkserver", pytest.param("spawn", marks=pytest.mark.slow)])  # spawn: seconds a rank
 def test_the_timeout_starts_once_every_rank_has_imported_the_functions_module(start_method, tmp_path, monkeypatch):
     """A rank imports the function's module when it unpickles the call; that is not the call: a
     module that takes 1.5 s to import still runs a call whose timeout is 1 s."""
@@ -78,7 +78,7 @@ def _as_a_spawned_rank_sees_it(env):
     return IMPORTED_WITH, os.environ.get("COLLECTIVES_TEST_SET_LATE"), tempfile.gettempdir(), int(np.random.randint(1 << 30))
 
 
-@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+@pytest.mark.parametrize("start_method", ["forkserver", pytest.param("spawn", marks=pytest.mark.slow)])  # spawn: seconds a rank
 def test_a_rank_starts_with_the_launchers_environment_and_output_as_they_are_now(start_method, monkeypatch, tmp_path):
     """A forked rank would have the fork server's environment and output, from when the server
     started (before the changes below): the variable set now, seen at import and after; the
@@ -555,6 +555,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow
 def test_a_training_programs_ranks_start_with_what_an_optimizer_imports_and_nothing_lands_in_tmp(tmp_path):
     """preload(*TRAINING): the fork server imports torch._dynamo once (what the first optimizer or
     torch DDP of a rank imports, about a second of CPU each), with the compile cache pointed outside
@@ -703,6 +704,7 @@ def test_a_peer_gone_mid_collective_is_a_backend_failure_naming_rank_host_and_co
     assert "gloo" in message.lower()  # torch's own words follow
 
 
+@pytest.mark.slow
 def test_a_tmpdir_too_long_for_the_fork_servers_socket_starts_ranks_by_spawn(tmp_path):
     """pytest's tmp_path as TMPDIR can be too long for the fork server's Unix socket (107 bytes):
     the ranks start by spawn instead of failing with 'AF_UNIX path too long'; asked for by name,

@@ -37,6 +37,7 @@ def _quiet_disagreements(env):
     return got
 
 
+@pytest.mark.slow
 def test_disagreements_gloo_finishes_with_a_wrong_answer():
     rank0, rank1 = C.run(_quiet_disagreements, world_size=2, backend="gloo", timeout=60)
     assert rank0["op"] == rank1["op"] == [3.0, 10.0]  # both got the SUM, nobody the MAX

@@ -92,6 +92,7 @@ def _fp16_resnet50_batch2(env):
     return compare.train_side_by_side(env, "bucketed", 1, model="resnet50", batch_size=2, image=32, **kwargs)
 
 
+@pytest.mark.slow
 def test_fp16_overflow_on_resnet50_is_identical_on_both_sides(dist_run):
     """At batch 2, ResNet-50's step-0 gradients exceed fp16's range: ours and torch's
     fp16_compress_hook must overflow into the very same NaN bit patterns, and the report says so."""

@@ -290,6 +290,7 @@ def test_bf16_compression_differs_from_uncompressed_ddp(dist_run):
         assert largest < 1e-2, f"rank {rank}: largest relative difference {largest:g}"
 
 
+@pytest.mark.slow
 def test_resnet50_bucketed_is_bitwise_equal_to_torch_ddp_on_two_ranks(dist_run):
     """The real model: ResNet-50 (BatchNorm everywhere, several 25 MiB buckets), 2 steps."""
     assert_bitwise(dist_run(train_side_by_side, 2, args=("bucketed", 2, "resnet50", 2, 32)), "ResNet-50, 2 ranks")

@@ -98,6 +98,7 @@ def _options(rank, error_feedback, warm_start, batched, same_shape, min_rate, st
 # The space users reach: the bucket cap from one parameter per bucket (1 byte) to the whole model
 # in one, every option torch's PowerSGDState takes, 2-4 ranks, two models. On shm, where torch's
 # hook runs with any number of buckets (on Gloo it dies with two or more: the tests below).
+@pytest.mark.slow
 @settings(max_examples=24, deadline=None)
 @given(world_size=st.integers(2, 4), model=st.sampled_from(["small", "mlp"]),
        cap_bytes=st.sampled_from([1, 700, 2_000, 6_000, 40_000, 2**20]),

@@ -44,7 +44,7 @@ def one_rank():
     (("--pp", "2", "--schedule", "zero-bubble", "--microbatches", "4", "--chunks", "1"), 2),
     (("--pp", "4", "--schedule", "1f1b", "--microbatches", "4"), 4),
     (("--pp", "2", "--schedule", "zero-bubble", "--microbatches", "2", "--bucket-cap-mb", "0.02"), 4),
-    (("--pp", "2", "--tp", "2", "--schedule", "1f1b", "--microbatches", "2"), 8),
+    pytest.param(("--pp", "2", "--tp", "2", "--schedule", "1f1b", "--microbatches", "2"), 8, marks=pytest.mark.slow),  # 8 ranks
 ], ids=["gpipe", "1f1b", "interleaved", "zero-bubble", "pp4", "pp2xdp2-buckets", "pp2xtp2xdp2"])
 def test_a_pp_run_has_the_one_rank_models_losses(flags, ranks, one_rank):
     """The same global batch every step, whatever the layout: the losses after each SGD step are

@@ -17,6 +17,7 @@ import pytest
 from collectives.shm import native
 
 
+@pytest.mark.slow
 def test_a_later_process_imports_the_built_bridge_without_torchs_build_tools():
     """The first load (this process) stamps the build; a new process loads the stamped file
     without importing torch.utils.cpp_extension (about 0.13 s a process, every rank's), and so

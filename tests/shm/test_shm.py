@@ -489,6 +489,7 @@ def _ddp_on_both(env, model, steps, batch_size, image):
                               ours_kwargs={"process_group": group})
 
 
+@pytest.mark.slow
 def test_torchs_ddp_on_shm_is_bitwise_torchs_ddp_on_gloo_on_two_ranks(dist_run):
     """ResNet-50, 2 steps: the two reduce a + b for every element, and a + b == b + a."""
     for rank, steps in enumerate(dist_run(_ddp_on_both, 2, args=("resnet50", 2, 2, 32), timeout=300)):
