@@ -20,9 +20,10 @@ to the Python path).
 
 Each round the sizes come in a shuffled order and, for each size, the variants in a shuffled
 order (the same on every rank); a variant's turn is a barrier on its group, then back-to-back
-calls, timed together: as many as the first round (a warm-up, not counted) found to fit in
---budget-ms (at least 1, at most --iters; the same number on every rank). A cell is the
-median over rounds of the slowest rank's microseconds per call. Before its first turn every
+calls, timed together: as many as fit in --budget-ms at the fastest pace the cell has had so far
+(the first round's WARMUP_TURNS turns, a warm-up not counted, then each timed turn; at least 1,
+at most --iters; the same number on every rank: calls_per_turn). A cell is the median over
+rounds of the slowest rank's microseconds per call, and the JSON keeps each cell's last count. Before its first turn every
 variant all-reduces rank + 1 once and counts the elements that are not the closed form
 n (n + 1) / 2 (#wrong).
 """
@@ -48,6 +49,23 @@ from collectives.shm.config import ShmConfig, parse_settings
 from .sweep import check_sweep, parse_size, shm_setting, size_list
 
 VARIANTS = ("gloo", "shm python", "shm native", "shm direct", "floor", "deepspeed")
+WARMUP_TURNS = 3  # the first round's turns of each cell, of WARMUP_CALLS calls each
+WARMUP_CALLS = 3
+
+
+def calls_per_turn(paces, budget_ms: float, iters: int) -> int:
+    """How many back-to-back calls a cell's next turn makes: as many of `iters` as fit in budget_ms
+    at the fastest pace (seconds per call, the slowest rank's) the cell has had so far, at least one.
+
+    The fastest, not the first or the mean: under load one warm-up turn that lost its core for a
+    few milliseconds would otherwise leave its cell at one call a turn for the whole run, and a
+    turn of one call times the ranks' uneven wake-up from the barrier along with the call. With
+    the count set once by the first warm-up call, 2 ranks of the 2-core VM with a process busy
+    beside them had `shm direct` at 1.7 times `shm native` at 32 KiB, in 37 rounds of 40 of one
+    run, and at 0.7 times in the next run; the two make the same engine call
+    (collectives/shm/direct.py)."""
+    pace = min(paces)
+    return max(1, min(iters, int(budget_ms / 1e3 / pace) if pace > 0 else iters))
 
 
 def _shm_group(path: str):
@@ -118,25 +136,32 @@ def measure(env, config) -> dict:
     times = {name: {nbytes: [] for nbytes in sizes} for name in calls}
     order = random.Random(0)
     counts: dict = {}
+    paces: dict = {}
     busy = _busy(config["busy"]) if env.rank == 0 and config["busy"] else []
     try:
         for rnd in range(config["rounds"] + 1):
             for nbytes in order.sample(sizes, len(sizes)):
                 for name in order.sample(list(calls), len(calls)):
                     call, t = calls[name], buffers[nbytes]
-                    k = counts.get((name, nbytes), 1)  # the same on every rank: the first round sets it
-                    dist.barrier(group=turn_group.get(name))
-                    start = time.perf_counter()
-                    for _ in range(k):
-                        call(t)
-                    per = (time.perf_counter() - start) / k
-                    slowest = torch.tensor([per], dtype=torch.float64)
-                    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # on the Gloo world, outside what is timed
+                    # the same on every rank: from the slowest rank's paces so far (the first round's
+                    # warm-up turns, then every timed turn), so one slow warm-up does not last
+                    seen = paces.setdefault((name, nbytes), [])
                     if rnd:
-                        times[name][nbytes].append(slowest.item() * 1e6)
-                    else:  # the first round warms up, and sets how many calls fit the budget
-                        fit = int(config["budget_ms"] / 1e3 / max(slowest.item(), 1e-9))
-                        counts[(name, nbytes)] = max(1, min(config["iters"], fit))
+                        turns, k = 1, counts[(name, nbytes)]
+                    else:
+                        turns, k = WARMUP_TURNS, min(WARMUP_CALLS, config["iters"])
+                    for _ in range(turns):
+                        dist.barrier(group=turn_group.get(name))
+                        start = time.perf_counter()
+                        for _ in range(k):
+                            call(t)
+                        per = (time.perf_counter() - start) / k
+                        slowest = torch.tensor([per], dtype=torch.float64)
+                        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # on the Gloo world, outside what is timed
+                        seen.append(slowest.item())
+                    if rnd:
+                        times[name][nbytes].append(seen[-1] * 1e6)
+                    counts[(name, nbytes)] = calls_per_turn(seen, config["budget_ms"], config["iters"])
             if env.rank == 0:
                 print(f"[round {rnd}/{config['rounds']}]", file=sys.stderr, flush=True)
     finally:
@@ -145,6 +170,7 @@ def measure(env, config) -> dict:
             p.wait()
     return {"world_size": n, "sizes": sizes, "times_us": {k: {str(s): v for s, v in per.items()}
                                                            for k, per in times.items()},
+            "calls_per_turn": {name: {str(s): counts[(name, s)] for s in sizes} for name in calls},
             "wrong": wrong, "deepspeed_left_out": "" if ds_call is not None else ds_why,
             "busy": config["busy"], "cores": machine.cpus()}
 
@@ -162,6 +188,7 @@ def report(result: dict) -> str:
     head = ["bytes"] + [f"{k} us" for k in names]
     ratios = [("shm native", k) for k in ("gloo", "shm python", "deepspeed") if k in med and "shm native" in med]
     ratios += [("shm direct", "deepspeed")] if "shm direct" in med and "deepspeed" in med else []
+    ratios += [("shm direct", "shm native")] if "shm direct" in med and "shm native" in med else []
     head += [f"{a.split()[-1]} / {b}" for a, b in ratios]
     rows = []
     for s in result["sizes"]:

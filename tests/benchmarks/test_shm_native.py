@@ -9,6 +9,8 @@ import json
 import shlex
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from benchmarks import shm_native
 
@@ -30,6 +32,9 @@ def test_a_short_run_times_every_variant_at_every_size(tmp_path, capsys):
     for row in ("8 B", "512 B", "32 KiB", "64 KiB"):
         assert f"\n{row.rjust(6)}" in printed, printed
     assert "8 B: shm native costs" in printed and "8 B: shm direct takes" in printed and "deepspeed left out: not asked for" in printed
+    for name in ("gloo", "shm python", "shm native", "shm direct", "floor", f"native {SETTING}"):
+        assert set(saved["calls_per_turn"][name]) == {str(s) for s in saved["sizes"]}, name
+        assert all(1 <= k <= 500 for k in saved["calls_per_turn"][name].values()), saved["calls_per_turn"]
     assert saved["command"].startswith("python -m benchmarks.shm_native --rounds 2")
     assert shlex.split(saved["command"])[3:] == argv, "the saved command, pasted into a shell, reruns it"
 
@@ -55,3 +60,24 @@ def test_a_bad_flag_is_a_usage_error_naming_it(argv, says, capsys):
 ])
 def test_a_setting_s_column_names_the_path_its_group_runs_on(setting, name):
     assert shm_native.variant_name(setting) == name
+
+
+def test_one_slow_warm_up_turn_does_not_leave_its_cell_at_one_call_a_turn():
+    """A warm-up turn that lost its core (10 ms) among ones of 10 us: the cell still makes as many
+    calls a turn as fit the budget at 10 us, not one (a turn of one call times the ranks' uneven
+    wake-up from the barrier with it, and that cell's median with it for the whole run)."""
+    assert shm_native.calls_per_turn([0.010, 1e-5, 2e-5], budget_ms=10, iters=500) == 500
+    assert shm_native.calls_per_turn([1e-5, 0.010, 2e-5], budget_ms=10, iters=500) == 500
+    assert shm_native.calls_per_turn([4e-4, 0.010, 5e-4], budget_ms=10, iters=500) == 25
+    assert shm_native.calls_per_turn([0.050], budget_ms=10, iters=500) == 1  # longer than the budget: one
+    assert shm_native.calls_per_turn([0.0], budget_ms=10, iters=7) == 7
+
+
+@settings(max_examples=200, deadline=None)
+@given(paces=st.lists(st.floats(1e-7, 1.0), min_size=1, max_size=5), budget_ms=st.floats(0.1, 100),
+       iters=st.integers(1, 1000))
+def test_property_the_count_is_the_fastest_turns_whatever_the_order(paces, budget_ms, iters):
+    k = shm_native.calls_per_turn(paces, budget_ms, iters)
+    assert k == max(shm_native.calls_per_turn([p], budget_ms, iters) for p in paces)
+    assert k == shm_native.calls_per_turn(list(reversed(paces)), budget_ms, iters)
+    assert 1 <= k <= iters
