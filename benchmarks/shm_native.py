@@ -23,9 +23,9 @@ order (the same on every rank); a variant's turn is a barrier on its group, then
 calls, timed together: as many as fit in --budget-ms at the fastest pace the cell has had so far
 (the first round's WARMUP_TURNS turns, a warm-up not counted, then each timed turn; at least 1,
 at most --iters; the same number on every rank: calls_per_turn). A cell is the median over
-rounds of the slowest rank's microseconds per call, and the JSON keeps each cell's last count. Before its first turn every
-variant all-reduces rank + 1 once and counts the elements that are not the closed form
-n (n + 1) / 2 (#wrong).
+rounds of the slowest rank's microseconds per call; the JSON keeps the count of each cell's last
+turn. Before its first turn every variant all-reduces rank + 1 once and counts the elements that
+are not the closed form n (n + 1) / 2 (#wrong).
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ def measure(env, config) -> dict:
                     # warm-up turns, then every timed turn), so one slow warm-up does not last
                     seen = paces.setdefault((name, nbytes), [])
                     if rnd:
-                        turns, k = 1, counts[(name, nbytes)]
+                        turns, k = 1, calls_per_turn(seen, config["budget_ms"], config["iters"])
                     else:
                         turns, k = WARMUP_TURNS, min(WARMUP_CALLS, config["iters"])
                     for _ in range(turns):
@@ -161,7 +161,7 @@ def measure(env, config) -> dict:
                         seen.append(slowest.item())
                     if rnd:
                         times[name][nbytes].append(seen[-1] * 1e6)
-                    counts[(name, nbytes)] = calls_per_turn(seen, config["budget_ms"], config["iters"])
+                        counts[(name, nbytes)] = k
             if env.rank == 0:
                 print(f"[round {rnd}/{config['rounds']}]", file=sys.stderr, flush=True)
     finally:
