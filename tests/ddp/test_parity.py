@@ -24,6 +24,7 @@ from ddp_from_scratch.steps.ddp import DistributedDataParallel as BucketedDataPa
 from ddp_from_scratch.steps.flat import FlatDataParallel
 from ddp_from_scratch.workload.models import Branchy, SmallNet, batch
 from ddp_from_scratch.steps.naive import NaiveDataParallel
+from ddp_from_scratch.steps.powersgd import PowerSGD
 
 
 def assert_bitwise(per_rank, what: str, only_params: bool = False) -> None:
@@ -219,6 +220,65 @@ def test_sync_gradients_after_no_sync_is_torchs_synced_backward(dist_run, ranks)
         assert all(same) and all(as_torch) and layout and buckets == 1, first
         same, _, layout, buckets = second
         assert all(same) and layout and buckets > 2, second  # rebuilt from the order the gradients arrived
+
+
+def _sync_gradients_under(env, compress, as_view, steps):
+    """Per step: both micro-batches under no_sync() then sync_gradients(), against the same
+    wrapper, built with the same options, syncing the second micro-batch's backward; SGD steps
+    both, so later steps start from trained weights. Whether each gradient and each weight has
+    the same bits, and the bucket count."""
+    torch.manual_seed(300 + env.rank)
+    model = SmallNet()
+
+    def wrap(module):
+        option = PowerSGD(start_powerSGD_iter=2) if compress == "powersgd" else compress  # compressed from step 2
+        return BucketedDataParallel(module, bucket_cap_mb=0.0005, first_bucket_mb=0.0001, compress=option,
+                                    gradient_as_bucket_view=as_view)
+
+    ours, synced = wrap(model), wrap(copy.deepcopy(model))
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (ours, synced)]
+    out = []
+    for step in range(steps):
+        for m in (ours, synced):
+            m.zero_grad(set_to_none=True)
+        with ours.no_sync():
+            for k in range(2):
+                x, y = _batch(2 * step + k, env.rank)
+                F.cross_entropy(ours(x), y).backward()
+        ours.sync_gradients()
+        with synced.no_sync():
+            x, y = _batch(2 * step, env.rank)
+            F.cross_entropy(synced(x), y).backward()
+        x, y = _batch(2 * step + 1, env.rank)
+        F.cross_entropy(synced(x), y).backward()
+        pairs = list(zip(ours.module.named_parameters(), synced.module.parameters()))
+        grads = [name for (name, a), b in pairs if not torch.equal(a.grad, b.grad)]
+        for opt in optimizers:
+            opt.step()
+        weights = [name for (name, a), b in pairs if not torch.equal(a, b)]
+        out.append((grads, weights, len(ours.buckets), len(synced.buckets), _held_in_buckets(ours),
+                    _held_in_buckets(synced)))
+    return out
+
+
+def _held_in_buckets(ddp):
+    """Whether every parameter's .grad is the very memory of its bucket slot (a view)."""
+    return all(ddp.params[i].grad.data_ptr() == b.views[pos].data_ptr()
+               for b in ddp.buckets for pos, i in enumerate(b.param_indices))
+
+
+@pytest.mark.parametrize("compress", [None, "fp16", "bf16", "powersgd"])
+@pytest.mark.parametrize("as_view", [False, True])
+def test_sync_gradients_is_the_synced_backward_under_every_option(dist_run, compress, as_view):
+    """A pipeline's sync_gradients() goes the way a synced backward goes for every wire and
+    gradient layout the wrapper takes, in the first step's one bucket and in the rebuilt ones
+    (PowerSGD: plain for two steps, then compressed, with error feedback and warm start)."""
+    for rank, per_step in enumerate(dist_run(_sync_gradients_under, 2, args=(compress, as_view, 4))):
+        for step, (grads, weights, mine, theirs, my_views, their_views) in enumerate(per_step):
+            assert not grads and not weights, f"rank {rank} step {step}: gradients {grads}, weights {weights} differ"
+            assert mine == theirs and (mine == 1) == (step == 0), (rank, step, mine, theirs)
+            assert my_views == their_views == as_view, f"rank {rank} step {step}: .grad a bucket view: " \
+                f"{my_views} after sync_gradients(), {their_views} after a synced backward, asked {as_view}"
 
 
 class TwoHeads(nn.Module):
