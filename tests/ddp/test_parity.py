@@ -22,9 +22,9 @@ from ddp_from_scratch.compare import train_side_by_side
 from ddp_from_scratch.parts.torch_hooks import bf16_compress_hook_on_gloo
 from ddp_from_scratch.steps.ddp import DistributedDataParallel as BucketedDataParallel
 from ddp_from_scratch.steps.flat import FlatDataParallel
-from ddp_from_scratch.workload.models import Branchy, SmallNet, batch
 from ddp_from_scratch.steps.naive import NaiveDataParallel
 from ddp_from_scratch.steps.powersgd import PowerSGD
+from ddp_from_scratch.workload.models import Branchy, SmallNet, batch
 
 
 def assert_bitwise(per_rank, what: str, only_params: bool = False) -> None:
