@@ -10,14 +10,17 @@ wrappers must fail the same comparison, so the check can fail.
 """
 
 import copy
+import itertools
 from functools import partial
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import collectives
+from collectives.testing import run_on_ranks
 from ddp_from_scratch.compare import train_side_by_side
 from ddp_from_scratch.parts.torch_hooks import bf16_compress_hook_on_gloo
 from ddp_from_scratch.steps.ddp import DistributedDataParallel as BucketedDataParallel
@@ -322,8 +325,6 @@ class Bf16Buckets(Fp16Buckets):
 
 
 def _with_fp16_hook(env, steps):
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
     return train_side_by_side(env, Fp16Buckets, steps, torch_comm_hook=default_hooks.fp16_compress_hook)
 
 
@@ -387,6 +388,26 @@ def test_gradient_as_bucket_view_matches_torch(n, set_to_none, dist_run):
     kwargs = {"gradient_as_bucket_view": True}
     results = dist_run(partial(train_side_by_side, ddp_kwargs=kwargs, set_to_none=set_to_none), n, args=("bucketed", 3))
     assert_bitwise(results, f"gradient_as_bucket_view, set_to_none={set_to_none}, {n} ranks")
+
+
+HOOKS = {None: None, "fp16": default_hooks.fp16_compress_hook, "bf16": bf16_compress_hook_on_gloo}
+
+
+@pytest.mark.slow  # trains 8 times
+@pytest.mark.parametrize("compress", sorted(HOOKS, key=str))
+@pytest.mark.parametrize("n", [2, 3])
+def test_the_options_together_are_torchs_ddp(n, compress):
+    """Each option is checked alone above; here every combination meets: find_unused_parameters
+    (on Branchy, whose `extra` only rank 0 uses), gradient_as_bucket_view, either zero_grad, and a
+    compressed wire against torch's DDP with the same comm hook (parameters then, as for the wire
+    alone). 48 combinations in all, each trained for 3 steps."""
+    for find_unused, as_view, set_to_none in itertools.product((False, True), repeat=3):
+        kwargs = {"find_unused_parameters": find_unused, "gradient_as_bucket_view": as_view}
+        train = partial(train_side_by_side, ddp_kwargs=kwargs, set_to_none=set_to_none,
+                        torch_comm_hook=HOOKS[compress], ours_kwargs={"compress": compress} if compress else None)
+        results = run_on_ranks(train, n, args=("bucketed", 3, "branchy" if find_unused else "small"))
+        assert_bitwise(results, f"{n} ranks, find_unused_parameters={find_unused}, gradient_as_bucket_view={as_view}, "
+                                f"compress={compress}, set_to_none={set_to_none}", only_params=bool(compress))
 
 
 def _grads_are_bucket_views(env, gradient_as_bucket_view):
