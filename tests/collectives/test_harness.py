@@ -18,9 +18,11 @@ import collectives as C
 from collectives.testing import distributed, get_pool, run_on_ranks
 
 
-# After a failure every rank answered, the ranks are kept where the backend counts each rank's
-# calls (torch's sequence numbers: Gloo, NCCL); shm keeps no such count, so its pool is rebuilt.
-KEEPS_RANKS = (os.environ.get("COLLECTIVES_TEST_BACKEND") or "gloo") != "shm"
+def keeps_ranks() -> bool:
+    """After a failure every rank answered, the ranks are kept where the backend counts each
+    rank's calls (torch's sequence numbers: Gloo, NCCL); shm keeps no such count, so its pool is
+    rebuilt. Read when a test runs: tests/shm runs this module again with shm's pools."""
+    return (os.environ.get("COLLECTIVES_TEST_BACKEND") or "gloo") != "shm"
 
 
 def _pid(env):
@@ -60,7 +62,7 @@ def test_failure_names_the_rank_and_the_pool_is_kept_only_while_its_ranks_are_in
     assert info.value.ranks == [1]
     assert "rank 1 raised" in str(info.value) and "planted assertion on rank 1" in str(info.value)
     kept = run_on_ranks(_pid, 2)
-    if KEEPS_RANKS:
+    if keeps_ranks():
         assert kept == before  # every rank answered, in step: the same ranks go on
     else:  # shm keeps no sequence numbers to compare: fresh ranks after any failure
         assert set(before).isdisjoint(kept)
@@ -133,5 +135,5 @@ def test_a_failing_property_shrinks_on_the_same_ranks():
     message = str(info.value)
     assert message.startswith("rank 1 raised AssertionError: planted: rank 1 fails from n=7, here n=7"), message
     assert "in _fails_from_7_on_rank_1(n=7) on 2 ranks" in message, message
-    if KEEPS_RANKS:
+    if keeps_ranks():
         assert run_on_ranks(_pid, 2) == before  # every example ran on the same two ranks

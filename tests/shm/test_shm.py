@@ -4,7 +4,7 @@ timeout, a late rank named at it, a sleeping rank woken by the peer it waits for
 right across the counters' wrap past 2**31, nothing left in /dev/shm however the ranks end, and
 torch's own DDP bitwise equal to torch's DDP on Gloo on 2 ranks.
 
-The whole collectives suite runs on it too: COLLECTIVES_TEST_BACKEND=shm pytest tests/collectives
+The whole collectives suite runs on it too: test_collectives_suite_on_shm.py.
 
     pytest tests/shm -q
 """
@@ -12,7 +12,6 @@ The whole collectives suite runs on it too: COLLECTIVES_TEST_BACKEND=shm pytest 
 import os
 import re
 import signal
-import sys
 import textwrap
 import time
 import warnings
@@ -572,25 +571,6 @@ def test_ranks_that_disagree_all_get_a_named_error_and_the_group_stays_usable(pa
             assert f"on rank {rank} of the shm group" in message, message
             for call in CALLS[case]:
                 assert call in message, (case, call, message)
-
-
-@pytest.mark.slow
-def test_the_collectives_suite_passes_on_shm(tmp_path):
-    """The wrappers' correctness suite, run again with shm as the backend of every pool."""
-    import subprocess
-
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    files = [os.path.join(here, "collectives", f) for f in (
-        "test_ops.py", "test_properties.py", "test_views.py", "test_gap_filling.py", "test_groups.py", "test_errors.py",
-        "test_harness.py")]
-    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}  # the outer run's options are not ours
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *files],
-                         capture_output=True, text=True, timeout=900, cwd=os.path.dirname(here),
-                         env={**env, "COLLECTIVES_TEST_BACKEND": "shm"})
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
-    summary = out.stdout.strip().splitlines()[-1]  # e.g. "573 passed in 43.57s"
-    counts = {word: int(n) for n, word in re.findall(r"(\d+) (\w+)", summary)}
-    assert counts.get("passed", 0) > 0 and not {"failed", "error", "errors"} & set(counts), summary
 
 
 def test_the_control_words_fit_the_control_area():
