@@ -180,6 +180,23 @@ def test_no_sync_accumulation_matches_torch(dist_run):
     assert dist_run(_accumulate, 2) == [True, True]
 
 
+def _two_microbatches(ours, synced, step, rank):
+    """One step of two micro-batches: `ours` accumulates both under no_sync() and then calls
+    sync_gradients() (a pipeline's step); each of `synced` accumulates the first and syncs in the
+    second's backward."""
+    with ours.no_sync():
+        for k in range(2):
+            x, y = _batch(2 * step + k, rank)
+            F.cross_entropy(ours(x), y).backward()
+    ours.sync_gradients()
+    for m in synced:
+        with m.no_sync():
+            x, y = _batch(2 * step, rank)
+            F.cross_entropy(m(x), y).backward()
+        x, y = _batch(2 * step + 1, rank)
+        F.cross_entropy(m(x), y).backward()
+
+
 def _sync_gradients_after_no_sync(env):
     """Both micro-batches under no_sync(), then sync_gradients() (a pipeline's step), against the
     same DDP syncing the second micro-batch's backward, in the first step's one bucket and in the
@@ -197,17 +214,7 @@ def _sync_gradients_after_no_sync(env):
     for step in range(2):
         for m in (ours, synced, theirs):
             m.zero_grad(set_to_none=True)
-        with ours.no_sync():
-            for k in range(2):
-                x, y = _batch(2 * step + k, env.rank)
-                F.cross_entropy(ours(x), y).backward()
-        ours.sync_gradients()
-        for m in (synced, theirs):
-            with m.no_sync():
-                x, y = _batch(2 * step, env.rank)
-                F.cross_entropy(m(x), y).backward()
-            x, y = _batch(2 * step + 1, env.rank)
-            F.cross_entropy(m(x), y).backward()
+        _two_microbatches(ours, (synced, theirs), step, env.rank)
         mine = list(ours.module.parameters())
         steps.append(([torch.equal(a.grad, b.grad) for a, b in zip(mine, synced.module.parameters())],
                       [torch.equal(a.grad, b.grad) for a, b in zip(mine, theirs.module.parameters())],
@@ -244,16 +251,7 @@ def _sync_gradients_under(env, compress, as_view, steps):
     for step in range(steps):
         for m in (ours, synced):
             m.zero_grad(set_to_none=True)
-        with ours.no_sync():
-            for k in range(2):
-                x, y = _batch(2 * step + k, env.rank)
-                F.cross_entropy(ours(x), y).backward()
-        ours.sync_gradients()
-        with synced.no_sync():
-            x, y = _batch(2 * step, env.rank)
-            F.cross_entropy(synced(x), y).backward()
-        x, y = _batch(2 * step + 1, env.rank)
-        F.cross_entropy(synced(x), y).backward()
+        _two_microbatches(ours, (synced,), step, env.rank)
         pairs = list(zip(ours.module.named_parameters(), synced.module.parameters()))
         grads = [name for (name, a), b in pairs if not torch.equal(a.grad, b.grad)]
         for opt in optimizers:
@@ -272,11 +270,12 @@ def _held_in_buckets(ddp):
 
 @pytest.mark.parametrize("compress", [None, "fp16", "bf16", "powersgd"])
 @pytest.mark.parametrize("as_view", [False, True])
-def test_sync_gradients_is_the_synced_backward_under_every_option(dist_run, compress, as_view):
+@pytest.mark.parametrize("n", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_sync_gradients_is_the_synced_backward_under_every_option(dist_run, n, compress, as_view):
     """A pipeline's sync_gradients() goes the way a synced backward goes for every wire and
     gradient layout the wrapper takes, in the first step's one bucket and in the rebuilt ones
     (PowerSGD: plain for two steps, then compressed, with error feedback and warm start)."""
-    for rank, per_step in enumerate(dist_run(_sync_gradients_under, 2, args=(compress, as_view, 4))):
+    for rank, per_step in enumerate(dist_run(_sync_gradients_under, n, args=(compress, as_view, 4))):
         for step, (grads, weights, mine, theirs, my_views, their_views) in enumerate(per_step):
             assert not grads and not weights, f"rank {rank} step {step}: gradients {grads}, weights {weights} differ"
             assert mine == theirs and (mine == 1) == (step == 0), (rank, step, mine, theirs)
@@ -393,20 +392,22 @@ def test_gradient_as_bucket_view_matches_torch(n, set_to_none, dist_run):
 HOOKS = {None: None, "fp16": default_hooks.fp16_compress_hook, "bf16": bf16_compress_hook_on_gloo}
 
 
-@pytest.mark.slow  # trains 8 times
+@pytest.mark.slow  # trains 16 times
 @pytest.mark.parametrize("compress", sorted(HOOKS, key=str))
 @pytest.mark.parametrize("n", [2, 3])
 def test_the_options_together_are_torchs_ddp(n, compress):
     """Each option is checked alone above; here every combination meets: find_unused_parameters
     (on Branchy, whose `extra` only rank 0 uses), gradient_as_bucket_view, either zero_grad, and a
     compressed wire against torch's DDP with the same comm hook (parameters then, as for the wire
-    alone). 48 combinations in all, each trained for 3 steps."""
-    for find_unused, as_view, set_to_none in itertools.product((False, True), repeat=3):
-        kwargs = {"find_unused_parameters": find_unused, "gradient_as_bucket_view": as_view}
+    alone), in DDP's default buckets (one for these models) and in small ones (several, rebuilt
+    after the first step where find_unused_parameters is off). 96 combinations in all, each trained for 3 steps."""
+    for cap, find_unused, as_view, set_to_none in itertools.product((None, 0.0005), *[(False, True)] * 3):
+        kwargs = {"bucket_cap_mb": cap, "find_unused_parameters": find_unused, "gradient_as_bucket_view": as_view}
         train = partial(train_side_by_side, ddp_kwargs=kwargs, set_to_none=set_to_none,
                         torch_comm_hook=HOOKS[compress], ours_kwargs={"compress": compress} if compress else None)
         results = run_on_ranks(train, n, args=("bucketed", 3, "branchy" if find_unused else "small"))
-        assert_bitwise(results, f"{n} ranks, find_unused_parameters={find_unused}, gradient_as_bucket_view={as_view}, "
+        assert_bitwise(results, f"{n} ranks, bucket_cap_mb={cap}, find_unused_parameters={find_unused}, "
+                                f"gradient_as_bucket_view={as_view}, "
                                 f"compress={compress}, set_to_none={set_to_none}", only_params=bool(compress))
 
 
