@@ -38,13 +38,9 @@ globals().update(TESTS)
 @pytest.fixture(autouse=True, scope="module")
 def _on_shm():
     """Every pool a test here asks for without naming a backend is an shm pool (collectives.testing.get_pool)."""
-    before = os.environ.get("COLLECTIVES_TEST_BACKEND")
-    os.environ["COLLECTIVES_TEST_BACKEND"] = "shm"
-    yield
-    if before is None:
-        del os.environ["COLLECTIVES_TEST_BACKEND"]
-    else:
-        os.environ["COLLECTIVES_TEST_BACKEND"] = before
+    with pytest.MonkeyPatch.context() as patch:  # monkeypatch itself is per test; this lasts the module
+        patch.setenv("COLLECTIVES_TEST_BACKEND", "shm")
+        yield
 
 
 def test_every_test_of_the_suite_is_collected_here():
