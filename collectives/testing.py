@@ -42,6 +42,7 @@ import importlib.machinery
 import inspect
 import os
 import sys
+from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import pytest
@@ -55,15 +56,73 @@ _pools: Dict[Tuple[int, Optional[str]], RankPool] = {}
 
 
 class _AssertRewritingLoader(importlib.machinery.SourceFileLoader):
-    """Compiles a test module with pytest's assertion rewriting, never from a cached .pyc."""
+    """Compiles a test module with pytest's assertion rewriting, never from Python's own .pyc
+    (which holds the plain asserts).
+
+    The rewritten code is read from, and written to, pytest's own cache beside it
+    (`__pycache__/<name>.cpython-311-pytest-<version>.pyc`, checked against the source's mtime and
+    size as pytest checks it): the pytest process that collected the module has usually written
+    it already. Every rank of every pool imports the test modules it runs, so parsing and
+    rewriting them each time cost a tenth of the quick tier's CPU on 2 cores."""
 
     def get_code(self, fullname):
+        cached = _rewritten_from_cache(self.path)
+        if cached is not None:
+            return cached
+        stat = os.stat(self.path)  # before the read, as pytest does: a file edited meanwhile is not cached as new
         source = self.get_data(self.path)
         from _pytest.assertion.rewrite import rewrite_asserts
 
         tree = ast.parse(source, filename=self.path)
         rewrite_asserts(tree, source, self.path)
-        return compile(tree, self.path, "exec", dont_inherit=True)
+        code = compile(tree, self.path, "exec", dont_inherit=True)
+        _cache_rewritten(self.path, stat, code)
+        return code
+
+
+def _pytest_pyc(path: str):
+    """pytest's cache file for the rewritten test module at `path`, or None where this pytest
+    keeps it elsewhere (its private layout: then every import rewrites, as before)."""
+    try:
+        from _pytest.assertion.rewrite import PYC_TAIL, get_cache_dir
+    except ImportError:
+        return None
+    source = Path(path)
+    return get_cache_dir(source) / (source.name[:-3] + PYC_TAIL)
+
+
+def _rewritten_from_cache(path: str):
+    pyc = _pytest_pyc(path)
+    if pyc is None:
+        return None
+    try:
+        from _pytest.assertion.rewrite import _read_pyc
+    except ImportError:
+        return None
+    return _read_pyc(Path(path), pyc)
+
+
+def _cache_rewritten(path: str, stat: os.stat_result, code) -> None:
+    """Write the cache as pytest does: a whole file under a name of this process's own, then
+    renamed over the cache, so a rank that reads it never sees half a file."""
+    pyc = _pytest_pyc(path)
+    if pyc is None or sys.dont_write_bytecode:
+        return
+    try:
+        from _pytest.assertion.rewrite import _write_pyc_fp
+    except ImportError:
+        return
+    partial = f"{pyc}.{os.getpid()}"
+    try:
+        os.makedirs(pyc.parent, exist_ok=True)
+        with open(partial, "wb") as f:
+            _write_pyc_fp(f, stat, code)
+        os.replace(partial, pyc)
+    except OSError:  # a read-only tree: the next import rewrites again
+        try:
+            os.unlink(partial)
+        except OSError:
+            pass
 
 
 class _AssertRewritingFinder(importlib.abc.MetaPathFinder):

@@ -87,6 +87,36 @@ def test_a_failed_assert_shows_its_values_and_the_users_frames_only():
     assert not [f for f in ("pool.py", "rank_main.py", "testing.py") if f in message], message
 
 
+def test_a_rank_reads_a_rewritten_test_module_from_pytests_cache_and_never_a_stale_one(tmp_path, monkeypatch):
+    """Ranks import test modules through collectives.testing's loader: rewritten as pytest
+    rewrites them, written once to pytest's cache, read from it after, and rewritten again once
+    the file changes."""
+    from collectives import testing
+
+    module = tmp_path / "test_cached_example.py"
+    module.write_text("def check(x):\n    assert x == 3\n")
+
+    def imported():
+        loader = testing._AssertRewritingLoader("test_cached_example", str(module))
+        namespace = {}
+        exec(loader.get_code("test_cached_example"), namespace)
+        return namespace["check"]
+
+    with pytest.raises(AssertionError, match="assert 6 == 3"):
+        imported()(6)
+    assert testing._pytest_pyc(str(module)).is_file()
+
+    parsed, parse = [], testing.ast.parse
+    monkeypatch.setattr(testing.ast, "parse", lambda *args, **kwargs: parsed.append(args) or parse(*args, **kwargs))
+    with pytest.raises(AssertionError, match="assert 6 == 3"):  # from the cache, and rewritten
+        imported()(6)
+    monkeypatch.undo()
+    assert not parsed, "parsed again: pytest's cache was not read"
+    module.write_text("def check(x):\n    assert x == 40\n")  # an edit within the same second: the size tells
+    with pytest.raises(AssertionError, match="assert 6 == 40"):
+        imported()(6)
+
+
 @pytest.mark.slow
 def test_a_hang_dumps_every_ranks_stack():
     with pytest.raises(C.RankFailure) as info:
