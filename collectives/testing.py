@@ -39,7 +39,9 @@ import functools
 import importlib
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import inspect
+import marshal
 import os
 import sys
 from pathlib import Path
@@ -52,6 +54,12 @@ from .launcher.start_methods import TRAINING, preload
 
 DEFAULT_TIMEOUT_S = 60.0
 TEST_FILES = ("test_*.py", "*_test.py", "conftest.py")  # pytest's default python_files, and conftest
+# What test modules import besides torch: a rank imports the test module to find its test, and a
+# suite starts many ranks (a pool whose test failed starts afresh), so the fork server imports
+# these once for them all. What they read of the environment at import (hypothesis: CI, its own
+# HYPOTHESIS_* variables) is then the server's; no rank uses it, as hypothesis draws its examples
+# in the pytest process.
+TEST_IMPORTS = ("pytest", "hypothesis")
 _pools: Dict[Tuple[int, Optional[str]], RankPool] = {}
 
 
@@ -91,15 +99,29 @@ def _pytest_pyc(path: str):
     return get_cache_dir(source) / (source.name[:-3] + PYC_TAIL)
 
 
+def _pyc_header(stat: os.stat_result) -> bytes:
+    """A timestamp .pyc's header (PEP 552), as pytest writes its own: the magic number, no flags,
+    and the source's mtime and size, by which a reader tells a stale file."""
+    return (importlib.util.MAGIC_NUMBER + bytes(4) + (int(stat.st_mtime) & 0xFFFFFFFF).to_bytes(4, "little")
+            + (stat.st_size & 0xFFFFFFFF).to_bytes(4, "little"))
+
+
 def _rewritten_from_cache(path: str):
     pyc = _pytest_pyc(path)
     if pyc is None:
         return None
     try:
-        from _pytest.assertion.rewrite import _read_pyc
-    except ImportError:
+        stat = os.stat(path)
+        with open(pyc, "rb") as f:
+            data = f.read()
+    except OSError:
         return None
-    return _read_pyc(Path(path), pyc)
+    if data[:16] != _pyc_header(stat):
+        return None
+    try:
+        return marshal.loads(data[16:])
+    except (EOFError, ValueError, TypeError):
+        return None
 
 
 def _cache_rewritten(path: str, stat: os.stat_result, code) -> None:
@@ -108,15 +130,11 @@ def _cache_rewritten(path: str, stat: os.stat_result, code) -> None:
     pyc = _pytest_pyc(path)
     if pyc is None or sys.dont_write_bytecode:
         return
-    try:
-        from _pytest.assertion.rewrite import _write_pyc_fp
-    except ImportError:
-        return
     partial = f"{pyc}.{os.getpid()}"
     try:
         os.makedirs(pyc.parent, exist_ok=True)
         with open(partial, "wb") as f:
-            _write_pyc_fp(f, stat, code)
+            f.write(_pyc_header(stat) + marshal.dumps(code))
         os.replace(partial, pyc)
     except OSError:  # a read-only tree: the next import rewrites again
         try:
@@ -148,7 +166,9 @@ def get_pool(world_size: int, backend: Optional[str] = None) -> RankPool:
     backend = backend or os.environ.get("COLLECTIVES_TEST_BACKEND") or None
     key = (world_size, backend)
     if key not in _pools:
-        preload(*TRAINING)  # tests that train (an optimizer, torch's DDP) then find it imported in every rank
+        # tests that train (an optimizer, torch's DDP) then find torch._dynamo imported in every rank,
+        # and every rank finds what test modules import, which it imports to find the test
+        preload(*TRAINING, *(m for m in TEST_IMPORTS if m in sys.modules))
         _pools[key] = RankPool(world_size, backend=backend, setup=install_assert_rewriting)
     return _pools[key]
 

@@ -87,6 +87,20 @@ def test_a_failed_assert_shows_its_values_and_the_users_frames_only():
     assert not [f for f in ("pool.py", "rank_main.py", "testing.py") if f in message], message
 
 
+def test_a_pools_fork_server_imports_what_test_modules_import(monkeypatch):
+    """A new pool asks the fork server to import pytest and hypothesis (and torch._dynamo) once,
+    so that no rank imports them itself: a suite starts hundreds of ranks."""
+    from collectives import testing
+
+    asked, started = [], []
+    monkeypatch.setattr(testing, "preload", lambda *modules: asked.extend(modules))
+    monkeypatch.setattr(testing, "RankPool", lambda *args, **kwargs: started.append(kwargs) or "pool")
+    monkeypatch.setattr(testing, "_pools", {})
+    assert testing.get_pool(5, "gloo") == "pool" and len(started) == 1
+    assert {"torch._dynamo", "pytest", "hypothesis"} <= set(asked), asked
+    assert started[0]["setup"] is testing.install_assert_rewriting
+
+
 def test_a_rank_reads_a_rewritten_test_module_from_pytests_cache_and_never_a_stale_one(tmp_path, monkeypatch):
     """Ranks import test modules through collectives.testing's loader: rewritten as pytest
     rewrites them, written once to pytest's cache, read from it after, and rewritten again once
