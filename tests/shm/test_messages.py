@@ -174,6 +174,7 @@ def test_a_receive_from_a_rank_that_died_names_it(path, monkeypatch):
 def _recv_that_nobody_sends(env, path):
     from datetime import timedelta
 
+    dist.barrier()  # the ranks come to the group's making together: its 1 s is the setup's, not a slow start's
     group = new_group_with({"COLLECTIVES_SHM_PATH": path}, timeout=timedelta(seconds=1))
     if env.rank == 1:
         return None  # alive, and never sends

@@ -230,6 +230,7 @@ def _late_for_a_collective(env, path):
     """Ranks 0 and 2 give up on rank 1 at the group's 1 s timeout; rank 1 comes only after that.
     Each rank makes a small all_reduce (one barrier) and one in a round (two), and then one on the
     world group. What each call returned or raised, in that order."""
+    dist.barrier()  # the ranks come to the group's making together: its 1 s is the setup's, not a slow start's
     group = shm.new_group_with({"COLLECTIVES_SHM_PATH": path}, timeout=timedelta(seconds=1))
     store = dist.distributed_c10d._get_default_store()
     gave_up = "gave up on a collective {} {}"  # per path: the pool's store outlives a test
