@@ -51,6 +51,7 @@ import pytest
 
 from .launcher.pool import RankPool
 from .launcher.start_methods import TRAINING, preload
+from .output_files import write_output
 
 DEFAULT_TIMEOUT_S = 60.0
 TEST_FILES = ("test_*.py", "*_test.py", "conftest.py")  # pytest's default python_files, and conftest
@@ -125,22 +126,16 @@ def _rewritten_from_cache(path: str):
 
 
 def _cache_rewritten(path: str, stat: os.stat_result, code) -> None:
-    """Write the cache as pytest does: a whole file under a name of this process's own, then
-    renamed over the cache, so a rank that reads it never sees half a file."""
+    """Write the cache as pytest does, whole or not at all (write_output: a file of this process's
+    own, renamed over the cache), so a rank that reads it never sees half a file."""
     pyc = _pytest_pyc(path)
     if pyc is None or sys.dont_write_bytecode:
         return
-    partial = f"{pyc}.{os.getpid()}"
     try:
         os.makedirs(pyc.parent, exist_ok=True)
-        with open(partial, "wb") as f:
-            f.write(_pyc_header(stat) + marshal.dumps(code))
-        os.replace(partial, pyc)
-    except OSError:  # a read-only tree: the next import rewrites again
-        try:
-            os.unlink(partial)
-        except OSError:
-            pass
+        write_output(str(pyc), _pyc_header(stat) + marshal.dumps(code))
+    except OSError:  # a read-only tree (OutputError is one): the next import rewrites again
+        pass
 
 
 class _AssertRewritingFinder(importlib.abc.MetaPathFinder):
