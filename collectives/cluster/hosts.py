@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -86,7 +87,9 @@ def check_can_run() -> None:
         _ip("-V")
     except FileNotFoundError:
         raise ClusterError("collectives.cluster needs iproute2's `ip` (apt-get install iproute2)") from None
-    probe = PREFIX + "probe"
+    # a name of this call's own: pytest's controller and each of its workers probe at once as they
+    # collect the tests, and one shared name made all but the first read "File exists" (and skip)
+    probe = f"{PREFIX}probe-{os.getpid()}-{secrets.token_hex(3)}"
     out = _ip("netns", "add", probe, check=False)
     if out.returncode:
         raise ClusterError(f"this machine cannot make network namespaces: {out.stderr.strip()}")

@@ -35,6 +35,24 @@ def _summary(text):
     return json.loads(next(line for line in text.splitlines() if line.startswith("{\"impl\"")))
 
 
+def test_the_probe_for_namespaces_answers_many_callers_at_once():
+    """pytest's controller and its workers each ask whether this machine can make the hosts, at
+    the same moment: every one must hear yes, or the test hosts' tests are skipped."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def probe(_):
+        try:
+            cluster.check_can_run()
+            return None
+        except cluster.ClusterError as exc:
+            return str(exc)
+
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(probe, range(32)))
+    assert answers == [None] * 32, [a for a in answers if a]
+    assert not [ns for ns in cluster_hosts._namespaces() if "probe" in ns]  # none left behind
+
+
 def test_the_hosts_reach_each_other_and_nothing_else(hosts):
     server = subprocess.Popen(cluster.host_command("node0", [sys.executable, "-c", (
         "import socket; s = socket.socket(); s.bind(('10.77.0.1', 29611)); s.listen(); c, a = s.accept(); "
