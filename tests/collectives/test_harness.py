@@ -129,6 +129,11 @@ def test_a_rank_reads_a_rewritten_test_module_from_pytests_cache_and_never_a_sta
     module.write_text("def check(x):\n    assert x == 40\n")  # an edit within the same second: the size tells
     with pytest.raises(AssertionError, match="assert 6 == 40"):
         imported()(6)
+    module.write_text("def check(x):\n    assert x == 41\n")  # the same size, a later second: the mtime tells
+    later = os.stat(module).st_mtime + 10
+    os.utime(module, (later, later))
+    with pytest.raises(AssertionError, match="assert 6 == 41"):
+        imported()(6)
 
 
 @pytest.mark.slow
