@@ -1,0 +1,51 @@
+"""The suite-CPU study charges each process to the test in its starting environment, counts the
+CPU a process used (a busy one far more than a sleeping one), and leaves out what ran before.
+
+    pytest tests/benchmarks/test_suite_cpu.py -q
+"""
+
+import json
+import subprocess
+import sys
+
+from benchmarks.studies import suite_cpu
+
+# Two children, each started as a test's: one computes for ~0.6 s, one sleeps as long.
+PROGRAM = """
+import os, subprocess, sys
+burn = "import time; t = time.process_time()\\nwhile time.process_time() - t < 0.6: pass"
+kids = [subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "PYTEST_CURRENT_TEST": test})
+        for code, test in [(burn, "tests/a.py::test_burns@grp (call)"), ("import time; time.sleep(0.6)", "tests/a.py::test_sleeps (setup)")]]
+sys.exit(sum(k.wait() for k in kids))
+"""
+
+
+def test_each_process_is_charged_to_its_test_by_the_cpu_it_used(tmp_path, capsys):
+    out = tmp_path / "cpu.json"
+    older = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert suite_cpu.main(["--json", str(out), "--", sys.executable, "-c", PROGRAM]) == 0
+    finally:
+        older.kill()
+        older.wait()
+    processes = json.loads(out.read_text())["processes"]
+    totals = suite_cpu.per_test(processes)
+    burn_cpu, burn_n = totals["tests/a.py::test_burns"]  # " (call)" and xdist's "@grp" dropped
+    sleep_cpu, sleep_n = totals["tests/a.py::test_sleeps"]
+    assert (burn_n, sleep_n) == (1, 1), totals
+    assert burn_cpu >= 0.5, totals
+    assert sleep_cpu < burn_cpu / 2, totals
+    assert not any(key.startswith(f"{older.pid}:") for key in processes), "a process older than the command was counted"
+    printed = capsys.readouterr().out
+    assert "tests/a.py::test_burns" in printed.split("tests/a.py::test_sleeps")[0], printed  # costliest first
+
+
+def test_per_test_sums_cpu_and_counts_processes():
+    processes = {"1:5": {"test": "t::a", "argv": "x", "cpu": 1.5}, "2:6": {"test": "t::a", "argv": "y", "cpu": 0.25},
+                 "3:7": {"test": suite_cpu.NO_TEST, "argv": "z", "cpu": 2.0}}
+    assert suite_cpu.per_test(processes) == {"t::a": (1.75, 2), suite_cpu.NO_TEST: (2.0, 1)}
+
+
+def test_a_failing_command_returns_its_exit_code(capsys):
+    assert suite_cpu.main(["--", sys.executable, "-c", "raise SystemExit(3)"]) == 3
+    assert "exit 3" in capsys.readouterr().out
