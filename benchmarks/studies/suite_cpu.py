@@ -10,8 +10,8 @@ a second it reads each process's CPU (/proc/PID/stat) and, the first time it see
 it belongs to: PYTEST_CURRENT_TEST in the environment it started with (/proc/PID/environ), which
 every process a test starts inherits. A process forked without a new program (a rank from a pool's
 fork server) carries its forking process's starting environment, so a pool's ranks are charged to
-the test that started the pool. Processes that live under a tenth of a second can be missed, and
-the poll's own CPU is not counted. Processes that were running before the command are left out.
+the test that started the pool. A process's last tenth of a second of CPU, or the whole of one that
+lives less, can be missed, and the poll's own CPU is not counted. Processes that were running before the command are left out.
 
 Prints the machine's busy CPU over the run (from /proc/stat), the CPU of the processes counted,
 and the costliest tests with how many processes each started. Linux only.
@@ -70,8 +70,7 @@ def _busy_ticks() -> int:
 def poll(proc: subprocess.Popen, interval: float = 0.1) -> Dict[str, dict]:
     """{pid:start: {"test", "argv", "cpu"}} for every process started after the poll began, until
     `proc` ends."""
-    before = {pid for pid in os.listdir("/proc") if pid.isdigit()}
-    started = {pid: s[1] for pid in before if (s := _stat(pid))}
+    started = {pid: s[1] for pid in os.listdir("/proc") if pid.isdigit() and (s := _stat(pid))}
     me = str(os.getpid())
     seen: Dict[str, dict] = {}
     while True:

@@ -10,10 +10,11 @@ import sys
 
 from benchmarks.studies import suite_cpu
 
-# Two children, each started as a test's: one computes for ~0.6 s, one sleeps as long.
+# Two children, each started as a test's: one computes for 0.6 s, one sleeps as long. The busy one then
+# sleeps 1 s, so that a poll delayed on a busy machine still reads its whole CPU before it exits.
 PROGRAM = """
 import os, subprocess, sys
-burn = "import time; t = time.process_time()\\nwhile time.process_time() - t < 0.6: pass"
+burn = "import time; t = time.process_time()\\nwhile time.process_time() - t < 0.6: pass\\ntime.sleep(1)"
 kids = [subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "PYTEST_CURRENT_TEST": test})
         for code, test in [(burn, "tests/a.py::test_burns@grp (call)"), ("import time; time.sleep(0.6)", "tests/a.py::test_sleeps (setup)")]]
 sys.exit(sum(k.wait() for k in kids))
@@ -49,3 +50,23 @@ def test_per_test_sums_cpu_and_counts_processes():
 def test_a_failing_command_returns_its_exit_code(capsys):
     assert suite_cpu.main(["--", sys.executable, "-c", "raise SystemExit(3)"]) == 3
     assert "exit 3" in capsys.readouterr().out
+
+
+# A child started as one test's forks without a new program, as a pool's fork server forks ranks;
+# the fork then changes its own PYTEST_CURRENT_TEST, as pytest does between tests.
+FORKING = """
+import os, subprocess, sys
+code = ("import os, time\\nif os.fork() == 0:\\n    os.environ['PYTEST_CURRENT_TEST'] = 'tests/b.py::test_later (call)'\\n"
+        "    t = time.process_time()\\n    while time.process_time() - t < 0.4: pass\\n    time.sleep(1)\\n    os._exit(0)\\n"
+        "os.wait()")
+sys.exit(subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTEST_CURRENT_TEST": "tests/b.py::test_pool (call)"}).returncode)
+"""
+
+
+def test_a_forked_process_is_charged_to_the_test_its_forking_process_started_under(tmp_path):
+    out = tmp_path / "cpu.json"
+    assert suite_cpu.main(["--json", str(out), "--", sys.executable, "-c", FORKING]) == 0
+    totals = suite_cpu.per_test(json.loads(out.read_text())["processes"])
+    assert "tests/b.py::test_later" not in totals, totals
+    cpu, n = totals["tests/b.py::test_pool"]
+    assert n == 2 and cpu >= 0.35, totals
