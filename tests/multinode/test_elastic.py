@@ -37,9 +37,9 @@ from . import needs_hosts
 
 pytestmark = needs_hosts
 
-# 4 ranks x 4 images: 128 steps an epoch, ~3.5 s here; long enough to kill a worker mid-epoch (the
-# kill comes at step 16 or soon after), and a quarter of the arithmetic of 16 images a step
-TRAIN = ["-m", "ddp_from_scratch.train", "--model", "small", "--synthetic", "--train-size", "2048", "--test-size", "64",
+# 4 ranks x 4 images: 64 steps an epoch, 128 in all (~6 s here). The fault comes at the first
+# checkpoint at or past step 16 of the first epoch, so 112 steps are left for it to land in.
+TRAIN = ["-m", "ddp_from_scratch.train", "--model", "small", "--synthetic", "--train-size", "1024", "--test-size", "64",
          "--batch-size", "4", "--epochs", "2"]
 
 
@@ -65,6 +65,8 @@ def _pids(host, agent):
 
 
 def _wait_for_checkpoint_step(folder, at_least, procs, timeout=120):
+    """(epoch, step) of the first checkpoint seen at or past step `at_least` of the first epoch: a
+    poll delayed on a busy machine may first see one from the second epoch, still mid-run."""
     import torch
 
     path = os.path.join(folder, "checkpoint.pt")
@@ -76,8 +78,8 @@ def _wait_for_checkpoint_step(folder, at_least, procs, timeout=120):
                 state = torch.load(path, weights_only=True)
             except Exception:  # written while read: the rename makes the next read whole
                 state = None
-            if state and state["epoch"] == 0 and state["step"] >= at_least:
-                return state["step"]
+            if state and (state["epoch"], state["step"]) >= (0, at_least):
+                return state["epoch"], state["step"]
         time.sleep(0.05)
     raise AssertionError(f"no checkpoint of step {at_least} in {timeout} s")
 
@@ -96,7 +98,7 @@ def uninterrupted(one_host):
 def test_a_worker_killed_on_host_2_restarts_the_group_and_ends_bitwise(hosts, tmp_path, uninterrupted):
     procs = _elastic(hosts, tmp_path / "ckpt", "elastic-worker")
     try:
-        step = _wait_for_checkpoint_step(tmp_path / "ckpt", 16, procs)
+        seen = _wait_for_checkpoint_step(tmp_path / "ckpt", 16, procs)
         victim = _pids("node1", agent=False)[0]
         os.kill(victim, signal.SIGKILL)
         outs = [p.communicate(timeout=300)[0] for p in procs]
@@ -109,7 +111,7 @@ def test_a_worker_killed_on_host_2_restarts_the_group_and_ends_bitwise(hosts, tm
     # the resume itself shows the restart: TORCHELASTIC_RESTART_COUNT is each agent's own count, 0
     # on an agent that restarted for the other host (a membership change, which torch does not count)
     assert resumed["world_size"] == 4
-    assert resumed["resumed_from_epoch"] == 0 and resumed["resumed_from_step"] >= step  # not from the start
+    assert (resumed["resumed_from_epoch"], resumed["resumed_from_step"]) >= seen  # not from the start
     assert resumed["weights_sha256"] == alone["weights_sha256"]
     assert not _pids("node0", agent=False) and not _pids("node1", agent=False)
 
