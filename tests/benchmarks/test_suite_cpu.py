@@ -1,5 +1,6 @@
 """The suite-CPU study charges each process to the test in its starting environment, counts the
-CPU a process used (a busy one far more than a sleeping one), and leaves out what ran before.
+CPU a process used (a busy one far more than a sleeping one), and leaves out what ran before;
+inside pytest it charges a long-lived child's CPU, and pytest's own, to the test running then.
 
     pytest tests/benchmarks/test_suite_cpu.py -q
 """
@@ -70,3 +71,50 @@ def test_a_forked_process_is_charged_to_the_test_its_forking_process_started_und
     assert "tests/b.py::test_later" not in totals, totals
     cpu, n = totals["tests/b.py::test_pool"]
     assert n == 2 and cpu >= 0.35, totals
+
+
+# A pytest session as the suite's: a module fixture starts a child once (a pool's rank), and a
+# later test gives it work; another test computes in pytest's own process. Each test then sleeps
+# 1 s, so that a poll delayed on a busy machine still sees the CPU while its test runs.
+SESSION = """
+import subprocess, sys, time
+import pytest
+
+RANK = "import sys, time\\nfor line in sys.stdin:\\n    t = time.process_time()\\n    while time.process_time() - t < float(line): pass\\n    print('done', flush=True)"
+
+@pytest.fixture(scope="module")
+def rank():
+    p = subprocess.Popen([sys.executable, "-c", RANK], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    yield p
+    p.stdin.close()
+    p.wait()
+
+def test_starts_the_rank(rank):
+    time.sleep(1)
+
+def test_gives_the_rank_work(rank):
+    rank.stdin.write("0.6\\n")
+    rank.stdin.flush()
+    assert rank.stdout.readline() == "done\\n"
+    time.sleep(1)
+
+def test_computes_itself():
+    t = time.process_time()
+    while time.process_time() - t < 0.6:
+        pass
+    time.sleep(1)
+"""
+
+
+def test_inside_pytest_a_long_lived_childs_cpu_and_pytests_own_go_to_the_test_running_then(tmp_path):
+    (tmp_path / "test_session.py").write_text(SESSION)
+    out = tmp_path / "cpu.json"
+    # the study's plugin reaches pytest through PYTEST_ADDOPTS; the harness's own (which imports
+    # torch) is not needed here
+    assert suite_cpu.main(["--json", str(out), "--", sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "-p", "no:collectives", str(tmp_path / "test_session.py")]) == 0
+    totals = suite_cpu.per_test(json.loads(out.read_text())["processes"])
+    cpu = {name.split("::")[-1]: c for name, (c, _) in totals.items()}
+    assert cpu.get("test_gives_the_rank_work", 0) >= 0.5, totals  # not the test that started the child
+    assert cpu.get("test_starts_the_rank", 0) < 0.3, totals
+    assert cpu.get("test_computes_itself", 0) >= 0.5, totals  # not "(no test: pytest and its workers)"
