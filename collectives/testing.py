@@ -44,11 +44,13 @@ import inspect
 import marshal
 import os
 import sys
+import weakref
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import pytest
 
+from .launcher.call_checks import check_call
 from .launcher.pool import RankPool
 from .launcher.start_methods import TRAINING, preload
 from .output_files import write_output
@@ -62,6 +64,55 @@ TEST_FILES = ("test_*.py", "*_test.py", "conftest.py")  # pytest's default pytho
 # in the pytest process.
 TEST_IMPORTS = ("pytest", "hypothesis")
 _pools: Dict[Tuple[int, Optional[str]], RankPool] = {}
+
+
+_kept: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def keep_group(group):
+    """In a test body on pooled ranks: leave `group` alive after the test, for the tests after
+    it on the same ranks (a module that makes its groups once per pool and caches them). Every
+    other group a test makes is destroyed when it returns. Returns `group`."""
+    _kept.add(group)
+    return group
+
+
+class _LeavesNoGroups:
+    """A test body that, when it returns, destroys on its rank every process group it made (a
+    test's subgroups, a DeviceMesh's, a pipeline's stages') but those given to keep_group. Each
+    Gloo group keeps a thread that wakes a hundred times a second: a pool's ranks kept every group
+    of every test before them, 30 or more each late in a suite, and their wake-ups took a fifth
+    of a core. A body that raises keeps its groups: a peer may still be inside a collective on
+    them."""
+
+    def __init__(self, fn: Callable):
+        self.fn = fn
+
+    def __call__(self, env, *args):
+        import torch.distributed as dist
+
+        world = dist.distributed_c10d._world
+        before = set(world.pg_map)
+        result = self.fn(env, *args)
+        made = [g for g in world.pg_map if g not in before and g is not world.default_pg and g not in _kept]
+        for group in made:
+            dist.destroy_process_group(group)
+        if made and "torch.distributed.tensor" in sys.modules:
+            # DTensor keeps its plans by mesh, and an equal mesh of a later test would find the
+            # destroyed group's name in them
+            import torch.distributed.tensor.debug as dtensor_debug
+
+            dtensor_debug._clear_sharding_prop_cache()
+        return result
+
+
+class _TestPool(RankPool):
+    """The harness's pools: a call leaves the ranks with the groups they had before it."""
+
+    def submit(self, fn: Callable, args: Sequence[Any] = (), timeout: float = 60.0, name: Optional[str] = None):
+        __tracebackhide__ = True
+        check_call(fn, args, timeout)
+        return super().submit(_LeavesNoGroups(fn), args, timeout, name or getattr(fn, "__qualname__", repr(fn)))
 
 
 class _AssertRewritingLoader(importlib.machinery.SourceFileLoader):
@@ -164,7 +215,7 @@ def get_pool(world_size: int, backend: Optional[str] = None) -> RankPool:
         # tests that train (an optimizer, torch's DDP) then find torch._dynamo imported in every rank,
         # and every rank finds what test modules import, which it imports to find the test
         preload(*TRAINING, *(m for m in TEST_IMPORTS if m in sys.modules))
-        _pools[key] = RankPool(world_size, backend=backend, setup=install_assert_rewriting)
+        _pools[key] = _TestPool(world_size, backend=backend, setup=install_assert_rewriting)
     return _pools[key]
 
 

@@ -94,7 +94,7 @@ def test_a_pools_fork_server_imports_what_test_modules_import(monkeypatch):
 
     asked, started = [], []
     monkeypatch.setattr(testing, "preload", lambda *modules: asked.extend(modules))
-    monkeypatch.setattr(testing, "RankPool", lambda *args, **kwargs: started.append(kwargs) or "pool")
+    monkeypatch.setattr(testing, "_TestPool", lambda *args, **kwargs: started.append(kwargs) or "pool")
     monkeypatch.setattr(testing, "_pools", {})
     assert testing.get_pool(5, "gloo") == "pool" and len(started) == 1
     assert {"torch._dynamo", "pytest", "hypothesis"} <= set(asked), asked

@@ -27,7 +27,7 @@ import collectives as C
 from collectives.errors import CollectiveMismatchError
 from collectives.launcher.pool import RankPool
 from collectives.shm import backend_of, new_group_with
-from collectives.testing import run_on_ranks
+from collectives.testing import keep_group, run_on_ranks
 
 from . import PATHS
 
@@ -40,7 +40,7 @@ def _made(rank: int) -> dict:
     if not _groups:
         for variant in ("native", "python", "mixed"):
             path = variant if variant != "mixed" else ("native" if rank % 2 == 0 else "python")
-            _groups[variant] = new_group_with({**MAILBOX, "COLLECTIVES_SHM_PATH": path})
+            _groups[variant] = keep_group(new_group_with({**MAILBOX, "COLLECTIVES_SHM_PATH": path}))
             assert backend_of(_groups[variant]).path == path
     return _groups
 

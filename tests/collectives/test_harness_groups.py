@@ -1,0 +1,87 @@
+"""The harness leaves a pool's ranks with the groups they had before each test: the groups a test
+body makes (its subgroups, a DeviceMesh's) are destroyed when it returns, but those it keeps with
+keep_group; a body that raises keeps its groups; DTensor's cached plans never name a destroyed
+group.
+
+    pytest tests/collectives/test_harness_groups.py -q
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from collectives.errors import RankFailure
+from collectives.testing import keep_group, run_on_ranks
+
+
+def _registered(env):
+    """How many groups this rank has registered, the world's among them."""
+    return len(dist.distributed_c10d._world.pg_map)
+
+
+def _makes_groups(env):
+    whole = dist.new_group(backend="gloo")
+    dist.new_group([0], backend="gloo")  # rank 1 is not in it: nothing is registered there
+    t = torch.tensor([env.rank + 1.0])
+    dist.all_reduce(t, group=whole)
+    return _registered(env), t.item()
+
+
+def _keeps_one_of_two(env):
+    keep_group(dist.new_group(backend="gloo"))
+    dist.new_group(backend="gloo")
+    return _registered(env)
+
+
+def _makes_a_group_and_raises(env):
+    dist.new_group(backend="gloo")
+    raise ValueError("planted")
+
+
+def _sums_on_the_newest_and_destroys_it(env):
+    """An all_reduce on the last group registered, which the test before left; then it goes, so
+    that the next test starts as the one before it did."""
+    newest = list(dist.distributed_c10d._world.pg_map)[-1]
+    t = torch.tensor([env.rank + 1.0])
+    dist.all_reduce(t, group=newest)
+    ranks = dist.get_process_group_ranks(newest)
+    dist.destroy_process_group(newest)
+    return t.item(), ranks
+
+
+def _a_dtensor_on_a_new_mesh(env):
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = DeviceMesh.from_group(dist.new_group(backend="gloo"), "cpu")
+    x = distribute_tensor(torch.arange(4.0), mesh, [Shard(0)])
+    return (x * 2).full_tensor().tolist()
+
+
+def test_the_groups_a_test_makes_are_gone_when_it_returns():
+    before = run_on_ranks(_registered, 2)
+    assert run_on_ranks(_makes_groups, 2) == [(before[0] + 2, 3.0), (before[1] + 1, 3.0)]
+    assert run_on_ranks(_registered, 2) == before
+
+
+def test_a_kept_group_stays_for_the_tests_after_it():
+    before = run_on_ranks(_registered, 2)
+    assert run_on_ranks(_keeps_one_of_two, 2) == [n + 2 for n in before]
+    assert run_on_ranks(_registered, 2) == [n + 1 for n in before]
+    assert run_on_ranks(_sums_on_the_newest_and_destroys_it, 2) == [(3.0, [0, 1])] * 2
+    assert run_on_ranks(_registered, 2) == before
+
+
+def test_a_body_that_raises_keeps_its_groups():
+    before = run_on_ranks(_registered, 2)
+    with pytest.raises(RankFailure, match="planted"):
+        run_on_ranks(_makes_a_group_and_raises, 2)
+    assert run_on_ranks(_registered, 2) == [n + 1 for n in before]  # Gloo's pool is kept after an answered failure
+    assert run_on_ranks(_sums_on_the_newest_and_destroys_it, 2) == [(3.0, [0, 1])] * 2
+
+
+def test_a_dtensor_on_an_equal_mesh_of_a_later_test_finds_its_own_group():
+    """DTensor caches its plans by mesh, and a mesh over the same ranks is equal to the last test's,
+    whose group is destroyed: the harness empties that cache with the groups."""
+    for _ in range(2):
+        assert run_on_ranks(_a_dtensor_on_a_new_mesh, 2) == [[0.0, 2.0, 4.0, 6.0]] * 2
