@@ -44,7 +44,6 @@ import inspect
 import marshal
 import os
 import sys
-import weakref
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -66,44 +65,65 @@ TEST_IMPORTS = ("pytest", "hypothesis")
 _pools: Dict[Tuple[int, Optional[str]], RankPool] = {}
 
 
-_kept: "weakref.WeakSet" = weakref.WeakSet()
+# On a pool's rank: the module whose groups are kept, and what kept_groups made for it
+_kept: Dict[str, Any] = {"module": None, "made": {}, "groups": []}
 
 
-def keep_group(group):
-    """In a test body on pooled ranks: leave `group` alive after the test, for the tests after
-    it on the same ranks (a module that makes its groups once per pool and caches them). Every
-    other group a test makes is destroyed when it returns. Returns `group`."""
-    _kept.add(group)
-    return group
+def kept_groups(key, make: Callable[[], Any]):
+    """In a test body on pooled ranks: what `make()` returns (a group, or groups in a dict or
+    list), made by the first of this module's tests to ask for `key` and handed to its later
+    tests on the same ranks; the groups it made live until a test of another module runs on these
+    ranks. Every other group a test makes is destroyed when it returns. Every rank must ask for the
+    same keys in the same order, as new_group asks.
+
+        groups = kept_groups(("native", queued), lambda: {p: new_group_with({...}) for p in PATHS})
+    """
+    import torch.distributed as dist
+
+    if key not in _kept["made"]:
+        before = set(dist.distributed_c10d._world.pg_map)
+        _kept["made"][key] = make()
+        _kept["groups"] += [g for g in dist.distributed_c10d._world.pg_map if g not in before]
+    return _kept["made"][key]
 
 
 class _LeavesNoGroups:
     """A test body that, when it returns, destroys on its rank every process group it made (a
-    test's subgroups, a DeviceMesh's, a pipeline's stages') but those given to keep_group. Each
-    Gloo group keeps a thread that wakes a hundred times a second: a pool's ranks kept every group
-    of every test before them, 30 or more each late in a suite, and their wake-ups took a fifth
-    of a core. A body that raises keeps its groups: a peer may still be inside a collective on
-    them."""
+    test's subgroups, a DeviceMesh's, a pipeline's stages') but those it made through
+    kept_groups, which go when a body of another module comes. Each Gloo group keeps a thread that
+    wakes a hundred times a second: a pool's ranks kept every group of every test before them, 30
+    or more each late in a suite, and their wake-ups took a fifth of a core. A body that raises
+    keeps its groups: a peer may still be inside a collective on them."""
 
     def __init__(self, fn: Callable):
         self.fn = fn
+        self.module = getattr(fn, "module", None) or getattr(fn, "__module__", None)
 
     def __call__(self, env, *args):
         import torch.distributed as dist
 
         world = dist.distributed_c10d._world
+        if self.module != _kept["module"]:
+            _destroy([g for g in _kept["groups"] if g in world.pg_map])
+            _kept.update(module=self.module, made={}, groups=[])
         before = set(world.pg_map)
         result = self.fn(env, *args)
-        made = [g for g in world.pg_map if g not in before and g is not world.default_pg and g not in _kept]
-        for group in made:
-            dist.destroy_process_group(group)
-        if made and "torch.distributed.tensor" in sys.modules:
-            # DTensor keeps its plans by mesh, and an equal mesh of a later test would find the
-            # destroyed group's name in them
-            import torch.distributed.tensor.debug as dtensor_debug
-
-            dtensor_debug._clear_sharding_prop_cache()
+        kept = set(_kept["groups"])
+        _destroy([g for g in world.pg_map if g not in before and g is not world.default_pg and g not in kept])
         return result
+
+
+def _destroy(groups) -> None:
+    import torch.distributed as dist
+
+    for group in groups:
+        dist.destroy_process_group(group)
+    if groups and "torch.distributed.tensor" in sys.modules:
+        # DTensor keeps its plans by mesh, and an equal mesh of a later test would find the
+        # destroyed group's name in them
+        import torch.distributed.tensor.debug as dtensor_debug
+
+        dtensor_debug._clear_sharding_prop_cache()
 
 
 class _TestPool(RankPool):

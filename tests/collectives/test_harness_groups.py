@@ -1,7 +1,7 @@
 """The harness leaves a pool's ranks with the groups they had before each test: the groups a test
-body makes (its subgroups, a DeviceMesh's) are destroyed when it returns, but those it keeps with
-keep_group; a body that raises keeps its groups; DTensor's cached plans never name a destroyed
-group.
+body makes (its subgroups, a DeviceMesh's) are destroyed when it returns, but those it makes
+through kept_groups, which serve the module's later tests and go when another module's test
+comes; a body that raises keeps its groups; DTensor's cached plans never name a destroyed group.
 
     pytest tests/collectives/test_harness_groups.py -q
 """
@@ -11,7 +11,9 @@ import torch
 import torch.distributed as dist
 
 from collectives.errors import RankFailure
-from collectives.testing import keep_group, run_on_ranks
+from collectives.testing import kept_groups, run_on_ranks
+
+from .test_harness import _pid  # a body of another module
 
 
 def _registered(env):
@@ -28,9 +30,15 @@ def _makes_groups(env):
 
 
 def _keeps_one_of_two(env):
-    keep_group(dist.new_group(backend="gloo"))
+    kept = kept_groups("whole", lambda: dist.new_group(backend="gloo"))
     dist.new_group(backend="gloo")
-    return _registered(env)
+    return _registered(env), _sum_on(kept)
+
+
+def _sum_on(group):
+    t = torch.tensor([dist.get_rank() + 1.0])
+    dist.all_reduce(t, group=group)
+    return t.item()
 
 
 def _makes_a_group_and_raises(env):
@@ -64,11 +72,13 @@ def test_the_groups_a_test_makes_are_gone_when_it_returns():
     assert run_on_ranks(_registered, 2) == before
 
 
-def test_a_kept_group_stays_for_the_tests_after_it():
+def test_a_kept_group_serves_the_modules_later_tests_and_goes_when_another_modules_test_comes():
+    run_on_ranks(_pid, 2)  # whatever an earlier module kept is gone
     before = run_on_ranks(_registered, 2)
-    assert run_on_ranks(_keeps_one_of_two, 2) == [n + 2 for n in before]
+    assert run_on_ranks(_keeps_one_of_two, 2) == [(n + 2, 3.0) for n in before]
     assert run_on_ranks(_registered, 2) == [n + 1 for n in before]
-    assert run_on_ranks(_sums_on_the_newest_and_destroys_it, 2) == [(3.0, [0, 1])] * 2
+    assert run_on_ranks(_keeps_one_of_two, 2) == [(n + 2, 3.0) for n in before]  # the same kept group, not a second
+    run_on_ranks(_pid, 2)
     assert run_on_ranks(_registered, 2) == before
 
 

@@ -27,22 +27,24 @@ import collectives as C
 from collectives.errors import CollectiveMismatchError
 from collectives.launcher.pool import RankPool
 from collectives.shm import backend_of, new_group_with
-from collectives.testing import keep_group, run_on_ranks
+from collectives.testing import kept_groups, run_on_ranks
 
 from . import PATHS
 
 MAILBOX = {"COLLECTIVES_SHM_MAILBOX_KB": "1"}  # 512-byte pieces: a message of a few KiB goes in many
-_groups: dict = {}
 
 
 def _made(rank: int) -> dict:
-    """This rank's native, Python and mixed groups, made once per pool in the same order on every rank."""
-    if not _groups:
+    """This rank's native, Python and mixed groups, made once per pool for this module, in the same order on every rank."""
+    def make():
+        made = {}
         for variant in ("native", "python", "mixed"):
             path = variant if variant != "mixed" else ("native" if rank % 2 == 0 else "python")
-            _groups[variant] = keep_group(new_group_with({**MAILBOX, "COLLECTIVES_SHM_PATH": path}))
-            assert backend_of(_groups[variant]).path == path
-    return _groups
+            made[variant] = new_group_with({**MAILBOX, "COLLECTIVES_SHM_PATH": path})
+            assert backend_of(made[variant]).path == path
+        return made
+
+    return kept_groups("native, python, mixed", make)
 
 
 def _message(seed: int, rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:

@@ -30,7 +30,7 @@ from collectives.reduce_ops import TORCH_OPS, check_op_dtype
 from collectives.shm import backend_of, new_group_with
 from collectives.shm.native_setup import NATIVE_DTYPES
 from collectives.shm.python_path import small_limit
-from collectives.testing import keep_group, run_on_ranks
+from collectives.testing import kept_groups, run_on_ranks
 
 SETTINGS = {"COLLECTIVES_SHM_SLOT_MB": str(4 / 1024), "COLLECTIVES_SHM_PIECE_KB": "0.25"}
 SLOT_BYTES = 4096
@@ -47,25 +47,24 @@ MOVING = ("broadcast", "all_gather_into_tensor", "all_gather", "gather", "scatte
 REDUCING = ("all_reduce", "direct all_reduce", "reduce", "reduce_scatter_tensor", "reduce_scatter")
 ONE_TENSOR = ("all_reduce", "direct all_reduce", "reduce", "broadcast")
 DTYPE_NAMES = [str(d).replace("torch.", "") for d in NATIVE_DTYPES]
-_groups: dict = {}
 
 
 def _made(rank: int, queued: bool, round_kb: str = "auto") -> dict:
-    """The three groups (native, python, mixed) of this rank, made once per pool: in the same
-    order on every rank, each with its settings in the environment while it is made."""
-    key = (queued, round_kb)
-    if key not in _groups:
+    """The three groups (native, python, mixed) of this rank, made once per pool for this module:
+    in the same order on every rank, each with its settings in the environment while it is made."""
+    def make():
         made = {}
         for variant in ("native", "python", "mixed"):
             path = variant if variant != "mixed" else ("native" if rank % 2 == 0 else "python")
             round_size, _, regions = round_kb.partition("/")
-            made[variant] = keep_group(new_group_with({**SETTINGS, "COLLECTIVES_SHM_PATH": path,
-                                                       "COLLECTIVES_SHM_INLINE_BYTES": "0" if queued else "65536",
-                                                       "COLLECTIVES_SHM_ROUND_KB": round_size,
-                                                       "COLLECTIVES_SHM_REGIONS": regions or "2"}))
+            made[variant] = new_group_with({**SETTINGS, "COLLECTIVES_SHM_PATH": path,
+                                            "COLLECTIVES_SHM_INLINE_BYTES": "0" if queued else "65536",
+                                            "COLLECTIVES_SHM_ROUND_KB": round_size,
+                                            "COLLECTIVES_SHM_REGIONS": regions or "2"})
             assert backend_of(made[variant]).path == path, (variant, backend_of(made[variant]).path)
-        _groups[key] = made
-    return _groups[key]
+        return made
+
+    return kept_groups((queued, round_kb), make)
 
 
 def _values(seed: int, rank: int, numel: int, dtype: torch.dtype, op: str) -> torch.Tensor:
@@ -354,10 +353,9 @@ def test_a_coalesced_call_that_disagrees_raises_the_mismatch_on_every_rank():
 
 # -- queued calls waited in any order -------------------------------------------------------------
 def _queued_group(path: str):
-    if ("queued-only", path) not in _groups:  # every call queued for the worker thread (or run by its waiter)
-        _groups[("queued-only", path)] = keep_group(new_group_with({**SETTINGS, "COLLECTIVES_SHM_INLINE_BYTES": "0",
-                                                                    "COLLECTIVES_SHM_PATH": path}))
-    return _groups[("queued-only", path)]
+    # every call queued for the worker thread (or run by its waiter)
+    return kept_groups(("queued-only", path), lambda: new_group_with({**SETTINGS, "COLLECTIVES_SHM_INLINE_BYTES": "0",
+                                                                     "COLLECTIVES_SHM_PATH": path}))
 
 
 def _waited_in_any_order(env, path, calls, orders, callback_at):
@@ -480,11 +478,9 @@ def _around_the_small_limit(env):
     group with a slot large enough for it, and the direct call on the native one; the bytes each
     leaves, and the path each side chose."""
     key = ("small limit", env.world_size)
-    if key not in _groups:
-        _groups[key] = {variant: keep_group(new_group_with({"COLLECTIVES_SHM_SLOT_MB": "0.5", "COLLECTIVES_SHM_PATH": path}))
-                        for variant, path in (("native", "native"), ("python", "python"),
-                                              ("mixed", "native" if env.rank % 2 == 0 else "python"))}
-    groups = _groups[key]
+    groups = kept_groups(key, lambda: {
+        variant: new_group_with({"COLLECTIVES_SHM_SLOT_MB": "0.5", "COLLECTIVES_SHM_PATH": path})
+        for variant, path in (("native", "native"), ("python", "python"), ("mixed", "native" if env.rank % 2 == 0 else "python"))})
     limit = small_limit(env.world_size)
     found = {}
     for numel in (limit // 4, limit // 4 + 1):
