@@ -12,10 +12,11 @@ one folder up; these answer how the project got there (`python -m benchmarks.stu
     harness_speed        multi-rank test cases a minute, by start method
     suite_durations      where the test suite's time goes, from pytest's --durations
     suite_cpu            where the test suite's CPU goes: each test's processes, read from /proc
+    pool_idle            what the harness's pooled ranks cost while they wait, thread by thread
 C programs (cc -O2, their headers say how to run them):
     lost_wake.c          a waker and a sleeper on the shm futex protocol: is a wake ever lost
     line_handoff.c       what passing a cache line between two cores costs, by ring size
 """
 
 STUDIES = ("shm_wait", "shm_paths", "shm_small_path", "recorder_cost", "bridge_load", "race_ablation", "ddp_hook_cost",
-           "harness_speed", "suite_durations", "suite_cpu")
+           "harness_speed", "suite_durations", "suite_cpu", "pool_idle")
