@@ -1,8 +1,9 @@
 """What this machine and its processes are, read one way by every part that asks: the CPUs this
-process may run on, the memory the kernel can give, and whether a process runs.
+process may run on, the memory the kernel can give, whether a process runs, and what runs below it.
 
-    from collectives.machine import alive, cpus, cpu_set, available_memory
+    from collectives.machine import alive, cpus, cpu_set, available_memory, descendants
     alive(os.getpid())    # True
+    descendants(pid)      # every process below pid: its children, theirs, ...
     cpus()                # 2: the CPUs this process's affinity allows, not the machine's count
 
 The shm backend's peer checks and its wait, the programs' memory checks, the reaper and the test
@@ -52,3 +53,23 @@ def alive(pid: int) -> bool:
         return True
     fields = text.rsplit(")", 1)[-1].split()  # the command in (...) may hold spaces and parentheses
     return bool(fields) and fields[0] not in ("Z", "X")
+
+
+def descendants(pid: int) -> list:
+    """Every process below `pid` (children, their children, ...), from each process's parent in
+    /proc; a process that ends while it is read is left out."""
+    children: dict = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, stack = [], [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found

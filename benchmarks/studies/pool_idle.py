@@ -19,29 +19,9 @@ from typing import Dict, Tuple
 
 from collectives import cli
 from collectives.cli import command
+from collectives.machine import descendants
 
 TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-def descendants(pid: int) -> set:
-    """The process ids below `pid`, from each process's parent in /proc."""
-    parents = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    text = f.read()
-            except OSError:
-                continue
-            parents[int(entry)] = int(text[text.rindex(")") + 2:].split()[1])
-    below, grew = set(), True
-    while grew:
-        grew = False
-        for child, parent in parents.items():
-            if child not in below and (parent == pid or parent in below):
-                below.add(child)
-                grew = True
-    return below
 
 
 def threads(pids) -> Dict[Tuple[int, str], Tuple[str, float, int]]:
@@ -102,8 +82,7 @@ def build_parser():
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not args.seconds > 0:
-        parser.error(f"--seconds must be above 0, got {args.seconds}")
+    cli.check_positive(parser, args, "--seconds", "seconds")
     if not os.path.isdir("/proc/self/task"):
         parser.error("needs Linux's /proc")
     import pytest

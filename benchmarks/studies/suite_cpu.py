@@ -139,7 +139,6 @@ def poll(proc: subprocess.Popen, before: Dict[str, int], interval: float = 0.1,
     `before` (from `running()` before `proc` started), until `proc` ends. "test" is the one it
     started under; "charged" splits its CPU between the tests that ran while it used it, as the
     module docstring says, with `folder` the one where pytest processes name their test."""
-    started = before
     me = str(os.getpid())
     seen: Dict[str, dict] = {}
     chains: Dict[str, List[str]] = {}  # each process's ancestry when first seen: it outlives a parent's exit
@@ -149,7 +148,7 @@ def poll(proc: subprocess.Popen, before: Dict[str, int], interval: float = 0.1,
         stats = {pid: s for pid in os.listdir("/proc") if pid.isdigit() and pid != me and (s := _stat(pid))}
         parents = {pid: s[2] for pid, s in stats.items()}
         for pid, (cpu, start, _) in stats.items():
-            if started.get(pid) == start:
+            if before.get(pid) == start:
                 continue  # running before the command
             key = f"{pid}:{start}"
             if key not in seen:

@@ -21,9 +21,9 @@ def _registered(env):
     return len(dist.distributed_c10d._world.pg_map)
 
 
-def _makes_groups(env):
-    whole = dist.new_group(backend="gloo")
-    dist.new_group([0], backend="gloo")  # rank 1 is not in it: nothing is registered there
+def _makes_groups(env, backend):
+    whole = dist.new_group(backend=backend)
+    dist.new_group([0], backend=backend)  # rank 1 is not in it: nothing is registered there
     t = torch.tensor([env.rank + 1.0])
     dist.all_reduce(t, group=whole)
     return _registered(env), t.item()
@@ -66,9 +66,10 @@ def _a_dtensor_on_a_new_mesh(env):
     return (x * 2).full_tensor().tolist()
 
 
-def test_the_groups_a_test_makes_are_gone_when_it_returns():
+@pytest.mark.parametrize("backend", ["gloo", "shm"])
+def test_the_groups_a_test_makes_are_gone_when_it_returns(backend):
     before = run_on_ranks(_registered, 2)
-    assert run_on_ranks(_makes_groups, 2) == [(before[0] + 2, 3.0), (before[1] + 1, 3.0)]
+    assert run_on_ranks(_makes_groups, 2, args=(backend,)) == [(before[0] + 2, 3.0), (before[1] + 1, 3.0)]
     assert run_on_ranks(_registered, 2) == before
 
 

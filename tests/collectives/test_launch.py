@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 import collectives as C
+from collectives.machine import descendants
 
 
 def _who(env, k):
@@ -238,25 +239,6 @@ LAUNCHER = textwrap.dedent("""
     if __name__ == "__main__":
         collectives.run(work, world_size=2, args=(sys.argv[1],))
 """)
-
-
-def descendants(pid: int):
-    """Every process below `pid`, read from /proc."""
-    children = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    found, stack = [], [pid]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            found.append(child)
-            stack.append(child)
-    return found
 
 
 def start_and_kill(argv, sig, ready, tmp_path, env=None):
