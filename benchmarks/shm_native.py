@@ -134,6 +134,8 @@ def measure(env, config) -> dict:
     sizes = size_list(config["minbytes"], config["maxbytes"], config["stepfactor"], with_end=True)  # the largest always
     buffers = {nbytes: torch.zeros(max(1, nbytes // 4)) for nbytes in sizes}
     times = {name: {nbytes: [] for nbytes in sizes} for name in calls}
+    shm_of = {name: backend_of(turn_group[name]) for name in calls if name in turn_group and name != "gloo"}
+    waits = {name: {nbytes: [0, 0, 0, 0] for nbytes in sizes} for name in shm_of}  # calls, spun, cut, slept
     order = random.Random(0)
     counts: dict = {}
     paces: dict = {}
@@ -152,10 +154,17 @@ def measure(env, config) -> dict:
                         turns, k = WARMUP_TURNS, min(WARMUP_CALLS, config["iters"])
                     for _ in range(turns):
                         dist.barrier(group=turn_group.get(name))
+                        before = _wait_counts(shm_of.get(name))
                         start = time.perf_counter()
                         for _ in range(k):
                             call(t)
                         per = (time.perf_counter() - start) / k
+                        if rnd and name in shm_of:
+                            after = _wait_counts(shm_of[name])
+                            cell = waits[name][nbytes]
+                            cell[0] += k
+                            for i in range(3):
+                                cell[i + 1] += after[i] - before[i]
                         slowest = torch.tensor([per], dtype=torch.float64)
                         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # on the Gloo world, outside what is timed
                         seen.append(slowest.item())
@@ -168,11 +177,39 @@ def measure(env, config) -> dict:
         for p in busy:
             p.kill()
             p.wait()
-    return {"world_size": n, "sizes": sizes, "times_us": {k: {str(s): v for s, v in per.items()}
+    totals = torch.tensor([c for per in waits.values() for cell in per.values() for c in cell], dtype=torch.int64)
+    dist.all_reduce(totals)  # every rank's waits together
+    it = iter(totals.tolist())
+    waits = {name: {str(s): dict(zip(("calls", "spun", "cut", "slept"), (next(it) for _ in range(4))))
+                    for s in sizes} for name in waits}
+    return {"world_size": n, "sizes": sizes, "waits": waits, "times_us": {k: {str(s): v for s, v in per.items()}
                                                            for k, per in times.items()},
             "calls_per_turn": {name: {str(s): counts[(name, s)] for s in sizes} for name in calls},
             "wrong": wrong, "deepspeed_left_out": "" if ds_call is not None else ds_why,
             "busy": config["busy"], "cores": machine.cpus()}
+
+
+def _wait_counts(group_backend) -> tuple:
+    """(spun, cut, slept) of this rank's waits on an shm group so far (ProcessGroupShm.spins and
+    .sleeps); zeros for a variant without one."""
+    if group_backend is None:
+        return (0, 0, 0)
+    spins = group_backend.spins()
+    return (spins["spun"], spins["cut"], group_backend.sleeps()["slept"])
+
+
+def wait_report(result: dict) -> str:
+    """Per shm variant and size, over every rank's timed calls: the waits at a barrier that spun,
+    those whose spin reading the machine cut short, and the futex sleeps, each per rank and call."""
+    lines = ["waits per rank and call (every rank's timed calls): spun / cut short / slept in the kernel"]
+    for name, per in result.get("waits", {}).items():
+        cells = []
+        for s in result["sizes"]:
+            w = per[str(s)]
+            calls = max(1, w["calls"])
+            cells.append(f"{_size(s)} {w['spun'] / calls:.2f}/{w['cut'] / calls:.2f}/{w['slept'] / calls:.2f}")
+        lines.append(f"  {name}: " + ", ".join(cells))
+    return "\n".join(lines)
 
 
 def _size(nbytes: int) -> str:
@@ -209,6 +246,12 @@ def report(result: dict) -> str:
         s0 = result["sizes"][0]
         lines.append(f"{_size(s0)}: shm direct takes {med['shm direct'][s0]:.2f} us (collectives.shm.all_reduce: the "
                      "native call without torch's dispatch)")
+    if result["world_size"] + result["busy"] >= result["cores"]:
+        lines.append(f"every core holds a rank{' or a busy process' if result['busy'] else ''} "
+                     f"({result['world_size'] + result['busy']} on {result['cores']} cores): any other thread "
+                     "(a group's loop, a worker, the system) takes some rank's core while the others wait for it, "
+                     "so medians jump between neighbouring sizes from run to run; leave a core free for steady "
+                     "figures (benchmarks/RESULTS.md, \"When every core holds a rank\")")
     lines.append("#wrong (rank + 1 all-reduced once, against n (n + 1) / 2): "
                  + ", ".join(f"{k} {v}" for k, v in result["wrong"].items()))
     if result["deepspeed_left_out"]:
@@ -232,6 +275,8 @@ def build_parser():
     parser.add_argument("--setting", action="append", default=[], metavar="VAR=VALUE", type=shm_setting,
                         help="also time a native group made with this COLLECTIVES_SHM_* setting (repeatable; A=1,B=2 for one group with both)")
     parser.add_argument("--json", default=None, help="also write every round's times here")
+    parser.add_argument("--waits", action="store_true",
+                        help="also print, per shm variant and size, how its barrier waits went: spun, cut short, slept")
     return parser
 
 
@@ -256,6 +301,8 @@ def main(argv=None) -> int:
         for f in left:  # DeepSpeed leaves its buffer (69 MB a rank) in /dev/shm after every run
             os.unlink(f)
     print(report(result))
+    if args.waits:
+        print(wait_report(result))
     if left:
         print(f"removed what DeepSpeed left in /dev/shm: {len(left)} files ({', '.join(map(os.path.basename, left))})")
     if args.json:

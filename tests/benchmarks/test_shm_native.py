@@ -21,7 +21,7 @@ def test_a_short_run_times_every_variant_at_every_size(tmp_path, capsys):
     out = tmp_path / "native.json"
     argv = ["--rounds", "2", "-b", "8", "-e", "64K", "-f", "64", "--budget-ms", "1",
             "--variants", "gloo", "shm python", "shm native", "shm direct", "floor", "--setting", SETTING,
-            "--json", str(out)]
+            "--waits", "--json", str(out)]
     assert shm_native.main(argv) == 0
     printed = capsys.readouterr().out
     saved = json.loads(out.read_text())
@@ -35,8 +35,24 @@ def test_a_short_run_times_every_variant_at_every_size(tmp_path, capsys):
     for name in ("gloo", "shm python", "shm native", "shm direct", "floor", f"native {SETTING}"):
         assert set(saved["calls_per_turn"][name]) == {str(s) for s in saved["sizes"]}, name
         assert all(1 <= k <= 500 for k in saved["calls_per_turn"][name].values()), saved["calls_per_turn"]
+    for name in ("shm python", "shm native", "shm direct", "floor", f"native {SETTING}"):  # the shm groups' waits
+        for s in saved["sizes"]:
+            w = saved["waits"][name][str(s)]
+            assert w["calls"] >= 2 * 2, (name, s, w)  # 2 timed rounds of at least one call, on each of 2 ranks
+            assert w["spun"] >= w["cut"] >= 0 and w["slept"] >= 0, (name, s, w)
+    assert all(w["spun"] == w["slept"] == 0 for w in saved["waits"]["floor"].values()), "the floor never waits"
+    assert "gloo" not in saved["waits"]
+    assert "waits per rank and call" in printed and "  shm native: 8 B " in printed
     assert saved["command"].startswith("python -m benchmarks.shm_native --rounds 2")
     assert shlex.split(saved["command"])[3:] == argv, "the saved command, pasted into a shell, reruns it"
+
+
+@pytest.mark.parametrize("ranks, busy, cores, noted", [(16, 0, 16, True), (15, 0, 16, False), (2, 0, 2, True),
+                                                       (2, 1, 3, True), (2, 1, 4, False)])
+def test_the_report_says_when_every_core_holds_a_rank(ranks, busy, cores, noted):
+    result = {"world_size": ranks, "busy": busy, "cores": cores, "sizes": [8], "wrong": {"shm native": 0},
+              "deepspeed_left_out": "", "times_us": {"shm native": {"8": [10.0, 12.0]}}}
+    assert ("every core holds a rank" in shm_native.report(result)) == noted
 
 
 @pytest.mark.parametrize("argv, says", [
