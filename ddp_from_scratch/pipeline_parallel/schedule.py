@@ -49,9 +49,14 @@ class Action:
         return f"{self.kind}{self.microbatch}" + (f":{self.chunk}" if self.chunk else "")
 
 
-def _check(stages: int, microbatches: int) -> None:
+def _check(stages: int, microbatches: int, chunks: int = 1) -> None:
+    for name, value in (("stages", stages), ("microbatches", microbatches), ("chunks a rank", chunks)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"a schedule's {name} must be a whole number, got {value!r}")
     if stages < 1 or microbatches < 1:
         raise ValueError(f"a schedule needs at least 1 stage and 1 microbatch, got {stages} and {microbatches}")
+    if chunks < 1:
+        raise ValueError(f"a schedule needs at least 1 chunk a rank, got {chunks}")
 
 
 def gpipe(stages: int, microbatches: int) -> List[List[Action]]:
@@ -105,9 +110,7 @@ def _rounds(schedule: str, stages: int, microbatches: int):
 
 def interleaved(stages: int, microbatches: int, chunks: int = 2) -> List[List[Action]]:
     """Interleaved 1F1B with `chunks` (v) model chunks a rank (see the module docstring)."""
-    _check(stages, microbatches)
-    if chunks < 1:
-        raise ValueError(f"interleaving needs at least 1 chunk a rank, got {chunks}")
+    _check(stages, microbatches, chunks)
     rounds, g = _rounds("interleaved 1F1B", stages, microbatches)
     forwards = [Action(FORWARD, k * g + i, c) for k in range(rounds) for c in range(chunks) for i in range(g)]
     backwards = [Action(BACKWARD, k * g + i, c) for k in range(rounds) for c in reversed(range(chunks))
@@ -121,7 +124,7 @@ def interleaved(stages: int, microbatches: int, chunks: int = 2) -> List[List[Ac
 
 def zero_bubble(stages: int, microbatches: int, chunks: int = 1) -> List[List[Action]]:
     """Zero bubble with `chunks` (v) model chunks a rank, 1 or more (see the module docstring)."""
-    _check(stages, microbatches)
+    _check(stages, microbatches, chunks)
     rounds, g = _rounds("zero bubble", stages, microbatches)
     forwards = [Action(FORWARD, k * g + i, c) for k in range(rounds) for c in range(chunks) for i in range(g)]
     inputs = [Action(INPUT, k * g + i, c) for k in range(rounds) for c in reversed(range(chunks)) for i in range(g)]

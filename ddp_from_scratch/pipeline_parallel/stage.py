@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .schedule import BACKWARD, FORWARD, GRADIENT_SENDERS, INPUT, WEIGHT, Action, chunks_of
+from .schedule import BACKWARD, FORWARD, GRADIENT_SENDERS, INPUT, WEIGHT, Action, check, chunks_of
 from .two_part_backward import input_gradient
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32]
@@ -71,6 +71,35 @@ class _Saved:
         stage._saved_bytes += self.nbytes
         stage._peak_bytes = max(stage._peak_bytes, stage._saved_bytes)
         weakref.finalize(self, Stage._release, weakref.ref(stage), self.nbytes)
+
+
+def _check_output(stage: int, y) -> None:
+    """A ValueError unless `y`, the output stage `stage` passes on, is one floating-point tensor."""
+    if not isinstance(y, torch.Tensor):
+        raise ValueError(f"stage {stage} returned a {type(y).__name__}: a stage that passes its output on must return "
+                         f"one tensor (the next stage's input); return extra outputs from the last stage, or carry "
+                         f"them inside the tensor")
+    if not (y.is_floating_point() or y.is_complex()):
+        raise ValueError(f"stage {stage}'s output is {y.dtype}: the output a stage passes on must be floating point, "
+                         f"since the next stage sends its gradient back through it (integer token ids belong in "
+                         f"stage 0's input)")
+
+
+def _check_microbatches(what: str, given, microbatches: int, meta) -> None:
+    """A ValueError unless `given` holds `microbatches` tensors, each (for the inputs) of the dtype
+    and shape agree_shapes() was given."""
+    if given is None:
+        raise ValueError(f"this rank holds the {'first' if what == 'inputs' else 'last'} stage: run() needs its "
+                         f"{what}, one a microbatch")
+    if len(given) != microbatches:
+        raise ValueError(f"the schedule runs {microbatches} microbatches; run() got {len(given)} {what}")
+    if meta is None:
+        return
+    for i, t in enumerate(given):
+        if (t.dtype, tuple(t.shape)) != meta:
+            raise ValueError(f"microbatch {i} is {t.dtype} {tuple(t.shape)}, but agree_shapes() was given "
+                             f"{meta[0]} {meta[1]}: every microbatch must have that shape (tensor_split of 5 rows "
+                             f"into 2 gives 3 and 2: take a batch the microbatch count divides)")
 
 
 class Stage:
@@ -130,7 +159,10 @@ class Stage:
             finally:
                 for m, was in zip(chunk.modules(), training):
                     m.training = was
-            self.output_meta[stage] = (y.dtype, tuple(y.shape))
+            if stage < self.num_stages - 1:
+                _check_output(stage, y)
+            if isinstance(y, torch.Tensor):
+                self.output_meta[stage] = (y.dtype, tuple(y.shape))
             if stage < self.num_stages - 1:
                 if y.dim() > _META - 2 or y.dtype not in _DTYPES:
                     raise ValueError(f"stage {stage}'s output {y.dtype} {tuple(y.shape)} cannot be described in "
@@ -179,6 +211,23 @@ class Stage:
         return dist.batch_isend_irecv([dist.P2POp(dist.isend, t.contiguous(), self._global[dst], group=self.group)])
 
     # -- the executor --------------------------------------------------------------------------
+    def _check_run(self, schedule: List[List[Action]], inputs, targets) -> int:
+        """The schedule's microbatch count, once its actions are checked (each (microbatch, chunk)
+        forward then backward once on every rank, no deadlock: schedule.check) and this rank's
+        inputs or targets fit it; a ValueError naming the mistake otherwise, before any message."""
+        forwards = [a for a in schedule[self.rank] if a.kind == FORWARD]
+        microbatches = 1 + max((a.microbatch for a in forwards), default=-1)
+        key = tuple(tuple(acts) for acts in schedule)
+        if key != getattr(self, "_checked", None):
+            check(schedule, microbatches)
+            self._checked = key
+        if 0 in self.stages:
+            _check_microbatches("inputs", inputs, microbatches, self.input_meta[0])
+        if self.num_stages - 1 in self.stages:
+            _check_microbatches("targets", targets, microbatches, None)
+        return microbatches
+
+
     @staticmethod
     def _release(stage_ref, nbytes: int) -> None:
         stage = stage_ref()
@@ -197,6 +246,7 @@ class Stage:
         if chunks_of(schedule) != len(self.chunks):  # a chunk no action runs would wait for ever for its messages
             raise ValueError(f"the schedule runs {chunks_of(schedule)} chunk(s) a rank; this rank holds "
                              f"{len(self.chunks)}")
+        microbatches = self._check_run(schedule, inputs, targets)
         params = {p.data_ptr() for p in self.parameters()}
 
         def pack(t):
@@ -209,7 +259,6 @@ class Stage:
 
         actions = schedule[self.rank]
         last = self.num_stages - 1
-        microbatches = sum(a.kind == FORWARD for a in actions) // len(self.chunks)
         weights_later: Dict[tuple, Callable[[], None]] = {}  # (microbatch, chunk) -> its W, after its I
         self._inbox: Dict[tuple, torch.Tensor] = {}
         self._expected = {src: self._sent_by(schedule, src) for src in range(self.ranks) if src != self.rank}
