@@ -96,6 +96,8 @@ def train_pp(env, config) -> dict:
             "backend": env.backend, "epochs": config.epochs, "batch_size_per_dp_rank": config.batch_size, "seq": SEQ,
             "steps": len(losses), "losses": losses,
             "idle_share_by_stage": [every_idle[mesh.rank_at(k, 0, 0)] for k in range(p)],
+            "idle_share_by_rank": [{"stage": mesh.coordinates(r)[0], "idle_share": every_idle[r]}
+                                   for r in range(env.world_size)],
             "bubble_closed_form": bubble(p, config.microbatches, v, split=config.schedule == "zero-bubble"),
             "dp_buckets": sum(len(m.buckets) for m in mine if isinstance(m, DistributedDataParallel)),
             "train_seconds": seconds,

@@ -63,6 +63,10 @@ def test_a_pp_run_has_the_one_rank_models_losses(flags, ranks, one_rank):
     if "--bucket-cap-mb" in flags:
         assert got["dp_buckets"] > 2 * 2, got["dp_buckets"]  # several a chunk: a second bucket runs
     assert len(got["idle_share_by_stage"]) == pp and 0 < got["bubble_closed_form"] < 1
+    by_rank = got["idle_share_by_rank"]  # each stage's share is one measured by a rank of that stage
+    for k, share in enumerate(got["idle_share_by_stage"]):
+        assert share in [r["idle_share"] for r in by_rank if r["stage"] == k], (k, share, by_rank)
+    assert [r["stage"] for r in by_rank] == [rank // (dp * tp) for rank in range(ranks)]
 
 
 def test_the_transformer_as_a_sequence_is_its_forward():
@@ -120,6 +124,28 @@ def test_what_a_pp_run_cannot_take_is_refused_before_any_rank_starts(argv, fragm
         train.main([*argv, *([] if "--model" in argv or "--sequence-parallel" in argv else []), "--synthetic"])
     err = capsys.readouterr().err
     assert info.value.code == 2 and len(err.strip().splitlines()) == 1 and fragment in err, err
+
+
+class _Started(Exception):
+    pass
+
+
+@pytest.mark.parametrize("argv", [
+    ["--pp", "2", "--schedule", "1f1b", "--microbatches", "2", "--nproc", "2"],  # 1F1B: as many microbatches as stages
+    ["--pp", "4", "--schedule", "1f1b", "--microbatches", "4", "--batch-size", "8", "--nproc", "4"],
+    ["--pp", "2", "--schedule", "gpipe", "--microbatches", "1", "--nproc", "2"],
+    ["--pp", "2", "--schedule", "interleaved", "--microbatches", "2", "--nproc", "2"],
+    ["--pp", "2", "--schedule", "zero-bubble", "--microbatches", "2", "--chunks", "2", "--nproc", "2"],
+    ["--pp", "2", "--tp", "2", "--schedule", "1f1b", "--microbatches", "2", "--nproc", "4"],
+])
+def test_a_pp_run_at_the_edge_of_what_its_schedule_takes_passes_the_checks(argv, monkeypatch, tmp_path):
+    def started(*args, **kwargs):
+        raise _Started
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("collectives.run_or_join", started)
+    with pytest.raises(_Started):
+        train.main([*argv, "--synthetic"])
 
 
 def test_a_pp_run_without_synthetic_tokens_is_refused(capsys, monkeypatch):
