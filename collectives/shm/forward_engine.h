@@ -58,6 +58,7 @@ std::shared_ptr<Engine> make_engine(py::dict d, py::object make_error) {
   }
   s.cores = d["cores"].cast<int>();
   if (d.contains("loadavg")) s.loadavg = d["loadavg"].cast<std::string>();
+  if (d.contains("proc")) s.proc = d["proc"].cast<std::string>();
   s.inline_bytes = d["inline_bytes"].cast<int64_t>();
   s.worker_nice = d["worker_nice"].cast<int>();
   s.cma_min_bytes = d["cma_min_bytes"].cast<int64_t>();

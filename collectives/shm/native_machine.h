@@ -95,6 +95,8 @@ class MachineLoad {
 // second field), or -1 when it cannot be read.
 class PeerDelay {
  public:
+  // where /<pid>/schedstat is read: /proc, or a test's own folder (to hold the reading still)
+  explicit PeerDelay(const std::string& proc = "/proc") : proc_(proc) {}
   ~PeerDelay() {
     for (auto& [pid, fd] : fds_) ::close(fd);
   }
@@ -104,9 +106,8 @@ class PeerDelay {
       if (p == pid) fd = f;
     }
     if (fd < 0) {
-      char path[64];
-      std::snprintf(path, sizeof path, "/proc/%d/schedstat", pid);
-      fd = ::open(path, O_RDONLY | O_CLOEXEC);
+      const std::string path = proc_ + "/" + std::to_string(pid) + "/schedstat";
+      fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
       if (fd < 0) return -1;
       fds_.emplace_back(pid, fd);
     }
@@ -119,6 +120,7 @@ class PeerDelay {
   }
 
  private:
+  std::string proc_;
   std::vector<std::pair<int, int>> fds_;
 };
 

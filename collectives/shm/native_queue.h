@@ -36,7 +36,7 @@ using Task = std::function<void()>;
 struct Core {  // an engine's state, its queue and its worker thread
   explicit Core(const Setup& s)
       : rank(s.rank), worker_nice(s.worker_nice), inline_bytes(s.inline_bytes),
-        waiter(s.words, s.rank, s.size, s.strategy, s.timeout_s, s.spin_s_idle, s.cores, s.loadavg),
+        waiter(s.words, s.rank, s.size, s.strategy, s.timeout_s, s.spin_s_idle, s.cores, s.loadavg, s.proc),
         ops(s.words, s.rank, s.size, s.config, &waiter), recorder(s.recorder_entries) {
     waiter.step = s.step;
     waiter.callers_waiting = &callers_waiting;

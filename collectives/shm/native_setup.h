@@ -20,6 +20,7 @@ struct Setup {  // what process_group.py hands the engine (native_setup.setup)
   double timeout_s = 600, spin_s_idle = 0;
   int cores = 0;               // the CPUs the ranks may run on together (layout.agree; 0: every core online)
   std::string loadavg = "/proc/loadavg";  // where the wait reads the machine's runnable threads (native_wait.h)
+  std::string proc = "/proc";             // where it reads a peer's run delay, <proc>/<pid>/schedstat
   int64_t inline_bytes = 64 << 10;
   int worker_nice = 19;        // the worker thread's nice value (ShmConfig.worker_nice)
   int64_t cma_min_bytes = -1;  // all_reduces this large go by cross-memory attach (Python); -1: never

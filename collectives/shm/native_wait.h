@@ -55,8 +55,8 @@ struct Words {  // the segment's control words this rank reads and writes (segme
 class Waiter {
  public:
   Waiter(Words words, int rank, int size, Strategy strategy, double timeout_s, double spin_s_idle, int cores,
-         const std::string& loadavg = "/proc/loadavg")
-      : w_(words), rank_(rank), size_(size), strategy_(strategy), load_(cores, loadavg), timeout_s(timeout_s),
+         const std::string& loadavg = "/proc/loadavg", const std::string& proc = "/proc")
+      : w_(words), rank_(rank), size_(size), strategy_(strategy), load_(cores, loadavg), peers_(proc), timeout_s(timeout_s),
         spin_s_idle(spin_s_idle), spin_s(spin_s_idle) {}
 
   int32_t step = 0;         // this rank's last announced step (the segment's word, mirrored)

@@ -64,19 +64,25 @@ def test_ranks_pinned_to_one_cpu_cut_their_spins_short():
     assert cut >= spun // 2, f"of {spun} waits that spun, the machine reading cut {cut} short: {got}"
 
 
-def _own_cores_peer_running(env, loadavg):
+def _own_cores_peer_running(env, loadavg, proc):
     """Each rank on a CPU of its own, the machine reading held still at one runnable thread (a
-    file of the test's own where /proc/loadavg is read), so that only the peer's run delay can cut
-    a spin: rank 1 computes for about 200 us before each call, on its own core, while rank 0 waits
-    for it. The engine's spin counts, and whether every result was right."""
+    file of the test's own where /proc/loadavg is read) and each rank's run delay held still too
+    (`proc`/<pid>/schedstat, files of the test's own where /proc/<pid>/schedstat is read): rank 1
+    computes for about 200 us before each call while rank 0 waits for it, and nothing the wait
+    reads says that anyone waited for a core. The engine's spin counts, and whether every result
+    was right."""
     import time
 
     from collectives.shm import native_setup
 
+    os.makedirs(os.path.join(proc, str(os.getpid())), exist_ok=True)
+    with open(os.path.join(proc, str(os.getpid()), "schedstat"), "w") as f:
+        f.write("123456789 5000 42\n")  # run time, run delay (ns), time slices: never changing
+    dist.barrier()
     saved = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {sorted(saved)[env.rank]})
     real = native_setup.setup
-    native_setup.setup = lambda impl: {**real(impl), "loadavg": loadavg}
+    native_setup.setup = lambda impl: {**real(impl), "loadavg": loadavg, "proc": proc}
     try:
         group = new_group_with({"COLLECTIVES_SHM_PATH": "native"})
     finally:
@@ -98,18 +104,21 @@ def _own_cores_peer_running(env, loadavg):
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs a core for each rank")
-def test_a_wait_for_a_peer_running_on_its_own_core_keeps_its_spin(tmp_path):
-    """The converse of the test above: the reading that the peer waited for a core (its
-    /proc/<pid>/schedstat run delay grew) must not cut a spin while the peer runs on a core of its
-    own. A reading that cut every spin left every result right and only the speed changed. Another
-    process on a rank's core (a loaded machine) may cut some spins, rightly; not all of them."""
+def test_a_wait_for_a_peer_whose_run_delay_holds_still_keeps_its_spin(tmp_path):
+    """The converse of the test above: a spin is cut only when the peer's run delay grew (it
+    waited for a core) or the machine is full, never because the delay stayed the same. With the
+    machine reading and every run delay held still, no wait may cut its spin, however busy the
+    machine really is: a wait that cut whenever the delay had not changed cut almost all of them
+    and left every result right (only the speed changed)."""
     loadavg = tmp_path / "loadavg"
     loadavg.write_text("0.00 0.00 0.00 1/100 1\n")
-    got = run_on_ranks(_own_cores_peer_running, 2, args=(str(loadavg),), backend="gloo")
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    got = run_on_ranks(_own_cores_peer_running, 2, args=(str(loadavg), str(proc)), backend="gloo")
     assert all(right for _, _, right in got), got
     spun, cut = got[0][0], got[0][1]  # rank 0 waits for rank 1 at almost every call
     assert spun >= CALLS // 4, got
-    assert cut < spun, f"rank 0's wait cut all {spun} of its spins for a peer running on its own core: {got}"
+    assert cut == 0 and got[1][1] == 0, f"with nothing read changing, waits cut their spins: {got}"
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the Python path spins only where the ranks have a core each")
