@@ -273,3 +273,52 @@ def test_an_in_place_reduce_scatter_over_many_rounds_is_the_python_paths_bits(di
     for rank, (same, fallbacks) in enumerate(dist_run(_in_place_across_rounds, world_size, timeout=120)):
         assert all(same.values()), (rank, world_size, {k: v for k, v in same.items() if not v})
         assert fallbacks == {}, (rank, world_size, fallbacks)
+
+
+def _messages_and_refusals(env):
+    """On a native group: a send and recv the native messages take (plain tensors), then a pair
+    handed to the Python path as the C++ Backend hands a message its engine declines (the
+    backend's own send and recv, which forward.cpp calls then: on a CPU the dispatcher resolves
+    the views the engine's plain() declines before they reach it), then calls refused
+    outright (an op the dtype has no meaning for, a send to this rank itself): the fall-off counts
+    after each, and what arrived."""
+    group = new_group_with({"COLLECTIVES_SHM_PATH": "native"})
+    impl = backend_of(group)
+    counts, arrived = {}, {}
+    plain = torch.arange(4.0) if env.rank == 0 else torch.zeros(4)
+    (dist.send if env.rank == 0 else dist.recv)(plain, 1 - env.rank, group=group)
+    arrived["plain"] = plain.tolist()
+    counts["plain"] = impl.fallbacks()
+    if env.rank == 0:
+        impl.send([torch.tensor([1.0, -2.0])], 1, 0).wait()
+    else:
+        got = torch.zeros(2)
+        impl.recv([got], 0, 0).wait()
+        arrived["handed to Python"] = got.tolist()
+    counts["handed to Python"] = impl.fallbacks()
+    refused = []
+    for call in (lambda: dist.all_reduce(torch.ones(2), op=dist.ReduceOp.BAND, group=group),
+                 lambda: dist.send(torch.ones(2), env.rank, group=group)):
+        try:
+            call()
+        except (RuntimeError, ValueError) as exc:
+            refused.append(type(exc).__name__)
+    counts["refused"] = impl.fallbacks()
+    t = torch.ones(2)
+    dist.all_reduce(t, group=group)  # the group still works, natively
+    counts["after"] = impl.fallbacks()
+    return counts, arrived, refused, t.tolist()
+
+
+def test_messages_left_to_python_are_counted_and_refused_calls_are_not(dist_run):
+    """fallbacks() counts a send or recv the native messages did not take, as it counts
+    collectives; a call refused for its arguments ran on no path, so it counts nowhere."""
+    for rank, (counts, arrived, refused, after) in enumerate(dist_run(_messages_and_refusals, 2, timeout=120)):
+        kind = "send" if rank == 0 else "recv"
+        assert counts["plain"] == {}, (rank, counts)
+        assert counts["handed to Python"] == {kind: 1}, (rank, counts)
+        assert len(refused) == 2, (rank, refused)
+        assert counts["refused"] == counts["after"] == {kind: 1}, (rank, counts)
+        assert after == [2.0, 2.0]
+        if rank == 1:
+            assert arrived == {"plain": [0.0, 1.0, 2.0, 3.0], "handed to Python": [1.0, -2.0]}, arrived
