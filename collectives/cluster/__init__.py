@@ -5,8 +5,8 @@
     from collectives import cluster; cluster.up(2); cluster.run_on("node0", ["hostname"])
 """
 
-from .hosts import (BRIDGE, PREFIX, ClusterError, address, busy, check_can_run, down, host_command, load_state,
+from .hosts import (BRIDGE, NETNS_ETC, PREFIX, ClusterError, address, busy, check_can_run, down, host_command, load_state,
                     main, namespace, processes, run_on, shape, status, up)
 
-__all__ = ["BRIDGE", "PREFIX", "ClusterError", "address", "busy", "check_can_run", "down", "host_command",
+__all__ = ["BRIDGE", "NETNS_ETC", "PREFIX", "ClusterError", "address", "busy", "check_can_run", "down", "host_command",
            "load_state", "main", "namespace", "processes", "run_on", "shape", "status", "up"]

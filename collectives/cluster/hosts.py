@@ -40,6 +40,7 @@ PREFIX = "cpc-"
 BRIDGE = "cpcbr0"
 SUBNET = "10.77.0"
 STATE_DIR = os.environ.get("COLLECTIVES_CLUSTER_DIR", "/run/collectives-cluster")
+NETNS_ETC = "/etc/netns"  # a host's own /etc files (its hosts file), which `ip netns exec` mounts in it
 
 
 class ClusterError(RuntimeError):
@@ -183,8 +184,8 @@ def up(nodes: int, rate: Optional[str] = None, delay: Optional[str] = None, loss
         _ip("-n", ns, "addr", "add", f"{address(k)}/24", "dev", "eth0")
         _ip("-n", ns, "link", "set", "eth0", "up")
         _ip("-n", ns, "link", "set", "lo", "up")
-        os.makedirs(f"/etc/netns/{ns}", exist_ok=True)
-        with open(f"/etc/netns/{ns}/hosts", "w") as f:
+        os.makedirs(os.path.join(NETNS_ETC, ns), exist_ok=True)
+        with open(os.path.join(NETNS_ETC, ns, "hosts"), "w") as f:
             f.write("127.0.0.1 localhost\n")
             f.writelines(f"{address(j)} {h}\n" for j, h in enumerate(hosts))
         if rate:
@@ -294,11 +295,12 @@ def down() -> List[str]:
     for ns in names:
         _ip("netns", "del", ns, check=False)
         removed.append(ns)
-        try:
-            os.remove(f"/etc/netns/{ns}/hosts")
-            os.rmdir(f"/etc/netns/{ns}")
-        except OSError:
-            pass
+    # every host's /etc/netns files, its namespace there or not (a test, or a person, may have
+    # deleted a namespace behind `up`'s back: its files stayed on the machine)
+    for ns in sorted(n for n in _listdir(NETNS_ETC) if n.startswith(PREFIX)):
+        shutil.rmtree(os.path.join(NETNS_ETC, ns), ignore_errors=True)
+        if ns not in names:
+            removed.append(f"{ns}'s files in {NETNS_ETC}")
     # a namespace goes away in the kernel's own time, and its veth's other end with it: delete
     # those ends by name and wait, so that an `up` right after finds no name taken
     deadline = time.monotonic() + 10

@@ -118,6 +118,15 @@ def test_down_removes_a_half_made_cluster_and_is_idempotent(hosts):
     cluster.up(len(hosts))  # the module's hosts again, for the tests after this one
 
 
+def test_down_removes_the_files_of_a_host_whose_namespace_was_deleted_behind_its_back(hosts):
+    subprocess.run(["ip", "netns", "del", cluster.namespace(hosts[1])], check=True)  # as a test of hosts that vanish does
+    assert os.path.exists(os.path.join(cluster.NETNS_ETC, cluster.namespace(hosts[1]), "hosts"))
+    removed = cluster.down()
+    assert f"{cluster.namespace(hosts[1])}'s files in {cluster.NETNS_ETC}" in removed, removed
+    assert [n for n in os.listdir(cluster.NETNS_ETC) if n.startswith(cluster.PREFIX)] == []
+    cluster.up(len(hosts))  # the module's hosts again, for the tests after this one
+
+
 def test_what_cannot_be_done_is_said_in_one_line(monkeypatch, capsys):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     with pytest.raises(cluster.ClusterError, match=r"needs root to make network namespaces \(this is uid 1000\)"):
