@@ -34,3 +34,15 @@ __all__ = [
     "new_group", "split", "RankGrid", "group_rank", "global_rank", "NotInGroup",
     "BackendFailure", "CollectiveError", "CollectiveMismatchError", "RankFailure",
 ]
+
+RENAMED = {"Mesh2D": "RankGrid"}  # old public name -> new: kept working, with a warning that names the new one
+
+
+def __getattr__(name: str):
+    if name in RENAMED:
+        import warnings
+
+        warnings.warn(f"collectives.{name} is now collectives.{RENAMED[name]}; the old name will be removed",
+                      FutureWarning, stacklevel=2)
+        return globals()[RENAMED[name]]
+    raise AttributeError(f"module 'collectives' has no attribute {name!r}")

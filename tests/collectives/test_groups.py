@@ -98,3 +98,17 @@ def test_rooted_collectives_in_a_subgroup_whose_ranks_are_shifted(env):
     assert chunk.tolist() == [g * sum(members)]
     sent = torch.tensor([10.0 * r + j for j in range(3)])  # chunk j goes to group rank j
     assert C.all_to_all(sent, group=trio).tolist() == [10.0 * m + g for m in members]
+
+
+def test_a_renamed_public_name_still_works_with_a_warning_that_names_the_new_one():
+    import warnings
+
+    for old, new in C.RENAMED.items():
+        with pytest.warns(FutureWarning, match=f"collectives.{old} is now collectives.{new}"):
+            assert getattr(C, old) is getattr(C, new)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert C.RankGrid is not None  # the new name warns nothing
+    with pytest.raises(AttributeError, match="module 'collectives' has no attribute 'Mesh3D'"):
+        C.Mesh3D
+    assert C.RENAMED["Mesh2D"] == "RankGrid"
