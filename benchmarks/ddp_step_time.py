@@ -67,7 +67,7 @@ def _ratio(entry) -> str:
 
 
 def build_parser():
-    parser = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = cli.ArgumentParser(prog=cli.program_name(__name__), description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=list(MODEL_NAMES), default="resnet50", help="the model trained (default resnet50)")
     parser.add_argument("--rounds", type=int, default=11, help="timed steps per variant (alternated)")
     parser.add_argument("--batch-size", type=int, default=32, help="images per rank per step")

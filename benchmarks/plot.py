@@ -37,7 +37,7 @@ def _load(parser, path: str) -> Dict:
 
 
 def build_parser():
-    parser = cli.ArgumentParser(description="Plot busbw against size from benchmark JSON files.")
+    parser = cli.ArgumentParser(prog=cli.program_name(__name__), description="Plot busbw against size from benchmark JSON files.")
     parser.add_argument("files", nargs="+", help="JSON files written by python -m benchmarks.bandwidth --json")
     parser.add_argument("-o", "--output", required=True, help="PNG file to write")
     return parser

@@ -124,7 +124,7 @@ def _summarise(results) -> dict:
 
 
 def build_parser():
-    parser = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = cli.ArgumentParser(prog=cli.program_name(__name__), description=__doc__.split("\n\n")[0])
     parser.add_argument("--world-size", type=int, default=2, help="ranks to spawn (default 2)")
     parser.add_argument("--scale", type=float, default=1.0,
                         help="multiply the calls per size (6000 at 4 B, 2000 at 64 KiB, 400 at 16 MiB) by this")

@@ -37,9 +37,29 @@ from .machine import available_memory
 from .output_files import OutputError, check_outputs, save_figure, write_json, write_output  # noqa: F401 (the programs' names)
 
 
+def program_name(module: Optional[str] = None) -> str:
+    """How the running program is typed: "python -m <its module>". `module`: a main's __module__,
+    which is "__main__" under `python -m` (then the module comes from __main__'s spec, without a
+    package's ".__main__"); None: the program that is running."""
+    if module in (None, "__main__"):
+        spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+        module = spec.name if spec is not None and spec.name else None
+        if module is None:  # a script run by its path
+            return os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
+    if module.endswith(".__main__"):
+        module = module[: -len(".__main__")]
+    return f"python -m {module}"
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse's parser with usage errors in one line, `prog: error: what is wrong (--help for
-    usage)`, exit code 2, instead of the whole usage block first (15 lines for the benchmarks)."""
+    usage)`, exit code 2, instead of the whole usage block first (15 lines for the benchmarks).
+    prog defaults to "python -m <the running module>" (program_name), not the file's name."""
+
+    def __init__(self, *args, **kwargs):
+        if not args and "prog" not in kwargs:
+            kwargs["prog"] = program_name()
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (--help for usage)\n")
@@ -178,7 +198,7 @@ def command(main: Callable[..., int]) -> Callable[..., int]:
             print(f"\nerror: {exc}", file=sys.stderr, flush=True)
             return 1
         except OutputError as exc:  # the work is done; only its file could not be written
-            print(f"python -m {main.__module__}: {exc}", file=sys.stderr, flush=True)
+            print(f"{program_name(main.__module__)}: {exc}", file=sys.stderr, flush=True)
             return 1
 
     return wrapped

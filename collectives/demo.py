@@ -74,7 +74,7 @@ def _body(env, names, checked):
 
 
 def build_parser():
-    parser = cli.ArgumentParser(description="Show each collective's input and output on every rank.")
+    parser = cli.ArgumentParser(prog=cli.program_name(__name__), description="Show each collective's input and output on every rank.")
     parser.add_argument("--world-size", "-n", type=int, default=4, help="ranks to spawn (default 4)")
     parser.add_argument("-c", "--collectives", nargs="+", choices=COLLECTIVES, default=COLLECTIVES,
                         help="which collectives to show (default: all)")

@@ -149,7 +149,7 @@ def _validate(args, parser, image: int) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parity_impls = PARITY_IMPLS
-    parser = cli.ArgumentParser(description="Compare our data-parallel wrappers with torch's DDP, step by step.")
+    parser = cli.ArgumentParser(prog=cli.program_name(__name__), description="Compare our data-parallel wrappers with torch's DDP, step by step.")
     parser.add_argument("--model", choices=list(MODELS), default="small",
                         help="small CNN, ResNet-50 (10 classes), or the small CNN with unused heads")
     parser.add_argument("--impl", nargs="+", choices=list(WRAPPERS) + parity_impls + [TP_IMPL, PP_IMPL],

@@ -136,7 +136,7 @@ def build_parser():
     from .workload.models import MODELS
     from .wrap import SHARDED, STAGES
 
-    parser = cli.ArgumentParser(description="Record our DDP's bucket timeline (or a sharded step's all-gathers "
+    parser = cli.ArgumentParser(prog=cli.program_name(__name__), description="Record our DDP's bucket timeline (or a sharded step's all-gathers "
                                                  "and reduce-scatters): Chrome trace, PNG, layouts.")
     parser.add_argument("--impl", choices=["bucketed"] + SHARDED, default="bucketed",
                         help="our DDP, or a sharded step (" + "; ".join(f"{n}: {STAGES[n].summary}" for n in SHARDED) + ")")

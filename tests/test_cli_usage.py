@@ -143,3 +143,69 @@ def test_all_collectives_at_one_rank_leave_out_sendrecv_and_say_so(world_size, s
     bandwidth.validate(args, parser)
     assert ("sendrecv" in args.collective) == sendrecv and "all_reduce" in args.collective
     assert args.notes == ([] if sendrecv else ["# sendrecv left out: it needs 2 ranks or more (each rank sends to the next)"])
+
+
+PROGRAMS_WITHOUT_PROG = ["collectives.demo", "ddp_from_scratch.compare", "ddp_from_scratch.trace",
+                         "benchmarks.ddp_step_time", "benchmarks.wrapper_overhead", "benchmarks.plot",
+                         "benchmarks.studies.ddp_hook_cost", "benchmarks.studies.suite_durations",
+                         "benchmarks.studies.harness_speed"]
+
+
+def _as_main(monkeypatch, module: str):
+    """sys.modules["__main__"] as `python -m <module>` leaves it: a module whose spec names it."""
+    import importlib.machinery
+    import sys
+    import types
+
+    fake = types.ModuleType("__main__")
+    fake.__spec__ = importlib.machinery.ModuleSpec(module, None) if module else None
+    monkeypatch.setitem(sys.modules, "__main__", fake)
+
+
+@pytest.mark.parametrize("running, module, says", [
+    ("ddp_from_scratch.trace", "__main__", "python -m ddp_from_scratch.trace"),
+    ("collectives.cluster.__main__", "__main__", "python -m collectives.cluster"),
+    ("pytest", "benchmarks.bandwidth", "python -m benchmarks.bandwidth"),  # imported: its own name
+    (None, "__main__", "prog.py"),  # a script run by its path
+])
+def test_a_program_names_itself_as_it_is_typed(running, module, says, monkeypatch):
+    from collectives import cli
+
+    _as_main(monkeypatch, running)
+    monkeypatch.setattr("sys.argv", ["/some/where/prog.py"])
+    assert cli.program_name(module) == says
+
+
+def test_an_output_that_fails_at_the_end_names_the_program_run_with_dash_m(monkeypatch, capsys):
+    import errno
+
+    from collectives import cli, output_files
+
+    def main(argv=None):
+        raise output_files.OutputError("out.json", "--json", OSError(errno.ENOSPC, "No space left on device"))
+    main.__module__ = "__main__"  # as under `python -m benchmarks.bandwidth`
+    _as_main(monkeypatch, "benchmarks.bandwidth")
+    assert cli.command(main)() == 1
+    assert capsys.readouterr().err == ("python -m benchmarks.bandwidth: could not write --json out.json "
+                                       "(No space left on device)\n")
+
+
+@pytest.mark.parametrize("module", PROGRAMS_WITHOUT_PROG)
+def test_a_program_s_usage_error_names_it_as_python_dash_m(module, capsys, monkeypatch):
+    import importlib
+
+    _as_main(monkeypatch, module)  # as when run with -m: the parser is made then
+    with pytest.raises(SystemExit) as info:
+        importlib.import_module(module).main(["--no-such-flag"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and err.startswith(f"python -m {module}: error: "), err
+
+
+def test_trace_run_with_dash_m_names_itself_for_a_missing_folder(tmp_path):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "ddp_from_scratch.trace", "--out", str(tmp_path / "none" / "t")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stderr.startswith("python -m ddp_from_scratch.trace: error: "), out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr

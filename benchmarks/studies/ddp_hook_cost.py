@@ -56,7 +56,7 @@ def _hooked(kind: str):
 
 
 def build_parser():
-    parser = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = cli.ArgumentParser(prog=cli.program_name(__name__), description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=15, help="backwards per variant (alternated)")
     parser.add_argument("--batch-size", type=int, default=32)
     return parser

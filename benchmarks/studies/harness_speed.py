@@ -35,7 +35,7 @@ def _case(env):
 
 
 def build_parser():
-    parser = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = cli.ArgumentParser(prog=cli.program_name(__name__), description=__doc__.split("\n\n")[0])
     parser.add_argument("--world-size", type=int, default=2, help="ranks per test case (default 2)")
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds (default 5)")
     parser.add_argument("--pooled-per-round", type=int, default=50, help="pooled cases per round (default 50)")

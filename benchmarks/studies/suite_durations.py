@@ -61,7 +61,7 @@ def table(runs: List[Tuple[str, Dict[str, float], Optional[float]]]) -> List[str
 
 
 def build_parser():
-    parser = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = cli.ArgumentParser(prog=cli.program_name(__name__), description=__doc__.split("\n\n")[0])
     parser.add_argument("logs", nargs="+", help="pytest output with a --durations=0 report, one file a run")
     parser.add_argument("--tests", type=int, default=0, help="also list this many slowest tests of the last run")
     return parser
