@@ -53,6 +53,15 @@ def _model(config) -> nn.Sequential:
     return nn.Sequential(*layers, nn.Linear(w, 10))
 
 
+def memory_needed(stages: int, microbatches: int, rows: int, width: int, depth: int) -> int:
+    """Bytes the run holds at most, all ranks together: every rank draws the inputs of the largest
+    microbatch count (rows x width float32 each), and under GPipe the ranks between them save
+    every microbatch's activations through the model's 2 depth + 1 layers (a Linear's input and a
+    Tanh's output each: two rows x width tensors a layer), before any backward frees them."""
+    one = rows * width * 4
+    return stages * microbatches * one + microbatches * one * 2 * (2 * depth + 1)
+
+
 def measure(env, config) -> dict:
     torch.set_num_threads(1)
     cpus = sorted(os.sched_getaffinity(0))
@@ -175,6 +184,10 @@ def main(argv=None) -> int:
         parser.error(f"-m {min(args.microbatches)}: 1F1B needs at least as many microbatches as stages "
                      f"({args.stages})")
     counts = sorted(set(args.microbatches))
+    cli.check_memory(parser, "-m", memory_needed(args.stages, max(counts), args.microbatch_size, args.width,
+                                                 args.depth),
+                     f"{args.stages} ranks, each with the {max(counts)} microbatches' inputs of {args.microbatch_size}"
+                     f" x {args.width} floats, and their activations saved under GPipe")
     timeline_m = args.timeline_m or counts[len(counts) // 2]
     if args.timeline and timeline_m not in counts:
         parser.error(f"--timeline-m {timeline_m} is not one of -m {counts}")

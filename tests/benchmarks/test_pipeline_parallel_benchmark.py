@@ -48,6 +48,7 @@ def test_a_short_run_measures_every_schedule_and_draws_them(tmp_path, capsys):
     (["--stages", "2", "-m", "5", "--schedules", "zero-bubble"], "-m 5: zero-bubble runs the microbatches in rounds"),
     (["-m", "0"], "every microbatch count must be at least 1"),
     (["-m", "2", "4", "--timeline", "x", "--timeline-m", "3"], "--timeline-m 3 is not one of -m [2, 4]"),
+    (["-m", "2", "4000000"], "-m: 2 ranks, each with the 4000000 microbatches' inputs of 32 x 512 floats"),
 ])
 def test_what_cannot_run_is_refused_before_any_rank(argv, says, capsys, monkeypatch):
     monkeypatch.setattr(RankPool, "start", lambda self: pytest.fail("a rank started"))
@@ -55,3 +56,11 @@ def test_what_cannot_run_is_refused_before_any_rank(argv, says, capsys, monkeypa
         pipeline_parallel.main(argv)
     err = capsys.readouterr().err
     assert info.value.code == 2 and len(err.strip().splitlines()) == 1 and says in err, err
+
+
+def test_the_memory_estimate_counts_the_inputs_on_every_rank_and_gpipe_s_activations():
+    one = 32 * 512 * 4
+    assert pipeline_parallel.memory_needed(2, 16, 32, 512, 8) == 2 * 16 * one + 16 * one * 2 * 17
+    # the default run fits in a few tens of MB; the count that allocated 13 GB is refused on 24 GiB
+    assert pipeline_parallel.memory_needed(2, 16, 32, 512, 8) < 64 << 20
+    assert pipeline_parallel.memory_needed(2, 200_000, 32, 512, 8) > 24 << 30
