@@ -136,8 +136,38 @@ flat: one buffer in definition order, which is torch's layout in the first step 
 ranks a sum of two values does not depend on the order. The bucketed wrapper uses torch's layouts."""
 
 
+# which rows each flag acts on: "wrappers" (naive, flat, bucketed and the bucketed wrapper's
+# options), "sharded" (zero1, zero2, zero2-bucketed, fsdp), "tp"; the pp rows take none of them
+FLAG_ROWS = {"--model": ("wrappers", "sharded"), "--batch-size": ("wrappers", "sharded"),
+             "--image": ("wrappers", "sharded"), "--steps": ("wrappers", "sharded", "tp"), "--units": ("sharded",),
+             "--show-layout": ("wrappers", "sharded"), "--no-options": ("bucketed",)}
+
+
+def rows_asked(impls) -> set:
+    """The kinds of rows `--impl` asks for (FLAG_ROWS' words)."""
+    kinds = {"wrappers" if i in WRAPPERS else "sharded" if i in PARITY_IMPLS else i for i in impls}
+    return kinds | ({"bucketed"} if "bucketed" in impls else set())
+
+
+def check_flags_used(parser, args) -> None:
+    """A usage error for a flag given (set away from its default) that acts on none of the rows
+    asked for: `--impl pp --steps 8` would otherwise print the pipeline table as if it had taken 8."""
+    asked = rows_asked(args.impl)
+    for flag, rows in FLAG_ROWS.items():
+        action = next(a for a in parser._actions if flag in a.option_strings)
+        if getattr(args, action.dest) != action.default and not asked & set(rows):
+            parser.error(f"{flag} has no effect on the rows asked for (--impl {' '.join(args.impl)}): it acts on "
+                         f"{', '.join(FLAG_ROWS_SAY[r] for r in rows)}")
+
+
+FLAG_ROWS_SAY = {"wrappers": "the wrappers' rows (naive, flat, bucketed)",
+                 "sharded": "the sharded steps' rows (zero1, zero2, zero2-bucketed, fsdp)",
+                 "tp": "the tensor-parallel rows (tp)", "bucketed": "the bucketed wrapper's options table (bucketed)"}
+
+
 def _validate(args, parser, image: int) -> None:
     """Refuse what would crash the ranks or report a false "not bitwise", before any rank starts."""
+    check_flags_used(parser, args)
     cli.check_at_least(parser, args, {"--steps": 1, "--batch-size": 1})
     if min(args.world_sizes) < 1:
         parser.error(f"--world-sizes must all be at least 1, got {args.world_sizes}")
@@ -321,7 +351,7 @@ def main(argv=None) -> int:
     image = args.image or (32 if args.model == "resnet50" else 12)
     _validate(args, parser, image)
     data = f"synthetic CIFAR-shaped data ({args.batch_size} x 3 x {image} x {image} per rank)"
-    chosen = {} if args.no_options else options(args.model, args.batch_size)
+    chosen = {} if args.no_options or "bucketed" not in args.impl else options(args.model, args.batch_size)
     preload(*TRAINING)  # every rank builds an optimizer: the fork server imports what that needs, once
     plain = [impl for impl in args.impl if impl not in PARITY_IMPLS and impl not in (TP_IMPL, PP_IMPL)]
     sharded = [impl for impl in args.impl if impl in PARITY_IMPLS]

@@ -68,6 +68,12 @@ def test_compare_exit_code_is_1_when_a_bitwise_check_fails(monkeypatch, capsys):
     (["--batch-size", "0"], "--batch-size must be at least 1, got 0"),  # reported a false "not bitwise"
     (["--world-sizes", "2", "0"], "--world-sizes must all be at least 1"),
     (["--model", "resnet50", "--batch-size", "1"], "ResNet-50's last BatchNorm would see one value per channel"),
+    (["--impl", "pp", "--steps", "8"], "--steps has no effect on the rows asked for (--impl pp)"),
+    (["--impl", "pp", "--model", "resnet50"], "--model has no effect on the rows asked for (--impl pp)"),
+    (["--impl", "pp", "tp", "--batch-size", "8"], "--batch-size has no effect on the rows asked for (--impl pp tp)"),
+    (["--impl", "naive", "--units", "blocks"], "--units has no effect on the rows asked for (--impl naive): it acts on "
+                                               "the sharded steps' rows"),
+    (["--impl", "tp", "--no-options"], "--no-options has no effect on the rows asked for (--impl tp)"),
 ])
 def test_nonsense_is_refused_before_any_rank_starts(argv, fragment, capsys):
     with pytest.raises(SystemExit) as info:
@@ -111,7 +117,7 @@ def test_fp16_overflow_on_resnet50_is_identical_on_both_sides(dist_run):
 def test_compare_program_prints_the_sharded_table_and_the_shard_layout(capsys):
     from ddp_from_scratch import compare
 
-    code = compare.main(["--impl", "zero2", "fsdp", "--world-sizes", "2", "--steps", "2", "--no-options",
+    code = compare.main(["--impl", "zero2", "fsdp", "--world-sizes", "2", "--steps", "2",
                          "--show-layout"])
     out = capsys.readouterr().out
     assert code == 0, out
@@ -123,7 +129,7 @@ def test_compare_program_prints_the_sharded_table_and_the_shard_layout(capsys):
 def test_the_tensor_parallel_table_proves_its_rows(capsys):
     """--impl tp on 2 ranks: every block bit for bit torch's parallelize_module (attention but its
     input gradient), the split transformer within float32 rounding of the one-rank model."""
-    code = compare.main(["--world-sizes", "2", "--impl", "tp", "--steps", "2", "--no-options"])
+    code = compare.main(["--world-sizes", "2", "--impl", "tp", "--steps", "2"])
     text = capsys.readouterr().out
     assert code == 0, text
     for label in ("MLP block", "attention (heads split) (all but dx)", "LayerNorm + MLP, sequence parallel"):
@@ -154,8 +160,11 @@ def test_the_pipeline_table_runs_every_schedule_against_torch_and_one_rank(capsy
     """--impl pp: GPipe, 1F1B, interleaved 1F1B and zero bubble (1 and 2 chunks) against
     torch.distributed.pipelining's and the one-rank model, every row bit for bit, exit 0; a world
     of 1 says a pipeline needs 2 ranks."""
-    assert compare.main(["--impl", "pp", "--world-sizes", "1", "2", "--no-options"]) == 0
-    out = capsys.readouterr().out
+    assert compare.main(["--impl", "pp", "--world-sizes", "1", "2"]) == 0
+    captured = capsys.readouterr()
+    out = captured.out
+    assert "the bucketed wrapper's options" not in out  # no wrapper asked for: no options table trained
+    assert "[2/2] running pipeline schedules on 2 ranks" in captured.err, captured.err
     rows = [line.split() for line in out.splitlines() if line.startswith(("gpipe", "1f1b", "interleaved", "zero"))]
     assert len(rows) == 20 and all("yes" in row for row in rows), out
     assert "a pipeline needs 2 ranks or more" in out
