@@ -657,3 +657,51 @@ def test_a_hang_found_in_dumps_has_its_own_exit_status_and_a_rank_at_the_worlds_
     assert code == flight_recorder.FOUND == 4, out
     assert out[0] == f"left out {tmp_path / 'rank_2'}: rank 2 is not in the latest run's world of 2 ranks", out
     assert out[1].startswith("rank(s) [1] never entered all_reduce #3 on group 0 [0, 1]"), out
+
+
+ORDER_SCRIPT = '''
+import os, sys, time
+import torch
+import torch.distributed as dist
+import collectives as C
+
+
+def noop(env):
+    return env.rank
+
+
+def skips(env):
+    t = torch.ones(4)
+    for step in range(5):
+        if env.rank == 1 and step == 3:
+            time.sleep(600)
+        dist.all_reduce(t)
+
+
+if __name__ == "__main__":
+    C.run(noop, world_size=2, backend="shm")  # first, with TORCH_FR_BUFFER_SIZE unset
+    os.environ["TORCH_FR_BUFFER_SIZE"] = "2000"
+    try:
+        C.run(skips, world_size=3, backend="gloo", timeout=float(sys.argv[1]))
+    except C.RankFailure as exc:
+        print(str(exc).splitlines()[0])
+'''
+
+
+@pytest.mark.slow
+def test_a_gloo_hang_is_named_after_an_shm_run_in_the_same_process(tmp_path):
+    """The order that once lost the verdict: an shm run first (its ranks, and the fork server the
+    later ranks come from, start while TORCH_FR_BUFFER_SIZE is unset), then the variable set and a
+    Gloo hang: the later ranks must still keep torch's records, so the hang is named."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "order.py"
+    script.write_text(ORDER_SCRIPT)
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_FR_BUFFER_SIZE"}
+    out = subprocess.run([sys.executable, str(script), str(TIMEOUT_S)], capture_output=True, text=True, env=env,
+                         timeout=LOADED_BOUND_S)
+    assert out.stdout.startswith("flight recorder: rank(s) [1] never entered all_reduce #4 on group 0 [0, 1, 2]"), \
+        out.stdout + out.stderr[-2000:]
