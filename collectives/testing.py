@@ -44,6 +44,7 @@ import inspect
 import marshal
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -87,13 +88,23 @@ def kept_groups(key, make: Callable[[], Any]):
     return _kept["made"][key]
 
 
+# On a pool's rank: the groups the last body made, destroyed as the next body starts, and when
+_left: Dict[str, Any] = {"groups": [], "destroyed_at": None}
+
+
 class _LeavesNoGroups:
-    """A test body that, when it returns, destroys on its rank every process group it made (a
-    test's subgroups, a DeviceMesh's, a pipeline's stages') but those it made through
+    """A test body whose rank destroys every process group the body before it made (a test's
+    subgroups, a DeviceMesh's, a pipeline's stages') as it starts, but those made through
     kept_groups, which go when a body of another module comes. Each Gloo group keeps a thread that
     wakes a hundred times a second: a pool's ranks kept every group of every test before them, 30
     or more each late in a suite, and their wake-ups took a fifth of a core. A body that raises
-    keeps its groups: a peer may still be inside a collective on them."""
+    keeps its groups: a peer may still be inside a collective on them.
+
+    As the next body starts, not as this one returns: a pool submits a body only once every rank
+    has returned the one before, so no peer is still inside the groups' set-up then. A rank that
+    destroyed its groups on returning closed its Gloo connections while a slower peer could still
+    be reading their handshake ("connectFullMesh ... Connection closed by peer", 4 ranks on 2 busy
+    cores)."""
 
     def __init__(self, fn: Callable):
         self.fn = fn
@@ -103,13 +114,18 @@ class _LeavesNoGroups:
         import torch.distributed as dist
 
         world = dist.distributed_c10d._world
+        left = [g for g in _left["groups"] if g in world.pg_map]
+        if left:
+            _destroy(left)
+            _left["destroyed_at"] = time.monotonic()
+        _left["groups"] = []
         if self.module != _kept["module"]:
             _destroy([g for g in _kept["groups"] if g in world.pg_map])
             _kept.update(module=self.module, made={}, groups=[])
         before = set(world.pg_map)
         result = self.fn(env, *args)
         kept = set(_kept["groups"])
-        _destroy([g for g in world.pg_map if g not in before and g is not world.default_pg and g not in kept])
+        _left["groups"] = [g for g in world.pg_map if g not in before and g is not world.default_pg and g not in kept]
         return result
 
 

@@ -1,5 +1,6 @@
 """The harness leaves a pool's ranks with the groups they had before each test: the groups a test
-body makes (its subgroups, a DeviceMesh's) are destroyed when it returns, but those it makes
+body makes (its subgroups, a DeviceMesh's) are destroyed once it has returned on every rank (as
+the next body starts), but those it makes
 through kept_groups, which serve the module's later tests and go when another module's test
 comes; a body that raises keeps its groups; DTensor's cached plans never name a destroyed group.
 
@@ -96,3 +97,27 @@ def test_a_dtensor_on_an_equal_mesh_of_a_later_test_finds_its_own_group():
     whose group is destroyed: the harness empties that cache with the groups."""
     for _ in range(2):
         assert run_on_ranks(_a_dtensor_on_a_new_mesh, 2) == [[0.0, 2.0, 4.0, 6.0]] * 2
+
+
+def _makes_a_group_one_rank_slow(env):
+    """Rank 1 takes 0.3 s longer to return than rank 0, after the group is made: when it returns."""
+    import time
+
+    dist.new_group(backend="gloo")
+    if env.rank == 1:
+        time.sleep(0.3)
+    return time.monotonic()
+
+
+def _when_the_groups_before_went(env):
+    from collectives import testing
+
+    return testing._left["destroyed_at"]
+
+
+def test_no_rank_destroys_a_test_s_groups_before_every_rank_has_returned():
+    """A rank that closed its Gloo connections as soon as its body returned broke a slower peer
+    still reading their handshake; the groups go only once the last rank is back."""
+    returned = run_on_ranks(_makes_a_group_one_rank_slow, 2)
+    destroyed = run_on_ranks(_when_the_groups_before_went, 2)
+    assert min(destroyed) >= max(returned), (returned, destroyed)
