@@ -50,14 +50,14 @@ def powersgd_state(**options):
 
 def powersgd_state_dict(state) -> dict:
     """torch's PowerSGDState as ddp_from_scratch.steps.powersgd.PowerSGD.state_dict lays its own out."""
-    from ..steps.powersgd import rng_state
+    from .rng import rng_state
 
     return {"iter": state.iter, "rng": rng_state(state.rng), "error": dict(state.error_dict),
             "p": dict(state.p_memory_dict), "q": dict(state.q_memory_dict)}
 
 
 def load_powersgd_state_dict(state, saved: dict) -> None:
-    from ..steps.powersgd import set_rng_state
+    from .rng import set_rng_state
 
     state.iter = saved["iter"]
     set_rng_state(state.rng, saved["rng"])

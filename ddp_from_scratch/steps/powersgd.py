@@ -44,6 +44,8 @@ import torch
 
 import collectives
 
+from ..parts.rng import rng_state, set_rng_state
+
 
 # the train CLI's --compress values that mean PowerSGD (batched: the whole bucket as one matrix)
 CLI_NAMES = ("powersgd", "batched_powersgd")
@@ -276,18 +278,6 @@ def _finish(state: PowerSGD, key: int, before, now: torch.Tensor, last: bool) ->
         state.error[key] = before - now
     if last:
         state.iter += 1
-
-
-def rng_state(rng: np.random.RandomState) -> dict:
-    """numpy's generator state as tensors and numbers (a checkpoint loads with weights_only)."""
-    _, keys, pos, has_gauss, gauss = rng.get_state()
-    return {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos), "has_gauss": int(has_gauss),
-            "gauss": float(gauss)}
-
-
-def set_rng_state(rng: np.random.RandomState, state: dict) -> None:
-    rng.set_state(("MT19937", state["keys"].numpy().astype(np.uint32), state["pos"], state["has_gauss"],
-                   state["gauss"]))
 
 
 def compressed_numel(rows: int, cols: int, rank: int) -> int:
