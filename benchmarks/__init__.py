@@ -18,11 +18,11 @@ Scripts: across_hosts.sh (runs on two namespace hosts), gpu_checks.sh (on a mach
 The studies behind the results page's answers (how a wait, a path or a limit was chosen) are in
 benchmarks/studies/, each listed there in one line.
 
-Helpers (imported by the programs, never run):
-    bandwidth_rounds, bandwidth_report, busbw_plot, cases, limits, nccl_format, prediction, sweep
+The helpers they share (imported by the programs, never run) are in benchmarks/parts/, each
+listed there in one line.
 The pytest-benchmark latency test lives with the tests: tests/benchmarks/test_latency.py.
 """
 
 PROGRAMS = ("bandwidth", "bandwidth_agreement", "plot", "algorithms", "shm", "shm_native", "tensor_parallel",
             "pipeline_parallel", "wrapper_overhead", "ddp_step_time", "sharded", "powersgd", "cuda_determinism")
-HELPERS = ("bandwidth_rounds", "bandwidth_report", "busbw_plot", "cases", "limits", "nccl_format", "prediction", "sweep")
+HELPERS = ()  # at the top: none (benchmarks/parts/ holds them)

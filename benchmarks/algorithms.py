@@ -43,9 +43,9 @@ from collectives import cli, machine
 from collectives.launcher.env import read_env
 from collectives.cli import command, eta_by_size
 
-from .sweep import DTYPES, alternate_calls, check_sweep, parse_size, size_list
-from .cases import buffer_count, count_wrong, make_algorithm_case, make_case
-from .prediction import cpu_share, predict, refill_seconds, topology_of
+from .parts.sweep import DTYPES, alternate_calls, check_sweep, parse_size, size_list
+from .parts.cases import buffer_count, count_wrong, make_algorithm_case, make_case
+from .parts.prediction import cpu_share, predict, refill_seconds, topology_of
 
 COLLECTIVES = list(A.ALGORITHMS)
 BACKEND_SIDE = {"all_reduce": "ip", "broadcast": "ip", "reduce": "ip", "all_gather": "oop", "reduce_scatter": "oop",

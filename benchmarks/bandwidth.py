@@ -8,7 +8,7 @@ correctness count.
 
 Started plainly it spawns --world-size ranks; under torchrun or srun it uses theirs. The sweep
 runs in --rounds rounds, the sizes in a shuffled order each round, and the backends alternated
-within each size, on groups over the same ranks (benchmarks/bandwidth_rounds.py). Each cell is
+within each size, on groups over the same ranks (benchmarks/parts/bandwidth_rounds.py). Each cell is
 the median over rounds, and its spread (half the range of the rounds, in %) is printed beside it;
 the JSON keeps every round. Per backend, the table (stdout) has nccl-tests' columns for
 out-of-place and in-place; torch.distributed has no out-of-place all_reduce, broadcast or reduce
@@ -16,7 +16,7 @@ and no in-place all_to_all, so those columns read N/A. A call's time is the slow
 #wrong is a separate run on data whose result is exact in any order, counted over all ranks; any
 wrong element makes the exit code 1. With --limits, a point-to-point message of every size is
 timed in the same rounds, and %limit holds each busbw against it at its size
-(benchmarks/bandwidth_report.py says why that bounds every collective, and names any that passes
+(benchmarks/parts/bandwidth_report.py says why that bounds every collective, and names any that passes
 it). The timed calls are raw torch.distributed (the backend's own speed);
 benchmarks/wrapper_overhead.py measures what the checked wrappers add.
 """
@@ -39,12 +39,12 @@ from collectives.cli import command
 
 from collectives.launcher.env import pick_backend, read_env
 
-from . import limits as machine_limits
-from .bandwidth_report import add_limits, faster_by_size, limit_line, over_limit
-from .bandwidth_rounds import reference_kind, run_rounds
-from .cases import OPS
-from .nccl_format import footer, format_row, header
-from .sweep import DTYPES, check_sweep, parse_size
+from .parts import limits as machine_limits
+from .parts.bandwidth_report import add_limits, faster_by_size, limit_line, over_limit
+from .parts.bandwidth_rounds import reference_kind, run_rounds
+from .parts.cases import OPS
+from .parts.nccl_format import footer, format_row, header
+from .parts.sweep import DTYPES, check_sweep, parse_size
 
 # and nccl-tests' sendrecv: every rank sends its buffer to the next and receives the one before's
 # (point-to-point messages, batch_isend_irecv), busbw = algbw
@@ -191,7 +191,7 @@ def report(result: dict, args, argv) -> int:
     if args.csv:
         _write_csv(args.csv, rows)
     if args.plot:
-        from .busbw_plot import plot_results
+        from .parts.busbw_plot import plot_results
 
         plot_results([saved], args.plot)
     wrong = sum((row[s] or {}).get("wrong") or 0 for row in rows for s in ("oop", "ip"))

@@ -12,7 +12,7 @@ from typing import Dict, List, Tuple
 
 from collectives import cli
 
-from .nccl_format import SIDES, size_label
+from .parts.nccl_format import SIDES, size_label
 
 Cell = Tuple[str, str, int, str]
 

@@ -33,7 +33,7 @@ from collectives.cli import command
 from ddp_from_scratch.workload.models import MODELS
 from ddp_from_scratch.wrap import wrap
 
-from .sweep import alternate_steps, summarise
+from .parts.sweep import alternate_steps, summarise
 
 
 # --variants name: (row label, (kind, bucket_cap_mb[, timeline]))

@@ -13,7 +13,7 @@ from typing import Dict
 
 from collectives import cli
 
-from .busbw_plot import plot_results
+from .parts.busbw_plot import plot_results
 
 
 ROW_KEYS = ("collective", "size")

@@ -39,7 +39,7 @@ from ddp_from_scratch.workload.models import MODELS, batch
 from ddp_from_scratch.steps.powersgd import PowerSGD, compressed_numel
 from ddp_from_scratch.wrap import wrap
 
-from .sweep import alternate_steps, summarise
+from .parts.sweep import alternate_steps, summarise
 
 START = 2  # start_powerSGD_iter in every part
 

@@ -38,7 +38,7 @@ from ddp_from_scratch.steps.fsdp import unit_plan
 from ddp_from_scratch.parts.memory import HeldBytes
 from ddp_from_scratch.workload.models import MODELS
 
-from .sweep import alternate_steps, summarise
+from .parts.sweep import alternate_steps, summarise
 
 MiB = 1 << 20
 BUCKET_MB = 25  # "zero2-bucketed" here: DDP's bucket size

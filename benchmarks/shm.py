@@ -44,9 +44,9 @@ from collectives.shm.config import parse_settings
 from collectives.shm.python_path import SMALL_BYTES, all_reduce_traffic
 from ddp_from_scratch.workload.resnet import resnet50
 
-from .sweep import alternate_calls, alternate_steps, check_sweep, parse_size, shm_setting, size_list, summarise
-from .limits import aggregate_copy_gbps, memory_copy_gbps
-from .nccl_format import bandwidths
+from .parts.sweep import alternate_calls, alternate_steps, check_sweep, parse_size, shm_setting, size_list, summarise
+from .parts.limits import aggregate_copy_gbps, memory_copy_gbps
+from .parts.nccl_format import bandwidths
 
 
 def _bandwidth(groups, sizes, n):

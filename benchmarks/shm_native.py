@@ -46,7 +46,7 @@ from collectives import cli, machine
 from collectives.shm import backend_of, new_group_with
 from collectives.shm.config import ShmConfig, parse_settings
 
-from .sweep import check_sweep, parse_size, shm_setting, size_list
+from .parts.sweep import check_sweep, parse_size, shm_setting, size_list
 
 VARIANTS = ("gloo", "shm python", "shm native", "shm direct", "floor", "deepspeed")
 WARMUP_TURNS = 3  # the first round's turns of each cell, of WARMUP_CALLS calls each

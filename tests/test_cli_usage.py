@@ -72,7 +72,7 @@ def test_every_size_sweep_refuses_its_bounds_before_any_rank(main, argv, says, c
 
 
 def test_a_size_list_that_would_never_end_is_refused():
-    from benchmarks.sweep import size_list
+    from benchmarks.parts.sweep import size_list
 
     assert size_list(8, 64, 2) == [8, 16, 32, 64] and size_list(8, 100, 8, with_end=True) == [8, 64, 100]
     for begin, factor in ((0, 2), (8, 1), (-8, 2)):

@@ -108,19 +108,23 @@ def test_every_program_builds_its_parser_in_build_parser():
     assert not missing, missing
 
 
-def test_benchmarks_says_which_files_are_programs_and_which_helpers():
-    """benchmarks/__init__.py lists the programs (each a main) and the helpers (none), and the lists
-    are every module there: a file added to the folder says which it is."""
+def test_benchmarks_lists_its_programs_and_its_parts_folder_its_helpers():
+    """benchmarks/__init__.py lists the programs (each a main), which are every module at the top:
+    a file added there says it is one; benchmarks/parts/__init__.py lists the helpers (none a
+    program), every module in that folder."""
     import benchmarks
+    from benchmarks import parts
 
     bench = import_graph.ROOT / "benchmarks"
     modules = {p.stem for p in bench.glob("*.py") if p.stem != "__init__"}
-    assert set(benchmarks.PROGRAMS) | set(benchmarks.HELPERS) == modules
-    assert not set(benchmarks.PROGRAMS) & set(benchmarks.HELPERS)
+    assert set(benchmarks.PROGRAMS) == modules and benchmarks.HELPERS == ()
     for name in modules:
-        assert _is_program(bench / f"{name}.py") == (name in benchmarks.PROGRAMS), name
-        assert f"    {name} " in benchmarks.__doc__ or f" {name}," in benchmarks.__doc__ or \
-            f" {name}\n" in benchmarks.__doc__, name
+        assert _is_program(bench / f"{name}.py"), name
+        assert f"    {name} " in benchmarks.__doc__, name
+    helpers = {p.stem for p in (bench / "parts").glob("*.py") if p.stem != "__init__"}
+    assert helpers
+    for name in helpers:
+        assert not _is_program(bench / "parts" / f"{name}.py") and f"    {name}.py " in parts.__doc__, name
     assert not list(bench.glob("test_*.py"))  # tests live in tests/
 
 

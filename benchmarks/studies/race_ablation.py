@@ -18,9 +18,9 @@ import sys
 from collectives import cli
 from collectives.algorithms.cost import CostModel
 
-from ..prediction import predict, topology_of
-from ..sweep import DTYPES
-from ..cases import buffer_count
+from ..parts.prediction import predict, topology_of
+from ..parts.sweep import DTYPES
+from ..parts.cases import buffer_count
 
 VARIANTS = [("rate alone", False, False), ("bucket", True, False), ("shared cores", False, True),
             ("bucket + shared cores", True, True)]

@@ -35,7 +35,7 @@ from collectives import cli
 from collectives.shm import backend_of, new_group_with
 from ddp_from_scratch.workload.models import MODELS
 
-from ..sweep import alternate_steps
+from ..parts.sweep import alternate_steps
 
 
 def _group(recording: bool):

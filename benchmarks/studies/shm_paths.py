@@ -38,9 +38,9 @@ from collectives.cli import command
 from collectives.shm import backend_of
 from collectives.shm.python_path import all_reduce_traffic, small_limit
 
-from ..sweep import alternate_calls, check_sweep, parse_size, size_list
-from ..limits import aggregate_copy_gbps
-from ..nccl_format import bandwidths
+from ..parts.sweep import alternate_calls, check_sweep, parse_size, size_list
+from ..parts.limits import aggregate_copy_gbps
+from ..parts.nccl_format import bandwidths
 
 HUGE = 1 << 62
 

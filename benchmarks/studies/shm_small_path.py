@@ -32,7 +32,7 @@ import collectives.shm as shm
 from collectives import cli, machine
 from collectives.shm import backend_of, new_group_with, python_path
 
-from ..sweep import check_sweep, parse_size, size_list
+from ..parts.sweep import check_sweep, parse_size, size_list
 
 
 def _group_with_limit(limit: int):

@@ -30,7 +30,7 @@ from collectives import cli, machine
 from collectives.shm import new_group_with
 from collectives.shm.wait import STRATEGIES
 
-from ..sweep import parse_size
+from ..parts.sweep import parse_size
 
 
 def _group(strategy: str):

@@ -16,11 +16,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from benchmarks import bandwidth as bench
-from benchmarks import cases
-from benchmarks.bandwidth_report import add_limits, faster_by_size, over_limit
-from benchmarks.nccl_format import bandwidths, bus_factor, format_row, header, parse_table
+from benchmarks.parts import cases
+from benchmarks.parts.bandwidth_report import add_limits, faster_by_size, over_limit
+from benchmarks.parts.nccl_format import bandwidths, bus_factor, format_row, header, parse_table
 from benchmarks.plot import plot_results
-from benchmarks.sweep import size_list
+from benchmarks.parts.sweep import size_list
 
 RESULTS = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
@@ -277,7 +277,7 @@ def _result(backends=("gloo", "shm"), collectives=("all_reduce", "broadcast"), s
 
 
 def test_the_figure_has_time_and_busbw_panels_on_log_axes_with_a_line_per_backend():
-    from benchmarks.busbw_plot import figure
+    from benchmarks.parts.busbw_plot import figure
 
     fig = figure([_result()])
     axes = fig.axes
@@ -405,7 +405,7 @@ def test_every_row_whose_size_rounding_moved_keeps_its_limit(collective, request
     """%limit holds a row against the reference at the size asked for (-b 6 moves all_reduce's
     row to 4 B, all_gather's to 8 B on 2 ranks; the reference is timed at 6 B): a row moved by the
     rounding must keep its %limit, at exactly busbw over the reference's bandwidth."""
-    from benchmarks.bandwidth_rounds import _summarised
+    from benchmarks.parts.bandwidth_rounds import _summarised
 
     itemsize = bench.DTYPES[dtype_name].itemsize
     count = cases.buffer_count(collective, requested, n, itemsize)
@@ -425,7 +425,7 @@ def test_a_cells_time_is_the_median_of_its_rounds_for_odd_and_even_counts(rounds
     lower one, and its range is every round's."""
     import statistics
 
-    from benchmarks.bandwidth_rounds import _summarised
+    from benchmarks.parts.bandwidth_rounds import _summarised
 
     row = {"collective": "all_reduce", "size": 1024, "oop": None,
            "ip": {"rounds_us": list(rounds), "iters": [1] * len(rounds), "wrong": 0}}

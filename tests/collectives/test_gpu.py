@@ -60,7 +60,7 @@ def test_gloo_with_cuda_tensors_two_ranks_one_gpu():
 
 def _algorithms_on_cuda_body(env):
     import collectives.algorithms as A
-    from benchmarks import limits
+    from benchmarks.parts import limits
 
     dev = torch.device("cuda", 0)
     r, n = env.rank, env.world_size
