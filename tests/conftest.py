@@ -30,8 +30,8 @@ HOSTS_TESTS = os.path.join(HERE, "multinode") + os.sep
 # right after the test hosts' tests, on the worker that would otherwise wait for the bridge's
 # build, and they do not wait for it. They start few processes, or mostly wait (planted hangs'
 # timeouts), which leaves a core to the build. The launcher's tests are not here: they start
-# ranks and launchers all along, and beside the build they took 193-201 s summed against 141-150
-# s after it, more than the wait they saved (benchmarks/results/earlier-figures_2026-11-22-to-27.md, the suite's time). A module
+# ranks and launchers all along, and beside the build they cost more CPU than the wait they
+# would save. A module
 # named here that came to use shm would still pass: its ranks would wait for the build themselves
 # (torch's build lock).
 WITHOUT_BRIDGE = tuple(os.path.join(HERE, name) for name in (

@@ -26,7 +26,7 @@ if all of them succeeded, else every call goes through the segment, with the sam
 also off where ranks outnumber cores: the kernel's copies cost more CPU than memcpy's, and there
 the CPU is what the ranks lack (measured slower at 4 ranks on 2 cores). It is off by default
 (COLLECTIVES_SHM_CMA=0): where it could be on, the segment in 1 MiB rounds (python_path.py) measured
-faster at every size on the native path (benchmarks/results/earlier-figures_2026-11-22-to-27.md). =auto turns it on where the
+faster at every size on the native path (benchmarks/RESULTS.md, "Why are the shm backend's defaults what they are?"). =auto turns it on where the
 ranks have cores and the calls work, =1 wherever the calls work; `group.cma_off_reason` says why
 it is off ("" when on).
 

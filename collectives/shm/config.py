@@ -26,7 +26,7 @@
     config = ShmConfig.from_env()        # ShmBackend does this once, and hands it down
 
 A value that is not a number (or not one of the choices) is a ValueError naming the variable.
-Why the defaults are what they are: docs/shm.md; the measurements: benchmarks/results/earlier-figures_2026-11-22-to-27.md.
+Why the defaults are what they are: docs/shm.md; the measurements: benchmarks/RESULTS.md ("Why are the shm backend's defaults what they are?").
 """
 
 from __future__ import annotations

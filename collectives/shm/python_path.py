@@ -64,7 +64,7 @@ def small_limit(world_size: int) -> int:
     """The largest all_reduce or reduce, in bytes, that takes the small path on world_size ranks.
     There every rank reads every slot, so what it reads grows with the ranks: the small path runs
     while the slots add up to SMALL_TOTAL_BYTES, and always up to SMALL_BYTES. That is 64 KiB on 2
-    ranks, 32 KiB on 4, 16 KiB from 8 (measured on the 16-core Xeon: benchmarks/results/earlier-figures_2026-11-22-to-27.md)."""
+    ranks, 32 KiB on 4, 16 KiB from 8 (measured on the 16-core Xeon: docs/shm.md, the small path)."""
     return max(SMALL_BYTES, SMALL_TOTAL_BYTES // world_size)
 
 

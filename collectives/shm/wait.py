@@ -17,7 +17,7 @@ question when ranks outnumber cores:
            no core is spent on a long wait
 
 `python -m benchmarks.studies.shm_wait --world-size N` measures all four side by side (latency and CPU
-time per call); `futex` is the default, after those measurements (benchmarks/results/earlier-figures_2026-11-22-to-27.md).
+time per call); `futex` is the default, after those measurements (benchmarks/RESULTS.md, "Why are the shm backend's defaults what they are?").
 
 Faults: while it waits, a rank checks every FAULT_CHECK_S that the others' processes are alive
 and that no rank has raised the abort word; then it raises `PeerFailure` naming the rank. A

@@ -1,0 +1,52 @@
+"""benchmarks/RESULTS.md and the files under benchmarks/results/: every file the page names (a
+name, or a pattern with {a,b} and *) is there, and no file is named by when it was measured
+against a change (before, now, a commit hash) rather than by what it measured and where.
+
+    pytest tests/test_results_page.py -q
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import pathlib
+import re
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+FILE = re.compile(r"`([A-Za-z0-9_.{},*\-]+\.(?:\*|json|txt|png|csv|md|\{[a-z,]+\}))`")
+HISTORY = re.compile(r"(^|[-_])(before|now)([-_.]|$)|_[0-9a-f]{7}\.")
+
+
+def expand(pattern: str) -> list:
+    """`a_{1,2}.*` -> ["a_1.*", "a_2.*"] (every {x,y} alternative, nested ones too)."""
+    m = re.search(r"\{([^{}]*)\}", pattern)
+    if not m:
+        return [pattern]
+    return [out for alt in m.group(1).split(",") for out in expand(pattern[:m.start()] + alt + pattern[m.end():])]
+
+
+def named_files(text: str) -> list:
+    """The result file names and patterns the text names in backticks, expanded."""
+    return [p.replace("...", "*") for token in FILE.findall(text) for p in expand(token)]
+
+
+def test_every_file_the_results_page_names_is_there():
+    files = [p.name for p in RESULTS.iterdir()]
+    names = named_files((ROOT / "benchmarks" / "RESULTS.md").read_text())
+    assert len(names) > 50
+    missing = [n for n in names if not any(fnmatch.fnmatch(f, n) for f in files)]
+    assert missing == [], missing
+
+
+def test_no_result_file_is_named_by_a_change_or_a_commit():
+    assert [p.name for p in RESULTS.iterdir() if HISTORY.search(p.name)] == []
+
+
+def test_the_expansion_and_the_history_names():
+    assert expand("a_{1,2}_{x,y}.*") == ["a_1_x.*", "a_1_y.*", "a_2_x.*", "a_2_y.*"]
+    assert named_files("(file `shm-native_{2,4}ranks.txt`, `..._b.json`)") == [
+        "shm-native_2ranks.txt", "shm-native_4ranks.txt", "*_b.json"]
+    for name in ("shm-native-busy-now_cpu.txt", "suite-durations_before_cpu.txt", "gpu-checks_h100_ed7d1f0.txt"):
+        assert HISTORY.search(name), name
+    for name in ("shm-native-busy_cpu.txt", "pipeline-nowait.txt", "bandwidth_2026-11-22.json"):
+        assert not HISTORY.search(name), name
