@@ -24,10 +24,14 @@ A failing rank's traceback appears in the pytest failure, named by rank, with th
 frames left out; the ranks import test modules with pytest's assertion rewriting, so a failed
 `assert a == b` on a rank shows the values, as it would in pytest's own process. A hang past
 `timeout` shows every rank's Python stack. The test module must be importable by the ranks (a normal test
-file is). The `dist_run` fixture (registered as a pytest plugin) runs a module-level function:
+file is). Two ways, one rule: `@distributed` when the test's own body runs on the ranks (its
+asserts, there); `run_on_ranks` when the test process checks what a module-level function
+returned on each rank (results in rank order, compared across ranks or with one-rank runs):
 
-    def test_x(dist_run):
-        assert dist_run(my_fn, world_size=2, args=(3,)) == [..., ...]
+    def test_x():
+        assert run_on_ranks(my_fn, 2, args=(3,)) == [..., ...]
+
+The `dist_run` fixture is run_on_ranks under its old name, kept for code written against it.
 """
 
 from __future__ import annotations
@@ -334,5 +338,9 @@ def distributed(world_size: int = 2, *, backend: Optional[str] = None, timeout: 
 
 @pytest.fixture
 def dist_run() -> Callable[..., List[Any]]:
-    """`dist_run(fn, world_size=2, args=(), backend=None, timeout=60)` on the shared pools."""
+    """run_on_ranks under its old name (a fixture), with a FutureWarning that names it."""
+    import warnings
+
+    warnings.warn("the dist_run fixture is collectives.testing.run_on_ranks: import and call that",
+                  FutureWarning, stacklevel=2)
     return run_on_ranks

@@ -18,6 +18,7 @@ import collectives.algorithms as A
 from collectives.errors import CollectiveError
 
 from .reference import expected, inputs_for
+from collectives.testing import run_on_ranks
 
 CASES = [(c, a) for c, algos in A.ALGORITHMS.items() for a in algos]
 
@@ -63,8 +64,8 @@ def _every_algorithm(env, numel, op):
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 @pytest.mark.parametrize("numel", [1, 13])
-def test_every_algorithm_on_real_ranks(world_size, numel, dist_run):
-    for wrong in dist_run(_every_algorithm, world_size, args=(numel, "sum"), timeout=120):
+def test_every_algorithm_on_real_ranks(world_size, numel):
+    for wrong in run_on_ranks(_every_algorithm, world_size, args=(numel, "sum"), timeout=120):
         assert not wrong, "\n".join(wrong)
 
 
@@ -83,8 +84,8 @@ def _against_backend(env):
 
 
 @pytest.mark.parametrize("world_size", [3, 4])
-def test_floats_close_to_the_backend_and_identical_on_every_rank(world_size, dist_run):
-    for per_rank in dist_run(_against_backend, world_size):
+def test_floats_close_to_the_backend_and_identical_on_every_rank(world_size):
+    for per_rank in run_on_ranks(_against_backend, world_size):
         assert all(per_rank.values()), per_rank
 
 
@@ -109,8 +110,8 @@ def _ops_and_group(env):
     return wrong
 
 
-def test_ops_avg_and_a_subgroup(dist_run):
-    for wrong in dist_run(_ops_and_group, 4):
+def test_ops_avg_and_a_subgroup():
+    for wrong in run_on_ranks(_ops_and_group, 4):
         assert not wrong, wrong
 
 
@@ -120,9 +121,9 @@ def _large_world(env):
             for a in A.ALGORITHMS["all_reduce"]]
 
 
-def test_eight_ranks(dist_run):
+def test_eight_ranks():
     """8 processes on 2 cores: every all_reduce algorithm, a power of two with three levels."""
-    assert all(all(r) for r in dist_run(_large_world, 8, timeout=120))
+    assert all(all(r) for r in run_on_ranks(_large_world, 8, timeout=120))
 
 
 def _hierarchical_hosts(env):
@@ -144,8 +145,8 @@ def _hierarchical_hosts(env):
     return wrong
 
 
-def test_hierarchical_with_hosts_discovered_and_imposed(dist_run):
-    for wrong in dist_run(_hierarchical_hosts, 4):
+def test_hierarchical_with_hosts_discovered_and_imposed():
+    for wrong in run_on_ranks(_hierarchical_hosts, 4):
         assert not wrong, wrong
 
 
@@ -190,8 +191,8 @@ def _a_destroyed_group_is_gone(env):
     return wrong
 
 
-def test_nothing_keeps_a_destroyed_group_alive(dist_run):
-    for wrong in dist_run(_a_destroyed_group_is_gone, 3):
+def test_nothing_keeps_a_destroyed_group_alive():
+    for wrong in run_on_ranks(_a_destroyed_group_is_gone, 3):
         assert not wrong, wrong
 
 
@@ -207,8 +208,8 @@ def _bad_calls(env):
     return t.tolist()
 
 
-def test_bad_calls_are_refused_before_anything_is_sent(dist_run):
-    assert dist_run(_bad_calls, 2) == [[2.0, 2.0]] * 2
+def test_bad_calls_are_refused_before_anything_is_sent():
+    assert run_on_ranks(_bad_calls, 2) == [[2.0, 2.0]] * 2
 
 
 def _bytes_auto_chose_by(env):
@@ -232,12 +233,12 @@ def _bytes_auto_chose_by(env):
     return seen
 
 
-def test_auto_weighs_the_bytes_the_collective_moves(dist_run):
+def test_auto_weighs_the_bytes_the_collective_moves():
     """all_gather and gather move world_size times their input: auto chooses by that (a planted
     table without all_gather among the gathering kinds chose by the input's bytes, and no test
     saw it); the others by their input's."""
     n = 3
-    seen = dist_run(_bytes_auto_chose_by, n)[0]
+    seen = run_on_ranks(_bytes_auto_chose_by, n)[0]
     assert seen.keys() == A.ALGORITHMS.keys()
     for collective, nbytes in seen.items():
         per_rank = 10 * 8 * (n if collective in ("reduce_scatter", "scatter", "all_to_all") else 1)

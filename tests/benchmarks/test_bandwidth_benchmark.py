@@ -21,6 +21,7 @@ from benchmarks.parts.bandwidth_report import add_limits, faster_by_size, over_l
 from benchmarks.parts.nccl_format import bandwidths, bus_factor, format_row, header, parse_table
 from benchmarks.plot import plot_results
 from benchmarks.parts.sweep import size_list
+from collectives.testing import run_on_ranks
 
 RESULTS = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
@@ -178,10 +179,10 @@ def _check_all(env, op, dtype_name):
 
 @pytest.mark.parametrize("world_size, op, dtype", [(2, "sum", "float32"), (3, "prod", "bfloat16"), (4, "avg", "float16"),
                                                     (3, "max", "int32"), (4, "min", "int64")])
-def test_check_data_is_exact_and_wrong_elements_are_counted_on_every_rank(world_size, op, dtype, dist_run):
+def test_check_data_is_exact_and_wrong_elements_are_counted_on_every_rank(world_size, op, dtype):
     """One wrong element planted on every rank whose output is defined: #wrong is the sum over
     ranks (world_size, or 1 for reduce, whose output only the root defines)."""
-    results = dist_run(_check_all, world_size, args=(op, dtype))
+    results = run_on_ranks(_check_all, world_size, args=(op, dtype))
     for rank_results in results:  # every rank reports the same total
         assert rank_results == results[0]
     assert len(results[0]) == 9  # sendrecv out of place too
@@ -208,8 +209,8 @@ def _buffers(env, nbytes, dtype_name):
 
 
 @pytest.mark.parametrize("world_size, nbytes, dtype", [(3, 1000, "float32"), (4, 64, "float16"), (2, 8, "int64")])
-def test_size_column_is_the_bytes_of_the_buffer_moved(world_size, nbytes, dtype, dist_run):
-    for collective, side, size, moved in dist_run(_buffers, world_size, args=(nbytes, dtype))[0]:
+def test_size_column_is_the_bytes_of_the_buffer_moved(world_size, nbytes, dtype):
+    for collective, side, size, moved in run_on_ranks(_buffers, world_size, args=(nbytes, dtype))[0]:
         assert size == moved, f"{collective} {side}: size column {size} B, buffer {moved} B"
         assert size <= max(nbytes, world_size * bench.DTYPES[dtype].itemsize)
         if collective in ("all_gather", "reduce_scatter", "all_to_all"):

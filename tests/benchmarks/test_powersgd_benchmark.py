@@ -7,18 +7,19 @@ PowerSGD leave plain DDP's exactly where compression starts, and nonsense is ref
 import pytest
 
 from benchmarks import powersgd
+from collectives.testing import run_on_ranks
 
 
-def test_counted_elements_are_the_closed_forms(dist_run):
-    rows = dist_run(powersgd.count_bytes, 1, args=("small", [1, 2, 4]))[0]
+def test_counted_elements_are_the_closed_forms():
+    rows = run_on_ranks(powersgd.count_bytes, 1, args=("small", [1, 2, 4]))[0]
     for row in rows:
         assert row["counted"] == row["closed_form"] < row["plain"], row
         assert row["plain_steps"] == [row["plain"]] * powersgd.START, row  # plain DDP before the start
     assert [row["counted"] for row in rows] == sorted(row["counted"] for row in rows)  # more rank, more numbers
 
 
-def test_curves_part_ways_where_compression_starts(dist_run):
-    losses = dist_run(powersgd.curves, 2, args=(6, 4, 0.05))[0]
+def test_curves_part_ways_where_compression_starts():
+    losses = run_on_ranks(powersgd.curves, 2, args=(6, 4, 0.05))[0]
     assert set(losses) == {"plain", "fp16", "powersgd rank 1", "powersgd rank 4", "powersgd rank 1, no error feedback"}
     for label, ys in losses.items():
         assert len(ys) == 6

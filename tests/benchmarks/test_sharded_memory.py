@@ -6,10 +6,11 @@ optimizer state would break these), and the table must say it.
 """
 
 from benchmarks.sharded import STAGES, memory, memory_table
+from collectives.testing import run_on_ranks
 
 
-def test_each_stage_holds_what_it_keeps(dist_run):
-    per_rank = dist_run(memory, 2, args=(STAGES, 2, 12, "small"), timeout=300)
+def test_each_stage_holds_what_it_keeps():
+    per_rank = run_on_ranks(memory, 2, args=(STAGES, 2, 12, "small"), timeout=300)
     for held in per_rank:
         psi = held["param_bytes"]
         ddp, view = held["ddp"], held["ddp, gradient_as_bucket_view"]

@@ -19,6 +19,7 @@ import collectives as C
 from collectives import flight_recorder
 from collectives.compat import all_gather_single, reduce_scatter_single
 from collectives.flight_recorder import summary, verdict
+from collectives.testing import run_on_ranks
 
 TIMEOUT_S = 3.0
 # Spawning the ranks, the timeout, the grace (3 s) and the records (up to ANSWER_WAIT_S): a bound
@@ -232,13 +233,13 @@ def _recorded_on_both_paths(env):
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_every_collective_is_recorded_alike_on_either_path_and_in_a_mixed_group(world_size, dist_run):
+def test_every_collective_is_recorded_alike_on_either_path_and_in_a_mixed_group(world_size):
     """The same call gets the same entry whichever path ran it, so a group whose ranks take
     different paths (the mixed group: even ranks native, odd ranks Python) reads as one program:
     the verdict finds no mismatch in it. (The Python path once named the tensor forms
     all_gather_single, reduce_scatter_single and all_to_all_single and gave the outputs as the
     inputs; the native path gave a list's first tensor for the list.)"""
-    results = dist_run(_recorded_on_both_paths, world_size, timeout=120)
+    results = run_on_ranks(_recorded_on_both_paths, world_size, timeout=120)
     expected = [_expected_entries(r, world_size) for r in range(world_size)]
     for r, (mine, _) in enumerate(results):
         for kind in ("native", "python", "mixed"):

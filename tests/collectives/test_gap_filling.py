@@ -13,7 +13,7 @@ import torch
 
 import collectives as C
 from collectives import ops, reduce_ops
-from collectives.testing import distributed
+from collectives.testing import distributed, run_on_ranks
 
 from .test_ops import DTYPES, GAP_DTYPES, _reductions_body, contribution, expected, valid_ops
 
@@ -39,8 +39,8 @@ def _folded(env, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES + GAP_DTYPES, ids=str)
 @pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_every_op_by_gather_and_fold(world_size, dtype, dist_run):
-    dist_run(_folded, world_size, args=(dtype,))
+def test_every_op_by_gather_and_fold(world_size, dtype):
+    run_on_ranks(_folded, world_size, args=(dtype,))
 
 
 @distributed(world_size=4)

@@ -121,3 +121,9 @@ def test_no_rank_destroys_a_test_s_groups_before_every_rank_has_returned():
     returned = run_on_ranks(_makes_a_group_one_rank_slow, 2)
     destroyed = run_on_ranks(_when_the_groups_before_went, 2)
     assert min(destroyed) >= max(returned), (returned, destroyed)
+
+
+def test_the_dist_run_fixture_is_run_on_ranks_under_its_old_name(request):
+    with pytest.warns(FutureWarning, match="the dist_run fixture is collectives.testing.run_on_ranks"):
+        fixture = request.getfixturevalue("dist_run")
+    assert fixture is run_on_ranks and fixture(_registered, 2) == run_on_ranks(_registered, 2)

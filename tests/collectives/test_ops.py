@@ -16,7 +16,7 @@ import torch
 import collectives as C
 from collectives.errors import CollectiveError
 from collectives.reduce_ops import OP_NAMES, check_op_dtype
-from collectives.testing import distributed
+from collectives.testing import distributed, run_on_ranks
 
 WORLD_SIZES = [1, 2, 3, 4]
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.bool]
@@ -75,9 +75,9 @@ def expected(op: str, dtype: torch.dtype, n: int, rows: int) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", DTYPES + GAP_DTYPES, ids=str)
 @pytest.mark.parametrize("collective", REDUCTIONS + MOVES)
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_collective(world_size, collective, dtype, dist_run):
+def test_collective(world_size, collective, dtype):
     body = _reductions_body if collective in REDUCTIONS else _movement_body
-    dist_run(body, world_size, args=(collective, dtype))
+    run_on_ranks(body, world_size, args=(collective, dtype))
 
 
 def _reductions_body(env, collective, dtype):

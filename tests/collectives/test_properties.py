@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from .reference import check_collective
+from collectives.testing import run_on_ranks
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.int16, torch.int32, torch.int64]
 COLLECTIVES = ["all_reduce", "reduce", "broadcast", "all_gather", "gather", "reduce_scatter", "scatter", "all_to_all"]
@@ -46,6 +47,6 @@ def cases(draw_):
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=cases())
-def test_collectives_match_a_local_computation(case, dist_run):
+def test_collectives_match_a_local_computation(case):
     n, *args = case
-    dist_run(_body, n, args=tuple(args))
+    run_on_ranks(_body, n, args=tuple(args))

@@ -20,6 +20,7 @@ from collectives.checks import overlaps_itself
 from collectives.errors import CollectiveError
 
 from .reference import check_collective
+from collectives.testing import run_on_ranks
 
 IN_PLACE = ["all_reduce", "reduce", "broadcast"]
 OUT_OF_PLACE = ["all_gather", "gather", "reduce_scatter", "scatter", "all_to_all"]
@@ -118,9 +119,9 @@ def cases(draw, collective):
 @pytest.mark.parametrize("collective", IN_PLACE + OUT_OF_PLACE)
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
-def test_every_collective_is_right_on_any_view(collective, data, dist_run):
+def test_every_collective_is_right_on_any_view(collective, data):
     n, *args = data.draw(cases(collective))
-    dist_run(_body, n, args=(collective, *args))
+    run_on_ranks(_body, n, args=(collective, *args))
 
 
 def _the_issue_example(env):
@@ -133,9 +134,9 @@ def _the_issue_example(env):
     return b, c
 
 
-def test_the_reported_strided_all_reduce(dist_run):
+def test_the_reported_strided_all_reduce():
     """The report: rows 2-3 of the view stayed 1 and b[0]'s other columns were overwritten."""
-    for rank, (b, c) in enumerate(dist_run(_the_issue_example, 2)):
+    for rank, (b, c) in enumerate(run_on_ranks(_the_issue_example, 2)):
         mine = rank + 1.0
         assert torch.equal(b, torch.tensor([[3.0, mine, 3.0, mine]] * 4)), b  # the sum in the view, own values outside
         assert torch.equal(c, torch.tensor([[2.0, mine, 2.0, mine]] * 4)), c  # rank 1's values in the view

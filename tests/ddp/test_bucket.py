@@ -18,6 +18,7 @@ from torch import nn
 from ddp_from_scratch.parts import bucket as bucketing
 from ddp_from_scratch.workload.models import SmallNet, batch
 from ddp_from_scratch.steps.ddp import DistributedDataParallel
+from collectives.testing import run_on_ranks
 
 sizes = st.lists(st.integers(1, 5000), min_size=1, max_size=30)  # elements per parameter
 limits = st.tuples(st.integers(1, 40000), st.integers(1, 40000))  # (first bucket, cap) in bytes
@@ -91,9 +92,9 @@ def _live_layouts(env, cap_mb, find_unused):
     return layouts
 
 
-def test_layouts_match_a_live_torch_ddp(dist_run):
+def test_layouts_match_a_live_torch_ddp():
     """Iterations 0, 1, 2: the buckets torch's reducer hands its comm hook are ours, in order."""
     for find_unused in (False, True):
-        for step, (theirs, ours) in enumerate(dist_run(_live_layouts, 2, args=(0.0005, find_unused))[0]):
+        for step, (theirs, ours) in enumerate(run_on_ranks(_live_layouts, 2, args=(0.0005, find_unused))[0]):
             assert ours == theirs, f"find_unused_parameters={find_unused}, step {step}"
             assert len(theirs) > (1 if step or find_unused else 0)

@@ -9,6 +9,7 @@ import torch
 
 from ddp_from_scratch import compare, compare_options
 from ddp_from_scratch.parts import step_check
+from collectives.testing import run_on_ranks
 
 
 def test_compare_program_prints_the_tables_and_the_layouts(capsys):
@@ -99,10 +100,10 @@ def _fp16_resnet50_batch2(env):
 
 
 @pytest.mark.slow
-def test_fp16_overflow_on_resnet50_is_identical_on_both_sides(dist_run):
+def test_fp16_overflow_on_resnet50_is_identical_on_both_sides():
     """At batch 2, ResNet-50's step-0 gradients exceed fp16's range: ours and torch's
     fp16_compress_hook must overflow into the very same NaN bit patterns, and the report says so."""
-    per_rank = dist_run(_fp16_resnet50_batch2, 2, timeout=300)
+    per_rank = run_on_ranks(_fp16_resnet50_batch2, 2, timeout=300)
     for steps in per_rank:
         check = steps[0]
         assert check.bitwise, check

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from ddp_from_scratch.parts.memory import HeldBytes
+from collectives.testing import run_on_ranks
 
 
 def test_parameters_the_optimizer_steps_count_even_when_no_module_holds_them():
@@ -71,13 +72,13 @@ def _in_flight_at_each_sample(env):
     return out
 
 
-def test_the_wrappers_report_what_their_collectives_in_flight_hold(dist_run):
+def test_the_wrappers_report_what_their_collectives_in_flight_hold():
     """On 2 ranks, a reduce-scatter in flight holds its packed input (2 rows) and its output (1
     row), a prefetched all_gather its row and its landing buffer (2 rows): 3 rows of 4-byte floats
     either way, 12 bytes per element of a rank's row. ZeRO-2 has one unit here (SmallNet's root);
     FSDP overlaps a unit's reduce-scatter with the next unit's prefetch, so some sample must see
     two units' buffers at once (a prefetch left uncounted would never show that)."""
-    for seen_by_rank in dist_run(_in_flight_at_each_sample, 2):
+    for seen_by_rank in run_on_ranks(_in_flight_at_each_sample, 2):
         seen, rows, peak_comm = seen_by_rank["zero2"]
         assert seen == {0, 12 * rows[0]}, (seen, rows)
         assert peak_comm >= 12 * rows[0]

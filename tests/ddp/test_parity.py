@@ -96,25 +96,25 @@ def _train_side_by_side(env, impl, steps):
 
 
 @pytest.mark.parametrize("impl", ["naive", "flat", "bucketed", "bucketed_small"])
-def test_bitwise_equal_to_torch_ddp_on_two_ranks(impl, dist_run):
-    assert_bitwise(dist_run(_train_side_by_side, 2, args=(impl, 4)), impl)
+def test_bitwise_equal_to_torch_ddp_on_two_ranks(impl):
+    assert_bitwise(run_on_ranks(_train_side_by_side, 2, args=(impl, 4)), impl)
 
 
 @pytest.mark.parametrize("n", [3, 4])
 @pytest.mark.parametrize("cap", [None, 0.0005])
-def test_bucketed_is_bitwise_equal_to_torch_ddp_on_three_and_four_ranks(cap, n, dist_run):
+def test_bucketed_is_bitwise_equal_to_torch_ddp_on_three_and_four_ranks(cap, n):
     # With more than 2 ranks Gloo's ring rounds an element according to where it sits in the
     # buffer, so this holds only because our buckets are laid out exactly as torch's
     # (test_bucket.py). cap 0.0005 MiB gives the small model several buckets, on both sides.
     kwargs = {} if cap is None else {"bucket_cap_mb": cap}
-    assert_bitwise(dist_run(partial(train_side_by_side, ddp_kwargs=kwargs), n, args=("bucketed", 3)), f"cap {cap}, {n} ranks")
+    assert_bitwise(run_on_ranks(partial(train_side_by_side, ddp_kwargs=kwargs), n, args=("bucketed", 3)), f"cap {cap}, {n} ranks")
 
 
 @pytest.mark.parametrize("impl", ["naive", "flat"])
-def test_naive_and_flat_are_close_to_torch_ddp_on_four_ranks(impl, dist_run):
+def test_naive_and_flat_are_close_to_torch_ddp_on_four_ranks(impl):
     # naive sends one message per parameter and flat one buffer in definition order (torch's
     # layout only in the first iteration), so on 4 ranks the ring rounds some elements differently.
-    steps_per_rank = dist_run(_train_side_by_side, 4, args=(impl, 3))
+    steps_per_rank = run_on_ranks(_train_side_by_side, 4, args=(impl, 3))
     for rank, steps in enumerate(steps_per_rank):
         for step, check in enumerate(steps):
             assert check.largest_diff < 1e-5, f"{impl}, 4 ranks, rank {rank}, step {step}: {check.largest_diff:g} (relative)"
@@ -124,8 +124,8 @@ def test_naive_and_flat_are_close_to_torch_ddp_on_four_ranks(impl, dist_run):
 
 @pytest.mark.parametrize("broken", ["wrong_divisor", "no_initial_broadcast", "no_buffer_broadcast", "hook_reads_parameter",
                                     "skips_a_bucket"])
-def test_a_broken_wrapper_turns_the_check_red(broken, dist_run):
-    steps = dist_run(_train_side_by_side, 2, args=(broken, 2))
+def test_a_broken_wrapper_turns_the_check_red(broken):
+    steps = run_on_ranks(_train_side_by_side, 2, args=(broken, 2))
     assert any(not check.bitwise for rank in steps for check in rank), f"{broken} went unnoticed"
 
 
@@ -138,8 +138,8 @@ def _mismatched_models(env):
     assert t.item() == 2
 
 
-def test_different_models_are_refused_by_name(dist_run):
-    dist_run(_mismatched_models, 2)
+def test_different_models_are_refused_by_name():
+    run_on_ranks(_mismatched_models, 2)
 
 
 def _layout_and_rebuild(env):
@@ -153,8 +153,8 @@ def _layout_and_rebuild(env):
     return before, seen, after, model.layout()
 
 
-def test_buckets_are_rebuilt_from_the_ready_order(dist_run):
-    before, seen, after, text = dist_run(_layout_and_rebuild, 2)[0]
+def test_buckets_are_rebuilt_from_the_ready_order():
+    before, seen, after, text = run_on_ranks(_layout_and_rebuild, 2)[0]
     assert before == [list(range(len(seen)))]  # first iteration: one bucket in definition order, as torch
     assert sorted(seen) == list(range(len(seen)))  # every gradient arrived once
     assert len(after) > 2 and [i for b in after for i in b] == seen  # rebuilt in the order the gradients arrived
@@ -176,8 +176,8 @@ def _accumulate(env):
     return all(torch.equal(a.grad, b.grad) for a, b in zip(ours.module.parameters(), theirs.module.parameters()))
 
 
-def test_no_sync_accumulation_matches_torch(dist_run):
-    assert dist_run(_accumulate, 2) == [True, True]
+def test_no_sync_accumulation_matches_torch():
+    assert run_on_ranks(_accumulate, 2) == [True, True]
 
 
 def _two_microbatches(ours, synced, step, rank):
@@ -224,8 +224,8 @@ def _sync_gradients_after_no_sync(env):
 
 
 @pytest.mark.parametrize("ranks", [2, 3])
-def test_sync_gradients_after_no_sync_is_torchs_synced_backward(dist_run, ranks):
-    for first, second in dist_run(_sync_gradients_after_no_sync, ranks):
+def test_sync_gradients_after_no_sync_is_torchs_synced_backward(ranks):
+    for first, second in run_on_ranks(_sync_gradients_after_no_sync, ranks):
         same, as_torch, layout, buckets = first
         assert all(same) and all(as_torch) and layout and buckets == 1, first
         same, _, layout, buckets = second
@@ -271,11 +271,11 @@ def _held_in_buckets(ddp):
 @pytest.mark.parametrize("compress", [None, "fp16", "bf16", "powersgd"])
 @pytest.mark.parametrize("as_view", [False, True])
 @pytest.mark.parametrize("n", [2, pytest.param(3, marks=pytest.mark.slow)])
-def test_sync_gradients_is_the_synced_backward_under_every_option(dist_run, n, compress, as_view):
+def test_sync_gradients_is_the_synced_backward_under_every_option(n, compress, as_view):
     """A pipeline's sync_gradients() goes the way a synced backward goes for every wire and
     gradient layout the wrapper takes, in the first step's one bucket and in the rebuilt ones
     (PowerSGD: plain for two steps, then compressed, with error feedback and warm start)."""
-    for rank, per_step in enumerate(dist_run(_sync_gradients_under, n, args=(compress, as_view, 4))):
+    for rank, per_step in enumerate(run_on_ranks(_sync_gradients_under, n, args=(compress, as_view, 4))):
         for step, (grads, weights, mine, theirs, my_views, their_views) in enumerate(per_step):
             assert not grads and not weights, f"rank {rank} step {step}: gradients {grads}, weights {weights} differ"
             assert mine == theirs and (mine == 1) == (step == 0), (rank, step, mine, theirs)
@@ -301,8 +301,8 @@ def _unused(env):
     return t.item()
 
 
-def test_unused_parameters_are_named_at_the_end_of_that_backward(dist_run):
-    assert dist_run(_unused, 2) == [2.0, 2.0]
+def test_unused_parameters_are_named_at_the_end_of_that_backward():
+    assert run_on_ranks(_unused, 2) == [2.0, 2.0]
 
 
 class Fp16Buckets(BucketedDataParallel):
@@ -327,46 +327,46 @@ def _with_fp16_hook(env, steps):
     return train_side_by_side(env, Fp16Buckets, steps, torch_comm_hook=default_hooks.fp16_compress_hook)
 
 
-def test_fp16_compression_is_bitwise_torchs_fp16_hook(dist_run):
-    assert_bitwise(dist_run(_with_fp16_hook, 2, args=(3,)), "fp16 against fp16_compress_hook", only_params=True)
+def test_fp16_compression_is_bitwise_torchs_fp16_hook():
+    assert_bitwise(run_on_ranks(_with_fp16_hook, 2, args=(3,)), "fp16 against fp16_compress_hook", only_params=True)
 
 
 def _with_bf16_hook(env, steps):
     return train_side_by_side(env, Bf16Buckets, steps, torch_comm_hook=bf16_compress_hook_on_gloo)
 
 
-def test_bf16_compression_is_bitwise_torchs_bf16_hook(dist_run):
+def test_bf16_compression_is_bitwise_torchs_bf16_hook():
     # torch's bf16_compress_hook refuses Gloo by name; compare.bf16_compress_hook_on_gloo runs its body
-    assert_bitwise(dist_run(_with_bf16_hook, 2, args=(3,)), "bf16 against the bf16 hook's body", only_params=True)
+    assert_bitwise(run_on_ranks(_with_bf16_hook, 2, args=(3,)), "bf16 against the bf16 hook's body", only_params=True)
 
 
-def test_bf16_compression_differs_from_uncompressed_ddp(dist_run):
+def test_bf16_compression_differs_from_uncompressed_ddp():
     # the check can see compression at all; and it is only compression: bf16 keeps 8 bits of
     # mantissa (a relative rounding of at most 2**-9 per gradient element), so after 3 steps the
     # weights stay within 1e-2 of uncompressed DDP's, relative to each tensor's largest weight
-    for rank, steps in enumerate(dist_run(train_side_by_side, 2, args=(Bf16Buckets, 3))):
+    for rank, steps in enumerate(run_on_ranks(train_side_by_side, 2, args=(Bf16Buckets, 3))):
         assert not all(check.params for check in steps), f"rank {rank}: bf16 changed nothing"
         largest = max(check.largest_diff for check in steps)
         assert largest < 1e-2, f"rank {rank}: largest relative difference {largest:g}"
 
 
 @pytest.mark.slow
-def test_resnet50_bucketed_is_bitwise_equal_to_torch_ddp_on_two_ranks(dist_run):
+def test_resnet50_bucketed_is_bitwise_equal_to_torch_ddp_on_two_ranks():
     """The real model: ResNet-50 (BatchNorm everywhere, several 25 MiB buckets), 2 steps."""
-    assert_bitwise(dist_run(train_side_by_side, 2, args=("bucketed", 2, "resnet50", 2, 32)), "ResNet-50, 2 ranks")
+    assert_bitwise(run_on_ranks(train_side_by_side, 2, args=("bucketed", 2, "resnet50", 2, 32)), "ResNet-50, 2 ranks")
 
 
 @pytest.mark.slow
-def test_resnet50_bucketed_is_bitwise_equal_to_torch_ddp_on_four_ranks(dist_run):
-    assert_bitwise(dist_run(train_side_by_side, 4, args=("bucketed", 2, "resnet50", 2, 32)), "ResNet-50, 4 ranks")
+def test_resnet50_bucketed_is_bitwise_equal_to_torch_ddp_on_four_ranks():
+    assert_bitwise(run_on_ranks(train_side_by_side, 4, args=("bucketed", 2, "resnet50", 2, 32)), "ResNet-50, 4 ranks")
 
 
 # -- options: find_unused_parameters, gradient_as_bucket_view -----------------------------------
 @pytest.mark.parametrize("n", [2, 4])
-def test_find_unused_parameters_matches_torch(n, dist_run):
+def test_find_unused_parameters_matches_torch(n):
     """Branchy: `extra` is used on rank 0 only, `never` nowhere; grads (None or not) compared too."""
     kwargs = {"find_unused_parameters": True}
-    results = dist_run(partial(train_side_by_side, ddp_kwargs=kwargs), n, args=("bucketed", 3, "branchy"))
+    results = run_on_ranks(partial(train_side_by_side, ddp_kwargs=kwargs), n, args=("bucketed", 3, "branchy"))
     assert_bitwise(results, f"find_unused_parameters, {n} ranks")
 
 
@@ -377,15 +377,15 @@ def _unused_grads(env):
     return model.module.extra.weight.grad is not None, model.module.never.weight.grad is None
 
 
-def test_find_unused_parameters_averages_the_locally_unused_and_leaves_the_globally_unused(dist_run):
-    assert dist_run(_unused_grads, 2) == [(True, True), (True, True)]
+def test_find_unused_parameters_averages_the_locally_unused_and_leaves_the_globally_unused():
+    assert run_on_ranks(_unused_grads, 2) == [(True, True), (True, True)]
 
 
 @pytest.mark.parametrize("set_to_none", [True, False])
 @pytest.mark.parametrize("n", [2, 4])
-def test_gradient_as_bucket_view_matches_torch(n, set_to_none, dist_run):
+def test_gradient_as_bucket_view_matches_torch(n, set_to_none):
     kwargs = {"gradient_as_bucket_view": True}
-    results = dist_run(partial(train_side_by_side, ddp_kwargs=kwargs, set_to_none=set_to_none), n, args=("bucketed", 3))
+    results = run_on_ranks(partial(train_side_by_side, ddp_kwargs=kwargs, set_to_none=set_to_none), n, args=("bucketed", 3))
     assert_bitwise(results, f"gradient_as_bucket_view, set_to_none={set_to_none}, {n} ranks")
 
 
@@ -423,6 +423,6 @@ def _grads_are_bucket_views(env, gradient_as_bucket_view):
     return answers
 
 
-def test_gradient_as_bucket_view_makes_grads_views_of_the_buckets(dist_run):
-    assert all(all(step) for step in dist_run(_grads_are_bucket_views, 2, args=(True,))[0])
-    assert not any(any(step) for step in dist_run(_grads_are_bucket_views, 2, args=(False,))[0])
+def test_gradient_as_bucket_view_makes_grads_views_of_the_buckets():
+    assert all(all(step) for step in run_on_ranks(_grads_are_bucket_views, 2, args=(True,))[0])
+    assert not any(any(step) for step in run_on_ranks(_grads_are_bucket_views, 2, args=(False,))[0])

@@ -130,14 +130,14 @@ def test_the_property_tests_bucket_caps_reach_one_bucket_and_one_per_parameter()
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 @pytest.mark.parametrize("label", list(CONFIGS))
-def test_bitwise_torchs_powersgd_hook_every_step(label, world_size, dist_run):
-    for bitwise, largest in dist_run(_side_by_side, world_size, args=(CONFIGS[label],), timeout=120):
+def test_bitwise_torchs_powersgd_hook_every_step(label, world_size):
+    for bitwise, largest in run_on_ranks(_side_by_side, world_size, args=(CONFIGS[label],), timeout=120):
         assert bitwise == [True] * STEPS, (label, bitwise, largest)
 
 
-def test_bitwise_on_shm_too(dist_run):
+def test_bitwise_on_shm_too():
     options = CONFIGS["rank 1 (Gram-Schmidt), error feedback, warm start"]
-    for bitwise, largest in dist_run(_side_by_side, 3, args=(options,), backend="shm", timeout=120):
+    for bitwise, largest in run_on_ranks(_side_by_side, 3, args=(options,), backend="shm", timeout=120):
         assert bitwise == [True] * STEPS, (bitwise, largest)
 
 
@@ -159,8 +159,8 @@ def _batched_against_torchs_fixed(env, options):
 @pytest.mark.parametrize("options", [dict(matrix_approximation_rank=1, start_powerSGD_iter=2),
                                      dict(matrix_approximation_rank=3, start_powerSGD_iter=3, warm_start=False,
                                           use_error_feedback=False)], ids=["rank 1", "rank 3, no memories"])
-def test_batched_bitwise_torchs_batched_hook_with_its_orthogonalization_fixed(options, world_size, dist_run):
-    for bitwise, largest in dist_run(_batched_against_torchs_fixed, world_size, args=(options,), timeout=120):
+def test_batched_bitwise_torchs_batched_hook_with_its_orthogonalization_fixed(options, world_size):
+    for bitwise, largest in run_on_ranks(_batched_against_torchs_fixed, world_size, args=(options,), timeout=120):
         assert bitwise == [True] * STEPS, (bitwise, largest)
 
 
@@ -178,10 +178,10 @@ def _torchs_batched_hook_as_it_is(env):
     return "ran"
 
 
-def test_torchs_own_batched_hook_fails_at_its_first_compressed_step(dist_run):
+def test_torchs_own_batched_hook_fails_at_its_first_compressed_step():
     """Why the batched row compares against a fixed hook: if torch fixes it, this fails, and the
     row can compare against torch's own."""
-    assert dist_run(_torchs_batched_hook_as_it_is, 2, timeout=120) == [True, True]
+    assert run_on_ranks(_torchs_batched_hook_as_it_is, 2, timeout=120) == [True, True]
 
 
 def _approximation_and_bytes(env, options):
@@ -211,9 +211,9 @@ def _approximation_and_bytes(env, options):
     return same, per_step, expected, total
 
 
-def test_compression_is_real_and_moves_the_closed_forms_elements(dist_run):
+def test_compression_is_real_and_moves_the_closed_forms_elements():
     options = dict(matrix_approximation_rank=1, start_powerSGD_iter=2, use_error_feedback=False, warm_start=False)
-    same, per_step, expected, total = dist_run(_approximation_and_bytes, 2, args=(options,))[0]
+    same, per_step, expected, total = run_on_ranks(_approximation_and_bytes, 2, args=(options,))[0]
     assert same == [True, True, False, False], same  # plain DDP for 2 steps, then the rank-1 approximation
     assert per_step == [total, total, expected, expected], (per_step, expected, total)
     assert expected < total / 4  # the small CNN's convolutions and linear layers shrink by far more than that
@@ -238,9 +238,9 @@ def _batched_elements_per_step(env, rank):
 
 
 @pytest.mark.parametrize("rank", [1, 3])
-def test_batched_counts_p_and_q_of_every_bucket(rank, dist_run):
+def test_batched_counts_p_and_q_of_every_bucket(rank):
     """The batched form sends, per bucket padded to side x side, P and Q: 2 x side x rank."""
-    per_step, sides, total = dist_run(_batched_elements_per_step, 2, args=(rank,))[0]
+    per_step, sides, total = run_on_ranks(_batched_elements_per_step, 2, args=(rank,))[0]
     assert len(sides) > 1  # several buckets
     assert per_step == [total, total] + [sum(2 * side * rank for side in sides)] * 2, (per_step, sides)
 
@@ -320,13 +320,13 @@ def _torchs_hook_on_gloo(env, bucket_cap_mb=None, callbacks_wait_for_main=False)
     return calls
 
 
-def test_torchs_powersgd_hook_issues_its_all_reduces_of_p_and_q_from_gloos_threads(dist_run):
+def test_torchs_powersgd_hook_issues_its_all_reduces_of_p_and_q_from_gloos_threads():
     """The cause of torch's hook failing on Gloo with two or more buckets (docs/powersgd.md),
     pinned where it still runs (one bucket): the hook (on the main thread) issues the bucket's
     uncompressed all_reduce, and its Future callbacks issue P's and Q's, on Gloo's worker threads.
     If torch moves them (or Gloo runs callbacks elsewhere), this fails, and the refusals in
     train (torch_powersgd_refusal) and compare's shm rows can be looked at again."""
-    calls = dist_run(_torchs_hook_on_gloo, 2)[0]  # rank 0's, whose all_reduces wait for rank 1's
+    calls = run_on_ranks(_torchs_hook_on_gloo, 2)[0]  # rank 0's, whose all_reduces wait for rank 1's
     compressed = calls[-3:]
     assert [by_main for by_main, _ in compressed] == [True, False, False], calls
     linears = [m for m in Mlp().modules() if isinstance(m, nn.Linear)]
@@ -393,11 +393,11 @@ def _resumed_against_uninterrupted(env, options, stop, steps):
     dict(matrix_approximation_rank=2, start_powerSGD_iter=2, warm_start=False, use_error_feedback=False),
     dict(matrix_approximation_rank=2, start_powerSGD_iter=2, warm_start=False, batched=True),
 ], ids=["error feedback", "no memories", "batched"])
-def test_a_resume_without_warm_start_goes_on_where_the_uninterrupted_run_goes(options, dist_run):
+def test_a_resume_without_warm_start_goes_on_where_the_uninterrupted_run_goes(options):
     """Without warm start every compressed step draws a fresh random Q from PowerSGD's generator,
     so a resume must restore the generator: with it the resumed run ends bitwise where the
     uninterrupted one does (several buckets, stopped after a compressed step), without it not."""
-    for same in dist_run(_resumed_against_uninterrupted, 2, args=(options, 3, 6), timeout=120):
+    for same in run_on_ranks(_resumed_against_uninterrupted, 2, args=(options, 3, 6), timeout=120):
         assert same == [True, False], same
 
 
@@ -455,11 +455,11 @@ def _resnet50_rank_1_with_memories(env):
 
 
 @pytest.mark.slow
-def test_resnet50_rank_1_with_error_feedback_and_warm_start_is_bitwise_torchs_hook(dist_run):
+def test_resnet50_rank_1_with_error_feedback_and_warm_start_is_bitwise_torchs_hook():
     """The model this project is verified on, as `compare --model resnet50` runs it: every
     parameter and every gradient, every step. ResNet-50's large buckets run on shm's worker
     thread, and torch's hook multiplies its matrices in callbacks there: with the worker on
     OpenMP's default thread count, 7 gradients differed from the first compressed step while the
     parameters still agreed (tests/shm/test_worker_threads.py)."""
-    for rank, steps in enumerate(dist_run(_resnet50_rank_1_with_memories, 2, backend="shm", timeout=600)):
+    for rank, steps in enumerate(run_on_ranks(_resnet50_rank_1_with_memories, 2, backend="shm", timeout=600)):
         assert all(params and loss for params, loss, _ in steps), (rank, steps)

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddp_from_scratch.steps.ddp import DistributedDataParallel
+from collectives.testing import run_on_ranks
 
 
 def _mlp():
@@ -42,10 +43,10 @@ def _equivalence(env, micro_batches):
     return True
 
 
-def test_gradient_equals_one_process_on_the_concatenated_batch(dist_run):
+def test_gradient_equals_one_process_on_the_concatenated_batch():
     for n in (2, 3):
-        assert dist_run(_equivalence, n, args=(1,)) == [True] * n
+        assert run_on_ranks(_equivalence, n, args=(1,)) == [True] * n
 
 
-def test_no_sync_accumulation_equals_one_step_on_the_larger_batch(dist_run):
-    assert dist_run(_equivalence, 2, args=(3,)) == [True, True]
+def test_no_sync_accumulation_equals_one_step_on_the_larger_batch():
+    assert run_on_ranks(_equivalence, 2, args=(3,)) == [True, True]

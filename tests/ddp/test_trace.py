@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from ddp_from_scratch.workload.models import SmallNet, batch
 from ddp_from_scratch.steps.ddp import DistributedDataParallel
 from ddp_from_scratch.trace import plot_timeline, write_chrome_trace
+from collectives.testing import run_on_ranks
 
 
 def _traced(env, out_dir):
@@ -35,8 +36,8 @@ def _traced(env, out_dir):
     return n_buckets, model.layouts
 
 
-def test_timeline_trace_and_layouts(dist_run, tmp_path):
-    n_buckets, layouts = dist_run(_traced, 2, args=(tmp_path,))[0]
+def test_timeline_trace_and_layouts(tmp_path):
+    n_buckets, layouts = run_on_ranks(_traced, 2, args=(tmp_path,))[0]
     events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     spans = [e for e in events if e["ph"] == "X"]
     assert len(spans) == n_buckets == 3 and all(e["dur"] >= 0 for e in spans)

@@ -17,6 +17,7 @@ import torch
 
 from collectives.launcher.pool import RankPool
 from ddp_from_scratch import checkpoint, train
+from collectives.testing import run_on_ranks
 
 COMMON = ["--nproc", "2", "--model", "small", "--synthetic", "--train-size", "64", "--test-size", "32",
           "--batch-size", "8", "--lr", "0.05"]
@@ -147,14 +148,14 @@ def _deterministic_flags(env, argv):
                                                os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
 
 
-def test_deterministic_sets_the_kernel_flags_while_training_and_restores_them(dist_run):
+def test_deterministic_sets_the_kernel_flags_while_training_and_restores_them():
     """What --deterministic does shows only on CUDA (gpu_checks.sh train runs it twice and compares
     the losses); here: the flags are set while the rank trains, and restored after (the rank of a
     shared pool runs other work next), and left alone without the flag."""
     argv = COMMON[2:] + ["--impl", "torch", "--train-size", "16", "--test-size", "8"]
-    assert dist_run(_deterministic_flags, 1, args=(argv + ["--deterministic"],)) == [
+    assert run_on_ranks(_deterministic_flags, 1, args=(argv + ["--deterministic"],)) == [
         (True, (True, True, ":4096:8"), (False, False, None))]
-    assert dist_run(_deterministic_flags, 1, args=(argv,)) == [(False, (False, False, None), (False, False, None))]
+    assert run_on_ranks(_deterministic_flags, 1, args=(argv,)) == [(False, (False, False, None), (False, False, None))]
 
 
 @pytest.mark.parametrize("factor, stepped", [(1.0, True), (float("inf"), False), (float("nan"), False)])
@@ -336,12 +337,12 @@ def _record_order(env, argv):
     return seen
 
 
-def test_each_epoch_reshuffles_and_the_shards_stay_disjoint(dist_run):
+def test_each_epoch_reshuffles_and_the_shards_stay_disjoint():
     """Catches a missing sampler.set_epoch (the same order every epoch) or a missing dataset
     set_epoch (the same augmentation every epoch)."""
     argv = ["--model", "small", "--synthetic", "--train-size", "64", "--test-size", "8", "--batch-size", "8",
             "--epochs", "2"]
-    per_rank = dist_run(_record_order, 2, args=(argv,), timeout=300)
+    per_rank = run_on_ranks(_record_order, 2, args=(argv,), timeout=300)
     epochs = {e for seen in per_rank for e, _ in seen}
     assert epochs == {0, 1}, f"the training set's augmentation saw epochs {epochs}: dataset.set_epoch not called?"
     orders = [[[i for e, i in seen if e == epoch] for epoch in range(2)] for seen in per_rank]  # [rank][epoch]
@@ -431,23 +432,23 @@ def _train_with(env, argv):
 
 
 @pytest.mark.parametrize("compress", ["powersgd", "batched_powersgd", "fp16"])
-def test_ours_and_torchs_ddp_with_the_same_compression_end_with_the_same_weights(compress, dist_run):
+def test_ours_and_torchs_ddp_with_the_same_compression_end_with_the_same_weights(compress):
     """The train CLI's --compress on our bucketed DDP and on torch's (its comm hook): PowerSGD rank 2
     from step 3 of 8, then the same weights bit for bit; and not the weights of plain DDP."""
     argv = ["--model", "small", "--synthetic", "--train-size", "128", "--test-size", "16", "--batch-size", "8",
             "--lr", "0.05", "--compress", compress]
     if compress != "fp16":
         argv += ["--powersgd-rank", "2", "--powersgd-start-iter", "3"]
-    ours, theirs = (dist_run(_train_with, 2, args=(argv + ["--impl", impl],), timeout=120)[0]
+    ours, theirs = (run_on_ranks(_train_with, 2, args=(argv + ["--impl", impl],), timeout=120)[0]
                     for impl in ("bucketed", "torch"))
-    plain = dist_run(_train_with, 2, args=([a for a in argv[:-2 if compress == "fp16" else -6]] +
+    plain = run_on_ranks(_train_with, 2, args=([a for a in argv[:-2 if compress == "fp16" else -6]] +
                                            ["--impl", "bucketed"],), timeout=120)[0]
     assert ours["compress"] == theirs["compress"] == compress and plain["compress"] is None
     assert ours["weights_sha256"] == theirs["weights_sha256"] != plain["weights_sha256"]
 
 
 @pytest.mark.parametrize("impl", ["bucketed"])
-def test_a_powersgd_run_split_mid_epoch_ends_bitwise_where_an_uninterrupted_one_ends(impl, tmp_path, dist_run):
+def test_a_powersgd_run_split_mid_epoch_ends_bitwise_where_an_uninterrupted_one_ends(impl, tmp_path):
     """PowerSGD's memories (each rank's error feedback, the warm-start Q, the step count, the
     random generator) are in the checkpoint: a run stopped at step 5 (compressed since step 3) and
     resumed ends with the uninterrupted run's weights; without them (a resumed run starting its
@@ -455,10 +456,10 @@ def test_a_powersgd_run_split_mid_epoch_ends_bitwise_where_an_uninterrupted_one_
     argv = ["--model", "small", "--synthetic", "--train-size", "128", "--test-size", "16", "--batch-size", "8",
             "--lr", "0.05", "--compress", "powersgd", "--powersgd-rank", "2", "--powersgd-start-iter", "3",
             "--impl", impl, "--epochs", "2"]
-    whole = dist_run(_train_with, 2, args=(argv,), timeout=120)[0]
-    stopped = dist_run(_train_with, 2, args=(argv + ["--checkpoint", str(tmp_path), "--stop-at-step", "5"],),
+    whole = run_on_ranks(_train_with, 2, args=(argv,), timeout=120)[0]
+    stopped = run_on_ranks(_train_with, 2, args=(argv + ["--checkpoint", str(tmp_path), "--stop-at-step", "5"],),
                        timeout=120)[0]
-    resumed = dist_run(_train_with, 2, args=(argv + ["--checkpoint", str(tmp_path), "--resume"],), timeout=120)[0]
+    resumed = run_on_ranks(_train_with, 2, args=(argv + ["--checkpoint", str(tmp_path), "--resume"],), timeout=120)[0]
     assert (stopped["stopped_at_step"], resumed["resumed_from_step"]) == (5, 5)
     assert resumed["weights_sha256"] == whole["weights_sha256"] != stopped["weights_sha256"]
     saved = torch.load(tmp_path / "checkpoint.pt", weights_only=True)

@@ -29,6 +29,7 @@ from ddp_from_scratch.parts.sharding import ShardLayout
 from ddp_from_scratch.steps.zero1 import ZeroOneDataParallel
 from ddp_from_scratch.parts.memory import HeldBytes
 from ddp_from_scratch.steps.zero2 import ZeroTwoDataParallel, reduce_buckets
+from collectives.testing import run_on_ranks
 
 STEPS = 3
 
@@ -93,8 +94,8 @@ def _nested_units(env):
                                                  units=["1", "1.2"])])
 
 
-def test_nested_units_are_bitwise_fully_shard_nested_alike(dist_run):
-    for rank, res in enumerate(dist_run(_nested_units, 3, timeout=300)):
+def test_nested_units_are_bitwise_fully_shard_nested_alike():
+    for rank, res in enumerate(run_on_ranks(_nested_units, 3, timeout=300)):
         assert res["bitwise"], f"rank {rank}: {res}"
 
 
@@ -109,9 +110,9 @@ def _gathered_both_ways(env):
     return [(tuple(p.shape), torch.equal(_gather_dim0(p), p.full_tensor())) for p in model.parameters()]
 
 
-def test_the_parity_check_gathers_fully_shard_parameters_as_full_tensor_does(dist_run):
+def test_the_parity_check_gathers_fully_shard_parameters_as_full_tensor_does():
     """sharded_parity gathers fully_shard's DTensors itself (full_tensor dies on Gloo with CUDA tensors)."""
-    for rank, res in enumerate(dist_run(_gathered_both_ways, 3)):
+    for rank, res in enumerate(run_on_ranks(_gathered_both_ways, 3)):
         assert res == [((5, 2), True), ((1,), True), ((2, 3), True), ((7,), True)], f"rank {rank}: {res}"
 
 
@@ -122,11 +123,11 @@ def _every_pair(env, pairs, steps):
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_sharded_steps_are_bitwise_where_they_must_be(world_size, dist_run):
+def test_sharded_steps_are_bitwise_where_they_must_be(world_size):
     pairs = [(impl, against) for impl in PARITY_IMPLS for against in ("torch-fsdp", "torch")]
     if world_size > 2:  # the rest differ in rounding by construction; 2 ranks check every pair
         pairs = [p for p in pairs if must_be_bitwise(*p, world_size)]
-    per_rank = dist_run(_every_pair, world_size, args=(pairs, STEPS), timeout=300)
+    per_rank = run_on_ranks(_every_pair, world_size, args=(pairs, STEPS), timeout=300)
     for rank, results in enumerate(per_rank):
         for (impl, against), res in results.items():
             assert res["bitwise"], f"{impl} against {against} on {world_size} ranks, rank {rank}: {res}"
@@ -164,11 +165,11 @@ def _accumulation_against_torch(env):
             for impl in SHARDED}
 
 
-def test_no_sync_accumulation_is_bitwise_torchs_ddp_on_two_ranks(dist_run):
+def test_no_sync_accumulation_is_bitwise_torchs_ddp_on_two_ranks():
     """Gradient accumulation: under no_sync() the sharded steps keep the local gradient (no
     reduce-scatter, FSDP's units stay gathered) and the next backward sends the sum; a step that
     communicated inside no_sync, or dropped the first micro-batch, would differ."""
-    for rank, per_impl in enumerate(dist_run(_accumulation_against_torch, 2, timeout=300)):
+    for rank, per_impl in enumerate(run_on_ranks(_accumulation_against_torch, 2, timeout=300)):
         for impl, steps in per_impl.items():
             assert steps == [[], []], f"{impl}, rank {rank}: parameters that differ from torch's DDP per step: {steps}"
 
@@ -178,8 +179,8 @@ def _not_bitwise_pairs_differ(env):
             for p in (("zero1", "torch-fsdp"), ("fsdp", "torch"))}
 
 
-def test_on_four_ranks_the_other_pairs_differ_only_in_rounding(dist_run):
-    for results in dist_run(_not_bitwise_pairs_differ, 4, timeout=300):
+def test_on_four_ranks_the_other_pairs_differ_only_in_rounding():
+    for results in run_on_ranks(_not_bitwise_pairs_differ, 4, timeout=300):
         for pair, res in results.items():
             assert not res["bitwise"], f"{pair}: now bitwise; update must_be_bitwise and the note"
             assert 0 < res["largest_diff"] < 1e-5 and res["nonfinite"] is None, (pair, res)
@@ -228,8 +229,8 @@ def _planted(env, fault):
 
 @pytest.mark.parametrize("fault", ["shard off by one", "missing all-gather", "division twice",
                                    "no gather before backward"])
-def test_planted_faults_are_caught(fault, dist_run):
-    for rank, res in enumerate(dist_run(_planted, 2, args=(fault,), timeout=300)):
+def test_planted_faults_are_caught(fault):
+    for rank, res in enumerate(run_on_ranks(_planted, 2, args=(fault,), timeout=300)):
         assert not res["bitwise"], f"{fault}: rank {rank} still bitwise equal ({res})"
 
 
@@ -256,8 +257,8 @@ def _what_is_kept(env):
     return out
 
 
-def test_each_stage_keeps_what_it_says(dist_run):
-    for rank, kept in enumerate(dist_run(_what_is_kept, 2)):
+def test_each_stage_keeps_what_it_says():
+    for rank, kept in enumerate(run_on_ranks(_what_is_kept, 2)):
         total = kept["zero1"]["total"]
         for name in ("zero1", "zero2", "fsdp"):
             k = kept[name]
@@ -342,19 +343,19 @@ def _bucketed_on_three_ranks(env):
     return summarise([train_sharded_side_by_side(env, ctor, STEPS, against="torch", model=Deep, image=4)])
 
 
-def test_bucketed_zero2_on_three_ranks_differs_from_ddp_only_in_rounding(dist_run):
+def test_bucketed_zero2_on_three_ranks_differs_from_ddp_only_in_rounding():
     """With 3 ranks Gloo's reduce_scatter adds in another order than DDP's all_reduce: close, not
     bitwise; a bucket reduced twice, lost or put in another bucket's place would be far off."""
-    for rank, res in enumerate(dist_run(_bucketed_on_three_ranks, 3)):
+    for rank, res in enumerate(run_on_ranks(_bucketed_on_three_ranks, 3)):
         assert res["largest_diff"] < 1e-5 and res["nonfinite"] is None, (rank, res)
 
 
-def test_bucketed_zero2_is_bitwise_ddp_and_holds_about_two_buckets_not_a_whole_gradient(dist_run):
+def test_bucketed_zero2_is_bitwise_ddp_and_holds_about_two_buckets_not_a_whole_gradient():
     """Each bucket reduce-scattered as soon as its gradients are there: bitwise torch's DDP on 2
     ranks, and at its peak a rank holds its gradient shards and a bucket or two, where the one-unit
     ZeRO-2 holds every gradient packed. A bucketed ZeRO-2 that waited for the end of backward
     would hold all its buckets at once and fail the memory bound."""
-    for rank, out in enumerate(dist_run(_bucketed_zero2, 2)):
+    for rank, out in enumerate(run_on_ranks(_bucketed_zero2, 2)):
         n_params = 2 * 10
         assert [out[c]["units"] for c in (None, 1e-9)] == [1, n_params], out
         assert 1 < out[1.5 * LAYER_MB]["units"] < n_params, out
@@ -377,6 +378,6 @@ def _unused_parameter(env):
     return "no error"
 
 
-def test_a_parameter_without_a_gradient_is_named(dist_run):
-    for message in dist_run(_unused_parameter, 2):
+def test_a_parameter_without_a_gradient_is_named():
+    for message in run_on_ranks(_unused_parameter, 2):
         assert "reduce_scatter was never issued" in message and "never.weight" in message, message

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from collectives.shm import backend_of, new_group_with
 from collectives.shm.native_setup import _REDUCED, reducible
 from collectives.shm.python_path import OPS
+from collectives.testing import run_on_ranks
 
 TORCH_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "product": dist.ReduceOp.PRODUCT,
              "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX, "band": dist.ReduceOp.BAND,
@@ -144,8 +145,8 @@ def _every_form(env):
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_every_collective_in_both_forms_runs_natively_and_right(dist_run, world_size):
-    for rank, (got, fallbacks) in enumerate(dist_run(_every_form, world_size, timeout=300)):
+def test_every_collective_in_both_forms_runs_natively_and_right(world_size):
+    for rank, (got, fallbacks) in enumerate(run_on_ranks(_every_form, world_size, timeout=300)):
         for name, out, want in got:
             assert torch.equal(out, want), f"rank {rank} of {world_size}, {name}: {out} != {want}"
         assert fallbacks == {}, f"rank {rank} of {world_size}: calls that left the native path: {fallbacks}"
@@ -171,8 +172,8 @@ def _refused_forms(env):
     return counts, [(e["profiling_name"], e.get("collectives_path")) for e in dump()["entries"]]
 
 
-def test_calls_that_leave_the_native_path_are_counted_and_named_in_the_record(dist_run):
-    for rank, (counts, entries) in enumerate(dist_run(_refused_forms, 2, timeout=120)):
+def test_calls_that_leave_the_native_path_are_counted_and_named_in_the_record():
+    for rank, (counts, entries) in enumerate(run_on_ranks(_refused_forms, 2, timeout=120)):
         assert counts["non-contiguous"] == {"all_reduce": 1}, (rank, counts)
         assert counts["uint32 sum"] == {"all_reduce": 2}, (rank, counts)
         assert counts["overlapping reduce_scatter"] == {"all_reduce": 2, "reduce_scatter": 1}, (rank, counts)
@@ -211,12 +212,12 @@ def _predicate_against_the_engine(env):
     return rows
 
 
-def test_the_engines_predicate_is_what_the_engine_does(dist_run):
+def test_the_engines_predicate_is_what_the_engine_does():
     """One answer to "does the native path take this call?": takes_all_reduce (the engine's own
     predicate, asked from Python) is True exactly where a dist.all_reduce of the same tensor stays
     on the native path, over dtypes, ops, contiguity and size. A complex tensor is the exception
     by design: dist.all_reduce hands the backend its real view, the direct call does not."""
-    for rank, rows in enumerate(dist_run(_predicate_against_the_engine, 2, timeout=300)):
+    for rank, rows in enumerate(run_on_ranks(_predicate_against_the_engine, 2, timeout=300)):
         assert len(rows) > 100 and any(r[4] for r in rows) and not all(r[4] for r in rows), (rank, len(rows))
         for dtype, op, contiguous, numel, says, left in rows:
             if "complex" in dtype:
@@ -225,9 +226,9 @@ def test_the_engines_predicate_is_what_the_engine_does(dist_run):
             assert says == (left == 0), (rank, dtype, op, contiguous, numel, says, left)
 
 
-def test_a_group_on_the_python_path_counts_no_fallbacks(dist_run):
+def test_a_group_on_the_python_path_counts_no_fallbacks():
     """Where every call runs in Python by choice, nothing 'fell' off the native path."""
-    for counts in dist_run(_python_group_counts, 2, timeout=120):
+    for counts in run_on_ranks(_python_group_counts, 2, timeout=120):
         assert counts == {}, counts
 
 
@@ -269,8 +270,8 @@ def _in_place_across_rounds(env):
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_an_in_place_reduce_scatter_over_many_rounds_is_the_python_paths_bits(dist_run, world_size):
-    for rank, (same, fallbacks) in enumerate(dist_run(_in_place_across_rounds, world_size, timeout=120)):
+def test_an_in_place_reduce_scatter_over_many_rounds_is_the_python_paths_bits(world_size):
+    for rank, (same, fallbacks) in enumerate(run_on_ranks(_in_place_across_rounds, world_size, timeout=120)):
         assert all(same.values()), (rank, world_size, {k: v for k, v in same.items() if not v})
         assert fallbacks == {}, (rank, world_size, fallbacks)
 
@@ -310,10 +311,10 @@ def _messages_and_refusals(env):
     return counts, arrived, refused, t.tolist()
 
 
-def test_messages_left_to_python_are_counted_and_refused_calls_are_not(dist_run):
+def test_messages_left_to_python_are_counted_and_refused_calls_are_not():
     """fallbacks() counts a send or recv the native messages did not take, as it counts
     collectives; a call refused for its arguments ran on no path, so it counts nowhere."""
-    for rank, (counts, arrived, refused, after) in enumerate(dist_run(_messages_and_refusals, 2, timeout=120)):
+    for rank, (counts, arrived, refused, after) in enumerate(run_on_ranks(_messages_and_refusals, 2, timeout=120)):
         kind = "send" if rank == 0 else "recv"
         assert counts["plain"] == {}, (rank, counts)
         assert counts["handed to Python"] == {kind: 1}, (rank, counts)

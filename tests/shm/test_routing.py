@@ -15,7 +15,7 @@ import torch.distributed._functional_collectives as funcol
 
 from collectives.errors import CollectiveMismatchError
 from collectives.shm import backend_of, new_group_with
-from collectives.testing import distributed
+from collectives.testing import distributed, run_on_ranks
 from ddp_from_scratch.parts.step_check import same_bits
 
 from . import PATHS
@@ -93,8 +93,8 @@ def _both(env):
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_gather_scatter_all_to_all_equal_gloo_on_every_dtype(world_size, dist_run):
-    for rank, rows in enumerate(dist_run(_both, world_size, timeout=120)):
+def test_gather_scatter_all_to_all_equal_gloo_on_every_dtype(world_size):
+    for rank, rows in enumerate(run_on_ranks(_both, world_size, timeout=120)):
         for dtype, call, as_expected, as_gloo in rows:
             assert all(as_expected), f"rank {rank}: {call} on {dtype}: not what the seeds give ({as_expected})"
             assert as_gloo is None or all(as_gloo), f"rank {rank}: {call} on {dtype}: not Gloo's result"
@@ -144,8 +144,8 @@ def _closed_forms(env):
     return True
 
 
-def test_torchs_closed_forms_hold_on_shm(dist_run):
-    assert dist_run(_closed_forms, 3, timeout=120) == [True] * 3
+def test_torchs_closed_forms_hold_on_shm():
+    assert run_on_ranks(_closed_forms, 3, timeout=120) == [True] * 3
 
 
 def _messages(env):
@@ -184,8 +184,8 @@ def _messages(env):
     return True
 
 
-def test_point_to_point_on_shm(dist_run):
-    assert dist_run(_messages, 3, timeout=120) == [True] * 3
+def test_point_to_point_on_shm():
+    assert run_on_ranks(_messages, 3, timeout=120) == [True] * 3
 
 
 def _refused(env, path):
@@ -217,8 +217,8 @@ def _refused(env, path):
 
 
 @pytest.mark.parametrize("path", PATHS)
-def test_wrong_routing_arguments_are_named_and_the_group_survives(dist_run, path):
-    for r, said in enumerate(dist_run(_refused, 3, args=(path,), timeout=60)):
+def test_wrong_routing_arguments_are_named_and_the_group_survives(path):
+    for r, said in enumerate(run_on_ranks(_refused, 3, args=(path,), timeout=60)):
         assert len(said) == 4, said
         if r == 0:
             assert "gather on rank 0 of the shm group: gather_list has 2 tensors; it must have one per rank (3)" \
@@ -353,11 +353,11 @@ def _late_for_monitored_barrier(env, path):
 
 
 @pytest.mark.parametrize("path", PATHS)
-def test_after_monitored_barrier_names_a_late_rank_every_rank_raises(dist_run, path):
+def test_after_monitored_barrier_names_a_late_rank_every_rank_raises(path):
     """Once monitored_barrier has given up on a late rank the group is broken, as on Gloo: every
     later call raises on every rank, the late one included, naming it. Before, the late rank's
     calls met nobody's (the others were ahead) and returned sums of stale slots (102, 30, 300)."""
-    said = dist_run(_late_for_monitored_barrier, 3, backend="shm", args=(path,), timeout=120)
+    said = run_on_ranks(_late_for_monitored_barrier, 3, backend="shm", args=(path,), timeout=120)
     broken = "rank 1 did not reach a collective within rank {}'s timeout, which gave up on it (a late rank breaks " \
              "the group, as on Gloo), so this call cannot run: the group is broken, make a new one"
     for r, (barrier, *reduces, world) in enumerate(said):

@@ -28,7 +28,7 @@ from collectives.launcher.pool import RankPool
 from collectives.shm import backend_of
 from collectives.shm.python_path import small_limit
 from collectives.shm.segment import Segment
-from collectives.testing import distributed
+from collectives.testing import distributed, run_on_ranks
 
 from ..algorithms.reference import expected, inputs_for
 from . import PATHS
@@ -188,7 +188,7 @@ def _routing_without_warnings(env):
     return got.tolist(), said
 
 
-def test_all_to_all_runs_on_shm_itself(dist_run):
+def test_all_to_all_runs_on_shm_itself():
     """No call goes to an inner Gloo group any more (tests/shm/test_routing.py checks each)."""
     results = C.run(_routing_without_warnings, 2, backend="shm", timeout=60)
     for r, (got, said) in enumerate(results):
@@ -252,11 +252,11 @@ def _late_for_a_collective(env, path):
 
 
 @pytest.mark.parametrize("path", PATHS)
-def test_a_rank_late_for_a_collective_is_named_at_the_timeout_and_raises_when_it_comes(dist_run, path):
+def test_a_rank_late_for_a_collective_is_named_at_the_timeout_and_raises_when_it_comes(path):
     """The ranks that wait name the late rank and the step at the group's timeout; the late rank,
     whose peers are ahead, never waits, and must still raise instead of running the collective
     alone: its small all_reduce (one barrier) would return a sum of the others' stale slots."""
-    said = dist_run(_late_for_a_collective, 3, backend="shm", args=(path,), timeout=120)
+    said = run_on_ranks(_late_for_a_collective, 3, backend="shm", args=(path,), timeout=120)
     broken = ("all_reduce on rank {r}: rank 1 did not reach a collective within rank {q}'s timeout, which gave up "
               "on it (a late rank breaks the group, as on Gloo), so this call cannot run: the group is broken, make a "
               "new one")
@@ -288,11 +288,11 @@ def _late_by_a_moment(env, path):
 
 
 @pytest.mark.parametrize("path", PATHS)
-def test_a_rank_asleep_at_a_barrier_is_woken_by_the_peer_it_waits_for(dist_run, path):
+def test_a_rank_asleep_at_a_barrier_is_woken_by_the_peer_it_waits_for(path):
     """The rank that writes the word wakes the ranks asleep on it. Were the wake lost (the flag read
     before the word is seen, or not read at all), each sleep would end only at its 50 ms fault-check
     timeout: every call still right, each up to 50 ms late."""
-    early, late = dist_run(_late_by_a_moment, 2, backend="shm", args=(path,), timeout=120)
+    early, late = run_on_ranks(_late_by_a_moment, 2, backend="shm", args=(path,), timeout=120)
     assert early["slept"] >= 3, early  # 0.3 s at 50 ms a sleep: several per call
     assert early["woken"] >= 1, early  # nearly always 3: one per call
     assert late["woken"] <= late["slept"], late
@@ -414,13 +414,13 @@ def _each_collective_across_the_wrap(env, path):
 
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("path", PATHS)
-def test_every_collective_crosses_the_counter_wrap_and_stays_right(dist_run, path, world_size):
+def test_every_collective_crosses_the_counter_wrap_and_stays_right(path, world_size):
     """Broadcast, reduce, all_gather, reduce_scatter, gather, scatter, all_to_all and barrier wait
     on the same counters as all_reduce, but each through its own code (a root, a gather's slots, a
     scatter's pieces, all_to_all's count table and its regions, rounds):
     one of them comparing two steps as plain numbers would pass every test but this one."""
     p = world_size
-    for r, (left, steps) in enumerate(dist_run(_each_collective_across_the_wrap, p, backend="shm", args=(path,),
+    for r, (left, steps) in enumerate(run_on_ranks(_each_collective_across_the_wrap, p, backend="shm", args=(path,),
                                                timeout=120)):
         for (kind, n), got in left.items():
             want = []
@@ -440,14 +440,14 @@ def test_every_collective_crosses_the_counter_wrap_and_stays_right(dist_run, pat
 
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("path", PATHS)
-def test_the_counters_wrap_after_two_to_the_31_steps_and_every_call_stays_right(dist_run, path, world_size):
+def test_the_counters_wrap_after_two_to_the_31_steps_and_every_call_stays_right(path, world_size):
     """The barrier counters and mailbox counts are int32 words in the segment, so a long job's
     wrap past 2**31 (a few hours of small calls back to back, days of DDP steps). Compared as
     plain numbers, a rank at the step after the wrap finds every peer ahead of it and waits for
     nobody: on the native path the rank there first ran ahead of the late one (a sum of stale slots,
     or its next call's words read as a mismatch); the Python path raised OverflowError storing 2**31."""
     p = world_size
-    for r, (small, large, messages, steps) in enumerate(dist_run(_across_the_wrap, p, backend="shm", args=(path,),
+    for r, (small, large, messages, steps) in enumerate(run_on_ranks(_across_the_wrap, p, backend="shm", args=(path,),
                                                                  timeout=120)):
         total = [p * i + p * (p - 1) / 2 for i in range(8)]  # rank q gives q + i
         assert small == [[t] * 2 for t in total], (r, small)
@@ -490,16 +490,16 @@ def _ddp_on_both(env, model, steps, batch_size, image):
 
 
 @pytest.mark.slow
-def test_torchs_ddp_on_shm_is_bitwise_torchs_ddp_on_gloo_on_two_ranks(dist_run):
+def test_torchs_ddp_on_shm_is_bitwise_torchs_ddp_on_gloo_on_two_ranks():
     """ResNet-50, 2 steps: the two reduce a + b for every element, and a + b == b + a."""
-    for rank, steps in enumerate(dist_run(_ddp_on_both, 2, args=("resnet50", 2, 2, 32), timeout=300)):
+    for rank, steps in enumerate(run_on_ranks(_ddp_on_both, 2, args=("resnet50", 2, 2, 32), timeout=300)):
         for step, check in enumerate(steps):
             assert check.bitwise, f"rank {rank}, step {step}: {check}"
 
 
-def test_torchs_ddp_on_shm_on_four_ranks_differs_only_in_rounding(dist_run):
+def test_torchs_ddp_on_shm_on_four_ranks_differs_only_in_rounding():
     """On 4 ranks Gloo's ring adds in another order than shm's slices: the last bits differ."""
-    largest = max(c.largest_diff for steps in dist_run(_ddp_on_both, 4, args=("small", 3, 4, 12)) for c in steps)
+    largest = max(c.largest_diff for steps in run_on_ranks(_ddp_on_both, 4, args=("small", 3, 4, 12)) for c in steps)
     assert largest < 1e-5, largest
 
 

@@ -23,6 +23,7 @@ from ddp_from_scratch.sharded_parity import _full_params, train_sharded_side_by_
 from ddp_from_scratch.parts.step_check import summarise
 
 from ..ddp.test_zero import STEPS, Nested
+from collectives.testing import run_on_ranks
 
 
 def _named_and_found(env):
@@ -34,8 +35,8 @@ def _named_and_found(env):
             mesh.get_group() is shm, mesh.size())
 
 
-def test_an_shm_group_has_a_name_torch_finds_it_by(dist_run):
-    for rank, (name, found, backend, same, size) in enumerate(dist_run(_named_and_found, 2)):
+def test_an_shm_group_has_a_name_torch_finds_it_by():
+    for rank, (name, found, backend, same, size) in enumerate(run_on_ranks(_named_and_found, 2)):
         assert name and found and backend == "shm" and same and size == 2, (rank, name, found, backend, same)
 
 
@@ -47,8 +48,8 @@ def _device_mesh_on_the_shm_world(env):
     return dist.get_backend(mesh.get_group()), torch.equal(d.full_tensor(), torch.arange(8.0).reshape(4, 2))
 
 
-def test_init_device_mesh_on_an_shm_world_uses_shm(dist_run):
-    assert dist_run(_device_mesh_on_the_shm_world, 2, backend="shm") == [("shm", True)] * 2
+def test_init_device_mesh_on_an_shm_world_uses_shm():
+    assert run_on_ranks(_device_mesh_on_the_shm_world, 2, backend="shm") == [("shm", True)] * 2
 
 
 def _functional_on_both(env):
@@ -68,9 +69,9 @@ def _functional_on_both(env):
     return [torch.equal(a, b) for a, b in zip(*rows)]
 
 
-def test_functional_collectives_and_dtensor_give_glooss_results_on_shm(dist_run):
+def test_functional_collectives_and_dtensor_give_glooss_results_on_shm():
     for world_size in (2, 3):
-        for rank, same in enumerate(dist_run(_functional_on_both, world_size)):
+        for rank, same in enumerate(run_on_ranks(_functional_on_both, world_size)):
             assert all(same), f"{world_size} ranks, rank {rank}: {same}"
 
 
@@ -98,8 +99,8 @@ def _fully_shard_both_ways(env, steps):
         sorted(on_shm[0])
 
 
-def test_fully_shard_on_shm_is_bitwise_fully_shard_on_gloo(dist_run):
-    for rank, (differing, names) in enumerate(dist_run(_fully_shard_both_ways, 2, args=(4,), timeout=120)):
+def test_fully_shard_on_shm_is_bitwise_fully_shard_on_gloo():
+    for rank, (differing, names) in enumerate(run_on_ranks(_fully_shard_both_ways, 2, args=(4,), timeout=120)):
         assert len(names) == 8, names  # every parameter of the nested model compared
         assert differing == [[]] * 4, f"rank {rank}: parameters differing after each step: {differing}"
 
@@ -110,8 +111,8 @@ def _ours_against_fully_shard(env):
                       train_sharded_side_by_side(env, "zero2", STEPS, against="torch-fsdp")])
 
 
-def test_our_sharded_steps_on_shm_are_bitwise_fully_shard_on_shm(dist_run):
-    for rank, res in enumerate(dist_run(_ours_against_fully_shard, 2, backend="shm", timeout=300)):
+def test_our_sharded_steps_on_shm_are_bitwise_fully_shard_on_shm():
+    for rank, res in enumerate(run_on_ranks(_ours_against_fully_shard, 2, backend="shm", timeout=300)):
         assert res["bitwise"], f"rank {rank}: {res}"
 
 
@@ -134,14 +135,14 @@ def _collectives_from_callbacks(env, large):
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_a_collective_issued_and_waited_in_a_callback_runs_in_the_same_order_on_every_rank(world_size, dist_run):
+def test_a_collective_issued_and_waited_in_a_callback_runs_in_the_same_order_on_every_rank(world_size):
     """Past 64 KiB the first all_reduce completes on the worker thread, whose callback issues the
     next one and waits: queued behind itself it would wait forever. It runs at once, so every
     rank runs it right after the call it follows, before the main thread's next one (each
     rank's values show which call met which)."""
     total = sum(range(1, world_size + 1))
     for large in (100_000, 10):
-        for first, p, q, after in dist_run(_collectives_from_callbacks, world_size, args=(large,), backend="shm",
+        for first, p, q, after in run_on_ranks(_collectives_from_callbacks, world_size, args=(large,), backend="shm",
                                            timeout=60):
             assert (first, p, q, after) == ([total] * 2, [10.0 * total] * 3, [1000.0 * total] * 2,
                                             [100.0 * total] * 5), (large, first, p, q, after)
@@ -272,13 +273,13 @@ def _calls_into_python(env):
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_ddp_and_fully_shard_never_call_into_python_on_the_native_path(dist_run, world_size):
+def test_ddp_and_fully_shard_never_call_into_python_on_the_native_path(world_size):
     """Every collective that torch's DDP (with each option and comm hook users reach on the CPU),
     our DDP with PowerSGD and fully_shard issue in their steps runs in C++. A call the native path
     refused would still leave the right bits (the Python path is bitwise the same), so only this
     count, or the benchmark, would show it. Making torch's DDP (its check of the parameters'
     shapes, a list all_gather, and its broadcast of the module's state) runs in C++ too."""
-    for rank, counted in enumerate(dist_run(_calls_into_python, world_size, timeout=120)):
+    for rank, counted in enumerate(run_on_ranks(_calls_into_python, world_size, timeout=120)):
         ddp = {what: made_and_steps for what, made_and_steps in counted.items() if what.startswith("ddp ")}
         assert len(ddp) == 6 and all(v == ({}, {}) for v in ddp.values()), (rank, ddp)
         assert counted["ours bucketed powersgd"] == ({}, {}), (rank, counted)
@@ -327,8 +328,8 @@ def _calls_into_python_on_a_2d_mesh(env):
     return redistributed, dict(seen)
 
 
-def test_dtensor_and_fully_shard_on_a_2d_mesh_never_call_into_python(dist_run):
+def test_dtensor_and_fully_shard_on_a_2d_mesh_never_call_into_python():
     """The 1-D mesh test above, on two mesh dimensions: each dimension's groups take the same calls."""
-    for rank, (redistributed, hsdp) in enumerate(dist_run(_calls_into_python_on_a_2d_mesh, 4, timeout=180)):
+    for rank, (redistributed, hsdp) in enumerate(run_on_ranks(_calls_into_python_on_a_2d_mesh, 4, timeout=180)):
         assert redistributed == {}, (rank, redistributed)
         assert hsdp == {}, (rank, hsdp)

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from collectives.shm import new_group_with
 
 from . import PATHS
+from collectives.testing import run_on_ranks
 
 
 def _openmp_threads() -> int:
@@ -45,9 +46,9 @@ def _callback_threads(env, path):
 
 
 @pytest.mark.parametrize("path", PATHS)
-def test_a_queued_calls_callback_runs_with_the_issuers_thread_count(dist_run, path):
+def test_a_queued_calls_callback_runs_with_the_issuers_thread_count(path):
     if not any("libgomp" in line for line in open("/proc/self/maps")):
         pytest.skip("this torch does not use GNU OpenMP")
-    for rank, seen in enumerate(dist_run(_callback_threads, 2, args=(path,), timeout=120)):
+    for rank, seen in enumerate(run_on_ranks(_callback_threads, 2, args=(path,), timeout=120)):
         assert [(asked, got) for asked, got, _ in seen] == [(1, 1), (2, 2), (1, 1)], (rank, path, seen)
         assert not all(on_main for _, _, on_main in seen), (rank, path, "every callback ran on the rank's own thread")
