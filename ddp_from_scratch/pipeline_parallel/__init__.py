@@ -9,7 +9,7 @@
     timeline.py    a step as it ran: every rank on one time axis, a PNG and a Chrome trace
     parity.py      the proof: against torch.distributed.pipelining's schedules and the one-rank model
 
-    python -m pytest tests/ddp/test_pipeline_parallel.py -q   # bit for bit torch.distributed.pipelining
+    python -m pytest tests/pipeline_parallel/test_pipeline_parallel.py -q   # bit for bit torch.distributed.pipelining
 
 docs/pipeline-parallel.md walks through them with the bubble each schedule leaves.
 """

@@ -5,7 +5,7 @@ Every loss and every gradient is compared bit for bit.
     per_count = against_torch(env, "1f1b", counts=(2, 4, 5))      # on every rank of a p-rank world
     grads, losses, _ = against_one_rank(env, "gpipe", m=4, depth=4, sizes=None)
 
-tests/ddp/test_pipeline_parallel.py runs them over backends, ranks and microbatch counts, and
+tests/pipeline_parallel/test_pipeline_parallel.py runs them over backends, ranks and microbatch counts, and
 `python -m ddp_from_scratch.compare --impl pp` prints them as a table.
 """
 

@@ -8,5 +8,5 @@
     model.py       the small transformer (workload/transformer.py) split over a TP group
     mesh.py        ranks as DP x TP subgroups: TP inside a group, the bucketed DDP across them
 
-    python -m pytest tests/ddp/test_tensor_parallel.py -q     # proven against one rank and torch's
+    python -m pytest tests/tensor_parallel/test_tensor_parallel.py -q     # proven against one rank and torch's
 """

@@ -15,7 +15,7 @@ torch's RowwiseParallel adds it otherwise: its DTensor turns the replicated bias
 one by dividing it by the TP size, each rank adds bias / p to its partial sum, and the all_reduce
 sums those. `bias_in_partial_sums=True` takes torch's order, bit for bit; the two orders differ
 in the last bits of y (one rounding of b / p per rank, and the bias added before the sum
-instead of after: tests/ddp/test_tensor_parallel.py bounds it).
+instead of after: tests/tensor_parallel/test_tensor_parallel.py bounds it).
 
 A feature count that the TP size does not divide is refused, naming the layer and both numbers.
 """

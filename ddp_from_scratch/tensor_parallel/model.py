@@ -17,7 +17,7 @@ rank holds whole (the LayerNorms, the biases added to a slice), which each rank 
 slice alone.
 
 Messages per step, for L blocks on (batch, seq) tokens with hidden size h (closed form, checked
-by tests/ddp/test_tensor_parallel.py): forward, 1 + 2L all_reduces of batch x seq x h elements
+by tests/tensor_parallel/test_tensor_parallel.py): forward, 1 + 2L all_reduces of batch x seq x h elements
 (the embedding, then g after each attention and MLP) and 3 of batch x seq (the cross-entropy);
 backward, 2L + 1 of batch x seq x h (f before each attention and MLP, and before the head).
 """

@@ -3,7 +3,7 @@ several buckets, and PP x TP x DP on 2 x 2 x 2 ranks train the small transformer
 one-rank model's losses, step for step, within float32 rounding; the mesh puts every rank where
 its closed form says; what --pp cannot take is refused in one line before any rank starts.
 
-    pytest tests/ddp/test_train_pp.py -q
+    pytest tests/pipeline_parallel/test_train_pp.py -q
 """
 
 from __future__ import annotations

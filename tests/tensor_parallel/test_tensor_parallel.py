@@ -3,7 +3,7 @@ block split over 2 ranks against the one-rank block and against torch's parallel
 ColwiseParallel and RowwiseParallel on the same weights and data, the messages against Megatron's
 closed form, and bad sizes refused by name.
 
-    pytest tests/ddp/test_tensor_parallel.py -q
+    pytest tests/tensor_parallel/test_tensor_parallel.py -q
 """
 
 from __future__ import annotations

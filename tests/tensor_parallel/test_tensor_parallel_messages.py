@@ -1,7 +1,7 @@
 """ddp_from_scratch/tensor_parallel/messages.py: the closed forms against the model they describe (its
 parameters counted), the messages of each layout, and the break-even it states.
 
-    pytest tests/ddp/test_tensor_parallel_messages.py -q
+    pytest tests/tensor_parallel/test_tensor_parallel_messages.py -q
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ are bit for bit torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B,
 ScheduleInterleaved1F1B and ScheduleInterleavedZeroBubble on the same stages and data, on Gloo and on shm, at 2 and 4 stages, with as many microbatches as stages, twice as
 many and an odd count; and bit for bit the one-rank model accumulating the same microbatches.
 
-    pytest tests/ddp/test_pipeline_parallel.py -q
+    pytest tests/pipeline_parallel/test_pipeline_parallel.py -q
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ pipeline is a one-line ValueError naming it, raised before any message is sent; 
 train and eval modes differ trains in train mode; a stage known to wait for its messages shows
 that wait as idle time, in its share and in the Chrome trace.
 
-    pytest tests/ddp/test_pipeline_mistakes.py -q
+    pytest tests/pipeline_parallel/test_pipeline_mistakes.py -q
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ TP with sequence parallelism train the small transformer with the one-rank model
 for step, within float32 rounding; TP sends the closed form's elements; what --tp cannot take is
 refused before any rank starts.
 
-    pytest tests/ddp/test_train_tp.py -q
+    pytest tests/tensor_parallel/test_train_tp.py -q
 """
 
 from __future__ import annotations

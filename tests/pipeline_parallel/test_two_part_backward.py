@@ -3,7 +3,7 @@
 gradient, the W part no input's, and together they give whole-backward bits, over several
 microbatches accumulating, on graphs with branches, residuals and norms.
 
-    pytest tests/ddp/test_two_part_backward.py -q
+    pytest tests/pipeline_parallel/test_two_part_backward.py -q
 """
 
 from __future__ import annotations
