@@ -41,7 +41,7 @@ import collectives
 from collectives import cli, machine
 from collectives.launcher.env import read_env
 from collectives.launcher.start_methods import TRAINING, preload
-from ddp_from_scratch.pipeline_parallel.schedule import CHUNKED, SCHEDULES, bubble, make, rounds_of
+from ddp_from_scratch.pipeline_parallel.schedule import CHUNKED, SCHEDULES, bubble, make, rounds_of, stage_index
 from ddp_from_scratch.pipeline_parallel.split import split
 from ddp_from_scratch.pipeline_parallel.stage import Stage
 
@@ -72,7 +72,7 @@ def measure(env, config) -> dict:
     v = config["chunks"]
     # GPipe and 1F1B: the model in p stages, one a rank; interleaved: in p*v, rank r holding r, p+r, ...
     cut = split(_model(config), p * v)
-    executors = {name: Stage([cut[c * p + r] for c in range(v)], r, p, group=group, loss_fn=F.cross_entropy)
+    executors = {name: Stage([cut[stage_index(c, r, p)] for c in range(v)], r, p, group=group, loss_fn=F.cross_entropy)
                  if name == "interleaved" else Stage(split(_model(config), p)[r], r, p, group=group,
                                                      loss_fn=F.cross_entropy)
                  for name in config["schedules"]}

@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .pipeline_parallel.mesh3d import Mesh3D
-from .pipeline_parallel.schedule import bubble, make
+from .pipeline_parallel.schedule import bubble, make, stage_index
 from .pipeline_parallel.split import split
 from .pipeline_parallel.stage import Stage
 from .steps.ddp import DistributedDataParallel
@@ -52,7 +52,7 @@ def train_pp(env, config) -> dict:
     model = TensorParallelTransformer(full, mesh.tp) if tp > 1 else full
     p, v, s = config.pp, config.chunks, mesh.stage  # chunks: 1 but for CHUNKED schedules (TrainConfig)
     cut = split(model.as_sequence(), p * v)
-    mine = [cut[c * p + s] for c in range(v)]  # stages s, p + s, ... of the p x v
+    mine = [cut[stage_index(c, s, p)] for c in range(v)]  # stages s, p + s, ... of the p x v
     if mesh.dp_size > 1:
         mine = [DistributedDataParallel(m, group=mesh.dp, bucket_cap_mb=config.bucket_cap_mb) for m in mine]
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .schedule import CHUNKED, make
+from .schedule import CHUNKED, make, stage_index
 from .split import split
 from .stage import Stage
 
@@ -67,10 +67,10 @@ def against_torch(env, name: str, counts, depth: int = 4, chunks: int = 1) -> di
     out = {}
     for m in counts:
         stages = _stages(p, chunks, depth)
-        mine = [stages[c * p + r] for c in range(chunks)]
+        mine = [stages[stage_index(c, r, p)] for c in range(chunks)]
         theirs = copy.deepcopy(mine)
         x, y = data(m)
-        torch_stages = [pipelining.PipelineStage(t, c * p + r, p * chunks, torch.device("cpu"))
+        torch_stages = [pipelining.PipelineStage(t, stage_index(c, r, p), p * chunks, torch.device("cpu"))
                         for c, t in enumerate(theirs)]
         schedule = getattr(pipelining, TORCH_SCHEDULES[name])(
             torch_stages if name in CHUNKED else torch_stages[0], m, loss_fn=F.cross_entropy)
@@ -104,8 +104,8 @@ def against_one_rank(env, name: str, m: int, depth: int, sizes, chunks: int = 1)
         one_losses.append(loss.detach())
     for q in whole.parameters():
         q.grad.div_(m)
-    want = [split(whole, n, sizes)[c * p + r] for c in range(chunks)]
-    mine = [split(mlp(depth), n, sizes)[c * p + r] for c in range(chunks)]
+    want = [split(whole, n, sizes)[stage_index(c, r, p)] for c in range(chunks)]
+    mine = [split(mlp(depth), n, sizes)[stage_index(c, r, p)] for c in range(chunks)]
     result = run_ours(env, mine, name, m, x, y, chunks)
     grads = [torch.equal(a.grad, b.grad) for c in range(chunks) for a, b in zip(mine[c].parameters(), want[c].parameters())]
     losses = [torch.equal(result.losses[i], one_losses[i]) for i in range(m)] if r == p - 1 else []

@@ -39,11 +39,17 @@ INPUT, WEIGHT = "I", "W"  # a backward split in two: the input's gradient, then 
 GRADIENT_SENDERS = (BACKWARD, INPUT)  # the actions that send a gradient to the stage before
 
 
+def stage_index(chunk: int, rank: int, ranks: int) -> int:
+    """The stage that chunk `chunk` of rank `rank` is, of a pipeline over `ranks` ranks: chunk * p + r
+    (each rank holds stages r, p + r, 2p + r, ..., as torch's interleaved schedules place them)."""
+    return chunk * ranks + rank
+
+
 @dataclasses.dataclass(frozen=True)
 class Action:
     kind: str  # FORWARD, BACKWARD, or INPUT then WEIGHT
     microbatch: int
-    chunk: int = 0  # which of the rank's model chunks (interleaved); stage chunk * p + rank
+    chunk: int = 0  # which of the rank's model chunks (interleaved): stage_index(chunk, rank, p)
 
     def __str__(self) -> str:
         return f"{self.kind}{self.microbatch}" + (f":{self.chunk}" if self.chunk else "")
@@ -203,7 +209,7 @@ def simulate(actions: List[List[Action]], forward: float = 1.0, backward: float 
         for r in range(p):
             while at[r] < len(actions[r]):
                 a = actions[r][at[r]]
-                stage = a.chunk * p + r
+                stage = stage_index(a.chunk, r, p)
                 if a.kind == FORWARD:
                     needs = [(FORWARD, a.microbatch, stage - 1)] if stage > 0 else []
                 elif a.kind == WEIGHT:

@@ -33,14 +33,14 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import weakref
 from typing import Callable, Dict, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .schedule import BACKWARD, FORWARD, GRADIENT_SENDERS, INPUT, WEIGHT, Action, check, chunks_of
+from .saved import SavedBytes
+from .schedule import BACKWARD, FORWARD, GRADIENT_SENDERS, INPUT, WEIGHT, Action, check, chunks_of, stage_index
 from .two_part_backward import input_gradient
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32]
@@ -63,14 +63,16 @@ class StepResult:
         return 1.0 - self.compute_s / self.step_s if self.step_s > 0 else 0.0
 
 
-class _Saved:
-    """One tensor autograd saved for backward, counted while it lives."""
-
-    def __init__(self, stage: "Stage", tensor: torch.Tensor):
-        self.tensor, self.nbytes = tensor, tensor.numel() * tensor.element_size()
-        stage._saved_bytes += self.nbytes
-        stage._peak_bytes = max(stage._peak_bytes, stage._saved_bytes)
-        weakref.finalize(self, Stage._release, weakref.ref(stage), self.nbytes)
+@dataclasses.dataclass
+class _Step:
+    """What one run() of the executor keeps between its actions."""
+    inputs: Optional[List[torch.Tensor]]
+    targets: Optional[List[torch.Tensor]]
+    held: Dict[tuple, tuple] = dataclasses.field(default_factory=dict)  # (microbatch, chunk) -> (input, output or loss)
+    weights_later: Dict[tuple, Callable[[], None]] = dataclasses.field(default_factory=dict)  # its W, after its I
+    losses: Dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    sends: list = dataclasses.field(default_factory=list)
+    peak_in_flight: int = 0
 
 
 def _check_output(stage: int, y) -> None:
@@ -117,11 +119,11 @@ class Stage:
             raise ValueError("the last stage computes the loss: give loss_fn")
         self.input_meta: Dict[int, tuple] = {}  # stage -> (dtype, shape) of its input; output_meta alike
         self.output_meta: Dict[int, tuple] = {}
-        self._saved_bytes = self._peak_bytes = 0
+        self.saved = SavedBytes(self.parameters())  # what autograd saves for backward, counted
 
     @property
     def stages(self) -> List[int]:
-        return [c * self.ranks + self.rank for c in range(len(self.chunks))]
+        return [stage_index(c, self.rank, self.ranks) for c in range(len(self.chunks))]
 
     def owner(self, stage: int) -> int:
         return stage % self.ranks
@@ -183,7 +185,7 @@ class Stage:
         stage) an activation stage sends on, ("B", microbatch, stage) a gradient it sends back (from a
         backward, or from the I of a split one)."""
         for a in schedule[src]:
-            stage = a.chunk * self.ranks + src
+            stage = stage_index(a.chunk, src, self.ranks)
             if a.kind == FORWARD and stage < self.num_stages - 1 and self.owner(stage + 1) == self.rank:
                 yield (FORWARD, a.microbatch, stage)
             elif a.kind in GRADIENT_SENDERS and stage > 0 and self.owner(stage - 1) == self.rank:
@@ -228,17 +230,12 @@ class Stage:
         return microbatches
 
 
-    @staticmethod
-    def _release(stage_ref, nbytes: int) -> None:
-        stage = stage_ref()
-        if stage is not None:
-            stage._saved_bytes -= nbytes
-
     def run(self, schedule: List[List[Action]], inputs: Optional[List[torch.Tensor]] = None,
             targets: Optional[List[torch.Tensor]] = None) -> StepResult:
         """Run this rank's actions of `schedule` (every rank's lists: the order peers send in comes
         from theirs); `inputs`: the microbatches (stage 0's rank), `targets`: their targets (the
-        last stage's rank)."""
+        last stage's rank). Each action is one small method (ACTIONS); the loop around them times
+        it: from when it began waiting for its message, from when it began computing, to its end."""
         if not self.input_meta:
             raise RuntimeError("call agree_shapes() once before run()")
         if len(schedule) != self.ranks:
@@ -247,71 +244,69 @@ class Stage:
             raise ValueError(f"the schedule runs {chunks_of(schedule)} chunk(s) a rank; this rank holds "
                              f"{len(self.chunks)}")
         microbatches = self._check_run(schedule, inputs, targets)
-        params = {p.data_ptr() for p in self.parameters()}
-
-        def pack(t):
-            # detached: an output a node saves would otherwise hold the node through its grad_fn, a
-            # cycle through C++ that only a backward freeing the graph breaks (a split one's I keeps it)
-            return t if t.data_ptr() in params else _Saved(self, t.detach())
-
-        def unpack(saved):
-            return saved.tensor if isinstance(saved, _Saved) else saved
-
-        actions = schedule[self.rank]
-        last = self.num_stages - 1
-        weights_later: Dict[tuple, Callable[[], None]] = {}  # (microbatch, chunk) -> its W, after its I
         self._inbox: Dict[tuple, torch.Tensor] = {}
         self._expected = {src: self._sent_by(schedule, src) for src in range(self.ranks) if src != self.rank}
-        held: Dict[tuple, tuple] = {}  # (microbatch, chunk) -> (input, output or loss)
-        losses: Dict[int, torch.Tensor] = {}
-        sends, timeline = [], []
-        compute = 0.0
-        self._saved_bytes = self._peak_bytes = 0
-        peak_in_flight = 0
+        step, timeline, compute = _Step(inputs, targets), [], 0.0
+        self.saved.reset(self.parameters())
         start = time.perf_counter()
-        for a in actions:
-            stage, chunk = a.chunk * self.ranks + self.rank, self.chunks[a.chunk]
+        for a in schedule[self.rank]:
             waited = time.perf_counter()
-            if a.kind == FORWARD:
-                if stage == 0:
-                    x = inputs[a.microbatch]
-                else:
-                    x = self._take((FORWARD, a.microbatch, stage - 1)).requires_grad_()
-                began = time.perf_counter()
-                with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-                    y = chunk(x)
-                    if stage == last:
-                        y = self.loss_fn(y, targets[a.microbatch])
-                        losses[a.microbatch] = y.detach()
-                ended = time.perf_counter()
-                held[(a.microbatch, a.chunk)] = (x, y)
-                peak_in_flight = max(peak_in_flight, len(held))
-                if stage < last:
-                    sends += self._give((FORWARD, a.microbatch, stage), y.detach(), stage + 1)
-            elif a.kind == WEIGHT:  # the weights' part of a split backward: nothing to receive or send
-                began = time.perf_counter()
-                weights_later.pop((a.microbatch, a.chunk))()
-                ended = time.perf_counter()
-                del held[(a.microbatch, a.chunk)]  # the activations the weights' side kept
-            else:  # a backward, or the I of a split one
-                x, y = held[(a.microbatch, a.chunk)] if a.kind == INPUT else held.pop((a.microbatch, a.chunk))
-                grad = None if stage == last else self._take((BACKWARD, a.microbatch, stage + 1))
-                began = time.perf_counter()
-                if a.kind == INPUT:
-                    dx, weights_later[(a.microbatch, a.chunk)] = input_gradient(y, grad, x, chunk.parameters())
-                else:
-                    torch.autograd.backward(y, grad)
-                    dx = x.grad
-                ended = time.perf_counter()
-                if stage > 0:
-                    sends += self._give((BACKWARD, a.microbatch, stage), dx, stage - 1)
-                del x, y
+            began, ended = self.ACTIONS[a.kind](self, step, a)
             compute += ended - began
             timeline.append((a, waited - start, began - start, ended - start))
-        for work in sends:
+        for work in step.sends:
             work.wait()
         for p in self.parameters():
             if p.grad is not None:
-                p.grad.div_(microbatches)
-        return StepResult(losses, timeline, time.perf_counter() - start, compute, self._peak_bytes, peak_in_flight,
-                          start)
+                p.grad.div_(microbatches)  # a mean over microbatches, as torch's scale_grads
+        return StepResult(step.losses, timeline, time.perf_counter() - start, compute, self.saved.peak,
+                          step.peak_in_flight, start)
+
+    def _forward(self, step: _Step, a: Action) -> tuple:
+        """F: the input (stage 0's microbatch, or the activation the stage before sent), the chunk
+        (and the loss, on the last stage) with what it saves counted, the output sent on."""
+        stage, last = stage_index(a.chunk, self.rank, self.ranks), self.num_stages - 1
+        if stage == 0:
+            x = step.inputs[a.microbatch]
+        else:
+            x = self._take((FORWARD, a.microbatch, stage - 1)).requires_grad_()
+        began = time.perf_counter()
+        with self.saved:
+            y = self.chunks[a.chunk](x)
+            if stage == last:
+                y = self.loss_fn(y, step.targets[a.microbatch])
+                step.losses[a.microbatch] = y.detach()
+        ended = time.perf_counter()
+        step.held[(a.microbatch, a.chunk)] = (x, y)
+        step.peak_in_flight = max(step.peak_in_flight, len(step.held))
+        if stage < last:
+            step.sends += self._give((FORWARD, a.microbatch, stage), y.detach(), stage + 1)
+        return began, ended
+
+    def _backward(self, step: _Step, a: Action) -> tuple:
+        """B, or a split backward's I: the output's gradient (the last stage starts from its loss),
+        the input's gradient (I keeps the weights' side for its W), sent back."""
+        stage, last = stage_index(a.chunk, self.rank, self.ranks), self.num_stages - 1
+        key = (a.microbatch, a.chunk)
+        x, y = step.held[key] if a.kind == INPUT else step.held.pop(key)
+        grad = None if stage == last else self._take((BACKWARD, a.microbatch, stage + 1))
+        began = time.perf_counter()
+        if a.kind == INPUT:
+            dx, step.weights_later[key] = input_gradient(y, grad, x, self.chunks[a.chunk].parameters())
+        else:
+            torch.autograd.backward(y, grad)
+            dx = x.grad
+        ended = time.perf_counter()
+        if stage > 0:
+            step.sends += self._give((BACKWARD, a.microbatch, stage), dx, stage - 1)
+        return began, ended
+
+    def _weight(self, step: _Step, a: Action) -> tuple:
+        """W: the weights' gradients of a split backward, after its I; nothing to receive or send."""
+        began = time.perf_counter()
+        step.weights_later.pop((a.microbatch, a.chunk))()
+        ended = time.perf_counter()
+        del step.held[(a.microbatch, a.chunk)]  # the activations the weights' side kept
+        return began, ended
+
+    ACTIONS = {FORWARD: _forward, BACKWARD: _backward, INPUT: _backward, WEIGHT: _weight}

@@ -16,7 +16,7 @@ from typing import List
 
 from collectives.output_files import save_figure, write_json
 
-from .schedule import BACKWARD, FORWARD, INPUT, WEIGHT
+from .schedule import BACKWARD, FORWARD, INPUT, WEIGHT, stage_index
 
 HATCH = {FORWARD: None, BACKWARD: "///", INPUT: "///", WEIGHT: "..."}
 
@@ -63,7 +63,7 @@ def plot(results: List, path: str, title: str = "", flag: str = None) -> None:
     p = len(results)
     chunks = 1 + max(a.chunk for r in results for a, *_ in r.timeline)
     ax.set_yticks(range(p), [f"rank {r} (stage{'s' if chunks > 1 else ''} "
-                             f"{', '.join(str(c * p + r) for c in range(chunks))})" for r in range(p)])
+                             f"{', '.join(str(stage_index(c, r, p)) for c in range(chunks))})" for r in range(p)])
     ax.set_ylim(len(results) - 0.5, -0.5)
     split = any(a.kind == WEIGHT for r in results for a, *_ in r.timeline)
     ax.set_xlabel("ms   (plain: forward, hatched: " + ("input gradient I, dotted: weight gradient W" if split else "backward")

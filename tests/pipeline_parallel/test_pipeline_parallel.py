@@ -196,7 +196,7 @@ def _held_after(env, name, chunks, m):
     for _ in range(3):  # a step's activations are all freed by its end, so the next step's peak is the same
         result = stage.run(make(name, p, m, chunks), xs if r == 0 else None, ys if r == p - 1 else None)
         peaks.append(result.peak_saved_bytes)
-    return stage._saved_bytes, peaks, result.peak_in_flight
+    return stage.saved.live, peaks, result.peak_in_flight
 
 
 @pytest.mark.parametrize("name,chunks", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zero-bubble", 1),
