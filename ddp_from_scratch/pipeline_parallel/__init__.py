@@ -4,6 +4,7 @@
     schedule.py    schedules as data: each rank's list of actions (forward, backward of a
                    microbatch on a chunk), GPipe, 1F1B and interleaved 1F1B, printed as a table and
                    simulated
+    messages.py    a schedule's sends and receives as data, placed in each rank's list and checked
     saved.py       the activations a stage holds: what autograd saves for backward, counted live
     stage.py       one rank's part (a stage, or chunks): shapes agreed once, then each action run with
                    its sends and receives (batched isend/irecv) and timed

@@ -162,7 +162,7 @@ def make(name: str, stages: int, microbatches: int, chunks: int = 1) -> List[Lis
 
 
 def chunks_of(actions: List[List[Action]]) -> int:
-    return 1 + max(a.chunk for acts in actions for a in acts)
+    return 1 + max(a.chunk for acts in actions for a in acts if isinstance(a, Action))
 
 
 def check(actions: List[List[Action]], microbatches: int) -> None:
@@ -197,7 +197,7 @@ def simulate(actions: List[List[Action]], forward: float = 1.0, backward: float 
     action starting once its rank is free and its inputs exist (the previous stage's forward of
     that microbatch; the next stage's backward or I; a W, its own I); messages take no time. Each
     rank's idle share of the whole; a ValueError naming the ranks stuck if it cannot finish (a
-    deadlock)."""
+    deadlock). messages.simulate takes the lists with their sends and receives."""
     p, v = len(actions), chunks_of(actions)
     last = p * v - 1
     weight = backward / 2 if weight is None else weight

@@ -13,11 +13,9 @@ sends its output to stage s+1 (isend: the rank goes on at once). A backward on t
 starts from its loss; on any other stage it first receives the output's gradient from stage s+1;
 on s > 0 it sends its input's gradient to stage s-1. A split backward (zero bubble) does all that
 in its I, the input's gradient (two_part_backward.py), and its W later adds the weights'
-gradients, with no message. Messages between two ranks arrive in the
-order they were sent (the shm backend matches no tags; Gloo's order is the same), and with
-several chunks a rank may need them in another order: so each rank reads its peers' lists of
-actions, knows the order each peer sends in, receives in that order and keeps a message that
-comes before it is needed. After the last backward every parameter's gradient is divided by the
+gradients, with no message. The sends and receives are placed in each rank's list once, before
+the step runs (messages.py: with_messages), so the executor runs one list of actions and
+messages in order, keeping a message that comes before its action needs it. After the last backward every parameter's gradient is divided by the
 number of microbatches (a mean over them, as torch.distributed.pipelining's scale_grads does with
 a mean loss).
 
@@ -33,14 +31,15 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable, Dict, Iterator, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from .messages import RECV, Message, check_messages, with_messages
 from .saved import SavedBytes
-from .schedule import BACKWARD, FORWARD, GRADIENT_SENDERS, INPUT, WEIGHT, Action, check, chunks_of, stage_index
+from .schedule import BACKWARD, FORWARD, INPUT, WEIGHT, Action, check, chunks_of, stage_index
 from .two_part_backward import input_gradient
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32]
@@ -179,38 +178,30 @@ class Stage:
         for work in sends:
             work.wait()
 
-    # -- messages ------------------------------------------------------------------------------
-    def _sent_by(self, schedule: List[List[Action]], src: int) -> Iterator[tuple]:
-        """The messages rank `src` sends this rank, in the order it sends them: ("F", microbatch,
-        stage) an activation stage sends on, ("B", microbatch, stage) a gradient it sends back (from a
-        backward, or from the I of a split one)."""
-        for a in schedule[src]:
-            stage = stage_index(a.chunk, src, self.ranks)
-            if a.kind == FORWARD and stage < self.num_stages - 1 and self.owner(stage + 1) == self.rank:
-                yield (FORWARD, a.microbatch, stage)
-            elif a.kind in GRADIENT_SENDERS and stage > 0 and self.owner(stage - 1) == self.rank:
-                yield (BACKWARD, a.microbatch, stage)
+    # -- messages (messages.py places them; these move them) ---------------------------------------
+    def _receive(self, m: Message) -> None:
+        """A RECV: the tensor `m` names, from its rank, into the inbox until its action takes it."""
+        dest = m.stage + 1 if m.what == FORWARD else m.stage - 1
+        dtype, shape = self.input_meta[dest] if m.what == FORWARD else self.output_meta[dest]
+        t = torch.empty(shape, dtype=dtype)
+        for work in dist.batch_isend_irecv([dist.P2POp(dist.irecv, t, self._global[m.peer], group=self.group)]):
+            work.wait()
+        self._inbox[m.key] = t
 
-    def _take(self, key: tuple) -> torch.Tensor:
-        """The message `key`, receiving from its sender, in the sender's order, until it is here."""
-        kind, _, stage = key
-        src = self.owner(stage)
-        while key not in self._inbox:
-            got = next(self._expected[src])
-            dest = got[2] + 1 if got[0] == FORWARD else got[2] - 1
-            dtype, shape = self.input_meta[dest] if got[0] == FORWARD else self.output_meta[dest]
-            t = torch.empty(shape, dtype=dtype)
-            for work in dist.batch_isend_irecv([dist.P2POp(dist.irecv, t, self._global[src], group=self.group)]):
-                work.wait()
-            self._inbox[got] = t
-        return self._inbox.pop(key)
+    def _send(self, step: "_Step", m: Message) -> None:
+        """A SEND: the tensor the action before it left in the outbox, to its rank (isend: the rank
+        goes on at once; the step waits for every send at its end)."""
+        t = self._outbox.pop(m.key)
+        step.sends += dist.batch_isend_irecv([dist.P2POp(dist.isend, t.contiguous(), self._global[m.peer],
+                                                         group=self.group)])
 
-    def _give(self, key: tuple, t: torch.Tensor, dest_stage: int) -> list:
-        dst = self.owner(dest_stage)
-        if dst == self.rank:  # the next or previous stage is this rank's own chunk
+    def _pass_on(self, key: tuple, t: torch.Tensor, dest_stage: int) -> None:
+        """What an action produces for stage `dest_stage`: to this rank's own inbox when that stage
+        is one of its chunks (no message), else to the outbox for the SEND after the action."""
+        if self.owner(dest_stage) == self.rank:
             self._inbox[key] = t.detach().clone()
-            return []
-        return dist.batch_isend_irecv([dist.P2POp(dist.isend, t.contiguous(), self._global[dst], group=self.group)])
+        else:
+            self._outbox[key] = t
 
     # -- the executor --------------------------------------------------------------------------
     def _check_run(self, schedule: List[List[Action]], inputs, targets) -> int:
@@ -222,6 +213,8 @@ class Stage:
         key = tuple(tuple(acts) for acts in schedule)
         if key != getattr(self, "_checked", None):
             check(schedule, microbatches)
+            self._lowered = with_messages(schedule)  # the sends and receives, placed once
+            check_messages(self._lowered)
             self._checked = key
         if 0 in self.stages:
             _check_microbatches("inputs", inputs, microbatches, self.input_meta[0])
@@ -244,16 +237,25 @@ class Stage:
             raise ValueError(f"the schedule runs {chunks_of(schedule)} chunk(s) a rank; this rank holds "
                              f"{len(self.chunks)}")
         microbatches = self._check_run(schedule, inputs, targets)
-        self._inbox: Dict[tuple, torch.Tensor] = {}
-        self._expected = {src: self._sent_by(schedule, src) for src in range(self.ranks) if src != self.rank}
+        self._inbox: Dict[tuple, torch.Tensor] = {}  # messages (and own chunks' outputs) until taken
+        self._outbox: Dict[tuple, torch.Tensor] = {}  # an action's output until the SEND after it
         step, timeline, compute = _Step(inputs, targets), [], 0.0
         self.saved.reset(self.parameters())
         start = time.perf_counter()
-        for a in schedule[self.rank]:
-            waited = time.perf_counter()
+        waited = None  # when the receives before the next action began
+        for a in self._lowered[self.rank]:
+            if isinstance(a, Message):
+                if a.direction == RECV:
+                    waited = time.perf_counter() if waited is None else waited
+                    self._receive(a)
+                else:
+                    self._send(step, a)
+                continue
+            waited = time.perf_counter() if waited is None else waited
             began, ended = self.ACTIONS[a.kind](self, step, a)
             compute += ended - began
             timeline.append((a, waited - start, began - start, ended - start))
+            waited = None
         for work in step.sends:
             work.wait()
         for p in self.parameters():
@@ -269,7 +271,7 @@ class Stage:
         if stage == 0:
             x = step.inputs[a.microbatch]
         else:
-            x = self._take((FORWARD, a.microbatch, stage - 1)).requires_grad_()
+            x = self._inbox.pop((FORWARD, a.microbatch, stage - 1)).requires_grad_()
         began = time.perf_counter()
         with self.saved:
             y = self.chunks[a.chunk](x)
@@ -280,7 +282,7 @@ class Stage:
         step.held[(a.microbatch, a.chunk)] = (x, y)
         step.peak_in_flight = max(step.peak_in_flight, len(step.held))
         if stage < last:
-            step.sends += self._give((FORWARD, a.microbatch, stage), y.detach(), stage + 1)
+            self._pass_on((FORWARD, a.microbatch, stage), y.detach(), stage + 1)
         return began, ended
 
     def _backward(self, step: _Step, a: Action) -> tuple:
@@ -289,7 +291,7 @@ class Stage:
         stage, last = stage_index(a.chunk, self.rank, self.ranks), self.num_stages - 1
         key = (a.microbatch, a.chunk)
         x, y = step.held[key] if a.kind == INPUT else step.held.pop(key)
-        grad = None if stage == last else self._take((BACKWARD, a.microbatch, stage + 1))
+        grad = None if stage == last else self._inbox.pop((BACKWARD, a.microbatch, stage + 1))
         began = time.perf_counter()
         if a.kind == INPUT:
             dx, step.weights_later[key] = input_gradient(y, grad, x, self.chunks[a.chunk].parameters())
@@ -298,7 +300,7 @@ class Stage:
             dx = x.grad
         ended = time.perf_counter()
         if stage > 0:
-            step.sends += self._give((BACKWARD, a.microbatch, stage), dx, stage - 1)
+            self._pass_on((BACKWARD, a.microbatch, stage), dx, stage - 1)
         return began, ended
 
     def _weight(self, step: _Step, a: Action) -> tuple:

@@ -208,3 +208,51 @@ def test_every_activation_a_step_saved_is_freed_by_its_end(name, chunks):
                                                                  backend="gloo")):
         assert left == 0 and peaks[0] > 0 and len(set(peaks)) == 1, (rank, left, peaks)
         assert in_flight == peak_in_flight(make(name, 2, 4, chunks)[rank])
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(1, 6), st.integers(0, 12), st.integers(1, 3), st.sampled_from(sorted(SCHEDULES)))
+def test_every_schedule_with_its_messages_receives_each_in_its_senders_order(p, extra, v, name):
+    """The sends and receives placed in each rank's list: one send for every message a rank needs
+    from another, one receive for it, every receive first in line from its sender when it comes
+    (check_messages), each action's own receives before it; the timings are the plain schedule's."""
+    from ddp_from_scratch.pipeline_parallel import messages
+    from ddp_from_scratch.pipeline_parallel.messages import RECV, SEND, Message, check_messages, needs, with_messages
+
+    m = p + extra
+    if name in CHUNKED and m % rounds_of(p, m):
+        return
+    actions = make(name, p, m, v)
+    lowered = with_messages(actions)
+    check_messages(lowered)
+    stages = p * chunks_of(actions)
+    for r, steps in enumerate(lowered):
+        assert [a for a in steps if not isinstance(a, Message)] == actions[r]
+        got = set()
+        for a in steps:
+            if isinstance(a, Message) and a.direction == RECV:
+                got.add(a.key)
+            elif not isinstance(a, Message) and needs(a, r, p, stages):
+                assert needs(a, r, p, stages)[0] in got, (r, a)
+    sends = sorted((r, a.peer, a.key) for r, steps in enumerate(lowered) for a in steps
+                   if isinstance(a, Message) and a.direction == SEND)
+    receives = sorted((a.peer, r, a.key) for r, steps in enumerate(lowered) for a in steps
+                      if isinstance(a, Message) and a.direction == RECV)
+    assert sends == receives
+    assert messages.simulate(lowered) == simulate(actions)
+
+
+def test_a_receive_out_of_its_senders_order_and_a_message_deadlock_are_refused():
+    from ddp_from_scratch.pipeline_parallel.messages import check_messages, with_messages
+
+    lowered = with_messages(gpipe(2, 2))
+    assert table(lowered) == ("rank 0:   F0 F0>1   F1 F1>1 B0<1   B0 B1<1   B1\n"
+                              "rank 1: F0<0   F0 F1<0   F1   B0 B0>0   B1 B1>0")
+    swapped = [list(lowered[0]), list(lowered[1])]
+    swapped[1][0], swapped[1][2] = swapped[1][2], swapped[1][0]  # rank 1 receives F1 before F0
+    with pytest.raises(ValueError, match="rank 1 receives F1 of stage 0 from rank 0, which sent F0 of stage 0 first"):
+        check_messages(swapped)
+    stuck = [list(lowered[0]), list(lowered[1])]
+    stuck[0].insert(0, stuck[0].pop(4))  # rank 0 waits for B0's gradient before it sends anything
+    with pytest.raises(ValueError, match="the messages deadlock: rank 0 at B0<1, rank 1 at F0<0"):
+        check_messages(stuck)
