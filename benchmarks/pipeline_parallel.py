@@ -31,6 +31,7 @@ import os
 import random
 import statistics
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -84,11 +85,19 @@ def measure(env, config) -> dict:
     for stage in executors.values():
         stage.agree_shapes(x[:rows] if r == 0 else None)
     cells = [(name, m) for name in config["schedules"] for m in config["counts"]]
+    cells += [("torch " + name, m) for name, m in cells] if config["torch"] else []
     order = random.Random(0)
-    out = {f"{name} {m}": {"step_s": [], "idle": [], "compute_s": [], "saved": [], "in_flight": []} for name, m in cells}
+    out = {f"{name} {m}": {"step_s": [], "idle": [], "compute_s": [], "saved": [], "in_flight": [], "kinds_ms": []}
+           for name, m in cells}
     timelines = {}
+    torch_runs: dict = {}
     for k in range(config["rounds"] + 1):
         for name, m in order.sample(cells, len(cells)):
+            if name.startswith("torch "):  # torch.distributed.pipelining's schedule on copies of the same chunks
+                step_s = _torch_step(torch_runs, executors[name[6:]], name[6:], m, x[:m * rows], y[:m * rows], group)
+                if k:
+                    out[f"{name} {m}"]["step_s"].append(step_s)
+                continue
             xs, ys = list(x[:m * rows].split(rows)), list(y[:m * rows].split(rows))
             stage = executors[name]
             for chunk in stage.chunks:
@@ -103,11 +112,47 @@ def measure(env, config) -> dict:
             cell["compute_s"].append(result.compute_s)
             cell["saved"].append(result.peak_saved_bytes)
             cell["in_flight"].append(result.peak_in_flight)
+            kinds: dict = {}  # compute ms by action kind (F, B, I, W) this step
+            for action, _, began, ended in result.timeline:
+                kinds[action.kind] = kinds.get(action.kind, 0.0) + (ended - began) * 1e3
+            cell["kinds_ms"].append(kinds)
             if m == config["timeline_m"]:
                 timelines[name] = result
     everyone = [None] * p  # every rank's cells on every rank: under torchrun only rank 0's result comes back
     dist.all_gather_object(everyone, {"rank": r, "cells": out, "timelines": timelines})
     return everyone
+
+
+def _torch_step(runs: dict, ours: Stage, name: str, m: int, x, y, group) -> float:
+    """One step of torch.distributed.pipelining's schedule `name` over `m` microbatches, on deep
+    copies of the chunks our executor runs (made once per schedule and count), on the same group:
+    this rank's seconds from the barrier's end to the step's end."""
+    import copy
+
+    import torch.distributed.pipelining as pipelining
+
+    from ddp_from_scratch.pipeline_parallel.parity import TORCH_SCHEDULES
+
+    p, r = ours.ranks, ours.rank
+    if (name, m) not in runs:
+        chunks = [copy.deepcopy(c) for c in ours.chunks]
+        stages = [pipelining.PipelineStage(c, stage_index(i, r, p), p * len(chunks), torch.device("cpu"), group=group)
+                  for i, c in enumerate(chunks)]
+        schedule = getattr(pipelining, TORCH_SCHEDULES[name])(stages if name in CHUNKED else stages[0], m,
+                                                              loss_fn=F.cross_entropy)
+        runs[(name, m)] = (schedule, chunks)
+    schedule, chunks = runs[(name, m)]
+    for c in chunks:
+        c.zero_grad(set_to_none=True)
+    dist.barrier(group=group)
+    start = time.perf_counter()
+    if r == 0:
+        schedule.step(x)
+    elif r == p - 1:
+        schedule.step(target=y)
+    else:
+        schedule.step()
+    return time.perf_counter() - start
 
 
 def summarise(per_rank, config) -> list:
@@ -119,7 +164,17 @@ def summarise(per_rank, config) -> list:
             step = [max(rank["cells"][key]["step_s"][i] for rank in per_rank) for i in range(config["rounds"])]
             idle = [statistics.median(rank["cells"][key]["idle"]) for rank in per_rank]
             compute = [statistics.median(rank["cells"][key]["compute_s"]) * 1e3 for rank in per_rank]
+            torch_ms = None
+            if config["torch"]:
+                theirs = [max(rank["cells"][f"torch {key}"]["step_s"][i] for rank in per_rank)
+                          for i in range(config["rounds"])]
+                torch_ms = statistics.median(theirs) * 1e3
+                ratio = statistics.median(a / b for a, b in zip(step, theirs))
+            kinds = {kind: [statistics.median(s.get(kind, 0.0) for s in rank["cells"][key]["kinds_ms"])
+                            for rank in per_rank] for kind in ("F", "B", "I", "W")}
             rows.append({"schedule": name, "microbatches": m, "step_ms": statistics.median(step) * 1e3,
+                         "torch_step_ms": torch_ms, "ours_over_torch": ratio if config["torch"] else None,
+                         "compute_ms_by_kind_per_rank": kinds,
                          "bubble": min(idle), "bubble_per_rank": idle, "compute_ms_per_rank": compute,
                          "closed_form": bubble(p, m, config["chunks"] if name == "interleaved" else 1,
                                                split=name == "zero-bubble"),
@@ -135,8 +190,25 @@ def report(rows, p: int) -> str:
               " ".join(f"{b:.3f}" for b in r["bubble_per_rank"]), " ".join(f"{c:.1f}" for c in r["compute_ms_per_rank"]),
               " ".join(f"{b / 2**20:.2f}" for b in r["saved_bytes_per_rank"]),
               " ".join(map(str, r["in_flight_per_rank"]))] for r in rows]
-    return tabulate(table, headers=["schedule", "m", "step ms", "bubble", f"closed form, p={p}", "idle by rank",
+    text = tabulate(table, headers=["schedule", "m", "step ms", "bubble", f"closed form, p={p}", "idle by rank",
                                     "compute ms by rank", "saved MiB by rank", "held by rank"])
+    if rows and rows[0]["torch_step_ms"] is not None:
+        side = [[r["schedule"], r["microbatches"], f"{r['step_ms']:.2f}", f"{r['torch_step_ms']:.2f}",
+                 f"{r['ours_over_torch']:.3f}"] for r in rows]
+        text += "\n\nthe same stages under torch.distributed.pipelining's schedules, in the same rounds\n"
+        text += tabulate(side, headers=["schedule", "m", "ours ms", "torch ms", "ours / torch (per-round median)"])
+    split_rows = [(r, f) for r in rows if r["schedule"] == "zero-bubble"
+                  for f in [next((o for o in rows if o["schedule"] == "1f1b" and o["microbatches"] == r["microbatches"]),
+                                 None)] if f is not None]
+    if split_rows:
+        lines = ["", "zero bubble's I + W against 1F1B's B, compute ms a step by rank (the same stages and products):"]
+        for zb, whole in split_rows:
+            k, b = zb["compute_ms_by_kind_per_rank"], whole["compute_ms_by_kind_per_rank"]["B"]
+            ratios = " ".join(f"{(i + w) / bb:.2f}" if bb else "-" for i, w, bb in zip(k["I"], k["W"], b))
+            lines.append(f"  m={zb['microbatches']}: I + W {' '.join(f'{i + w:.1f}' for i, w in zip(k['I'], k['W']))}"
+                         f", B {' '.join(f'{bb:.1f}' for bb in b)}: (I + W) / B {ratios}")
+        text += "\n".join(lines)
+    return text
 
 
 def build_parser():
@@ -156,6 +228,9 @@ def build_parser():
     parser.add_argument("--microbatch-size", type=int, default=32, help="rows a microbatch (default 32)")
     parser.add_argument("--rounds", type=int, default=9, help="rounds after the warm-up one (default 9)")
     parser.add_argument("--json", default=None, help="also write every row here")
+    parser.add_argument("--no-torch", action="store_true",
+                        help="leave out torch.distributed.pipelining's schedules (by default each is timed on "
+                             "copies of the same stages, in the same rounds)")
     parser.add_argument("--timeline", default=None, metavar="PREFIX",
                         help="draw each schedule's step as PREFIX-<schedule>.png and .json")
     parser.add_argument("--timeline-m", type=int, default=None, help="the microbatches drawn (default the median -m)")
@@ -197,7 +272,8 @@ def main(argv=None) -> int:
     cli.check_outputs(parser, outputs)
     config = {"stages": args.stages, "chunks": args.chunks, "counts": counts, "schedules": list(dict.fromkeys(args.schedules)),
               "backend": args.backend, "width": args.width, "depth": args.depth,
-              "microbatch_size": args.microbatch_size, "rounds": args.rounds, "timeline_m": timeline_m}
+              "microbatch_size": args.microbatch_size, "rounds": args.rounds, "timeline_m": timeline_m,
+              "torch": not args.no_torch}
     preload(*TRAINING)
     cores = machine.cpus()  # before the ranks pin themselves to a core each (under torchrun, this process is one)
     launched = read_env(os.environ)

@@ -28,6 +28,12 @@ def test_a_short_run_measures_every_schedule_and_draws_them(tmp_path, capsys):
         if name != "interleaved":  # zero bubble: rank 1 keeps one microbatch until its delayed W
             assert row["in_flight_per_rank"] == ([m, m] if name == "gpipe" else [min(m, 2), 1 + (name != "1f1b")]), row
         assert all(0 <= b < 1 for b in row["bubble_per_rank"]) and row["step_ms"] > 0
+        # torch.distributed.pipelining's schedule on the same stages, timed in the same rounds
+        assert row["torch_step_ms"] > 0 and row["ours_over_torch"] > 0, row
+        kinds = row["compute_ms_by_kind_per_rank"]
+        split = name == "zero-bubble"
+        for kind, there in (("F", True), ("B", not split), ("I", split), ("W", split)):
+            assert all((ms > 0) == there for ms in kinds[kind]), (name, kind, kinds)
     # measured, not computed: GPipe holds all 4 microbatches' activations, 1F1B 2 on rank 0
     assert rows[("1f1b", 4)]["saved_bytes_per_rank"][0] * 2 == rows[("gpipe", 4)]["saved_bytes_per_rank"][0] > 0
     for name in names:
@@ -39,6 +45,8 @@ def test_a_short_run_measures_every_schedule_and_draws_them(tmp_path, capsys):
         assert computed == sorted([f"{k}{i}{c}" for k in kinds for i in range(4) for c in chunks] * 2), computed
     printed = capsys.readouterr().out
     assert "closed form, p=2" in printed and "interleaved" in printed
+    assert "under torch.distributed.pipelining's schedules, in the same rounds" in printed
+    assert "zero bubble's I + W against 1F1B's B" in printed
 
 
 @pytest.mark.parametrize("argv, says", [
