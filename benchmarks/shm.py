@@ -64,7 +64,7 @@ def _bandwidth(groups, sizes, n):
         # each buffer was all-reduced 1 + iters times from ones: every element is n ** (1 + iters)
         ok = all(bool((b == float(n) ** (iters + 1)).all()) for b in buffers.values())
         rows.append({"size": numel * 4, "gloo_s": seconds[0], "shm_s": seconds[1], "check": ok,
-                     "shm_path": backend_of(groups[1])._shm.all_reduce_path(numel * 4),
+                     "shm_path": backend_of(groups[1]).state.collectives.all_reduce_path(numel * 4),
                      "roofline_gbps": aggregate_copy_gbps(trials=1)})  # between sizes: the machine's state drifts
         if dist.get_rank() == 0:
             print(f"[all_reduce] {numel * 4} B done", file=sys.stderr, flush=True)
@@ -98,10 +98,10 @@ def free_all_reduce_group():
     its all_reduce is replaced."""
     group = dist.new_group(backend="shm")
     impl = backend_of(group)
-    if impl._engine is not None:
-        impl._engine.moves_nothing = True
+    if impl.state.engine is not None:
+        impl.state.engine.moves_nothing = True
     else:
-        impl._shm.all_reduce = lambda flat, op: None
+        impl.state.collectives.all_reduce = lambda flat, op: None
     return group
 
 

@@ -112,7 +112,7 @@ def measure(env, config) -> dict:
     n = env.world_size
     groups = {"gloo": dist.new_group(backend="gloo"), "shm python": _shm_group("python"),
               "shm native": _shm_group("native"), "floor": _shm_group("native")}
-    backend_of(groups["floor"])._engine.moves_nothing = True
+    backend_of(groups["floor"]).state.engine.moves_nothing = True
     named = {}
     for setting in config["settings"]:  # a group each, made with the setting: on the native path unless it says
         named[variant_name(setting)] = setting

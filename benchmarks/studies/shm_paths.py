@@ -67,10 +67,10 @@ def run_all(env, config):
     groups = [None]
     for path, piece in variants:
         group = dist.new_group(backend="shm")
-        backend_of(group)._shm.piece_bytes = piece or HUGE
+        backend_of(group).state.collectives.piece_bytes = piece or HUGE
         if path != "cma":
-            backend_of(group)._shm.cma = None  # through the segment
-        elif backend_of(group)._shm.cma is None:
+            backend_of(group).state.collectives.cma = None  # through the segment
+        elif backend_of(group).state.collectives.cma is None:
             raise RuntimeError("cross-memory attach is not available to these ranks (collectives/shm/cma.py says "
                                "when it is): leave the cma variants out")
         groups.append(group)
@@ -88,7 +88,7 @@ def run_all(env, config):
         # each buffer was all-reduced 1 + iters times from ones: every element is n ** (1 + iters)
         ok = all(bool((b == float(env.world_size) ** (iters + 1)).all()) for b in buffers)
         rows.append({"size": numel * 4, "gloo_s": seconds[0], "shm_s": list(seconds[1:]),
-                     "paths": [backend_of(g)._shm.all_reduce_path(numel * 4) for g in groups[1:]], "check": ok,
+                     "paths": [backend_of(g).state.collectives.all_reduce_path(numel * 4) for g in groups[1:]], "check": ok,
                      "roofline_gbps": aggregate_copy_gbps(trials=2)})  # the machine's state drifts
         if env.rank == 0:
             print(f"[all_reduce] {numel * 4} B done", file=sys.stderr, flush=True)

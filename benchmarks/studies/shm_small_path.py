@@ -68,7 +68,7 @@ def measure(env, config) -> dict:
                     times[f"{limit}/{nbytes}"].append(per.item())
     total = torch.tensor([wrong])
     dist.all_reduce(total)
-    paths = {f"{limit}/{nbytes}": backend_of(groups[limit])._shm.all_reduce_path(nbytes)  # "small" or not
+    paths = {f"{limit}/{nbytes}": backend_of(groups[limit]).state.collectives.all_reduce_path(nbytes)  # "small" or not
              for limit in limits for nbytes in sizes}
     return {"world_size": env.world_size, "limits": limits, "sizes": sizes, "times_us": times, "paths": paths,
             "wrong": int(total.item()), "library_limit": python_path.small_limit(env.world_size), "cores": machine.cpus()}

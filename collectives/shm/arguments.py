@@ -1,7 +1,7 @@
 """What the shm backend checks in a raw torch.distributed call's arguments before it moves a byte,
 as Gloo checks them: every tensor on the CPU, outputs that fit their inputs (sizes, list
 lengths, dtypes) and can be written element by element, and an op that makes sense for the dtype. Each check returns "" when the arguments are fine, else what is wrong, for
-ShmBackend to refuse the call with (ops.ShmArgumentError, naming the call and the rank).
+ShmBackend to refuse the call with (protocol.ShmArgumentError, naming the call and the rank).
 
     why = wrong_sizes(output, input, world_size, "output", "input")   # all_gather_into_tensor
     aliased = overlap(output, input)                                    # reduce_scatter into its own input

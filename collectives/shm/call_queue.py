@@ -12,8 +12,9 @@ is running runs at once (torch's PowerSGD hook issues collectives there, and wai
 call runs on the worker thread, in the order issued, the same on every rank. A job's error goes to
 whoever waits on its Future; any error but the ranks disagreeing breaks the group (the abort word).
 
-CallQueue is ShmBackend's base: it uses the backend's config, recorder, _waiter, _shm (python_path.py),
-_p2p (point_to_point.py) and _engine (the native path's, or None), and rank().
+CallQueue is ShmBackend's base, and part of it: it uses the backend's config, recorder, _waiter,
+_shm (python_path.py), _p2p (point_to_point.py) and _engine (the native path's, or None), and
+rank(). The parts outside the backend receive its state.GroupState instead.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Callable
 import torch
 
 from ..errors import CollectiveMismatchError
-from .python_path import ShmArgumentError
+from .protocol import ShmArgumentError
 
 
 class CallQueue:

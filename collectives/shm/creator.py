@@ -27,10 +27,11 @@ def create(store, rank: int, size: int, timeout: timedelta):
     module = native.load()
     forward = module.ForwardBackend(impl, rank, size, "shm")
     if impl.config.path == "native":
-        impl._engine = module.make_engine(native_setup.setup(impl), native_setup.error_maker(impl.rank(), impl.size()))
-        forward.set_engine(impl._engine)
-        if impl.recorder is not None:  # one record: the engine's calls and the Python path's
-            impl.recorder.native = impl._engine
+        state = impl.state
+        impl.use_engine(module.make_engine(native_setup.setup(state), native_setup.error_maker(state.rank, state.size)))
+        forward.set_engine(state.engine)
+        if state.recorder is not None:  # one record: the engine's calls and the Python path's
+            state.recorder.native = state.engine
     return forward
 
 

@@ -48,8 +48,8 @@ def _engine_of(group):
         except (AttributeError, RuntimeError, ValueError):  # not a group, or one with no CPU backend
             forward = None
         impl = getattr(forward, "impl", None)  # forward.cpp's ForwardBackend: an shm group
-        if impl is not None and impl._engine is not None:
-            engine = impl._engine
+        if impl is not None and impl.state.engine is not None:
+            engine = impl.state.engine
         _engines[group] = engine
     return None if engine is _NOT_NATIVE else engine
 

@@ -1,9 +1,9 @@
 """What a group's native engine (forward.cpp: native_engine.h) is handed when it is made, and how
 its errors become the Python path's exceptions.
 
-    engine = native.load().make_engine(setup(impl), error_maker(rank, size))
+    engine = native.load().make_engine(setup(state), error_maker(rank, size))   # state: the group's GroupState
 
-setup(impl) is a dict: where the segment's control words are and their layout (segment.py), the
+setup(state) is a dict: where the segment's control words are and their layout (segment.py), the
 group's settings, the counters the Python side has reached so far (a group's first barriers run in
 Python: the cross-memory-attach probe), and the tables of python_path.py the engine writes its call words
 with (dtype codes, kind codes) and which (op, dtype) pairs it reduces itself: the ops every backend
@@ -18,7 +18,7 @@ import torch
 from .. import reduce_ops
 from ..dtypes import arithmetic_widening
 from ..errors import CollectiveError, CollectiveMismatchError
-from .python_path import DTYPE_CODES, KINDS, OPS, ShmArgumentError, disagreement
+from .protocol import DTYPE_CODES, KINDS, OPS, ShmArgumentError, disagreement
 from .segment import (ABORT, ABORT_SEEN_BY, ABORT_WHY, CALL0, CALL_WORDS, CONTROL_BYTES, MAIL_SENT0, MAIL_TAKEN0, PID0,
                       SLEEP0, STEP0)
 from .wait import SPIN_S_OWN_CORE, PeerFailure
@@ -48,27 +48,27 @@ def reducible() -> list:
     return pairs
 
 
-def setup(impl) -> dict:
-    """What the engine of `impl` (a process_group.ShmBackend) needs."""
-    seg, shm, waiter = impl._segment, impl._shm, impl._waiter
+def setup(state) -> dict:
+    """What the engine of a group needs, from its state (state.GroupState)."""
+    seg, shm, waiter = state.segment, state.collectives, state.waiter
     return {
         "control": seg.control.ctypes.data, "step0": STEP0, "pid0": PID0, "sleep0": SLEEP0, "call0": CALL0,
         "call_words": CALL_WORDS, "abort": ABORT, "abort_seen_by": ABORT_SEEN_BY, "abort_why": ABORT_WHY,
         "control_bytes": CONTROL_BYTES, "slot_bytes": seg.slot_bytes, "half_bytes": shm.half, "regions": shm.regions, "piece_bytes": shm.piece_bytes,
-        "small_bytes": impl._shm.small, "rank": impl.rank(), "size": impl.size(),
+        "small_bytes": shm.small, "rank": state.rank, "size": state.size,
         "strategy": WAITS.index(waiter.strategy), "timeout_s": waiter.timeout_s,
         # the native wait reads the machine (native_wait.h), so it may spin whatever the rank count
         # the pair mailboxes for send and recv (native_p2p.h); none past 64 ranks
         "mail": seg.mail.data_ptr() if seg.mail is not None else 0, "mailbox_bytes": seg.mailbox_bytes,
         "mail_sent0": MAIL_SENT0, "mail_taken0": MAIL_TAKEN0,
-        "spin_s_idle": SPIN_S_OWN_CORE, "cores": impl._cores, "inline_bytes": impl.config.inline_bytes,
-        "worker_nice": impl.config.worker_nice,
+        "spin_s_idle": SPIN_S_OWN_CORE, "cores": state.cores, "inline_bytes": state.config.inline_bytes,
+        "worker_nice": state.config.worker_nice,
         "cma_min_bytes": shm.cma_min_bytes if shm.cma is not None else -1,
         "round": shm.round, "calls": shm.calls, "step": waiter.step,
         "dtype_codes": [(d, DTYPE_CODES[d]) for d in NATIVE_DTYPES],
         "reducible": reducible(),
         "kind_codes": [KINDS.index(k) + 1 for k in NATIVE_KINDS],
-        "recorder_entries": impl.recorder.max_entries if impl.recorder is not None else 0,
+        "recorder_entries": state.recorder.max_entries if state.recorder is not None else 0,
     }
 
 

@@ -38,7 +38,9 @@ from .call_queue import CallQueue
 from .config import ShmConfig
 from . import routing
 from .arguments import overlap, unwritable, wrong_devices, wrong_list, wrong_op, wrong_sizes, wrong_splits
-from .python_path import ShmArgumentError, ShmCollectives
+from .protocol import ShmArgumentError
+from .state import GroupState
+from .python_path import ShmCollectives
 from .point_to_point import PointToPoint
 from ..settings import SHM_FR_ENTRIES
 from .recorder import Recorder
@@ -99,10 +101,16 @@ class ShmBackend(CallQueue):
         # costs nothing measurable (the native path records in C++), off on the Python path (+20%)
         self.recorder = Recorder.from_env(default=SHM_FR_ENTRIES if config.path == "native" else 0)
         self._engine = None  # the native path's engine (forward.cpp), once create() has made it
+        self.state = GroupState(rank, size, config, self._cores, self._segment, self._shm, self._waiter,
+                                self.recorder, self._drain)
         # on the native path: the calls its engine did not take, which ran here, by collective
         # (docs/shm.md lists the forms it refuses); fallbacks() reads them
         self._to_python = collections.Counter()
         self._start_worker(python_path=config.path == "python")  # call_queue.py
+
+    def use_engine(self, engine) -> None:
+        """The native path's engine the creator made for this group: its calls run there."""
+        self._engine = self.state.engine = engine
 
     @property
     def round_bytes(self) -> int:

@@ -42,18 +42,17 @@ shared memory would give a silent wrong answer.
 
 from __future__ import annotations
 
-import struct
 from typing import Optional
 
 import torch
 
 from ..chunks import bounds
-from ..errors import CollectiveError, CollectiveMismatchError
-from ..names import COLLECTIVES
+from ..errors import CollectiveMismatchError
 from ..reduce_ops import combine, local_reduce
 from . import cma
 from .config import ShmConfig
-from .segment import CALL_WORDS, Segment
+from .protocol import CALL_STRUCT, DTYPE_CODES, KINDS, OPS, REFUSED, ShmArgumentError, disagreement
+from .segment import Segment
 from .wait import PeerFailure, Waiter, behind
 
 SMALL_BYTES = 16 << 10
@@ -101,48 +100,6 @@ def all_reduce_traffic(nbytes: int, p: int, path: str = "pieces") -> float:
     return 4 * (p - 1) / p * n + step3
 
 
-KINDS = COLLECTIVES + ("monitored_barrier",)  # what a rank notes it is in (its call words, below)
-OPS = ("", "sum", "product", "min", "max", "band", "bor", "bxor")
-DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
-DTYPE_CODES = {d: i for i, d in enumerate(DTYPES)}
-_WORDS = struct.Struct(f"{CALL_WORDS}i")  # one rank's call: kind | op | root, dtype, numel (two words)
-REFUSED = -2  # the dtype word of a call that this rank's own argument checks refused (ShmCollectives.refuse)
-
-
-class ShmArgumentError(CollectiveError):
-    """A raw torch.distributed call on an shm group whose arguments are wrong on this rank (an
-    output of the wrong size, length or dtype). Raised before any byte moves, after meeting the
-    other ranks at the call's first barrier, so none of them waits for this one and the group
-    stays usable."""
-
-
-def _describe(words) -> str:
-    """One rank's call from its words: "all_reduce of 3 float32 (sum)", "broadcast of 4 int64 from rank 0"."""
-    head, dtype, low, high = words
-    kind, op, root = KINDS[(head & 15) - 1], OPS[(head >> 4) & 15], (head >> 8) - 1
-    if dtype == REFUSED:  # before the kinds that carry no arguments: all_to_all is refused too
-        return f"{kind} with arguments that rank refused"
-    if kind in ("barrier", "monitored_barrier", "all_to_all"):  # no one dtype and count to compare
-        return kind
-    text = f"{kind} of {high << 31 | low} {str(DTYPES[dtype]).replace('torch.', '')}"
-    if op:
-        text += f" ({op})"
-    if root >= 0:
-        text += f" {'to' if kind in ('reduce', 'gather') else 'from'} rank {root}"
-    return text
-
-
-def disagreement(what: str, rank: int, bank) -> str:
-    """The error's text: each distinct call with the ranks that made it (the first 8 of them)."""
-    calls: dict = {}
-    for q, words in enumerate(bank):
-        calls.setdefault(_describe(words), []).append(q)
-    said = "; ".join(f"rank{'s' if len(qs) > 1 else ''} {', '.join(map(str, qs))}: {call}"
-                     for call, qs in list(calls.items())[:8]) + ("; ..." if len(calls) > 8 else "")
-    return (f"{what} on rank {rank} of the shm group: the ranks called different collectives or disagree on "
-            f"the arguments ({said}); none of them ran it, and the group is still usable")
-
-
 class ShmCollectives:
     """The collectives of one group on its segment (one rank's view). Tensors are contiguous, CPU."""
 
@@ -171,7 +128,7 @@ class ShmCollectives:
         noted the same (meet)."""
         self.waiter.what = kind
         numel = tensor.numel() if tensor is not None else 0
-        self._pending = _WORDS.pack(KINDS.index(kind) + 1 | OPS.index(op) << 4 | (root + 1) << 8,
+        self._pending = CALL_STRUCT.pack(KINDS.index(kind) + 1 | OPS.index(op) << 4 | (root + 1) << 8,
                                     DTYPE_CODES[tensor.dtype] if tensor is not None else -1, numel & 0x7FFFFFFF,
                                     numel >> 31)
 
@@ -180,7 +137,7 @@ class ShmCollectives:
         first barrier anyway, marked as refused, so that every rank raises there instead of
         waiting for this one; then raise ShmArgumentError(reason) here. Nothing is written."""
         self.waiter.what = kind
-        self._pending = _WORDS.pack(KINDS.index(kind) + 1, REFUSED, 0, 0)
+        self._pending = CALL_STRUCT.pack(KINDS.index(kind) + 1, REFUSED, 0, 0)
         self.next_round()  # one round, as every call enters before its first barrier: the halves stay in step
         try:
             self.meet()
@@ -199,13 +156,13 @@ class ShmCollectives:
             return
         bank = self._banks[self.calls & 1]  # bytes of (world_size, CALL_WORDS) int32
         self.calls += 1
-        bank[self.rank * _WORDS.size:(self.rank + 1) * _WORDS.size] = pending
+        bank[self.rank * CALL_STRUCT.size:(self.rank + 1) * CALL_STRUCT.size] = pending
         self.waiter.barrier()
         # a rank whose peers are ahead never waits, so never sees the abort word while waiting:
         # look here, or it would run a collective the others gave up (a late rank's next call)
         self.waiter.check_abort()
         if bank.tobytes() != pending * self.size:  # bytes, not numpy: this is on every call's path
-            raise CollectiveMismatchError(disagreement(self.waiter.what, self.rank, list(_WORDS.iter_unpack(bank))))
+            raise CollectiveMismatchError(disagreement(self.waiter.what, self.rank, list(CALL_STRUCT.iter_unpack(bank))))
 
     def next_round(self) -> int:
         """The region of every slot the next round uses (0 to regions - 1, in turn; "half" below

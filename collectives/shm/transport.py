@@ -129,11 +129,12 @@ class ShmComm(Comm):
         """process_group: the group's ShmBackend; drain: wait for its calls issued before (the
         point-to-point engine itself does not); header: every message carries its length (the
         engine's, for the user's send/recv)."""
-        if process_group._segment.mail is None:
+        state = process_group.state  # state.GroupState
+        if state.segment.mail is None:
             raise ValueError("shm mailboxes exist for groups of at most 64 ranks")
         if drain:
-            process_group._drain()  # the group's own calls issued before come first
-        self.segment, self.waiter = process_group._segment, process_group._waiter
+            state.drain()  # the group's own calls issued before come first
+        self.segment, self.waiter = state.segment, state.waiter
         self.rank, self.size = process_group.rank(), process_group.size()
         self.header = header
         self.messages: List[Message] = []

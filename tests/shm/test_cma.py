@@ -33,7 +33,7 @@ def small_pieces(monkeypatch):
 
 def _both_paths(env):
     group = dist.new_group(backend="shm")
-    if backend_of(group)._shm.cma is None:
+    if backend_of(group).state.collectives.cma is None:
         return backend_of(group).cma_off_reason
     ops = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX,
            "product": dist.ReduceOp.PRODUCT, "bxor": dist.ReduceOp.BXOR}
@@ -51,11 +51,11 @@ def _both_paths(env):
         else:
             x = torch.randint(0, 1 << 15, (numel,), generator=g).to(dtype)
         through, direct = x.clone(), x.clone()
-        paths.append(backend_of(group)._shm.all_reduce_path(numel * x.element_size()))
+        paths.append(backend_of(group).state.collectives.all_reduce_path(numel * x.element_size()))
         dist.all_reduce(direct, op=ops[op], group=group)
-        attach, backend_of(group)._shm.cma = backend_of(group)._shm.cma, None
+        attach, backend_of(group).state.collectives.cma = backend_of(group).state.collectives.cma, None
         dist.all_reduce(through, op=ops[op], group=group)
-        backend_of(group)._shm.cma = attach
+        backend_of(group).state.collectives.cma = attach
         if not torch.equal(direct, through):
             wrong.append(f"{numel} {dtype} {op}")
     return wrong, paths
@@ -95,7 +95,7 @@ def _who_can_attach(env):
         os.environ["COLLECTIVES_SHM_CMA"], cma._READV = saved_var, saved_readv
         t = torch.full((4096,), float(env.rank + 1))
         dist.all_reduce(t, group=group)
-        said.append((backend_of(group).cma_off_reason, backend_of(group)._shm.cma is not None, t.eq(6.0).all().item()))
+        said.append((backend_of(group).cma_off_reason, backend_of(group).state.collectives.cma is not None, t.eq(6.0).all().item()))
     return said
 
 
@@ -121,7 +121,7 @@ def test_it_is_on_only_where_every_rank_can_use_it_and_says_why_not(small_pieces
 
 def _dies_while_writing(env):
     group = dist.new_group(backend="shm")
-    if backend_of(group)._shm.cma is None:
+    if backend_of(group).state.collectives.cma is None:
         return backend_of(group).cma_off_reason
     if env.rank == 1:
         def move(self, write, *args):
@@ -150,7 +150,7 @@ def _fails_while_others_write(env):
     """Rank 2 fails at its first read; ranks 0 and 1 write slowly. After its error rank 2 puts a
     sentinel in its tensor and watches it: a late write from a peer would change it."""
     group = dist.new_group(backend="shm")
-    if backend_of(group)._shm.cma is None:
+    if backend_of(group).state.collectives.cma is None:
         return backend_of(group).cma_off_reason
     original = cma.CrossMemory.move
 

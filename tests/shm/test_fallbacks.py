@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from collectives.shm import backend_of, new_group_with
 from collectives.shm.native_setup import _REDUCED, reducible
-from collectives.shm.python_path import OPS
+from collectives.shm.protocol import OPS
 from collectives.testing import run_on_ranks
 
 TORCH_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "product": dist.ReduceOp.PRODUCT,

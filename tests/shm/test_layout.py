@@ -29,7 +29,7 @@ def _round_bytes_with_cpus(env, cpus_of_rank):
     dist.all_reduce(t, group=group)
     n = env.world_size
     right = bool(torch.equal(t, n * torch.arange(3 << 18, dtype=torch.float32) + n * (n - 1) / 2))
-    engine = backend_of(group)._engine
+    engine = backend_of(group).state.engine
     return backend_of(group).round_bytes, right, engine.machine_cores if engine is not None else None
 
 

@@ -493,7 +493,7 @@ def _around_the_small_limit(env):
         outs["direct"] = x.clone()  # collectives.shm.all_reduce on the native group: the same path
         shm.all_reduce(outs["direct"], group=groups["native"])
         found[numel] = ({v: bool(torch.equal(outs["python"], t)) for v, t in outs.items()},
-                        backend_of(groups["native"])._shm.all_reduce_path(4 * numel))
+                        backend_of(groups["native"]).state.collectives.all_reduce_path(4 * numel))
     return limit, found
 
 

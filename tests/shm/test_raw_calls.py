@@ -16,7 +16,7 @@ import torch.distributed as dist
 import collectives as C
 import collectives.shm
 from collectives.errors import CollectiveMismatchError
-from collectives.shm.python_path import ShmArgumentError
+from collectives.shm.protocol import ShmArgumentError
 
 from . import PATHS
 

@@ -308,7 +308,7 @@ def test_a_peer_outside_the_group_is_refused_and_the_messages_go_on(env):
     """send to / recv from a rank the group does not have is refused before anything moves (it
     killed the point-to-point thread, and the send hung to the run's timeout), and the thread
     serves the next messages."""
-    from collectives.shm.python_path import ShmArgumentError
+    from collectives.shm.protocol import ShmArgumentError
 
     if env.rank in (0, 2):
         for peer in (3, 7, -1):

@@ -154,10 +154,10 @@ class _MemoryBytes(TorchDispatchMode):
 
 def _count_all_reduce_bytes(env, numel):
     group = dist.new_group(backend="shm")
-    backend_of(group)._shm.cma = None  # the copies through the segment: cross-memory attach moves its bytes in the kernel
+    backend_of(group).state.collectives.cma = None  # the copies through the segment: cross-memory attach moves its bytes in the kernel
     flat = torch.arange(numel, dtype=torch.float32) + env.rank
     with _MemoryBytes() as counted:
-        backend_of(group)._shm.all_reduce(flat, "sum")
+        backend_of(group).state.collectives.all_reduce(flat, "sum")
     assert torch.equal(flat, (torch.arange(numel, dtype=torch.float32) * env.world_size
                               + sum(range(env.world_size))))
     return counted.read + counted.written, counted.unknown
@@ -336,7 +336,7 @@ def _across_the_wrap(env, path):
         elif env.rank == 1:
             dist.recv(m, 0, group=group)
             messages.append(m.tolist())
-    return small, large, messages, backend_of(group)._segment.steps.tolist()
+    return small, large, messages, backend_of(group).state.segment.steps.tolist()
 
 
 def _group_near_the_wrap(settings, below):
@@ -407,7 +407,7 @@ def _each_collective_across_the_wrap(env, path):
                 got.append(None if t is None else [sorted(set(t[q * n:(q + 1) * n].tolist())) for q in range(p)]
                            if by_rank else sorted(set(t.tolist())))
             left[kind, n] = got
-            steps[kind, n] = backend_of(group)._segment.steps.tolist()
+            steps[kind, n] = backend_of(group).state.segment.steps.tolist()
             dist.destroy_process_group(group)
     return left, steps
 
@@ -609,8 +609,8 @@ def _small_all_reduce_bits(env):
     result as raw bits, gathered, for every op."""
     out = {}
     largest = small_limit(env.world_size) // 4
-    assert backend_of()._shm.all_reduce_path(4 * largest) == "small"
-    assert backend_of()._shm.all_reduce_path(4 * largest + 4) != "small"
+    assert backend_of().state.collectives.all_reduce_path(4 * largest) == "small"
+    assert backend_of().state.collectives.all_reduce_path(4 * largest + 4) != "small"
     for numel in (1, 7, 1000, 4000, largest):  # float32: 16000 bytes, and the small path's largest
         for op in ("sum", "avg", "max", "min", "product"):
             g = torch.Generator().manual_seed(1000 * numel + env.rank)

@@ -82,7 +82,7 @@ def _own_cores_peer_running(env, loadavg, proc):
     saved = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {sorted(saved)[env.rank]})
     real = native_setup.setup
-    native_setup.setup = lambda impl: {**real(impl), "loadavg": loadavg, "proc": proc}
+    native_setup.setup = lambda state: {**real(state), "loadavg": loadavg, "proc": proc}
     try:
         group = new_group_with({"COLLECTIVES_SHM_PATH": "native"})
     finally:
