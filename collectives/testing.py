@@ -118,11 +118,11 @@ class _LeavesNoGroups:
         import torch.distributed as dist
 
         world = dist.distributed_c10d._world
-        left = [g for g in _left["groups"] if g in world.pg_map]
+        left, _left["groups"] = [g for g in _left["groups"] if g in world.pg_map], []
         if left:
             _destroy(left)
             _left["destroyed_at"] = time.monotonic()
-        _left["groups"] = []
+            del left  # the last references: the groups go now, not after the body
         if self.module != _kept["module"]:
             _destroy([g for g in _kept["groups"] if g in world.pg_map])
             _kept.update(module=self.module, made={}, groups=[])

@@ -12,9 +12,9 @@ is running runs at once (torch's PowerSGD hook issues collectives there, and wai
 call runs on the worker thread, in the order issued, the same on every rank. A job's error goes to
 whoever waits on its Future; any error but the ranks disagreeing breaks the group (the abort word).
 
-CallQueue is ShmBackend's base, and part of it: it uses the backend's config, recorder, _waiter,
-_shm (python_path.py), _p2p (point_to_point.py) and _engine (the native path's, or None), and
-rank(). The parts outside the backend receive its state.GroupState instead.
+A group's backend holds one CallQueue, made from the group's state (state.GroupState: its waiter,
+its Python path's collectives, its recorder, its engine once made), its point-to-point engine
+(point_to_point.py), and the counter of calls its native engine did not take.
 """
 
 from __future__ import annotations
@@ -30,9 +30,10 @@ from .protocol import ShmArgumentError
 
 
 class CallQueue:
-    """How a group's calls are run and settled; _start_worker() starts the Python path's thread."""
+    """How a group's calls are run and settled: submit() each, drain() until all are done."""
 
-    def _start_worker(self, python_path: bool) -> None:
+    def __init__(self, state, p2p, fallbacks, python_path: bool):
+        self.state, self.p2p, self.fallbacks = state, p2p, fallbacks
         self._queue: "queue.Queue" = queue.Queue()
         self._pending = 0
         self._idle = threading.Condition()
@@ -46,7 +47,7 @@ class CallQueue:
         threads = None
         while True:
             job, fut, value, issuer_threads = self._queue.get()
-            self._waiter.spin_s = 0.0  # the calling thread is computing (DDP's backward): do not take its core
+            self.state.waiter.spin_s = 0.0  # the calling thread is computing (DDP's backward): do not take its core
             if issuer_threads != threads:  # as the thread that issued it: a new thread starts with every core
                 torch.set_num_threads(issuer_threads)  # (native_engine.h: Core::as_issuer says why)
                 threads = issuer_threads
@@ -70,10 +71,10 @@ class CallQueue:
         except (CollectiveMismatchError, ShmArgumentError) as exc:  # every rank raised at one barrier
             return lambda error=exc: fut.set_exception(error)  # bound now: `exc` is unbound after the clause
         except BaseException as exc:  # noqa: BLE001
-            self._waiter.abort()
+            self.state.waiter.abort()
             return lambda error=exc: fut.set_exception(error)
 
-    def _submit(self, op: str, job: Callable[[], None], value, nbytes: int = 0, inputs=None,
+    def submit(self, op: str, job: Callable[[], None], value, nbytes: int = 0, inputs=None,
                 refusal: bool = False) -> torch.futures.Future:
         """Run `job` at once in this thread when nothing is queued and it is small, else on the
         worker thread; a Future with `value` when it is done. The flight record names it `op`, as
@@ -86,12 +87,12 @@ class CallQueue:
         follow, whether that call ran in the caller or on the worker, so the ranks agree on the
         order (Gloo's worker threads give no such order: docs/powersgd.md)."""
         fut = torch.futures.Future()
-        if self._engine is not None and not refusal:  # a native group's call that its engine did not take
-            self._to_python[op] += 1
-        if self.recorder is not None:  # the flight record (recorder.py): in torch's format
+        if self.state.engine is not None and not refusal:  # a native group's call that its engine did not take
+            self.fallbacks[op] += 1
+        if self.state.recorder is not None:  # the flight record (recorder.py): in torch's format
             job = self._recorded(job, op, value if inputs is None else inputs, value)
-        if self._engine is not None:  # in the native engine's order, with its counters (forward.cpp)
-            shm, waiter = self._shm, self._waiter
+        if self.state.engine is not None:  # in the native engine's order, with its counters (forward.cpp)
+            shm, waiter = self.state.collectives, self.state.waiter
 
             def run(round_, calls, step, spin_s):
                 # the engine's counters in, the job, the counters back out; the engine settles the
@@ -100,41 +101,41 @@ class CallQueue:
                 shm.round, shm.calls, waiter.step, waiter.spin_s = round_, calls, step, spin_s
                 settle = self._ran(job, fut, value)
                 return shm.round, shm.calls, waiter.step, settle
-            self._engine.submit_python(run, nbytes)
+            self.state.engine.submit_python(run, nbytes)
             return fut
         with self._idle:
             nested = threading.get_ident() == self._worker_id
-            inline = nested or (self._pending == 0 and nbytes <= self.config.inline_bytes)
+            inline = nested or (self._pending == 0 and nbytes <= self.state.config.inline_bytes)
             if not inline:
                 self._pending += 1
         if inline:  # nothing queued before it: run it here, no thread hand-off (small calls' latency)
-            self._waiter.spin_s = self._waiter.spin_s_idle  # the caller waits anyway: spin a little first
+            self.state.waiter.spin_s = self.state.waiter.spin_s_idle  # the caller waits anyway: spin a little first
             self._run(job, fut, value)
         else:
             self._queue.put((job, fut, value, torch.get_num_threads()))
         return fut
 
-    def _refuse(self, kind: str, why: str) -> torch.futures.Future:
+    def refuse(self, kind: str, why: str) -> torch.futures.Future:
         """A Work that raises ShmArgumentError naming the call, this rank and the argument, after
         meeting the other ranks at the call's first barrier (none of them waits for this one)."""
-        reason = f"{kind} on rank {self.rank()} of the shm group: {why}; nothing was moved"
-        return self._submit(kind, lambda: self._shm.refuse(kind, reason), None, refusal=True)
+        reason = f"{kind} on rank {self.state.rank} of the shm group: {why}; nothing was moved"
+        return self.submit(kind, lambda: self.state.collectives.refuse(kind, reason), None, refusal=True)
 
     def _recorded(self, job: Callable[[], None], op: str, inputs, outputs) -> Callable[[], None]:
-        entry = self.recorder.scheduled(op, inputs, outputs)
+        entry = self.state.recorder.scheduled(op, inputs, outputs)
 
         def run():
-            self.recorder.started(entry)
+            self.state.recorder.started(entry)
             job()
-            self.recorder.completed(entry)
+            self.state.recorder.completed(entry)
         return run
 
-    def _drain(self) -> None:
+    def drain(self) -> None:
         """Until every call issued so far, collective or point-to-point, has finished."""
-        if self._engine is not None:
-            self._engine.drain()
+        if self.state.engine is not None:
+            self.state.engine.drain()
         with self._idle:
             self._idle.wait_for(lambda: self._pending == 0)
-        self._p2p.drain()
-        if self._engine is not None:
-            self._engine.drain_messages()  # the native path's messages (native_p2p.h)
+        self.p2p.drain()
+        if self.state.engine is not None:
+            self.state.engine.drain_messages()  # the native path's messages (native_p2p.h)

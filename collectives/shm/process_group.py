@@ -77,9 +77,9 @@ def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-class ShmBackend(CallQueue):
+class ShmBackend:
     """One rank's side of an shm group: every method torch's Backend has, by the name forward.cpp
-    calls, each checking its arguments and handing its job to CallQueue._submit (call_queue.py),
+    calls, each checking its arguments and handing its job to its CallQueue's submit (call_queue.py),
     which returns a torch Future."""
 
     def __init__(self, store, rank: int, size: int, timeout: timedelta):
@@ -102,11 +102,11 @@ class ShmBackend(CallQueue):
         self.recorder = Recorder.from_env(default=SHM_FR_ENTRIES if config.path == "native" else 0)
         self._engine = None  # the native path's engine (forward.cpp), once create() has made it
         self.state = GroupState(rank, size, config, self._cores, self._segment, self._shm, self._waiter,
-                                self.recorder, self._drain)
+                                self.recorder, lambda: self.calls.drain())
         # on the native path: the calls its engine did not take, which ran here, by collective
         # (docs/shm.md lists the forms it refuses); fallbacks() reads them
         self._to_python = collections.Counter()
-        self._start_worker(python_path=config.path == "python")  # call_queue.py
+        self.calls = CallQueue(self.state, self._p2p, self._to_python, python_path=config.path == "python")
 
     def use_engine(self, engine) -> None:
         """The native path's engine the creator made for this group: its calls run there."""
@@ -158,44 +158,44 @@ class ShmBackend(CallQueue):
         op = _op(opts)
         why = wrong_devices(tensor=tensors) or unwritable(tensor=tensors) or wrong_op(op, "all_reduce", tensors)
         if why:
-            return self._refuse("all_reduce", why)
+            return self.calls.refuse("all_reduce", why)
 
         def job():
             for t in tensors:
                 _through_flat(t, lambda flat: _reduced(op, self.size(), lambda o: self._shm.all_reduce(flat, o), flat))
-        return self._submit("all_reduce", job, tensors, _nbytes(tensors))
+        return self.calls.submit("all_reduce", job, tensors, _nbytes(tensors))
 
     def broadcast(self, tensors: List[torch.Tensor], opts):
         why = wrong_devices(tensor=tensors) or ("" if self.rank() == opts.rootRank else unwritable(tensor=tensors))
         if why:
-            return self._refuse("broadcast", why)
+            return self.calls.refuse("broadcast", why)
 
         def job():
             for t in tensors:
                 _through_flat(t, lambda flat: self._shm.broadcast(flat, opts.rootRank))
-        return self._submit("broadcast", job, tensors)
+        return self.calls.submit("broadcast", job, tensors)
 
     def reduce(self, tensors: List[torch.Tensor], opts):
         op = _op(opts)
         why = wrong_devices(tensor=tensors) or unwritable(tensor=tensors) or wrong_op(op, "reduce", tensors)
         if why:
-            return self._refuse("reduce", why)
+            return self.calls.refuse("reduce", why)
 
         def job():
             for t in tensors:
                 _through_flat(t, lambda flat: _reduced(op, self.size(), lambda o: self._shm.reduce(flat, o, opts.rootRank),
                                                        flat, gets_result=self.rank() == opts.rootRank))
-        return self._submit("reduce", job, tensors)
+        return self.calls.submit("reduce", job, tensors)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts=None):
         why = wrong_devices(output=output, input=input) or wrong_sizes(output, input, self.size(), "output", "input") \
             or unwritable(output=output)
         if why:
-            return self._refuse("all_gather", why)
+            return self.calls.refuse("all_gather", why)
 
         def job():
             _through_flat(output, lambda out: self._shm.all_gather(out, input.contiguous().view(-1)))
-        return self._submit("all_gather", job, [output], inputs=[input])
+        return self.calls.submit("all_gather", job, [output], inputs=[input])
 
     _allgather_base = all_gather_single  # the names torch used before 2.13
 
@@ -205,7 +205,7 @@ class ShmBackend(CallQueue):
              for w in [wrong_list(outs, inp, self.size(), "output_tensor_list")] if w), "") \
             or unwritable(output_tensor_list=output_tensors)
         if why:
-            return self._refuse("all_gather", why)
+            return self.calls.refuse("all_gather", why)
 
         def job():
             for outs, inp in zip(output_tensors, input_tensors):
@@ -214,21 +214,21 @@ class ShmBackend(CallQueue):
                 self._shm.all_gather(joined, flat)
                 for q, out in enumerate(outs):
                     out.copy_(joined[q * flat.numel():(q + 1) * flat.numel()].view_as(out))
-        return self._submit("all_gather", job, output_tensors, inputs=input_tensors)
+        return self.calls.submit("all_gather", job, output_tensors, inputs=input_tensors)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts=None):
         op = _op(opts)
         why = wrong_devices(output=output, input=input) or wrong_sizes(input, output, self.size(), "input", "output") \
             or unwritable(output=output) or wrong_op(op, "reduce_scatter", [input])
         if why:
-            return self._refuse("reduce_scatter", why)
+            return self.calls.refuse("reduce_scatter", why)
         aliased = overlap(output, input)  # e.g. the output is this rank's chunk of the input
 
         def job():
             _through_flat(output, lambda out: _reduced(
                 op, self.size(), lambda o: self._shm.reduce_scatter(out, input.contiguous().view(-1), o), out),
                 fresh=aliased)
-        return self._submit("reduce_scatter", job, [output], inputs=[input])
+        return self.calls.submit("reduce_scatter", job, [output], inputs=[input])
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -239,7 +239,7 @@ class ShmBackend(CallQueue):
              for w in [wrong_list(ins, out, self.size(), "input_list")] if w), "") \
             or unwritable(output=output_tensors) or wrong_op(op, "reduce_scatter", output_tensors)
         if why:
-            return self._refuse("reduce_scatter", why)
+            return self.calls.refuse("reduce_scatter", why)
 
         def job():
             for out, ins in zip(output_tensors, input_tensors):
@@ -247,10 +247,10 @@ class ShmBackend(CallQueue):
                 flat = out.new_empty(out.numel())
                 _reduced(op, self.size(), lambda o: self._shm.reduce_scatter(flat, joined, o), flat)
                 out.copy_(flat.view_as(out))
-        return self._submit("reduce_scatter", job, output_tensors, inputs=input_tensors)
+        return self.calls.submit("reduce_scatter", job, output_tensors, inputs=input_tensors)
 
     def barrier(self, opts=None):
-        return self._submit("barrier", self._shm.barrier, [])
+        return self.calls.submit("barrier", self._shm.barrier, [])
 
     # -- routing: gather, scatter, all_to_all (routing.py) -----------------------------------------
     def _wrong_rooted(self, kind: str, one, one_name: str, listed, list_name: str, root: int, role: str) -> str:
@@ -269,7 +269,7 @@ class ShmBackend(CallQueue):
         why = self._wrong_rooted("gather", input_tensors, "input", outs, "gather_list", root, "destination") \
             or unwritable(gather_list=outs)
         if why:
-            return self._refuse("gather", why)
+            return self.calls.refuse("gather", why)
         inp = input_tensors[0]
 
         def job():
@@ -278,14 +278,14 @@ class ShmBackend(CallQueue):
             for t, s in zip(outs, staged):
                 if s is not t:
                     t.copy_(s)
-        return self._submit("gather", job, outs, inputs=input_tensors)
+        return self.calls.submit("gather", job, outs, inputs=input_tensors)
 
     def scatter(self, output_tensors, input_tensors, opts):
         root, ins = opts.rootRank, input_tensors[0] if input_tensors else []
         why = self._wrong_rooted("scatter", output_tensors, "output", ins, "scatter_list", root, "source") \
             or unwritable(output=output_tensors)
         if why:
-            return self._refuse("scatter", why)
+            return self.calls.refuse("scatter", why)
         out = output_tensors[0]
 
         def job():
@@ -293,13 +293,13 @@ class ShmBackend(CallQueue):
             routing.scatter(self._shm, staged, [t.contiguous() for t in ins], root)
             if staged is not out:
                 out.copy_(staged)
-        return self._submit("scatter", job, output_tensors, inputs=ins)
+        return self.calls.submit("scatter", job, output_tensors, inputs=ins)
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         why = wrong_devices(output=output, input=input) or wrong_splits(
             output, input, list(output_split_sizes), list(input_split_sizes), self.size()) or unwritable(output=output)
         if why:
-            return self._refuse("all_to_all", why)
+            return self.calls.refuse("all_to_all", why)
         rows = lambda t, splits: list(splits) or [t.shape[0] // self.size()] * self.size()  # noqa: E731
         row_bytes = lambda t: t[0].numel() * t.element_size() if t.dim() and t.shape[0] else 0  # noqa: E731
         out_b = [n * row_bytes(output) for n in rows(output, output_split_sizes)]
@@ -310,7 +310,7 @@ class ShmBackend(CallQueue):
             routing.all_to_all(self._shm, as_bytes(staged), as_bytes(input.contiguous()), out_b, in_b)
             if staged is not output:
                 output.copy_(staged)
-        return self._submit("all_to_all", job, [output], inputs=[input])
+        return self.calls.submit("all_to_all", job, [output], inputs=[input])
 
     alltoall_base = all_to_all_single  # its name before torch 2.13
 
@@ -324,7 +324,7 @@ class ShmBackend(CallQueue):
             why = f"the tensors must share one dtype, not {', '.join(sorted(map(str, dtypes)))}"
         why = why or unwritable(output_tensor_list=output_tensors)
         if why:
-            return self._refuse("all_to_all", why)
+            return self.calls.refuse("all_to_all", why)
         out_b = [t.numel() * t.element_size() for t in output_tensors]
         in_b = [t.numel() * t.element_size() for t in input_tensors]
 
@@ -336,7 +336,7 @@ class ShmBackend(CallQueue):
             for t, n in zip(output_tensors, out_b):
                 t.copy_(joined_out[at:at + n].view(t.dtype).view(t.shape))
                 at += n
-        return self._submit("all_to_all", job, output_tensors, inputs=input_tensors)
+        return self.calls.submit("all_to_all", job, output_tensors, inputs=input_tensors)
 
     # -- the coalesced forms: one call after another, in one job -------------------------------
     def allreduce_coalesced(self, tensors, opts=None):
@@ -346,7 +346,7 @@ class ShmBackend(CallQueue):
             why = "the tensors must share one dtype, as Gloo's allreduce_coalesced requires"
         why = why or unwritable(tensors=tensors) or wrong_op(op, "all_reduce", tensors)
         if why:
-            return self._refuse("all_reduce", why)
+            return self.calls.refuse("all_reduce", why)
 
         def job():
             flat = torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.empty(0)
@@ -355,12 +355,12 @@ class ShmBackend(CallQueue):
             for t in tensors:
                 t.copy_(flat[at:at + t.numel()].view_as(t))
                 at += t.numel()
-        return self._submit("allreduce_coalesced", job, tensors, _nbytes(tensors))
+        return self.calls.submit("allreduce_coalesced", job, tensors, _nbytes(tensors))
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
         # output_lists[q][i]: rank q's input_list[i]; the list form of all_gather, per input
         if len(output_lists) != self.size() or any(len(outs) != len(input_list) for outs in output_lists):
-            return self._refuse("all_gather", f"output_tensor_lists must hold {self.size()} lists (one per rank) of "
+            return self.calls.refuse("all_gather", f"output_tensor_lists must hold {self.size()} lists (one per rank) of "
                                 f"{len(input_list)} tensors (one per input)")
         transposed = [[outs[i] for outs in output_lists] for i in range(len(input_list))]
         return self.allgather(transposed, input_list, opts)
@@ -405,7 +405,7 @@ class ShmBackend(CallQueue):
 
         def job():
             self._shm.monitored_barrier(timeout, wait_all_ranks)
-        return self._submit("barrier", job, [])
+        return self.calls.submit("barrier", job, [])
 
     # -- point to point (point_to_point.py) ------------------------------------------------------
     def _message(self, kind: str, tensors, peer: int, tag: int) -> torch.futures.Future:

@@ -150,6 +150,23 @@ def test_hierarchical_with_hosts_discovered_and_imposed():
         assert not wrong, wrong
 
 
+def _settled_thread_count(quiet: float = 0.02, timeout: float = 5.0) -> int:
+    """This process's threads once their count has held for `quiet` s: the groups of the test
+    before this one on these ranks are destroyed as this one starts, and their threads end a
+    moment later, on their own."""
+    import time
+
+    gc.collect()
+    deadline = time.monotonic() + timeout
+    last, since = len(os.listdir("/proc/self/task")), time.monotonic()
+    while time.monotonic() < deadline and time.monotonic() - since < quiet:
+        time.sleep(0.002)
+        now = len(os.listdir("/proc/self/task"))
+        if now != last:
+            last, since = now, time.monotonic()
+    return last
+
+
 def _a_destroyed_group_is_gone(env):
     """Every algorithm (and the hosts it discovers) on a group, then destroy_process_group(group):
     nothing here may keep the group alive. A group kept past its destroy keeps Gloo's worker
@@ -157,7 +174,7 @@ def _a_destroyed_group_is_gone(env):
     aborts the process ("terminate called without an active exception"): the way a torchrun
     job's ranks died after printing their results, about 1 run in 30 under load."""
     n, r = env.world_size, env.rank
-    threads = len(os.listdir("/proc/self/task"))
+    threads = _settled_thread_count()
     group = collectives.new_group(list(range(n)))
     wrong = [] if A.DistComm(group).hosts() == [0] * n else ["hosts"]
     for checked in (False, True):  # every wrapper, in plain and in checked mode

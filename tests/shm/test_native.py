@@ -452,8 +452,11 @@ def _worker_nice_values(env):
     def nices():
         found = []
         for tid in os.listdir("/proc/self/task"):
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                found.append(int(f.read().rsplit(")", 1)[1].split()[16]))  # field 19, nice
+            try:
+                with open(f"/proc/self/task/{tid}/stat") as f:
+                    found.append(int(f.read().rsplit(")", 1)[1].split()[16]))  # field 19, nice
+            except FileNotFoundError:  # a thread that ended after the listing
+                continue
         return found
 
     before = nices()
