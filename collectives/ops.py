@@ -19,6 +19,7 @@ outside it overwritten), so the wrappers hand it a contiguous copy and copy the 
 from __future__ import annotations
 
 import functools
+import math
 import inspect
 import weakref
 from typing import Callable, List, Optional
@@ -31,6 +32,7 @@ from . import compat, reduce_ops
 from .checks import CPU_BACKENDS, GroupInfo, check_divisible, check_root, check_tensor, check_writable, resolve_group
 from .errors import CollectiveError, CollectiveMismatchError, backend_failure
 from .dtypes import arithmetic_widening, as_bytes, from_bytes, moves_as_bytes, reduction_widening
+from . import splits
 from .exchange import check_same_root, describe_rows, exchange, raise_if_any_failed
 
 Group = Optional[dist.ProcessGroup]
@@ -453,19 +455,53 @@ def scatter(tensor: Optional[torch.Tensor], src: int = 0, group: Group = None, a
 
 
 @_names_failures
-def all_to_all(tensor: torch.Tensor, group: Group = None, async_op: bool = False):
+def all_to_all(tensor: torch.Tensor, group: Group = None, async_op: bool = False,
+               input_split_sizes: Optional[List[int]] = None, output_split_sizes: Optional[List[int]] = None):
     """Chunk j of dim 0 goes to group rank j; the result's chunk i came from group rank i.
 
+    With input_split_sizes the chunks may be uneven (torch's all_to_all_single with splits): this
+    rank sends input_split_sizes[j] rows to group rank j, and the result holds, in group-rank
+    order, the rows each rank sent this one. output_split_sizes (the rows this rank receives from
+    each) may be given, or left for the wrapper to learn. Either way one small all_gather of every
+    rank's splits, dtype and trailing shape comes first, so a rank that sends 3 rows to a rank
+    expecting 2, or rows of another shape, is named on every rank before the data moves (Gloo
+    aborts the process on it).
+
+        mine = collectives.all_to_all(rows, input_split_sizes=[2, 0, 5])   # 7 rows, uneven
+
     Args:
-        tensor: same shape and dtype on every rank; dim 0 divisible by the group size.
+        tensor: same shape and dtype on every rank; dim 0 divisible by the group size (even
+            form), or the rows to send, in destination order (uneven form).
         group: process group (default: the world).
         async_op: return a Work instead of waiting.
+        input_split_sizes: rows for each group rank, summing to dim 0 (uneven form).
+        output_split_sizes: rows from each group rank (uneven form; learned when not given).
     """
+    if input_split_sizes is not None or output_split_sizes is not None:
+        return _all_to_all_uneven(tensor, group, async_op, input_split_sizes, output_split_sizes)
     info, _, _ = _begin("all_to_all", group, tensor, divisible=True)
     staged = _staged(info, tensor)
     out = torch.empty_like(staged)
     work = dist.all_to_all_single(_carried(info, out, "all_to_all"), _carried(info, staged, "all_to_all"), group=group,
                                   async_op=async_op)
+    return _finish(work, lambda: out.to(tensor.device), async_op)
+
+
+def _all_to_all_uneven(tensor, group, async_op, input_split_sizes, output_split_sizes):
+    """all_to_all's uneven form: the splits checked on every rank (splits.py), then the rows moved."""
+    info, _, error = _begin("all_to_all", group, tensor, spread=True, compare_tensor=False)
+    if error is None:
+        error = splits.local_error(tensor, info, input_split_sizes, output_split_sizes)
+    received = splits.agree(info, tensor, input_split_sizes, output_split_sizes, error)
+    sending = list(input_split_sizes) if input_split_sizes is not None else [0] * info.size
+    staged = _staged(info, tensor)
+    out = staged.new_empty((sum(received),) + tuple(staged.shape[1:]))
+    scale = 1  # rows; bytes where the backend moves the dtype as bytes
+    if moves_as_bytes(info.backend, staged.dtype, "all_to_all"):
+        scale = math.prod(staged.shape[1:]) * staged.element_size()
+    work = dist.all_to_all_single(_carried(info, out, "all_to_all"), _carried(info, staged, "all_to_all"),
+                                  output_split_sizes=[n * scale for n in received],
+                                  input_split_sizes=[n * scale for n in sending], group=group, async_op=async_op)
     return _finish(work, lambda: out.to(tensor.device), async_op)
 
 
