@@ -69,6 +69,11 @@ class TrainConfig:
     schedule: Optional[str] = None
     microbatches: Optional[int] = None
     chunks: Optional[int] = None
+    ep: Optional[int] = None
+    experts: Optional[int] = None
+    top_k: Optional[int] = None
+    capacity_factor: Optional[float] = None
+    aux_loss: Optional[float] = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "TrainConfig":
@@ -77,7 +82,13 @@ class TrainConfig:
             given["microbatches"] = given["microbatches"] or 2 * given["pp"]
             given["schedule"] = given["schedule"] or DEFAULT_SCHEDULE
             given["chunks"] = (given["chunks"] or DEFAULT_CHUNKS) if given["schedule"] in CHUNKED else 1
-        if given["model"] is None and given["tp"] is None and given["pp"] is None:
+        if given["ep"] is not None:
+            given["experts"] = given["experts"] or DEFAULT_EXPERTS_PER_RANK * given["ep"]
+            given["top_k"] = given["top_k"] or 1
+            given["aux_loss"] = DEFAULT_AUX_LOSS if given["aux_loss"] is None else given["aux_loss"]
+            given["capacity_factor"] = (DEFAULT_CAPACITY_FACTOR if given["capacity_factor"] is None
+                                        else given["capacity_factor"] or None)  # 0: no capacity
+        if given["model"] is None and given["tp"] is None and given["pp"] is None and given["ep"] is None:
             given["model"] = DEFAULT_MODEL
         for name, default in POWERSGD_DEFAULTS.items():  # not given on the command line
             if given[name] is None:
@@ -159,8 +170,48 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunks", type=int, default=None, metavar="V",
                    help="with --pp and --schedule interleaved or zero-bubble: model chunks a rank, stages r, N + r, "
                         f"... (default {DEFAULT_CHUNKS})")
+    p.add_argument("--ep", type=int, default=None, metavar="N",
+                   help="expert parallelism: train the small transformer with a mixture-of-experts MLP in every "
+                        "block on synthetic tokens, its experts over N ranks, the rest data-parallel over all "
+                        "(ddp_from_scratch/train_ep.py)")
+    p.add_argument("--experts", type=int, default=None, metavar="E",
+                   help=f"with --ep: experts in each MoE block, a multiple of --ep (default {DEFAULT_EXPERTS_PER_RANK} "
+                        "a rank)")
+    p.add_argument("--top-k", type=int, default=None, metavar="K", help="with --ep: experts each token goes to (default 1)")
+    p.add_argument("--capacity-factor", type=float, default=None, metavar="F",
+                   help="with --ep: an expert takes at most ceil(F x seq x K / E) tokens of a sequence, the rest are "
+                        f"dropped and counted; 0: no capacity (default {DEFAULT_CAPACITY_FACTOR})")
+    p.add_argument("--aux-loss", type=float, default=None, metavar="W",
+                   help=f"with --ep: the weight of the load-balancing loss added to the cross-entropy (default "
+                        f"{DEFAULT_AUX_LOSS}; 0: off)")
     p.add_argument("--json", default=None, help="also write the summary to this file")
     return p
+
+
+DEFAULT_EXPERTS_PER_RANK, DEFAULT_CAPACITY_FACTOR, DEFAULT_AUX_LOSS = 2, 1.25, 0.01  # --ep's (Switch's factor and weight)
+EP_ONLY = ("experts", "top_k", "capacity_factor", "aux_loss")  # the flags that mean something only with --ep
+
+
+def validate_ep(args, parser, world_size: int) -> None:
+    """Refuse what an --ep run cannot do, before any rank starts (parser.error: exit 2)."""
+    ep = args.ep
+    if ep < 1 or world_size % ep:
+        parser.error(f"--ep {ep} must divide the {world_size} rank(s) (--nproc, or the launcher's world size)")
+    if args.tp is not None or args.pp is not None:
+        parser.error(f"--ep with {'--tp' if args.tp is not None else '--pp'}: expert parallelism here composes with "
+                     "data parallelism only (the MoE blocks are not split over a TP group or cut into stages)")
+    experts = args.experts if args.experts is not None else DEFAULT_EXPERTS_PER_RANK * ep
+    if experts < 1 or experts % ep:
+        parser.error(f"--experts {experts} must be a positive multiple of --ep {ep} (each rank holds experts/ep)")
+    k = args.top_k if args.top_k is not None else 1
+    if not 1 <= k <= experts:
+        parser.error(f"--top-k {k} must be between 1 and the {experts} experts")
+    if args.capacity_factor is not None and args.capacity_factor < 0:
+        parser.error(f"--capacity-factor must be 0 (no capacity) or more, got {args.capacity_factor}")
+    if args.aux_loss is not None and args.aux_loss < 0:
+        parser.error(f"--aux-loss must be 0 or more, got {args.aux_loss}")
+    if args.sequence_parallel:
+        parser.error("--sequence-parallel applies to a --tp run")
 
 
 # --tp trains the small transformer of train_tp.py: the tensor-parallel benchmark's model
@@ -183,6 +234,10 @@ def validate_tp(args, parser, world_size: int, run: str = "--tp") -> None:
     if not args.synthetic:
         parser.error(f"{run} trains the small transformer on synthetic tokens (there is no token dataset): add "
                      "--synthetic")
+    if run == "--ep" and (args.impl != "bucketed" or args.bucket_cap_mb is not None):
+        given = f"--impl {args.impl}" if args.impl != "bucketed" else f"--bucket-cap-mb {args.bucket_cap_mb}"
+        parser.error(f"{given}: not taken with --ep (it averages its gradients itself, in two flat all_reduces: the "
+                     "dense parameters over every rank, each expert over the ranks holding it)")
     if args.impl != "bucketed":
         parser.error(f"{run} puts the bucketed DDP on the data-parallel dimension: --impl {args.impl} is not taken "
                      f"with {run}")
@@ -251,8 +306,14 @@ def validate(args, parser, world_size: int, local_ranks: Optional[int] = None) -
         given = [f"--{name}" for name in PP_ONLY if getattr(args, name) is not None]
         if given:
             parser.error(f"{', '.join(given)}: appl{'ies' if len(given) == 1 else 'y'} to a --pp run")
-    if args.tp is not None or args.pp is not None:
-        run = "--pp" if args.pp is not None else "--tp"
+    if args.ep is None:
+        given = [f"--{name.replace('_', '-')}" for name in EP_ONLY if getattr(args, name) is not None]
+        if given:
+            parser.error(f"{', '.join(given)}: appl{'ies' if len(given) == 1 else 'y'} to an --ep run")
+    if args.ep is not None:
+        validate_ep(args, parser, world_size)
+    if args.tp is not None or args.pp is not None or args.ep is not None:
+        run = "--pp" if args.pp is not None else "--tp" if args.tp is not None else "--ep"
         if args.model is not None:
             parser.error(f"--model {args.model}: a {run} run trains the small transformer, not a CNN; leave out --model")
         cli.check_outputs(parser, {"--json": args.json})

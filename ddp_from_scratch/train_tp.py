@@ -36,11 +36,12 @@ from .train_args import DEFAULT_SEQUENCES, HEADS, HIDDEN, LAYERS, SEQ, VOCAB  # 
 from .workload.transformer import TinyTransformer, token_batch
 
 
-def progress(config, epoch: int, step: int, steps: int, loss: float, per_step: int, start: float) -> None:
-    """Rank 0's progress line of a transformer run (--tp, --pp) on stderr: step, loss, tokens/s, time left."""
+def progress(config, epoch: int, step: int, steps: int, loss: float, per_step: int, start: float, note: str = "") -> None:
+    """Rank 0's progress line of a transformer run (--tp, --pp, --ep) on stderr: step, loss (and
+    `note`), tokens/s, time left."""
     done = epoch * steps + step + 1
     elapsed = time.perf_counter() - start
-    print(f"\repoch {epoch + 1}/{config.epochs} step {step + 1}/{steps} loss {loss:.4f} "
+    print(f"\repoch {epoch + 1}/{config.epochs} step {step + 1}/{steps} loss {loss:.4f}{note} "
           f"{done * per_step * SEQ / elapsed:.0f} tokens/s, {eta(done, steps * config.epochs, elapsed)} "
           "[synthetic tokens]", end="", flush=True, file=sys.stderr)
 

@@ -31,7 +31,7 @@ LAYERS = [
       "collectives.launcher", "collectives.machine", "collectives.settings"]),
     ("shm backend", ["collectives.shm", "collectives.shm.*"]),
     ("checks, environment, wrappers, launcher",
-     ["collectives.checks", "collectives.checked_mode", "collectives.exchange", "collectives.groups",
+     ["collectives.checks", "collectives.checked_mode", "collectives.exchange", "collectives.splits", "collectives.groups",
       "collectives.ops", "collectives.launcher.*", "collectives.flight_recorder", "collectives.flight_verdict", "collectives.testing",
       "collectives"]),
     ("from-scratch algorithms", ["collectives.algorithms", "collectives.algorithms.*"]),

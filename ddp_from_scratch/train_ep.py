@@ -1,0 +1,110 @@
+"""The training program's expert-parallel run: the small transformer with a mixture-of-experts
+MLP in every block (expert_parallel/model.py) on synthetic tokens, its experts over --ep ranks,
+everything else data-parallel over all of them.
+
+    python -m ddp_from_scratch.train --ep 2 --nproc 2 --synthetic                        # 4 experts over 2 ranks
+    python -m ddp_from_scratch.train --ep 2 --nproc 4 --synthetic --experts 4 --top-k 2  # EP x DP, 2 x 2
+    python -m ddp_from_scratch.train --ep 1 --nproc 1 --synthetic                        # the one-rank model, to compare
+
+The ranks form a grid (collectives.RankGrid): each row of --ep consecutive ranks is an
+expert-parallel group, holding the experts once between them; the ranks at the same place in
+each row hold the same experts, a column. Every rank takes its own --batch-size rows of one
+global batch of --batch-size x (world size) sequences (the same global batch whatever the
+layout), and its tokens meet the experts by all_to_all inside its row (expert_parallel/dispatch.py).
+
+The loss a rank backpropagates is its rows' cross-entropy plus --aux-loss times the blocks'
+balance losses. After backward the gradients are averaged over the world, by two all_reduces:
+the dense parameters (attention, router, LayerNorms, embedding, head) over all ranks; each
+expert over its column, since its gradient already holds its whole row's tokens (the all_to_all
+brought their gradients back to it); both divided by the world size. So a run's losses are the
+one-rank model's on the same global batch within float32 rounding (the test checks this), and
+each sequence is routed, capacity and drops included, as the one-rank model routes it.
+
+The summary (the last line on stdout) lists every step's loss, balance loss and dropped token
+slots (all ranks and blocks), the tokens each expert of the first block took in the last step, and
+the bytes the all_to_alls moved a step.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import collectives as C
+
+from .expert_parallel.model import MoETransformer, dense_parameters, expert_parameters, expert_parallel
+from .train_args import DEFAULT_SEQUENCES, HEADS, HIDDEN, LAYERS, SEQ, VOCAB
+from .train_tp import progress
+from .workload.transformer import token_batch
+
+
+def _average(params, group, world_size: int) -> None:
+    """Sum the parameters' gradients over `group` in one flat all_reduce, then divide by the world size."""
+    grads = [p.grad for p in params]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    if dist.get_world_size(group) > 1:
+        C.all_reduce(flat, group=group)
+    flat /= world_size
+    for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(part.view_as(g))
+
+
+def train_ep(env, config) -> dict:
+    """One rank of an --ep run; the summary on every rank."""
+    torch.manual_seed(config.seed)
+    w, ep = env.world_size, config.ep
+    grid = C.RankGrid(w // ep, ep)  # rows: expert-parallel groups; columns: the same experts
+    full = MoETransformer(VOCAB, HIDDEN, HEADS, LAYERS, config.experts, config.top_k, config.capacity_factor)
+    model = expert_parallel(full, grid.row) if ep > 1 else full
+    dense, experts = list(dense_parameters(model)), list(expert_parameters(model))
+    opt = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=0.9)
+    per_step = config.batch_size * w
+    steps = (config.train_size or DEFAULT_SEQUENCES) // per_step
+    rows = slice(env.rank * config.batch_size, (env.rank + 1) * config.batch_size)
+    losses, aux_losses, dropped, moved, start = [], [], [], [], time.perf_counter()
+    for epoch in range(config.epochs):
+        for step in range(steps):
+            tokens, targets = token_batch(epoch * steps + step, 0, per_step, SEQ, VOCAB)
+            logits = model(tokens[rows])
+            loss = F.cross_entropy(logits.reshape(-1, VOCAB), targets[rows].reshape(-1))
+            aux = model.aux_loss()
+            (loss + config.aux_loss * aux).backward()
+            if w > 1:
+                _average(dense, None, w)  # over every rank
+                _average(experts, grid.col, w)  # over the ranks holding the same experts
+            opt.step()
+            opt.zero_grad()
+            layers = model.moe_layers()
+            logged = torch.stack([loss.detach(), aux.detach(),
+                                  sum(layer.last.dropped.sum() for layer in layers).float(),
+                                  torch.tensor(float(sum(layer.last.sent_rows for layer in layers)))])
+            if w > 1:
+                C.all_reduce(logged)
+            losses.append(logged[0].item() / w)
+            aux_losses.append(logged[1].item() / w)
+            dropped.append(int(logged[2].item()))
+            moved.append(int(logged[3].item()) * 4 * HIDDEN * 4)  # dispatch + combine, forward and backward, float32
+            if env.rank == 0:
+                slots = per_step * SEQ * config.top_k * LAYERS
+                progress(config, epoch, step, steps, losses[-1], per_step, start,
+                         f" (balance {aux_losses[-1]:.3f}, dropped {dropped[-1]} of {slots} slots)")
+    seconds = time.perf_counter() - start
+    if env.rank == 0:
+        print(file=sys.stderr)
+    load = model.moe_layers()[0].last.routed.clone()
+    if w > 1:
+        C.all_reduce(load)
+    return {"model": "moe-transformer", "ep": ep, "dp": w // ep, "world_size": w, "backend": env.backend,
+            "experts": config.experts, "top_k": config.top_k, "capacity_factor": config.capacity_factor,
+            "aux_loss_weight": config.aux_loss, "epochs": config.epochs, "batch_size_per_rank": config.batch_size,
+            "seq": SEQ, "steps": len(losses), "losses": losses, "aux_losses": aux_losses,
+            "dropped_slots": dropped, "tokens_per_expert_last_step": load.tolist(),
+            "all_to_all_bytes_per_step": moved, "train_seconds": seconds,
+            "tokens_per_second": len(losses) * per_step * SEQ / seconds if seconds else None,
+            "synthetic_data": True}
