@@ -135,3 +135,23 @@ def test_experts_that_do_not_spread_over_the_ranks_are_refused_by_name(env):
         ep.sync_router_grad()
     y, _ = ep(torch.ones(3, H))
     assert y.shape == (3, H)
+
+
+@distributed(world_size=2)
+def test_the_ranks_experts_put_together_are_the_one_rank_models(env):
+    """expert_state names each rank's experts by their index in the whole layer: the union over
+    ranks is the one-rank model's experts, each held by exactly one rank."""
+    from ddp_from_scratch.expert_parallel.model import MoETransformer, expert_parallel, expert_state
+
+    torch.manual_seed(0)
+    full = MoETransformer(vocab=16, hidden=8, heads=2, layers=2, experts=4, top_k=2)
+    mine = expert_state(expert_parallel(full, None))
+    everyone = [None] * env.world_size
+    dist.all_gather_object(everyone, mine)
+    merged = {}
+    for state in everyone:
+        assert not set(state) & set(merged)  # no expert on two ranks
+        merged.update(state)
+    want = expert_state(full)
+    assert sorted(merged) == sorted(want) and all(torch.equal(merged[k], want[k]) for k in want)
+    assert len(mine) == len(want) // env.world_size
