@@ -23,6 +23,7 @@ from .checkpoint import CheckpointError, RunComplete, check_resume, load_checkpo
 from .steps.ddp import rebuilt_bucket_count
 from .workload.models import MODELS, batch, check_batch_fits, check_batchnorm_fits
 from .steps.powersgd import CLI_NAMES as POWERSGD_CLI_NAMES
+from .parts import shards
 from .parts.torch_hooks import POWERSGD_ON_GLOO
 from .pipeline_parallel.schedule import CHUNKED, SCHEDULES, rounds_of
 from .wrap import IMPLS, SHARDED_IMPLS, STAGES
@@ -192,6 +193,54 @@ DEFAULT_EXPERTS_PER_RANK, DEFAULT_CAPACITY_FACTOR, DEFAULT_AUX_LOSS = 2, 1.25, 0
 EP_ONLY = ("experts", "top_k", "capacity_factor", "aux_loss")  # the flags that mean something only with --ep
 
 
+EP_CHECKPOINTS = ("checkpoint", "checkpoint_every", "stop_at_step", "resume", "auto_resume")  # --ep takes these
+
+
+def ep_layout(config: "TrainConfig", world_size: int) -> dict:
+    """What an --ep checkpoint must match to resume: the layout and the settings that decide the result."""
+    return {"run": "ep", "world_size": world_size, "ep": config.ep, "experts": config.experts, "top_k": config.top_k,
+            "capacity_factor": config.capacity_factor, "aux_loss": config.aux_loss, "batch_size": config.batch_size,
+            "train_size": config.train_size or DEFAULT_SEQUENCES, "lr": config.lr, "seed": config.seed,
+            "model": [VOCAB, HIDDEN, HEADS, LAYERS, SEQ]}
+
+
+def validate_ep_checkpoint(args, parser, world_size: int) -> None:
+    """--checkpoint and its companions with --ep: the folder writable; a resume's manifest, layout and
+    shards checked now, so a damaged or foreign checkpoint is one line before any rank starts."""
+    for flag, given in (("--resume", args.resume), ("--auto-resume", args.auto_resume),
+                        ("--checkpoint-every", args.checkpoint_every), ("--stop-at-step", args.stop_at_step)):
+        if given and not args.checkpoint:
+            parser.error(f"{flag} needs --checkpoint FOLDER (each rank writes its shard there, rank 0 the manifest)")
+    if args.resume and args.auto_resume:
+        parser.error("--resume and --auto-resume: give one (--auto-resume also starts when there is no checkpoint)")
+    if not args.checkpoint:
+        return
+    if os.path.exists(args.checkpoint) and not os.path.isdir(args.checkpoint):
+        parser.error(f"--checkpoint {args.checkpoint} is a file; it must be a folder (the shards are written in it)")
+    try:
+        os.makedirs(args.checkpoint, exist_ok=True)
+    except OSError as exc:
+        parser.error(f"--checkpoint {args.checkpoint}: cannot write there ({exc.strerror or exc})")
+    cli.check_outputs(parser, {"--checkpoint": os.path.join(args.checkpoint, shards.MANIFEST)})
+    has = os.path.exists(os.path.join(args.checkpoint, shards.MANIFEST))
+    if not (args.resume or (args.auto_resume and has)):
+        return
+    config = TrainConfig.from_args(args)
+    try:
+        manifest = shards.read_manifest(args.checkpoint)
+        shards.check_layout(manifest, ep_layout(config, world_size), args.checkpoint)
+        shards.verify_shards(args.checkpoint, manifest)
+    except shards.ShardError as exc:
+        parser.error(str(exc))
+    total = (config.train_size or DEFAULT_SEQUENCES) // (config.batch_size * world_size) * config.epochs
+    if manifest["step"] >= total:
+        done = f"{args.checkpoint} has already trained {manifest['step']} of {total} steps (--epochs {config.epochs})"
+        if args.auto_resume:
+            parser.exit(0, f"python -m ddp_from_scratch.train: --auto-resume: {done}: the run is complete, nothing to "
+                           "do\n")
+        parser.error(f"--resume: {done}; raise --epochs to train further")
+
+
 def validate_ep(args, parser, world_size: int) -> None:
     """Refuse what an --ep run cannot do, before any rank starts (parser.error: exit 2)."""
     ep = args.ep
@@ -243,11 +292,15 @@ def validate_tp(args, parser, world_size: int, run: str = "--tp") -> None:
                      f"with {run}")
     if args.sequence_parallel and tp == 1:
         parser.error("--sequence-parallel splits the sequence over the TP group: give --tp 2 or more")
-    given = [f"--{name.replace('_', '-')}" for name in NOT_WITH_TP
+    refused = [n for n in NOT_WITH_TP if not (run == "--ep" and n in EP_CHECKPOINTS)]
+    given = [f"--{name.replace('_', '-')}" for name in refused
              if getattr(args, name, None) is not None and getattr(args, name) is not False]
     if given:
-        parser.error(f"{', '.join(given)}: not taken with {run} (the transformer run has no checkpoints, "
-                     "compression, mixed precision or test set yet)")
+        has = "has no compression" if run == "--ep" else "has no checkpoints, compression"
+        parser.error(f"{', '.join(given)}: not taken with {run} (the transformer run {has}, mixed precision or test set "
+                     "yet)")
+    if run == "--ep":
+        validate_ep_checkpoint(args, parser, world_size)
     dp = world_size // (tp * (args.pp or 1))
     sequences = args.train_size or DEFAULT_SEQUENCES
     if sequences // (args.batch_size * dp) == 0:

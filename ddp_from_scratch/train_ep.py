@@ -23,10 +23,21 @@ each sequence is routed, capacity and drops included, as the one-rank model rout
 The summary (the last line on stdout) lists every step's loss, balance loss and dropped token
 slots (all ranks and blocks), the tokens each expert of the first block took in the last step, and
 the bytes the all_to_alls moved a step.
+
+    python -m ddp_from_scratch.train --ep 2 --nproc 4 --synthetic --checkpoint ck --checkpoint-every 4
+    python -m ddp_from_scratch.train --ep 2 --nproc 4 --synthetic --checkpoint ck --resume
+
+--checkpoint FOLDER: every rank writes its own shard (its parameters and momentum, and its experts
+named by their index in the whole layer) and rank 0 a manifest naming the layout, the steps done
+and each shard's digest (parts/shards.py), every --checkpoint-every steps and at the end (or at
+--stop-at-step). --resume (or --auto-resume) on the same layout continues from the manifest's
+step and ends bitwise equal to the unbroken run (the test checks this for EP x DP); a damaged,
+foreign or other-layout checkpoint is refused in one line naming the file, before any rank starts.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -36,8 +47,9 @@ import torch.nn.functional as F
 
 import collectives as C
 
-from .expert_parallel.model import MoETransformer, dense_parameters, expert_parameters, expert_parallel
-from .train_args import DEFAULT_SEQUENCES, HEADS, HIDDEN, LAYERS, SEQ, VOCAB
+from .expert_parallel.model import MoETransformer, dense_parameters, expert_parameters, expert_parallel, expert_state
+from .parts import shards
+from .train_args import DEFAULT_SEQUENCES, HEADS, HIDDEN, LAYERS, SEQ, VOCAB, ep_layout
 from .train_tp import progress
 from .workload.transformer import token_batch
 
@@ -55,6 +67,35 @@ def _average(params, group, world_size: int) -> None:
         g.copy_(part.view_as(g))
 
 
+def _save(env, config, model, opt, layout: dict, done: int) -> None:
+    """Each rank its shard (its model and optimizer state, its experts by their global index), then
+    rank 0 the manifest, once every shard is on disk."""
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "experts": expert_state(model), "step": done}
+    os.makedirs(config.checkpoint, exist_ok=True)  # the program made it already; a caller of train_ep may not have
+    digest = shards.save_shard(config.checkpoint, env.rank, env.world_size, state)
+    digests = [digest]
+    if env.world_size > 1:
+        digests = [None] * env.world_size
+        dist.all_gather_object(digests, digest)
+    if env.rank == 0:
+        shards.write_manifest(config.checkpoint, layout, done, digests)
+    if env.world_size > 1:
+        dist.barrier()  # no rank goes on (or ends) before the manifest names the shards
+
+
+def _resume(env, config, model, opt, layout: dict) -> int:
+    """Load this rank's shard (train_args checked the manifest, layout and digests); the steps done.
+    --auto-resume with no checkpoint yet starts at step 0."""
+    if not os.path.exists(os.path.join(config.checkpoint, shards.MANIFEST)):
+        return 0
+    manifest = shards.read_manifest(config.checkpoint)
+    shards.check_layout(manifest, layout, config.checkpoint)
+    state = shards.load_shard(config.checkpoint, env.rank, manifest)
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    return manifest["step"]
+
+
 def train_ep(env, config) -> dict:
     """One rank of an --ep run; the summary on every rank."""
     torch.manual_seed(config.seed)
@@ -66,34 +107,41 @@ def train_ep(env, config) -> dict:
     opt = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=0.9)
     per_step = config.batch_size * w
     steps = (config.train_size or DEFAULT_SEQUENCES) // per_step
+    total = steps * config.epochs
+    end = total if config.stop_at_step is None else min(total, config.stop_at_step)
+    layout = ep_layout(config, w)
+    first = _resume(env, config, model, opt, layout) if config.resume or config.auto_resume else 0
     rows = slice(env.rank * config.batch_size, (env.rank + 1) * config.batch_size)
     losses, aux_losses, dropped, moved, start = [], [], [], [], time.perf_counter()
-    for epoch in range(config.epochs):
-        for step in range(steps):
-            tokens, targets = token_batch(epoch * steps + step, 0, per_step, SEQ, VOCAB)
-            logits = model(tokens[rows])
-            loss = F.cross_entropy(logits.reshape(-1, VOCAB), targets[rows].reshape(-1))
-            aux = model.aux_loss()
-            (loss + config.aux_loss * aux).backward()
-            if w > 1:
-                _average(dense, None, w)  # over every rank
-                _average(experts, grid.col, w)  # over the ranks holding the same experts
-            opt.step()
-            opt.zero_grad()
-            layers = model.moe_layers()
-            logged = torch.stack([loss.detach(), aux.detach(),
-                                  sum(layer.last.dropped.sum() for layer in layers).float(),
-                                  torch.tensor(float(sum(layer.last.sent_rows for layer in layers)))])
-            if w > 1:
-                C.all_reduce(logged)
-            losses.append(logged[0].item() / w)
-            aux_losses.append(logged[1].item() / w)
-            dropped.append(int(logged[2].item()))
-            moved.append(int(logged[3].item()) * 4 * HIDDEN * 4)  # dispatch + combine, forward and backward, float32
-            if env.rank == 0:
-                slots = per_step * SEQ * config.top_k * LAYERS
-                progress(config, epoch, step, steps, losses[-1], per_step, start,
-                         f" (balance {aux_losses[-1]:.3f}, dropped {dropped[-1]} of {slots} slots)")
+    for done in range(first, end):
+        epoch, step = divmod(done, steps)
+        tokens, targets = token_batch(done, 0, per_step, SEQ, VOCAB)
+        logits = model(tokens[rows])
+        loss = F.cross_entropy(logits.reshape(-1, VOCAB), targets[rows].reshape(-1))
+        aux = model.aux_loss()
+        (loss + config.aux_loss * aux).backward()
+        if w > 1:
+            _average(dense, None, w)  # over every rank
+            _average(experts, grid.col, w)  # over the ranks holding the same experts
+        opt.step()
+        opt.zero_grad()
+        layers = model.moe_layers()
+        logged = torch.stack([loss.detach(), aux.detach(),
+                              sum(layer.last.dropped.sum() for layer in layers).float(),
+                              torch.tensor(float(sum(layer.last.sent_rows for layer in layers)))])
+        if w > 1:
+            C.all_reduce(logged)
+        losses.append(logged[0].item() / w)
+        aux_losses.append(logged[1].item() / w)
+        dropped.append(int(logged[2].item()))
+        moved.append(int(logged[3].item()) * 4 * HIDDEN * 4)  # dispatch + combine, forward and backward, float32
+        if config.checkpoint and ((config.checkpoint_every and (done + 1) % config.checkpoint_every == 0)
+                                  or done + 1 == end):
+            _save(env, config, model, opt, layout, done + 1)
+        if env.rank == 0:
+            slots = per_step * SEQ * config.top_k * LAYERS
+            progress(config, epoch, step, steps, losses[-1], per_step, start,
+                     f" (balance {aux_losses[-1]:.3f}, dropped {dropped[-1]} of {slots} slots)")
     seconds = time.perf_counter() - start
     if env.rank == 0:
         print(file=sys.stderr)
@@ -105,6 +153,7 @@ def train_ep(env, config) -> dict:
             "aux_loss_weight": config.aux_loss, "epochs": config.epochs, "batch_size_per_rank": config.batch_size,
             "seq": SEQ, "steps": len(losses), "losses": losses, "aux_losses": aux_losses,
             "dropped_slots": dropped, "tokens_per_expert_last_step": load.tolist(),
-            "all_to_all_bytes_per_step": moved, "train_seconds": seconds,
+            "all_to_all_bytes_per_step": moved, "start_step": first, "end_step": end,
+            "checkpoint": config.checkpoint, "train_seconds": seconds,
             "tokens_per_second": len(losses) * per_step * SEQ / seconds if seconds else None,
             "synthetic_data": True}

@@ -8,4 +8,5 @@
   memory.py       what a rank holds during a step (parameters, gradients, optimizer state), sampled
   step_check.py   how two trainings are compared: the same bits, StepCheck, the summary
   torch_hooks.py  torch's DDP comm hooks as they run in the comparisons and training
+  shards.py       a checkpoint in shards: a file a rank and a manifest naming the layout (train --ep)
 """
