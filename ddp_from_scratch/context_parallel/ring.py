@@ -115,7 +115,7 @@ def ring_forward(q, k, v, group, causal: bool, balanced: bool, overlap: bool = T
     out = lse = None
     posted = None
     for i in range(ring.size):
-        waited = ring.waited
+        waited, wait_start = ring.waited, time.perf_counter()
         if i > 0:
             kv = ring.finish(posted)
             k, v = kv[:k.numel()].view(k.shape), kv[k.numel():].view(v.shape)
@@ -138,9 +138,9 @@ def ring_forward(q, k, v, group, causal: bool, balanced: bool, overlap: bool = T
         computed = time.perf_counter() - begin
         if i < ring.size - 1 and not overlap:
             posted = ring.start(torch.cat([k.flatten(), v.flatten()]))
-        if steps is not None:
+        if steps is not None:  # times on the machine's monotonic clock, the same in every process
             steps.append({"step": i, "compute_s": computed, "wait_s": ring.waited - waited,
-                          "computed": block is not None})
+                          "wait_start": wait_start, "compute_start": begin, "computed": block is not None})
     return out, lse.squeeze(-1)
 
 
