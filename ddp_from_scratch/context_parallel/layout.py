@@ -46,7 +46,6 @@ def unshard(parts: List[torch.Tensor], balanced: bool, dim: int) -> torch.Tensor
     """The whole sequence from every rank's part, in rank order."""
     if not balanced:
         return torch.cat(parts, dim=dim)
-    size = len(parts)
     heads = [p.chunk(2, dim=dim)[0] for p in parts]
     tails = [p.chunk(2, dim=dim)[1] for p in parts]
     return torch.cat(heads + tails[::-1], dim=dim)

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# On a machine with 16 cores or more (the GPU machine's host): what 2 cores cannot settle, with a
+# core a rank. Expert and context parallelism's bit-for-bit proofs at 8 ranks (Gloo and shm), then
+# their benchmarks at 8 ranks. Everything it prints and writes lands in $OUT (default ./eight-out).
+#
+#     bash benchmarks/eight_ranks.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-eight-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+day=$(date -u +%F)
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || export PYTHONPATH=$PWD
+cores=$(nproc)
+where="cpu-${cores}core"
+python3 -c "import torch; print('torch', torch.__version__, '$cores cores')" | tee "$OUT/machine.txt"
+
+# the proofs at 8 ranks: the tests' own comparisons, run on 8 ranks instead of 2 and 4
+taskset -c 0-7 python3 - <<'PY' 2>&1 | tee "$OUT/proofs-8ranks.txt"
+from collectives.testing import run_on_ranks
+from tests.expert_parallel import test_expert_parallel as ep
+from tests.context_parallel import test_ring_attention as cp
+
+for backend in ("gloo", "shm"):
+    for case in ep.NAMED:
+        run_on_ranks(ep._compare, 8, args=(backend, *case.values()), timeout=600)
+        print(f"expert parallel, 8 ranks, {backend}, {case}: bit for bit the one-rank layer")
+    for causal, balanced in cp.MODES:
+        run_on_ranks(cp._compare, 8, args=(backend, 2, 3, 8, 8, causal, balanced), timeout=600)
+        print(f"ring attention, 8 ranks, {backend}, causal={causal} balanced={balanced}: bit for bit torch's ring")
+PY
+
+taskset -c 0-7 python3 -m benchmarks.expert_parallel --nproc 8 --experts 16 --top-k 2 \
+    --json "$OUT/expert-parallel_shm-${where}-8of${cores}_8ranks_${day}.json" \
+    --plot "$OUT/expert-parallel_shm-${where}-8of${cores}_8ranks_${day}.png" 2>&1 \
+    | tee "$OUT/expert-parallel_shm-${where}-8of${cores}_8ranks_${day}.txt"
+taskset -c 0-7 python3 -m benchmarks.context_parallel --ranks 1 2 4 8 --seq 1024 2048 4096 8192 --rounds 5 \
+    --json "$OUT/context-parallel_shm-${where}-8of${cores}_8ranks_${day}.json" \
+    --plot "$OUT/context-parallel_shm-${where}-8of${cores}_8ranks_${day}.png" 2>&1 \
+    | tee "$OUT/context-parallel_shm-${where}-8of${cores}_8ranks_${day}.txt"
