@@ -16,19 +16,7 @@ where="cpu-${cores}core"
 python3 -c "import torch; print('torch', torch.__version__, '$cores cores')" | tee "$OUT/machine.txt"
 
 # the proofs at 8 ranks: the tests' own comparisons, run on 8 ranks instead of 2 and 4
-taskset -c 0-7 python3 - <<'PY' 2>&1 | tee "$OUT/proofs-8ranks.txt"
-from collectives.testing import run_on_ranks
-from tests.expert_parallel import test_expert_parallel as ep
-from tests.context_parallel import test_ring_attention as cp
-
-for backend in ("gloo", "shm"):
-    for case in ep.NAMED:
-        run_on_ranks(ep._compare, 8, args=(backend, *case.values()), timeout=600)
-        print(f"expert parallel, 8 ranks, {backend}, {case}: bit for bit the one-rank layer")
-    for causal, balanced in cp.MODES:
-        run_on_ranks(cp._compare, 8, args=(backend, 2, 3, 8, 8, causal, balanced), timeout=600)
-        print(f"ring attention, 8 ranks, {backend}, causal={causal} balanced={balanced}: bit for bit torch's ring")
-PY
+taskset -c 0-7 python3 -m tests.at_eight_ranks 2>&1 | tee "$OUT/proofs-8ranks.txt"
 
 taskset -c 0-7 python3 -m benchmarks.expert_parallel --nproc 8 --experts 16 --top-k 2 \
     --json "$OUT/expert-parallel_shm-${where}-8of${cores}_8ranks_${day}.json" \
