@@ -42,9 +42,10 @@ def shard_name(rank: int, world_size: int) -> str:
 
 
 def _bytes_of(state: dict) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    return buffer.getvalue()
+    """The shard's file content, in memory: its digest goes in the manifest, then write_output writes it."""
+    f = io.BytesIO()
+    torch.save(state, f)
+    return f.getvalue()
 
 
 def save_shard(folder: str, rank: int, world_size: int, state: dict) -> str:
