@@ -10,6 +10,7 @@ and Mixed-Precision Techniques", 2024: torchvision's ResNet-50, CIFAR-10, SGD, l
     python -m ddp_from_scratch.train --tp 2 --nproc 4 --synthetic        # the small transformer, TP x DP (train_tp.py)
     python -m ddp_from_scratch.train --pp 2 --schedule 1f1b --microbatches 4 --nproc 4 --synthetic  # PP x DP (train_pp.py)
     python -m ddp_from_scratch.train --ep 2 --nproc 4 --synthetic --experts 4 --top-k 2  # MoE, EP x DP (train_ep.py)
+    python -m ddp_from_scratch.train --cp 2 --tp 2 --nproc 4 --synthetic    # ring attention, CP x TP (train_cp.py)
     torchrun --nnodes 1:2 --nproc-per-node 2 --max-restarts 2 --rdzv-backend c10d --rdzv-endpoint node0:29500 \
         -m ddp_from_scratch.train --checkpoint ckpt --checkpoint-every 20 --auto-resume --data ./data
 
@@ -57,6 +58,7 @@ from .checkpoint import check_resume, gather_state, load_checkpoint, load_state,
 from .workload.models import MODELS
 from .steps.powersgd import CLI_NAMES as POWERSGD_CLI_NAMES, PowerSGD
 from .parts.torch_hooks import bf16_compress_hook_on_gloo, powersgd_hook, powersgd_state
+from .train_cp import train_cp
 from .train_ep import train_ep
 from .train_pp import train_pp
 from .train_tp import train_tp
@@ -311,8 +313,8 @@ def main(argv=None) -> int:
              launched["local_world_size"] if joined else args.nproc)
     config = TrainConfig.from_args(args)
     preload(*TRAINING)  # every rank builds an optimizer: the fork server imports what that needs, once
-    loop = train_pp if config.pp is not None else train_tp if config.tp is not None else \
-        train_ep if config.ep is not None else train
+    loop = train_pp if config.pp is not None else train_cp if config.cp is not None else \
+        train_tp if config.tp is not None else train_ep if config.ep is not None else train
     summary = collectives.run_or_join(loop, args.nproc, args=(config,), timeout=7 * 24 * 3600)
     if summary is None:  # a torchrun/srun rank other than 0: rank 0 reports
         return 0

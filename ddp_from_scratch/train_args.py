@@ -75,6 +75,7 @@ class TrainConfig:
     top_k: Optional[int] = None
     capacity_factor: Optional[float] = None
     aux_loss: Optional[float] = None
+    cp: Optional[int] = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "TrainConfig":
@@ -89,7 +90,7 @@ class TrainConfig:
             given["aux_loss"] = DEFAULT_AUX_LOSS if given["aux_loss"] is None else given["aux_loss"]
             given["capacity_factor"] = (DEFAULT_CAPACITY_FACTOR if given["capacity_factor"] is None
                                         else given["capacity_factor"] or None)  # 0: no capacity
-        if given["model"] is None and given["tp"] is None and given["pp"] is None and given["ep"] is None:
+        if given["model"] is None and given["tp"] is None and given["pp"] is None and given["ep"] is None and given["cp"] is None:
             given["model"] = DEFAULT_MODEL
         for name, default in POWERSGD_DEFAULTS.items():  # not given on the command line
             if given[name] is None:
@@ -185,6 +186,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--aux-loss", type=float, default=None, metavar="W",
                    help=f"with --ep: the weight of the load-balancing loss added to the cross-entropy (default "
                         f"{DEFAULT_AUX_LOSS}; 0: off)")
+    p.add_argument("--cp", type=int, default=None, metavar="N",
+                   help="context parallelism: train the small transformer (with learned positions) on synthetic "
+                        "tokens, each sequence cut over N ranks and attention by ring attention, with --tp inside and "
+                        "data parallelism over the rest (ddp_from_scratch/train_cp.py)")
     p.add_argument("--json", default=None, help="also write the summary to this file")
     return p
 
@@ -239,6 +244,23 @@ def validate_ep_checkpoint(args, parser, world_size: int) -> None:
             parser.exit(0, f"python -m ddp_from_scratch.train: --auto-resume: {done}: the run is complete, nothing to "
                            "do\n")
         parser.error(f"--resume: {done}; raise --epochs to train further")
+
+
+def validate_cp(args, parser, world_size: int) -> None:
+    """Refuse what a --cp run cannot do, before any rank starts (parser.error: exit 2)."""
+    cp, tp = args.cp, args.tp or 1
+    if cp < 1 or world_size % (cp * tp):
+        parser.error(f"--cp {cp}{f' x --tp {tp}' if tp > 1 else ''} = {cp * tp} must divide the {world_size} rank(s) "
+                     "(--nproc, or the launcher's world size)")
+    if SEQ % (2 * cp):
+        parser.error(f"--cp {cp}: the transformer's {SEQ}-token sequences do not cut into 2 x {cp} equal pieces (the "
+                     "head-tail layout)")
+    for flag, given, why in (("--pp", args.pp, "the pipeline's first stage takes the tokens alone, not their places"),
+                             ("--ep", args.ep, "the MoE blocks' run is data-parallel only"),
+                             ("--sequence-parallel", args.sequence_parallel,
+                              "context parallelism already keeps every activation split along the sequence")):
+        if given:
+            parser.error(f"{flag} is not taken with --cp: {why}")
 
 
 def validate_ep(args, parser, world_size: int) -> None:
@@ -301,7 +323,7 @@ def validate_tp(args, parser, world_size: int, run: str = "--tp") -> None:
                      "yet)")
     if run == "--ep":
         validate_ep_checkpoint(args, parser, world_size)
-    dp = world_size // (tp * (args.pp or 1))
+    dp = world_size // (tp * (args.pp or 1) * (args.cp or 1))
     sequences = args.train_size or DEFAULT_SEQUENCES
     if sequences // (args.batch_size * dp) == 0:
         parser.error(f"{sequences} sequences make no full step of {args.batch_size} per DP rank on {dp} DP rank(s): "
@@ -363,10 +385,13 @@ def validate(args, parser, world_size: int, local_ranks: Optional[int] = None) -
         given = [f"--{name.replace('_', '-')}" for name in EP_ONLY if getattr(args, name) is not None]
         if given:
             parser.error(f"{', '.join(given)}: appl{'ies' if len(given) == 1 else 'y'} to an --ep run")
-    if args.ep is not None:
+    if args.cp is not None:
+        validate_cp(args, parser, world_size)
+    elif args.ep is not None:
         validate_ep(args, parser, world_size)
-    if args.tp is not None or args.pp is not None or args.ep is not None:
-        run = "--pp" if args.pp is not None else "--tp" if args.tp is not None else "--ep"
+    if args.tp is not None or args.pp is not None or args.ep is not None or args.cp is not None:
+        run = ("--pp" if args.pp is not None else "--cp" if args.cp is not None else "--tp" if args.tp is not None
+               else "--ep")
         if args.model is not None:
             parser.error(f"--model {args.model}: a {run} run trains the small transformer, not a CNN; leave out --model")
         cli.check_outputs(parser, {"--json": args.json})

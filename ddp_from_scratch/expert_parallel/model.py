@@ -54,6 +54,7 @@ class MoETransformer(TinyTransformer):
         self.blocks = nn.ModuleList(MoEBlock(hidden, heads, experts, top_k, capacity_factor) for _ in range(layers))
         self.ln = nn.LayerNorm(hidden)
         self.head = nn.Linear(hidden, vocab, bias=False)
+        self.pos = None  # no position embedding (workload/transformer.py's default)
 
     def aux_loss(self) -> torch.Tensor:
         """The blocks' balance losses of the last forward, summed."""

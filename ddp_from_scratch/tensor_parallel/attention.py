@@ -47,6 +47,7 @@ class TensorParallelAttention(nn.Module):
                                   for n, lin in (("q", full.q), ("k", full.k), ("v", full.v)))
         self.out = RowParallelLinear(full.out, group, name="the attention's output projection",
                                      bias_in_partial_sums=bias_in_partial_sums)
+        self.attend = attend  # this rank's heads, over the whole sequence (or a ring of its pieces)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:  # x: this rank's slice of the sequence; so is the result
@@ -54,7 +55,7 @@ class TensorParallelAttention(nn.Module):
         else:
             x = f(x, self.group)  # once for the three projections: one all_reduce of the input's gradient
         q, k, v = (F.linear(x, lin.weight, lin.bias) for lin in (self.q, self.k, self.v))
-        y = attend(q, k, v, self.heads)
+        y = self.attend(q, k, v, self.heads)
         if not self.sequence_parallel:
             return self.out(y)
         return self.out.add_bias(scatter_sequence(self.out.partial_sum(y), self.group))

@@ -57,10 +57,14 @@ class TensorParallelTransformer(TinyTransformer):
         self.blocks = nn.ModuleList(_Block(b, group, sequence_parallel) for b in full.blocks)
         self.ln = full.ln
         self.head = ColumnParallelLinear(full.head, group, name="the head")
+        self.pos = full.pos  # whole on every rank, as the LayerNorms: its gradient is too
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions=None) -> torch.Tensor:
         if not self.sequence_parallel:
-            return super().forward(tokens)
+            return super().forward(tokens, positions)
+        if self.pos is not None:
+            raise ValueError("a sequence-parallel model here has no position embedding (its slices would need "
+                             "their places)")
         x = self.embed(tokens)  # this rank's slice of the sequence from here to the last LayerNorm
         for block in self.blocks:
             x = block(x)

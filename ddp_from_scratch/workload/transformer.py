@@ -6,12 +6,15 @@ tensor-parallel steps split (ddp_from_scratch/tensor_parallel/model.py).
     loss = model.loss(tokens, targets)          # cross-entropy of the next tokens
 
 Embedding, then per block x + attention(LayerNorm(x)) and x + MLP(LayerNorm(x)), a last
-LayerNorm and an untied head to the vocabulary. No positional embedding: the causal attention
-already tells positions apart enough for a synthetic-token workload, and the model stays the
-size of its four parts.
+LayerNorm and an untied head to the vocabulary. No positional embedding by default: the causal
+attention already tells positions apart enough for a synthetic-token workload, and the model
+stays the size of its four parts; `positions=N` adds a learned one for N places (the
+context-parallel run, whose ranks hold tokens from all over each sequence).
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -28,9 +31,10 @@ class Attention(nn.Module):
             raise ValueError(f"the hidden size {hidden} does not split into {heads} heads: choose a multiple of {heads}")
         self.heads = heads
         self.q, self.k, self.v, self.out = (nn.Linear(hidden, hidden) for _ in range(4))
+        self.attend = attend  # context parallelism puts its ring here (context_parallel/model.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(attend(self.q(x), self.k(x), self.v(x), self.heads))
+        return self.out(self.attend(self.q(x), self.k(x), self.v(x), self.heads))
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int) -> torch.Tensor:
@@ -54,15 +58,22 @@ class Block(nn.Module):
 
 
 class TinyTransformer(nn.Module):
-    def __init__(self, vocab: int = 64, hidden: int = 32, heads: int = 4, layers: int = 2):
+    def __init__(self, vocab: int = 64, hidden: int = 32, heads: int = 4, layers: int = 2, positions: int = 0):
         super().__init__()
         self.embed = nn.Embedding(vocab, hidden)
         self.blocks = nn.ModuleList(Block(hidden, heads) for _ in range(layers))
         self.ln = nn.LayerNorm(hidden)
         self.head = nn.Linear(hidden, vocab, bias=False)
+        # learned positions, made last so the other weights are those of a model without them
+        self.pos = nn.Embedding(positions, hidden) if positions else None
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Logits of (batch, seq) tokens. `positions`: each token's place in its whole sequence
+        (default 0 ... seq - 1; a context-parallel rank holds other places), for a model made with
+        positions > 0."""
         x = self.embed(tokens)
+        if self.pos is not None:
+            x = x + self.pos(positions if positions is not None else torch.arange(tokens.shape[1]))
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln(x))
