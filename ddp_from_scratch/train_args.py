@@ -255,8 +255,10 @@ def validate_cp(args, parser, world_size: int) -> None:
     if SEQ % (2 * cp):
         parser.error(f"--cp {cp}: the transformer's {SEQ}-token sequences do not cut into 2 x {cp} equal pieces (the "
                      "head-tail layout)")
-    for flag, given, why in (("--pp", args.pp, "the pipeline's first stage takes the tokens alone, not their places"),
-                             ("--ep", args.ep, "the MoE blocks' run is data-parallel only"),
+    if args.pp is not None and world_size % (cp * tp * args.pp):
+        parser.error(f"--pp {args.pp} x --cp {cp}{f' x --tp {tp}' if tp > 1 else ''} = {args.pp * cp * tp} must divide "
+                     f"the {world_size} rank(s) (--nproc, or the launcher's world size)")
+    for flag, given, why in (("--ep", args.ep, "the MoE blocks' run is data-parallel only"),
                              ("--sequence-parallel", args.sequence_parallel,
                               "context parallelism already keeps every activation split along the sequence")):
         if given:
@@ -335,12 +337,12 @@ PP_ONLY = ("schedule", "microbatches", "chunks")  # the flags that mean somethin
 
 def validate_pp(args, parser, world_size: int) -> None:
     """Refuse what a --pp run cannot do, before any rank starts (parser.error: exit 2)."""
-    pp, tp = args.pp, args.tp or 1
+    pp, tp, cp = args.pp, args.tp or 1, args.cp or 1
     if pp < 1:
         parser.error(f"--pp must be at least 1, got {pp}")
-    if pp * tp > world_size or world_size % (pp * tp):
-        parser.error(f"--pp {pp}{f' x --tp {tp}' if tp > 1 else ''} = {pp * tp} must divide the {world_size} "
-                     "rank(s) (--nproc, or the launcher's world size)")
+    if pp * tp * cp > world_size or world_size % (pp * tp * cp):
+        parser.error(f"--pp {pp}{f' x --tp {tp}' if tp > 1 else ''}{f' x --cp {cp}' if cp > 1 else ''} = {pp * tp * cp} "
+                     f"must divide the {world_size} rank(s) (--nproc, or the launcher's world size)")
     if args.sequence_parallel:
         parser.error("--sequence-parallel is not taken with --pp (a stage's activations travel whole)")
     m = args.microbatches if args.microbatches is not None else 2 * pp

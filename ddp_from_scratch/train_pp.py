@@ -5,6 +5,7 @@ and the bucketed DDP over the rest (pipeline_parallel/mesh3d.py lays the ranks o
     python -m ddp_from_scratch.train --pp 2 --nproc 2 --synthetic                        # 1F1B over 2 stages
     python -m ddp_from_scratch.train --pp 2 --schedule zero-bubble --microbatches 8 --nproc 4 --synthetic   # PP x DP
     python -m ddp_from_scratch.train --pp 2 --tp 2 --nproc 8 --synthetic                 # PP x TP x DP, 2 x 2 x 2
+    python -m ddp_from_scratch.train --pp 2 --cp 2 --nproc 4 --synthetic                 # PP x CP: ring attention in each stage
     python -m ddp_from_scratch.train --tp 1 --nproc 1 --synthetic                        # the one-rank model, to compare
 
 The model's pieces in order, the embedding, each block, and the last LayerNorm with the head, are
@@ -31,6 +32,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .context_parallel.layout import positions, shard
+from .context_parallel.model import context_parallel
 from .pipeline_parallel.mesh3d import Mesh3D
 from .pipeline_parallel.schedule import bubble, make, stage_index
 from .pipeline_parallel.split import split
@@ -46,12 +49,16 @@ from .workload.transformer import TinyTransformer, token_batch
 def train_pp(env, config) -> dict:
     """One rank of a --pp run; the summary on every rank."""
     torch.manual_seed(config.seed)
-    tp = config.tp or 1
-    mesh = Mesh3D(pp=config.pp, tp=tp)
-    full = TinyTransformer(VOCAB, HIDDEN, HEADS, LAYERS)  # the same seed on every rank: the same weights
+    tp, cp = config.tp or 1, config.cp or 1
+    mesh = Mesh3D(pp=config.pp, tp=tp, cp=cp)
+    # the same seed on every rank: the same weights; with --cp, learned positions (train_cp.py's model)
+    full = TinyTransformer(VOCAB, HIDDEN, HEADS, LAYERS, positions=SEQ if config.cp is not None else 0)
     model = TensorParallelTransformer(full, mesh.tp) if tp > 1 else full
+    if cp > 1:
+        context_parallel(model, mesh.cp, balanced=True)
     p, v, s = config.pp, config.chunks, mesh.stage  # chunks: 1 but for CHUNKED schedules (TrainConfig)
-    cut = split(model.as_sequence(), p * v)
+    places = positions(SEQ, mesh.cp_index, cp, balanced=True) if config.cp is not None else None
+    cut = split(model.as_sequence(places), p * v)
     mine = [cut[stage_index(c, s, p)] for c in range(v)]  # stages s, p + s, ... of the p x v
     if mesh.dp_size > 1:
         mine = [DistributedDataParallel(m, group=mesh.dp, bucket_cap_mb=config.bucket_cap_mb) for m in mine]
@@ -64,15 +71,16 @@ def train_pp(env, config) -> dict:
     stage = Stage(mine, s, p, group=mesh.pp, loss_fn=loss_fn)
     schedule = make(config.schedule, p, config.microbatches, v)
     opt = torch.optim.SGD([q for m in mine for q in m.parameters()], lr=config.lr, momentum=0.9)
-    per_step = config.batch_size * mesh.dp_size
+    per_step = config.batch_size * mesh.data_size  # the DP replicas of one data index share its rows (CP)
     steps = (config.train_size or DEFAULT_SEQUENCES) // per_step
-    rows = slice(mesh.dp_index * config.batch_size, (mesh.dp_index + 1) * config.batch_size)
+    rows = slice(mesh.data_index * config.batch_size, (mesh.data_index + 1) * config.batch_size)
     losses, idle, start = [], [], time.perf_counter()
     for epoch in range(config.epochs):
         for step in range(steps):
             tokens, targets = token_batch(epoch * steps + step, 0, per_step, SEQ, VOCAB)
-            xs = list(tokens[rows].tensor_split(config.microbatches))
-            ys = list(targets[rows].tensor_split(config.microbatches))
+            tokens, targets = (shard(t[rows], mesh.cp_index, cp, balanced=True, dim=1) for t in (tokens, targets))
+            xs = list(tokens.tensor_split(config.microbatches))
+            ys = list(targets.tensor_split(config.microbatches))
             if step == 0 and epoch == 0:
                 stage.agree_shapes(xs[0] if s == 0 else None)
             with _no_sync(mine):
@@ -92,7 +100,7 @@ def train_pp(env, config) -> dict:
     every_idle = [None] * env.world_size
     dist.all_gather_object(every_idle, statistics.median(idle) if idle else None)
     return {"model": "transformer", "pp": p, "schedule": config.schedule, "chunks": v,
-            "microbatches": config.microbatches, "tp": tp, "dp": mesh.dp_size, "world_size": env.world_size,
+            "microbatches": config.microbatches, "tp": tp, "cp": cp, "dp": mesh.data_size, "world_size": env.world_size,
             "backend": env.backend, "epochs": config.epochs, "batch_size_per_dp_rank": config.batch_size, "seq": SEQ,
             "steps": len(losses), "losses": losses,
             "idle_share_by_stage": [every_idle[mesh.rank_at(k, 0, 0)] for k in range(p)],

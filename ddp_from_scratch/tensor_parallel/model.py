@@ -74,11 +74,11 @@ class TensorParallelTransformer(TinyTransformer):
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return vocab_parallel_cross_entropy(self(tokens), targets, self.group)
 
-    def as_sequence(self) -> nn.Sequential:
+    def as_sequence(self, positions=None) -> nn.Sequential:
         if self.sequence_parallel:
             raise ValueError("a sequence-parallel model gathers the sequence before its head: its forward is not "
                              "a plain sequence of its modules, so it cannot be cut into pipeline stages")
-        return super().as_sequence()
+        return super().as_sequence(positions)
 
     def sequence_parallel_grads(self) -> None:
         """With sequence parallelism, after backward: the parameters every rank holds whole (the

@@ -57,6 +57,20 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
+class Positioned(nn.Module):
+    """A pipeline's first piece for a model with positions: embed(tokens) + pos(places), the
+    places fixed (every microbatch's tokens sit at the same places of their sequences)."""
+
+    def __init__(self, embed: nn.Module, pos: nn.Embedding, places: Optional[torch.Tensor]):
+        super().__init__()
+        self.embed, self.pos = embed, pos
+        self.places = places  # not a buffer: a DDP over the stage would broadcast it from its first rank
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        places = self.places if self.places is not None else torch.arange(tokens.shape[1])
+        return self.embed(tokens) + self.pos(places)
+
+
 class TinyTransformer(nn.Module):
     def __init__(self, vocab: int = 64, hidden: int = 32, heads: int = 4, layers: int = 2, positions: int = 0):
         super().__init__()
@@ -78,10 +92,13 @@ class TinyTransformer(nn.Module):
             x = block(x)
         return self.head(self.ln(x))
 
-    def as_sequence(self) -> nn.Sequential:
+    def as_sequence(self, positions: Optional[torch.Tensor] = None) -> nn.Sequential:
         """The forward as a sequence of its own modules (shared, not copied), for a pipeline to cut:
-        the embedding, each block, then the last LayerNorm with the head."""
-        return nn.Sequential(self.embed, *self.blocks, nn.Sequential(self.ln, self.head))
+        the embedding (with the positions, for a model that has them: `positions` are the places
+        of the tokens every microbatch holds, default 0 ... seq - 1), each block, then the last
+        LayerNorm with the head."""
+        embed = self.embed if self.pos is None else Positioned(self.embed, self.pos, positions)
+        return nn.Sequential(embed, *self.blocks, nn.Sequential(self.ln, self.head))
 
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = self(tokens)

@@ -1,6 +1,6 @@
-"""The training program's --cp run (ddp_from_scratch/train_cp.py): each sequence cut over 2 ranks
-and attention by ring attention, alone, with data parallelism (CP x DP) and with tensor
-parallelism (CP x TP), trains with the one-rank model's losses step for step within float32
+"""The training program's --cp run (ddp_from_scratch/train_cp.py, and train_pp.py with --pp): each
+sequence cut over 2 ranks and attention by ring attention, alone, with data parallelism (CP x DP),
+with tensor parallelism (CP x TP) and inside pipeline stages (CP x PP), trains with the one-rank model's losses step for step within float32
 rounding; a rank saves half the activations; what --cp cannot take is refused before any rank
 starts.
 
@@ -44,10 +44,26 @@ def test_a_cp_run_has_the_one_rank_models_losses_on_cp_cp_x_dp_and_cp_x_tp():
             assert split["saved_bytes_first_step"] * cp * dp == pytest.approx(one["saved_bytes_first_step"], rel=1e-3)
 
 
+def test_cp_x_pp_has_the_one_rank_models_losses():
+    """2 pipeline stages (1F1B, 4 microbatches) of 2 context-parallel ranks each: the first stage
+    embeds each CP rank's tokens at their places (the embedding piece holds them, not a buffer a
+    DDP would broadcast from its first rank), and the blocks' ring runs inside each stage."""
+    from ddp_from_scratch.train_pp import train_pp
+
+    one = _run(1, 1, 1)
+    args = build_parser().parse_args(["--cp", "2", "--pp", "2", "--synthetic", "--train-size", str(GLOBAL_BATCH * STEPS),
+                                      "--batch-size", str(GLOBAL_BATCH), "--lr", "0.05"])
+    summaries = run_on_ranks(train_pp, 4, args=(TrainConfig.from_args(args),), backend="gloo")
+    split = summaries[0]
+    assert all(s["losses"] == split["losses"] for s in summaries) and (split["pp"], split["cp"]) == (2, 2)
+    torch.testing.assert_close(torch.tensor(split["losses"]), torch.tensor(one["losses"]), rtol=0, atol=LOSS_ATOL)
+
+
 @pytest.mark.parametrize("argv, fragment", [
     (["--cp", "3", "--nproc", "4", "--synthetic"], "--cp 3 = 3 must divide the 4 rank(s)"),
     (["--cp", "3", "--nproc", "3", "--synthetic"], "32-token sequences do not cut into 2 x 3 equal pieces"),
-    (["--cp", "2", "--pp", "2", "--nproc", "4", "--synthetic"], "--pp is not taken with --cp"),
+    (["--cp", "2", "--pp", "2", "--nproc", "6", "--synthetic"], "--pp 2 x --cp 2 = 4 must divide the 6 rank(s)"),
+    (["--cp", "2", "--ep", "2", "--nproc", "4", "--synthetic"], "--ep is not taken with --cp"),
     (["--cp", "2", "--tp", "2", "--nproc", "4", "--synthetic", "--sequence-parallel"],
      "--sequence-parallel is not taken with --cp"),
     (["--cp", "2", "--nproc", "2"], "add --synthetic"),
