@@ -11,7 +11,7 @@ DP variant, so world_size x that in all) of the same model (ddp_from_scratch/wor
     TP        the model split over all ranks (ddp_from_scratch/tensor_parallel/model.py), each rank the whole batch
     TP x DP   a 2-D mesh, TP over --tp ranks, the bucketed DDP over the others, each DP group its share
     PP x DP   --pp pipeline stages (1F1B, --microbatches a step), the bucketed DDP over the replicas,
-              gradients all-reduced once after the last microbatch (ddp_from_scratch/train_pp.py's step)
+              gradients all-reduced once after the last microbatch (ddp_from_scratch/train/pp.py's step)
 
 Each round every variant does one SGD step (forward, backward, gradients averaged, update), in a
 shuffled order the same on every rank, after a barrier; a step's time is the slowest rank's; the

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import json
 import math
 import os
@@ -40,7 +41,8 @@ from .output_files import OutputError, check_outputs, save_figure, write_json, w
 def program_name(module: Optional[str] = None) -> str:
     """How the running program is typed: "python -m <its module>". `module`: a main's __module__,
     which is "__main__" under `python -m` (then the module comes from __main__'s spec, without a
-    package's ".__main__"); None: the program that is running."""
+    package's ".__main__"); None: the program that is running. A package's program.py whose
+    package runs it (its __main__.py) is named as the package: `python -m pkg`."""
     if module in (None, "__main__"):
         spec = getattr(sys.modules.get("__main__"), "__spec__", None)
         module = spec.name if spec is not None and spec.name else None
@@ -48,6 +50,8 @@ def program_name(module: Optional[str] = None) -> str:
             return os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
     if module.endswith(".__main__"):
         module = module[: -len(".__main__")]
+    elif module.endswith(".program") and importlib.util.find_spec(module[: -len(".program")] + ".__main__"):
+        module = module[: -len(".program")]
     return f"python -m {module}"
 
 

@@ -5,14 +5,13 @@ against torch's DDP on ResNet-50 / CIFAR-10, bit for bit.
     model = DistributedDataParallel(net)                      # inside a process group
 
 The folders: steps/ (the teaching path, one step a file: naive, flat, ddp, powersgd, zero1, zero2,
-fsdp), parts/ (what they are built from and proven with), workload/ (the models and data). Here:
-  wrap.py            the one registry of stages by name (STAGES) and wrap(model, name)
-  sharded_parity.py  the sharded stages side by side with torch's fully_shard and DDP
-  checkpoint.py      what train saves and resumes from
-  compare.py         side-by-side parity with torch's DDP (python -m ddp_from_scratch.compare);
-                     compare_options.py the rows of its options table
-  trace.py           the bucket timeline as a Chrome trace and a PNG (python -m ddp_from_scratch.trace)
-  train.py           the training loop (python -m ddp_from_scratch.train); train_args.py its command line
+fsdp), parts/ (what they are built from and proven with), workload/ (the models and data), then
+the other axes of parallelism (tensor_parallel/, pipeline_parallel/, expert_parallel/,
+context_parallel/), and the programs:
+  compare/   side-by-side parity with torch's DDP, the sharded steps, TP and PP (python -m ddp_from_scratch.compare)
+  train/     the training program, a run a file (python -m ddp_from_scratch.train); train/args.py its command line
+  trace.py   the bucket timeline as a Chrome trace and a PNG (python -m ddp_from_scratch.trace)
+  wrap.py    the one registry of stages by name (STAGES) and wrap(model, name)
 Each imports only what is below it (tests/import_graph.py checks the layers).
 
 Words: a *bucket* is the gradients all-reduced together (DDP, ZeRO-1); a *unit* the parameters

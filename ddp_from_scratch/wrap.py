@@ -5,7 +5,7 @@
     STAGES["fsdp"].summary                              # what it is, for --help texts
 
 Everything that takes a stage by name reads STAGES: `wrap`, the parity program (compare.py,
-sharded_parity.py), the training program (train.py), the timeline program (trace.py) and the
+compare/sharded.py), the training program (train.py), the timeline program (trace.py) and the
 sharded benchmark (benchmarks/sharded.py). A new stage is its file plus one entry here
 (docs/extending.md shows it).
 
@@ -60,7 +60,7 @@ class Stage:
     (zero2-bucketed: its bucket size); `takes` lists the options beyond group and broadcast_buffers
     that it accepts. For the sharded stages (which have `model.optimizer(...)`): `bitwise_twin` is
     torch's wrapper it matches bit for bit at every world size ("torch" for DDP, "torch-fsdp" for
-    fully_shard, None: only at 2 ranks; sharded_parity.SHARDED_NOTE says why). A stage that takes
+    fully_shard, None: only at 2 ranks; compare/sharded.py's SHARDED_NOTE says why). A stage that takes
     fsdp's `units` is compared with a fully_shard cut the same way; the others with the whole
     model as one unit.
     """

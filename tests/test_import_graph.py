@@ -98,7 +98,7 @@ def test_no_benchmark_program_imports_another():
 def test_every_program_builds_its_parser_in_build_parser():
     """`build_parser()` beside each `main`: the help of every program is one call away (the
     docs' and tests' way to read a program's flags) and main stays about what the program does."""
-    def has_parser(text: str) -> bool:  # its own, or its command line's module's (train.py: train_args.py)
+    def has_parser(text: str) -> bool:  # its own, or its command line's module's (train.py: train/args.py)
         return "def build_parser(" in text or any(line.startswith("from .") and "build_parser" in line
                                                      for line in text.splitlines())
 

@@ -14,7 +14,7 @@ forward's balance loss; a training loss adds it times a small weight (Switch: 0.
 An expert-parallel model's parameters are of two kinds: the experts, each on one rank of the
 expert-parallel group (and copied on the same position of every other group), and the rest,
 on every rank. `expert_parameters` and `dense_parameters` tell them apart for the gradient
-all-reduces (train_ep.py), and `expert_state` names each expert by its index in the whole layer,
+all-reduces (train/ep.py), and `expert_state` names each expert by its index in the whole layer,
 so the ranks' experts put together are the one-rank model's.
 """
 

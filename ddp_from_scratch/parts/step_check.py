@@ -1,6 +1,6 @@
 """How two trainings are compared, step by step: the same bits, the largest difference, the summary.
 
-Both parity programs use these: compare.py (ours against torch's DDP) and sharded_parity.py (the
+Both parity programs use these: compare.py (ours against torch's DDP) and compare/sharded.py (the
 sharded stages against torch's fully_shard and DDP).
 
     same_bits(a, b)              # bitwise equal, identical NaNs included

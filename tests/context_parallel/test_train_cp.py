@@ -1,4 +1,4 @@
-"""The training program's --cp run (ddp_from_scratch/train_cp.py, and train_pp.py with --pp): each
+"""The training program's --cp run (ddp_from_scratch/train/cp.py, and train/pp.py with --pp): each
 sequence cut over 2 ranks and attention by ring attention, alone, with data parallelism (CP x DP),
 with tensor parallelism (CP x TP) and inside pipeline stages (CP x PP), trains with the one-rank model's losses step for step within float32
 rounding; a rank saves half the activations; what --cp cannot take is refused before any rank
@@ -14,8 +14,8 @@ import torch
 
 from collectives.testing import run_on_ranks
 from ddp_from_scratch import train
-from ddp_from_scratch.train_args import TrainConfig, build_parser
-from ddp_from_scratch.train_cp import train_cp
+from ddp_from_scratch.train.args import TrainConfig, build_parser
+from ddp_from_scratch.train.cp import train_cp
 
 GLOBAL_BATCH, STEPS = 8, 3
 # Measured: 0 to 2 ulps of the loss (4.8e-7 at 5.7) over 4 steps; the merges of the ring and the
@@ -48,7 +48,7 @@ def test_cp_x_pp_has_the_one_rank_models_losses():
     """2 pipeline stages (1F1B, 4 microbatches) of 2 context-parallel ranks each: the first stage
     embeds each CP rank's tokens at their places (the embedding piece holds them, not a buffer a
     DDP would broadcast from its first rank), and the blocks' ring runs inside each stage."""
-    from ddp_from_scratch.train_pp import train_pp
+    from ddp_from_scratch.train.pp import train_pp
 
     one = _run(1, 1, 1)
     args = build_parser().parse_args(["--cp", "2", "--pp", "2", "--synthetic", "--train-size", str(GLOBAL_BATCH * STEPS),

@@ -7,7 +7,8 @@ says whether everything that should be bitwise equal was.
 import pytest
 import torch
 
-from ddp_from_scratch import compare, compare_options
+from ddp_from_scratch import compare
+from ddp_from_scratch.compare import options as compare_options
 from ddp_from_scratch.parts import step_check
 from collectives.testing import run_on_ranks
 
@@ -17,7 +18,7 @@ def test_compare_program_prints_the_tables_and_the_layouts(capsys):
     text = capsys.readouterr().out
     assert code == 0
     assert "flat             2        2  yes" in text and "bucketed         2        2  yes" in text
-    for label in compare.options():
+    for label in compare_options.options():
         assert f"\n{label} " in text, label
     assert "bucket layout, initial (first iteration's order), model small:\nbucket 0:   8 params" in text
     assert "bucket layout, rebuilt" in text
@@ -44,12 +45,12 @@ def test_a_row_whose_steps_never_reach_its_option_says_so_and_never_yes(capsys):
 ])
 def test_what_a_row_compared(acts_from, steps, says):
     option = compare_options.Option({}, acts_from_step=acts_from, phases=("plain", "compressed"))
-    assert compare.what_was_compared(option, steps) == says
+    assert compare_options.what_was_compared(option, steps) == says
 
 
 def test_every_powersgd_row_acts_from_its_start_iteration_and_runs_on_shm():
     """Where torch's hook runs with any number of buckets (on Gloo it dies with two or more)."""
-    rows = {label: o for label, o in compare.options("resnet50").items() if "powersgd" in label}
+    rows = {label: o for label, o in compare_options.options("resnet50").items() if "powersgd" in label}
     assert len(rows) == 3
     for label, option in rows.items():
         assert option.backend == "shm" and option.acts_from_step == 2, label
@@ -59,7 +60,7 @@ def test_compare_exit_code_is_1_when_a_bitwise_check_fails(monkeypatch, capsys):
     def broken(per_rank):
         return {"bitwise": False, "largest_diff": 1.0, "first_step_differing": 0}
 
-    monkeypatch.setattr(compare, "summarise", broken)
+    monkeypatch.setattr(compare.program, "summarise", broken)
     assert compare.main(["--world-sizes", "2", "--impl", "bucketed", "--steps", "1", "--no-options"]) == 1
     assert "bucketed         2        1  no" in capsys.readouterr().out
 
@@ -95,7 +96,7 @@ def test_same_bits_counts_identical_nans_as_equal():
 
 
 def _fp16_resnet50_batch2(env):
-    kwargs = compare.options()["compress fp16"].kwargs
+    kwargs = compare_options.options()["compress fp16"].kwargs
     return compare.train_side_by_side(env, "bucketed", 1, model="resnet50", batch_size=2, image=32, **kwargs)
 
 
@@ -111,8 +112,8 @@ def test_fp16_overflow_on_resnet50_is_identical_on_both_sides():
     res = step_check.summarise(per_rank)
     assert res["bitwise"] and res["nonfinite"]["first_step"] == 0
     assert step_check.describe_nonfinite(res).startswith("both sides overflow (inf/NaN) from step 0")
-    assert "run with 4 images per rank" in compare.options("resnet50", 2)["compress fp16"].note
-    assert compare.options("resnet50", 2)["compress fp16"].kwargs["batch_size"] == 4
+    assert "run with 4 images per rank" in compare_options.options("resnet50", 2)["compress fp16"].note
+    assert compare_options.options("resnet50", 2)["compress fp16"].kwargs["batch_size"] == 4
 
 
 def test_compare_program_prints_the_sharded_table_and_the_shard_layout(capsys):
@@ -149,7 +150,7 @@ def test_the_tensor_parallel_table_proves_its_rows(capsys):
     ([("transformer", "one rank", 4, None, 1.004e-4, False)], False),  # past it, though it prints as 1.00e-04
 ])
 def test_the_tensor_parallel_verdict_needs_every_rank(rank_rows, ok):
-    from ddp_from_scratch import compare_tp
+    from ddp_from_scratch.compare import tp as compare_tp
 
     good = [("MLP block", "torch", 1, True, 0.0, True)] if rank_rows[0][5] else [("transformer", "one rank", 4, None, 0.0, False)]
     rows, verdict = compare_tp.table_rows([good, rank_rows], 2, 4)  # rank 0 agrees; rank 1 as given
@@ -174,7 +175,7 @@ def test_the_pipeline_table_runs_every_schedule_against_torch_and_one_rank(capsy
 
 
 def test_a_pipeline_row_that_differs_on_one_rank_fails_the_table():
-    from ddp_from_scratch.compare_pp import table_rows
+    from ddp_from_scratch.compare.pp import table_rows
 
     good = [("gpipe", "torch ScheduleGPipe", 2, True, 10)]
     rows, ok = table_rows([good, good], 2)

@@ -12,7 +12,7 @@ import torch
 
 import collectives as C
 from ddp_from_scratch.compare import train_side_by_side
-from ddp_from_scratch.sharded_parity import train_sharded_side_by_side
+from ddp_from_scratch.compare.sharded import train_sharded_side_by_side
 from ddp_from_scratch.wrap import SHARDED, WRAPPERS
 from ddp_from_scratch.steps.zero2 import ZeroTwoDataParallel
 

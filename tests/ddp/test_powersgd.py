@@ -447,7 +447,7 @@ def test_the_bucket_count_before_training_is_torchs_after_its_rebuild(model, cap
 
 
 def _resnet50_rank_1_with_memories(env):
-    from ddp_from_scratch.compare_options import options
+    from ddp_from_scratch.compare.options import options
 
     option = options("resnet50", 2)["powersgd rank 1, from step 2"]
     checks = train_side_by_side(env, "bucketed", 4, model="resnet50", batch_size=2, image=32, **option.kwargs)

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from collectives.launcher.pool import RankPool
-from ddp_from_scratch import checkpoint, train
+from ddp_from_scratch import train
+from ddp_from_scratch.train import checkpoint
 from collectives.testing import run_on_ranks
 
 COMMON = ["--nproc", "2", "--model", "small", "--synthetic", "--train-size", "64", "--test-size", "32",
@@ -135,14 +136,16 @@ def test_a_summary_that_cannot_be_written_is_said_in_one_line_and_still_printed(
 
 def _deterministic_flags(env, argv):
     seen = []
-    real_train = train._train
-    train._train = lambda *a: seen.append((torch.are_deterministic_algorithms_enabled(),
+    from ddp_from_scratch.train import resnet
+
+    real_train = resnet._train
+    resnet._train = lambda *a: seen.append((torch.are_deterministic_algorithms_enabled(),
                                            torch.backends.cudnn.deterministic,
                                            os.environ.get("CUBLAS_WORKSPACE_CONFIG"))) or real_train(*a)
     try:
         summary = train.train(env, train.TrainConfig.from_args(train.build_parser().parse_args(argv)))
     finally:
-        train._train = real_train
+        resnet._train = real_train
     return summary["deterministic"], seen[0], (torch.are_deterministic_algorithms_enabled(),
                                                torch.backends.cudnn.deterministic,
                                                os.environ.get("CUBLAS_WORKSPACE_CONFIG"))

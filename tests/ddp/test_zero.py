@@ -1,9 +1,9 @@
 """Proof that the sharded steps (ZeRO-1, ZeRO-2, FSDP) compute what torch's FSDP2 and DDP compute.
 
 Each comparison trains ours and torch's side by side from the same weights on the same per-rank
-batches (sharded_parity.train_sharded_side_by_side) and compares every whole parameter, buffer and the
+batches (compare/sharded.py's train_sharded_side_by_side) and compares every whole parameter, buffer and the
 loss bit for bit after every step. Which pairs must be bitwise at which world sizes is
-sharded_parity.must_be_bitwise (the compare program's note says why). Planted faults (a shard off by one,
+compare.sharded.must_be_bitwise (the compare program's note says why). Planted faults (a shard off by one,
 a missing all-gather, division twice, no gather before backward) must turn the check red.
 
     pytest tests/ddp/test_zero.py -q
@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 import collectives
 from ddp_from_scratch.parts import sharding as shard_module
 from ddp_from_scratch.parts.step_check import summarise
-from ddp_from_scratch.sharded_parity import PARITY_IMPLS, _gather_dim0, must_be_bitwise, train_sharded_side_by_side
+from ddp_from_scratch.compare.sharded import PARITY_IMPLS, _gather_dim0, must_be_bitwise, train_sharded_side_by_side
 from ddp_from_scratch.wrap import SHARDED, wrap
 from ddp_from_scratch.steps.fsdp import FullyShardedDataParallel, unit_plan, units_of
 from ddp_from_scratch.workload.models import Branchy, SmallNet, batch
@@ -111,7 +111,7 @@ def _gathered_both_ways(env):
 
 
 def test_the_parity_check_gathers_fully_shard_parameters_as_full_tensor_does():
-    """sharded_parity gathers fully_shard's DTensors itself (full_tensor dies on Gloo with CUDA tensors)."""
+    """compare/sharded.py gathers fully_shard's DTensors itself (full_tensor dies on Gloo with CUDA tensors)."""
     for rank, res in enumerate(run_on_ranks(_gathered_both_ways, 3)):
         assert res == [((5, 2), True), ((1,), True), ((2, 3), True), ((7,), True)], f"rank {rank}: {res}"
 

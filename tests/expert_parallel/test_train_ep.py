@@ -1,4 +1,4 @@
-"""The training program's --ep run (ddp_from_scratch/train_ep.py): the MoE transformer with its
+"""The training program's --ep run (ddp_from_scratch/train/ep.py): the MoE transformer with its
 experts over 2 ranks, and EP x DP on 2 x 2, train with the one-rank model's losses step for step
 (a few float32 ulps), its balance losses, the same dropped slots and the same load per expert;
 what --ep cannot take is refused before any rank starts.
@@ -13,8 +13,8 @@ import torch
 
 from collectives.testing import run_on_ranks
 from ddp_from_scratch import train
-from ddp_from_scratch.train_args import TrainConfig, build_parser
-from ddp_from_scratch.train_ep import train_ep
+from ddp_from_scratch.train.args import TrainConfig, build_parser
+from ddp_from_scratch.train.ep import train_ep
 
 GLOBAL_BATCH, STEPS = 8, 3
 # Measured: 1 to 3 ulps of the loss (4.8e-7 at 5.7) over 4 steps on 2 and 4 ranks; 10 allowed.

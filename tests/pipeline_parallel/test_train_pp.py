@@ -1,4 +1,4 @@
-"""The training program's --pp run (ddp_from_scratch/train_pp.py): each schedule, PP x DP with
+"""The training program's --pp run (ddp_from_scratch/train/pp.py): each schedule, PP x DP with
 several buckets, and PP x TP x DP on 2 x 2 x 2 ranks train the small transformer with the
 one-rank model's losses, step for step, within float32 rounding; the mesh puts every rank where
 its closed form says; what --pp cannot take is refused in one line before any rank starts.
@@ -15,9 +15,9 @@ import torch.distributed as dist
 from collectives.testing import run_on_ranks
 from ddp_from_scratch import train
 from ddp_from_scratch.pipeline_parallel.mesh3d import Mesh3D
-from ddp_from_scratch.train_args import TrainConfig, build_parser
-from ddp_from_scratch.train_pp import train_pp
-from ddp_from_scratch.train_tp import train_tp
+from ddp_from_scratch.train.args import TrainConfig, build_parser
+from ddp_from_scratch.train.pp import train_pp
+from ddp_from_scratch.train.tp import train_tp
 
 GLOBAL_BATCH, STEPS = 8, 3
 

@@ -19,7 +19,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from ddp_from_scratch.workload.models import batch
-from ddp_from_scratch.sharded_parity import _full_params, train_sharded_side_by_side
+from ddp_from_scratch.compare.sharded import _full_params, train_sharded_side_by_side
 from ddp_from_scratch.parts.step_check import summarise
 
 from ..ddp.test_zero import STEPS, Nested

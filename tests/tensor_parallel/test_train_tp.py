@@ -1,4 +1,4 @@
-"""The training program's --tp run (ddp_from_scratch/train_tp.py): TP over 2, TP x DP on 2 x 2 and
+"""The training program's --tp run (ddp_from_scratch/train/tp.py): TP over 2, TP x DP on 2 x 2 and
 TP with sequence parallelism train the small transformer with the one-rank model's losses, step
 for step, within float32 rounding; TP sends the closed form's elements; what --tp cannot take is
 refused before any rank starts.
@@ -14,8 +14,8 @@ import torch
 from collectives.testing import run_on_ranks
 from ddp_from_scratch import train
 from ddp_from_scratch.tensor_parallel.messages import Shape, step_messages
-from ddp_from_scratch.train_args import TrainConfig, build_parser
-from ddp_from_scratch.train_tp import HEADS, HIDDEN, LAYERS, SEQ, VOCAB, train_tp
+from ddp_from_scratch.train.args import TrainConfig, build_parser
+from ddp_from_scratch.train.tp import HEADS, HIDDEN, LAYERS, SEQ, VOCAB, train_tp
 
 GLOBAL_BATCH, STEPS = 8, 3
 

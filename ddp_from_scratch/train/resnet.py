@@ -1,44 +1,13 @@
-"""Train ResNet-50 on CIFAR-10 with torch's DDP or one of ours, as the public DDP tutorials do (the
-blog tutorial "Understanding Distributed Training in PyTorch: Exploring Distributed Data Parallelism
-and Mixed-Precision Techniques", 2024: torchvision's ResNet-50, CIFAR-10, SGD, lr 0.001, momentum 0.9).
+"""The ResNet-50 (or small CNN) run on CIFAR-10: one rank's training loop under any --impl, with
+evaluation, checkpoints, --resume, mixed precision and compression (the package's docstring,
+ddp_from_scratch/train/__init__.py, says what the program does; args.py holds its flags).
 
-    python -m ddp_from_scratch.train --impl bucketed --nproc 2 --synthetic --epochs 1 --batch-size 32
-    python -m ddp_from_scratch.train --impl fsdp --nproc 2 --synthetic --epochs 1    # or zero1, zero2, zero2-bucketed, torch-fsdp
-    python -m ddp_from_scratch.train --impl torch --nproc 2 --data ./data --epochs 1 --batch-size 128
-    torchrun --nproc_per_node=4 -m ddp_from_scratch.train --impl bucketed --data ./data --amp
-    srun -N2 --ntasks-per-node=4 python -m ddp_from_scratch.train --impl bucketed --data ./data
-    python -m ddp_from_scratch.train --tp 2 --nproc 4 --synthetic        # the small transformer, TP x DP (train_tp.py)
-    python -m ddp_from_scratch.train --pp 2 --schedule 1f1b --microbatches 4 --nproc 4 --synthetic  # PP x DP (train_pp.py)
-    python -m ddp_from_scratch.train --ep 2 --nproc 4 --synthetic --experts 4 --top-k 2  # MoE, EP x DP (train_ep.py)
-    python -m ddp_from_scratch.train --cp 2 --tp 2 --nproc 4 --synthetic    # ring attention, CP x TP (train_cp.py)
-    torchrun --nnodes 1:2 --nproc-per-node 2 --max-restarts 2 --rdzv-backend c10d --rdzv-endpoint node0:29500 \
-        -m ddp_from_scratch.train --checkpoint ckpt --checkpoint-every 20 --auto-resume --data ./data
-
-Each epoch: a DistributedSampler shard per rank (shuffled by seed and epoch), the augmentation
-fixed by (seed, epoch, sample), SGD with momentum 0.9, progress with images/s and the time left
-on rank 0 (stderr), test accuracy reduced over ranks, and an atomic checkpoint (written to a
-temporary file, then renamed), also every K steps with `--checkpoint-every K`. `--resume`
-continues from the checkpoint (within an epoch too: the steps done are skipped, the rest of the
-epoch's shuffle is the same) and ends with the same parameters as an uninterrupted run;
-`--auto-resume` does so when a checkpoint exists, so that workers torchrun's elastic agent
-restarts with the same arguments go on where the group stopped; `--stop-at-step N` ends early at
-step N with a checkpoint (a run split over short jobs); the checkpoint records the settings that decide the result
-(world size, impl, model, batch size, seed, ...) and a resume with other ones is refused, naming
-them. Every argument, the dataset files and the checkpoint are checked before any rank starts.
-The last line on stdout is a JSON summary; with --synthetic every output says that the data was
-synthetic.
-
-The sharded steps (--impl zero1, zero2, zero2-bucketed, fsdp: ours; torch-fsdp: torch's fully_shard on the same
-units) start every rank from the same seeded weights. Their checkpoint is gathered on save: whole
-parameters and whole optimizer state (each rank's momentum rows all-gathered), written by rank 0
-as for DDP, and cut into rows again on resume; so the file does not depend on how the ranks
-sharded it.
+    summary = train(env, TrainConfig.from_args(build_parser().parse_args(argv)))   # on each rank
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import sys
 import time
@@ -48,25 +17,16 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler
 
 import collectives
-from collectives import cli
-from collectives.cli import command, eta
-from collectives.launcher.env import read_env
-from collectives.launcher.start_methods import TRAINING, preload
+from collectives.cli import eta
 
-from .workload import cifar10
+from ..workload import cifar10
 from .checkpoint import check_resume, gather_state, load_checkpoint, load_state, run_settings, save, weights_sha256
-from .workload.models import MODELS
-from .steps.powersgd import CLI_NAMES as POWERSGD_CLI_NAMES, PowerSGD
-from .parts.torch_hooks import bf16_compress_hook_on_gloo, powersgd_hook, powersgd_state
-from .train_cp import train_cp
-from .train_ep import train_ep
-from .train_pp import train_pp
-from .train_tp import train_tp
-from .train_args import (CIFAR_TEST_SIZE, CIFAR_TRAIN_SIZE, TrainConfig, build_parser, powersgd_options,
-                         torch_powersgd_refusal, validate)
-from .wrap import SHARDED_IMPLS, STAGES, wrap
+from ..workload.models import MODELS
+from ..steps.powersgd import CLI_NAMES as POWERSGD_CLI_NAMES, PowerSGD
+from ..parts.torch_hooks import bf16_compress_hook_on_gloo, powersgd_hook, powersgd_state
+from .args import (CIFAR_TEST_SIZE, CIFAR_TRAIN_SIZE, TrainConfig, powersgd_options)
+from ..wrap import SHARDED_IMPLS, STAGES, wrap
 
-__all__ = ["TrainConfig", "build_parser", "main", "run_settings", "torch_powersgd_refusal", "train", "validate"]
 
 def train(env, config: TrainConfig) -> dict:
     with deterministic_kernels(config.deterministic):
@@ -301,34 +261,3 @@ def deterministic_kernels(enabled: bool):
         torch.use_deterministic_algorithms(before[2], warn_only=before[3])
         if workspace is None:
             os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
-
-
-@command
-def main(argv=None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    launched = read_env(os.environ)
-    joined = launched["master_addr"] is not None
-    validate(args, parser, launched["world_size"] if joined else args.nproc,
-             launched["local_world_size"] if joined else args.nproc)
-    config = TrainConfig.from_args(args)
-    preload(*TRAINING)  # every rank builds an optimizer: the fork server imports what that needs, once
-    loop = train_pp if config.pp is not None else train_cp if config.cp is not None else \
-        train_tp if config.tp is not None else train_ep if config.ep is not None else train
-    summary = collectives.run_or_join(loop, args.nproc, args=(config,), timeout=7 * 24 * 3600)
-    if summary is None:  # a torchrun/srun rank other than 0: rank 0 reports
-        return 0
-    text = json.dumps(summary)
-    print(text, flush=True)
-    if args.json:
-        try:
-            cli.write_output(args.json, text + "\n", "--json")
-        except OSError as exc:
-            print(f"python -m ddp_from_scratch.train: could not write --json {args.json} ({exc.strerror or exc}); the "
-                  "summary is the line above on stdout", file=sys.stderr)
-            return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

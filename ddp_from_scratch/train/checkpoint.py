@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 from collectives import cli
 
-from .steps.powersgd import CLI_NAMES as POWERSGD_CLI_NAMES
-from .wrap import SHARDED_IMPLS
+from ..steps.powersgd import CLI_NAMES as POWERSGD_CLI_NAMES
+from ..wrap import SHARDED_IMPLS
 
 
 # The settings that decide a run's result: a checkpoint records them and --resume must match.
@@ -109,8 +109,8 @@ def gather_state(model, opt, impl: str) -> dict:
 def _powersgd_state(model):
     """This rank's PowerSGD state, ours (compress=PowerSGD) or torch's hook's (train.py keeps it
     on the model as `powersgd_state`); None without PowerSGD."""
-    from .steps.powersgd import PowerSGD
-    from .parts.torch_hooks import powersgd_state_dict
+    from ..steps.powersgd import PowerSGD
+    from ..parts.torch_hooks import powersgd_state_dict
 
     if isinstance(getattr(model, "compress", None), PowerSGD):
         return model.compress.state_dict()
@@ -135,8 +135,8 @@ def load_state(model, opt, state: dict, impl: str) -> None:
         if hasattr(model, "load_bucket_layout_state"):
             model.load_bucket_layout_state(state.get("buckets"))
         if state.get("powersgd") is not None:
-            from .steps.powersgd import PowerSGD
-            from .parts.torch_hooks import load_powersgd_state_dict
+            from ..steps.powersgd import PowerSGD
+            from ..parts.torch_hooks import load_powersgd_state_dict
 
             mine = state["powersgd"][dist.get_rank()]
             if isinstance(getattr(model, "compress", None), PowerSGD):

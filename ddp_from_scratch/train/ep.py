@@ -47,11 +47,11 @@ import torch.nn.functional as F
 
 import collectives as C
 
-from .expert_parallel.model import MoETransformer, dense_parameters, expert_parameters, expert_parallel, expert_state
-from .parts import shards
-from .train_args import DEFAULT_SEQUENCES, HEADS, HIDDEN, LAYERS, SEQ, VOCAB, ep_layout
-from .train_tp import progress
-from .workload.transformer import token_batch
+from ..expert_parallel.model import MoETransformer, dense_parameters, expert_parameters, expert_parallel, expert_state
+from ..parts import shards
+from .args import DEFAULT_SEQUENCES, HEADS, HIDDEN, LAYERS, SEQ, VOCAB, ep_layout
+from .progress import progress
+from ..workload.transformer import token_batch
 
 
 def _average(params, group, world_size: int) -> None:
@@ -84,7 +84,7 @@ def _save(env, config, model, opt, layout: dict, done: int) -> None:
 
 
 def _resume(env, config, model, opt, layout: dict) -> int:
-    """Load this rank's shard (train_args checked the manifest, layout and digests); the steps done.
+    """Load this rank's shard (args.py checked the manifest, layout and digests); the steps done.
     --auto-resume with no checkpoint yet starts at step 0."""
     if not os.path.exists(os.path.join(config.checkpoint, shards.MANIFEST)):
         return 0

@@ -24,26 +24,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from collectives.cli import eta
-
-from .steps.ddp import DistributedDataParallel
-from .tensor_parallel.messages import Shape
-from .tensor_parallel.mesh import Mesh2D
-from .tensor_parallel.model import TensorParallelTransformer
-from .tensor_parallel.operators import counting
-from .tensor_parallel.vocab import vocab_parallel_cross_entropy
-from .train_args import DEFAULT_SEQUENCES, HEADS, HIDDEN, LAYERS, SEQ, VOCAB  # the sizes, with the --tp flag checks
-from .workload.transformer import TinyTransformer, token_batch
-
-
-def progress(config, epoch: int, step: int, steps: int, loss: float, per_step: int, start: float, note: str = "") -> None:
-    """Rank 0's progress line of a transformer run (--tp, --pp, --ep) on stderr: step, loss (and
-    `note`), tokens/s, time left."""
-    done = epoch * steps + step + 1
-    elapsed = time.perf_counter() - start
-    print(f"\repoch {epoch + 1}/{config.epochs} step {step + 1}/{steps} loss {loss:.4f}{note} "
-          f"{done * per_step * SEQ / elapsed:.0f} tokens/s, {eta(done, steps * config.epochs, elapsed)} "
-          "[synthetic tokens]", end="", flush=True, file=sys.stderr)
+from ..steps.ddp import DistributedDataParallel
+from ..tensor_parallel.messages import Shape
+from ..tensor_parallel.mesh import Mesh2D
+from ..tensor_parallel.model import TensorParallelTransformer
+from ..tensor_parallel.operators import counting
+from ..tensor_parallel.vocab import vocab_parallel_cross_entropy
+from .progress import progress
+from .args import DEFAULT_SEQUENCES, HEADS, HIDDEN, LAYERS, SEQ, VOCAB  # the sizes, with the --tp flag checks
+from ..workload.transformer import TinyTransformer, token_batch
 
 
 def train_tp(env, config) -> dict:

@@ -18,15 +18,15 @@ import torch.nn.functional as F
 
 from collectives import cli
 
-from .workload import cifar10
+from ..workload import cifar10
 from .checkpoint import CheckpointError, RunComplete, check_resume, load_checkpoint, run_settings
-from .steps.ddp import rebuilt_bucket_count
-from .workload.models import MODELS, batch, check_batch_fits, check_batchnorm_fits
-from .steps.powersgd import CLI_NAMES as POWERSGD_CLI_NAMES
-from .parts import shards
-from .parts.torch_hooks import POWERSGD_ON_GLOO
-from .pipeline_parallel.schedule import CHUNKED, SCHEDULES, rounds_of
-from .wrap import IMPLS, SHARDED_IMPLS, STAGES
+from ..steps.ddp import rebuilt_bucket_count
+from ..workload.models import MODELS, batch, check_batch_fits, check_batchnorm_fits
+from ..steps.powersgd import CLI_NAMES as POWERSGD_CLI_NAMES
+from ..parts import shards
+from ..parts.torch_hooks import POWERSGD_ON_GLOO
+from ..pipeline_parallel.schedule import CHUNKED, SCHEDULES, rounds_of
+from ..wrap import IMPLS, SHARDED_IMPLS, STAGES
 
 CIFAR_TRAIN_SIZE, CIFAR_TEST_SIZE = 50_000, 10_000
 # Memory a rank holds per synthetic image while making the set (numpy's int64 noise, then the
@@ -157,14 +157,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "torchrun --max-restarts restarts with the same arguments")
     p.add_argument("--tp", type=int, default=None, metavar="N",
                    help="tensor parallelism: train the small transformer on synthetic tokens, split over N ranks, "
-                        "with the bucketed DDP over the rest (ddp_from_scratch/train_tp.py); --train-size then "
+                        "with the bucketed DDP over the rest (ddp_from_scratch/train/tp.py); --train-size then "
                         "counts sequences")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="with --tp: keep the activations between blocks split along the sequence")
     p.add_argument("--pp", type=int, default=None, metavar="N",
                    help="pipeline parallelism: train the small transformer on synthetic tokens, cut into N stages "
                         "run by --schedule, with --tp inside each stage and the bucketed DDP over the rest "
-                        "(ddp_from_scratch/train_pp.py)")
+                        "(ddp_from_scratch/train/pp.py)")
     p.add_argument("--schedule", choices=list(SCHEDULES), default=None,
                    help=f"with --pp: the pipeline schedule (default {DEFAULT_SCHEDULE})")
     p.add_argument("--microbatches", type=int, default=None, metavar="M",
@@ -175,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ep", type=int, default=None, metavar="N",
                    help="expert parallelism: train the small transformer with a mixture-of-experts MLP in every "
                         "block on synthetic tokens, its experts over N ranks, the rest data-parallel over all "
-                        "(ddp_from_scratch/train_ep.py)")
+                        "(ddp_from_scratch/train/ep.py)")
     p.add_argument("--experts", type=int, default=None, metavar="E",
                    help=f"with --ep: experts in each MoE block, a multiple of --ep (default {DEFAULT_EXPERTS_PER_RANK} "
                         "a rank)")
@@ -189,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cp", type=int, default=None, metavar="N",
                    help="context parallelism: train the small transformer (with learned positions) on synthetic "
                         "tokens, each sequence cut over N ranks and attention by ring attention, with --tp inside and "
-                        "data parallelism over the rest (ddp_from_scratch/train_cp.py)")
+                        "data parallelism over the rest (ddp_from_scratch/train/cp.py)")
     p.add_argument("--json", default=None, help="also write the summary to this file")
     return p
 
@@ -287,7 +287,7 @@ def validate_ep(args, parser, world_size: int) -> None:
         parser.error("--sequence-parallel applies to a --tp run")
 
 
-# --tp trains the small transformer of train_tp.py: the tensor-parallel benchmark's model
+# --tp trains the small transformer of train/tp.py: the tensor-parallel benchmark's model
 VOCAB, HIDDEN, HEADS, LAYERS, SEQ = 256, 64, 4, 2, 32
 DEFAULT_SEQUENCES = 512
 # the flags --tp does not take (none of them means anything for the transformer run yet)

@@ -14,7 +14,7 @@ a world of 1 is a row that says so.
 
 from __future__ import annotations
 
-from .pipeline_parallel import parity
+from ..pipeline_parallel import parity
 
 PP_IMPL = "pp"
 RUNS = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zero-bubble", 1), ("zero-bubble", 2)]  # (schedule, chunks)

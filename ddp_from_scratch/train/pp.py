@@ -32,18 +32,18 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .context_parallel.layout import positions, shard
-from .context_parallel.model import context_parallel
-from .pipeline_parallel.mesh3d import Mesh3D
-from .pipeline_parallel.schedule import bubble, make, stage_index
-from .pipeline_parallel.split import split
-from .pipeline_parallel.stage import Stage
-from .steps.ddp import DistributedDataParallel
-from .tensor_parallel.model import TensorParallelTransformer
-from .tensor_parallel.vocab import vocab_parallel_cross_entropy
-from .train_args import DEFAULT_SEQUENCES, HEADS, HIDDEN, LAYERS, SEQ, VOCAB
-from .train_tp import progress
-from .workload.transformer import TinyTransformer, token_batch
+from ..context_parallel.layout import positions, shard
+from ..context_parallel.model import context_parallel
+from ..pipeline_parallel.mesh3d import Mesh3D
+from ..pipeline_parallel.schedule import bubble, make, stage_index
+from ..pipeline_parallel.split import split
+from ..pipeline_parallel.stage import Stage
+from ..steps.ddp import DistributedDataParallel
+from ..tensor_parallel.model import TensorParallelTransformer
+from ..tensor_parallel.vocab import vocab_parallel_cross_entropy
+from .args import DEFAULT_SEQUENCES, HEADS, HIDDEN, LAYERS, SEQ, VOCAB
+from .progress import progress
+from ..workload.transformer import TinyTransformer, token_batch
 
 
 def train_pp(env, config) -> dict:
@@ -51,7 +51,7 @@ def train_pp(env, config) -> dict:
     torch.manual_seed(config.seed)
     tp, cp = config.tp or 1, config.cp or 1
     mesh = Mesh3D(pp=config.pp, tp=tp, cp=cp)
-    # the same seed on every rank: the same weights; with --cp, learned positions (train_cp.py's model)
+    # the same seed on every rank: the same weights; with --cp, learned positions (train/cp.py's model)
     full = TinyTransformer(VOCAB, HIDDEN, HEADS, LAYERS, positions=SEQ if config.cp is not None else 0)
     model = TensorParallelTransformer(full, mesh.tp) if tp > 1 else full
     if cp > 1:

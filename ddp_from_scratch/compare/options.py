@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 from typing import Dict, NamedTuple, Optional
 
-from .parts.torch_hooks import bf16_compress_hook_on_gloo, powersgd_hook, powersgd_state
+from ..parts.torch_hooks import bf16_compress_hook_on_gloo, powersgd_hook, powersgd_state
 
 
 class Option(NamedTuple):
@@ -37,7 +37,7 @@ def _powersgd(note: str, **options) -> Option:
     order those threads reach them (Gloo aborts on the size mismatch), or every worker thread
     waits on an all_reduce none is left to run (a hang). docs/powersgd.md shows both. On shm a
     collective completes in the thread that calls it, so the callbacks run in the hook's order."""
-    from .steps.powersgd import PowerSGD
+    from ..steps.powersgd import PowerSGD
 
     batched = options.pop("batched", False)
     state = functools.partial(powersgd_state, **options)  # made in the rank

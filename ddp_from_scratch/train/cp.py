@@ -31,14 +31,14 @@ import torch.nn.functional as F
 
 import collectives as C
 
-from .context_parallel.layout import positions, shard
-from .context_parallel.model import context_parallel
-from .pipeline_parallel.saved import SavedBytes
-from .tensor_parallel.model import TensorParallelTransformer
-from .tensor_parallel.vocab import vocab_parallel_cross_entropy
-from .train_args import DEFAULT_SEQUENCES, HEADS, HIDDEN, LAYERS, SEQ, VOCAB
-from .train_tp import progress
-from .workload.transformer import TinyTransformer, token_batch
+from ..context_parallel.layout import positions, shard
+from ..context_parallel.model import context_parallel
+from ..pipeline_parallel.saved import SavedBytes
+from ..tensor_parallel.model import TensorParallelTransformer
+from ..tensor_parallel.vocab import vocab_parallel_cross_entropy
+from .args import DEFAULT_SEQUENCES, HEADS, HIDDEN, LAYERS, SEQ, VOCAB
+from .progress import progress
+from ..workload.transformer import TinyTransformer, token_batch
 
 
 class CPMesh:

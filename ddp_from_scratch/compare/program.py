@@ -26,7 +26,7 @@ be bitwise at every world size and which only at 2 ranks is in the table, and wh
 
 Tensor parallelism (--impl tp, in the default run) gets a table too: its blocks against torch's
 parallelize_module, bit for bit, and the split transformer (TP, TP + SP, TP x DP) trained beside
-the one-rank model within float32 rounding (compare_tp.py).
+the one-rank model within float32 rounding (tp.py).
 """
 
 from __future__ import annotations
@@ -47,17 +47,17 @@ import collectives
 from collectives.cli import command, eta
 from collectives.launcher.start_methods import TRAINING, preload
 
-from .parts.bucket import describe as bucket_describe
-from .steps.ddp import DistributedDataParallel
-from .workload.models import MODELS, batch, check_batch_fits, check_batchnorm_fits
-from .parts.step_check import StepCheck, count_nonfinite, relative_diff, same_bits, summarise, table_row
-from .sharded_parity import (PARITY_IMPLS, SHARDED_HEADERS, SHARDED_NOTE, must_be_bitwise, shard_layout_text,
+from ..parts.bucket import describe as bucket_describe
+from ..steps.ddp import DistributedDataParallel
+from ..workload.models import MODELS, batch, check_batch_fits, check_batchnorm_fits
+from ..parts.step_check import StepCheck, count_nonfinite, relative_diff, same_bits, summarise, table_row
+from .sharded import (PARITY_IMPLS, SHARDED_HEADERS, SHARDED_NOTE, must_be_bitwise, shard_layout_text,
                              train_sharded_side_by_side)
-from .compare_options import options, what_was_compared
-from .compare_pp import PP_HEADERS, PP_IMPL, pp_checks
-from .compare_pp import table_rows as pp_table_rows
-from .compare_tp import ATTENTION_NOTE, TP_HEADERS, TP_IMPL, table_rows, tp_checks
-from .wrap import WRAPPERS, wrap
+from .options import options, what_was_compared
+from .pp import PP_HEADERS, PP_IMPL, pp_checks
+from .pp import table_rows as pp_table_rows
+from .tp import ATTENTION_NOTE, TP_HEADERS, TP_IMPL, table_rows, tp_checks
+from ..wrap import WRAPPERS, wrap
 
 def train_side_by_side(env, wrapper, steps: int, model="small", batch_size: int = 4, image: int = 12,
                        torch_comm_hook=None, ddp_kwargs: Optional[dict] = None, set_to_none: bool = True,
@@ -362,7 +362,3 @@ def main(argv=None) -> int:
     compared = [row for row in runs.option_rows if row[3] != "not compared"]  # stopped before the option acted
     return 0 if sharded_ok and runs.tp_ok and runs.pp_ok and all(row[3] == "yes" for row in runs.rows + compared
                                    if row[0] not in ("naive", "flat") or row[1] <= 2) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

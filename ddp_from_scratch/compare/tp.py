@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .tensor_parallel import parity
+from ..tensor_parallel import parity
 
 TP_IMPL = "tp"
 TOLERANCE = 1e-4  # relative: float32 partial sums added in another order, compounded over a few SGD steps

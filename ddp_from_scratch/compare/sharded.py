@@ -16,11 +16,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .parts.step_check import StepCheck, count_nonfinite, relative_diff, same_bits
-from .steps.fsdp import unit_plan
-from .workload.models import MODELS, batch
-from .parts.sharding import ShardLayout
-from .wrap import SHARDED, STAGES, torch_fully_shard, wrap
+from ..parts.step_check import StepCheck, count_nonfinite, relative_diff, same_bits
+from ..steps.fsdp import unit_plan
+from ..workload.models import MODELS, batch
+from ..parts.sharding import ShardLayout
+from ..wrap import SHARDED, STAGES, torch_fully_shard, wrap
 
 
 def _gather_dim0(p) -> torch.Tensor:
