@@ -26,6 +26,7 @@ from ..steps.powersgd import CLI_NAMES as POWERSGD_CLI_NAMES
 from ..parts import shards
 from ..parts.torch_hooks import POWERSGD_ON_GLOO
 from ..pipeline_parallel.schedule import CHUNKED, SCHEDULES, rounds_of
+from ..workload.text import Text, TextError
 from ..wrap import IMPLS, SHARDED_IMPLS, STAGES
 
 CIFAR_TRAIN_SIZE, CIFAR_TEST_SIZE = 50_000, 10_000
@@ -76,6 +77,7 @@ class TrainConfig:
     capacity_factor: Optional[float] = None
     aux_loss: Optional[float] = None
     cp: Optional[int] = None
+    text: Optional[str] = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "TrainConfig":
@@ -118,7 +120,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"ResNet-50 (10 classes) or a small CNN (default {DEFAULT_MODEL}; a --tp run trains its small "
                         "transformer instead, and takes no --model)")
     p.add_argument("--data", default="./data", help="folder with cifar-10-batches-py/ or cifar-10-python.tar.gz")
-    p.add_argument("--synthetic", action="store_true", help="a deterministic CIFAR-shaped stand-in instead of CIFAR-10")
+    p.add_argument("--synthetic", action="store_true",
+                   help="a deterministic CIFAR-shaped stand-in instead of CIFAR-10; with --tp, --pp, --ep or --cp, "
+                        "random tokens instead of text")
+    p.add_argument("--text", default=None, metavar="FILE",
+                   help="with --tp, --pp, --ep or --cp: train on this file as bytes (a vocabulary of 256), its last "
+                        "tenth held out (default: the Python documentation's text, pydoc_data.topics)")
     p.add_argument("--train-size", type=int, default=None, help="use only the first N training images")
     p.add_argument("--test-size", type=int, default=None, help="use only the first N test images")
     p.add_argument("--epochs", type=int, default=1, help="epochs to train (in total, counting resumed ones)")
@@ -156,13 +163,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue from --checkpoint/checkpoint.pt when it exists, else start: for workers that "
                         "torchrun --max-restarts restarts with the same arguments")
     p.add_argument("--tp", type=int, default=None, metavar="N",
-                   help="tensor parallelism: train the small transformer on synthetic tokens, split over N ranks, "
+                   help="tensor parallelism: train the small transformer on text (--text) or --synthetic tokens, split over N ranks, "
                         "with the bucketed DDP over the rest (ddp_from_scratch/train/tp.py); --train-size then "
                         "counts sequences")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="with --tp: keep the activations between blocks split along the sequence")
     p.add_argument("--pp", type=int, default=None, metavar="N",
-                   help="pipeline parallelism: train the small transformer on synthetic tokens, cut into N stages "
+                   help="pipeline parallelism: train the small transformer on text or --synthetic tokens, cut into N stages "
                         "run by --schedule, with --tp inside each stage and the bucketed DDP over the rest "
                         "(ddp_from_scratch/train/pp.py)")
     p.add_argument("--schedule", choices=list(SCHEDULES), default=None,
@@ -174,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
                         f"... (default {DEFAULT_CHUNKS})")
     p.add_argument("--ep", type=int, default=None, metavar="N",
                    help="expert parallelism: train the small transformer with a mixture-of-experts MLP in every "
-                        "block on synthetic tokens, its experts over N ranks, the rest data-parallel over all "
+                        "block on text or --synthetic tokens, its experts over N ranks, the rest data-parallel over all "
                         "(ddp_from_scratch/train/ep.py)")
     p.add_argument("--experts", type=int, default=None, metavar="E",
                    help=f"with --ep: experts in each MoE block, a multiple of --ep (default {DEFAULT_EXPERTS_PER_RANK} "
@@ -304,9 +311,13 @@ def validate_tp(args, parser, world_size: int, run: str = "--tp") -> None:
     for what, size in (("heads", HEADS), ("hidden size", HIDDEN), ("vocabulary", VOCAB)):
         if size % tp:
             parser.error(f"--tp {tp} does not divide the transformer's {size} {what}: use 1, 2 or 4")
+    if args.text is not None and args.synthetic:
+        parser.error("--text and --synthetic: give one (the transformer runs train on a text, or on synthetic tokens)")
     if not args.synthetic:
-        parser.error(f"{run} trains the small transformer on synthetic tokens (there is no token dataset): add "
-                     "--synthetic")
+        try:  # the file read now, so a missing or short one is one line before any rank starts
+            Text.load(args.text, SEQ)
+        except TextError as exc:
+            parser.error(str(exc))
     if run == "--ep" and (args.impl != "bucketed" or args.bucket_cap_mb is not None):
         given = f"--impl {args.impl}" if args.impl != "bucketed" else f"--bucket-cap-mb {args.bucket_cap_mb}"
         parser.error(f"{given}: not taken with --ep (it averages its gradients itself, in two flat all_reduces: the "
@@ -402,6 +413,9 @@ def validate(args, parser, world_size: int, local_ranks: Optional[int] = None) -
         if args.pp is not None:
             validate_pp(args, parser, world_size)
         return validate_tp(args, parser, world_size, run)
+    if args.text is not None:
+        parser.error("--text applies to the transformer runs (--tp, --pp, --ep, --cp); the ResNet run reads CIFAR-10 "
+                     "(--data)")
     args.model = args.model or DEFAULT_MODEL
     check_batch_fits(parser, args.model, args.batch_size, local_ranks or world_size)
     check_batchnorm_fits(parser, args.model, args.batch_size)

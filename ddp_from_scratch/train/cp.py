@@ -37,8 +37,9 @@ from ..pipeline_parallel.saved import SavedBytes
 from ..tensor_parallel.model import TensorParallelTransformer
 from ..tensor_parallel.vocab import vocab_parallel_cross_entropy
 from .args import DEFAULT_SEQUENCES, HEADS, HIDDEN, LAYERS, SEQ, VOCAB
+from .data import Batches
 from .progress import progress
-from ..workload.transformer import TinyTransformer, token_batch
+from ..workload.transformer import TinyTransformer
 
 
 class CPMesh:
@@ -78,6 +79,7 @@ def train_cp(env, config) -> dict:
     params = list(model.parameters())
     opt = torch.optim.SGD(params, lr=config.lr, momentum=0.9)
     replicas = mesh.dp_size * cp
+    batches = Batches(config)
     per_step = config.batch_size * mesh.dp_size
     steps = (config.train_size or DEFAULT_SEQUENCES) // per_step
     rows = slice(mesh.dp_index * config.batch_size, (mesh.dp_index + 1) * config.batch_size)
@@ -85,7 +87,7 @@ def train_cp(env, config) -> dict:
     losses, saved_bytes, start = [], None, time.perf_counter()
     for epoch in range(config.epochs):
         for step in range(steps):
-            tokens, targets = token_batch(epoch * steps + step, 0, per_step, SEQ, VOCAB)
+            tokens, targets = batches(epoch * steps + step, per_step)
             tokens = shard(tokens[rows], mesh.cp_index, cp, balanced=True, dim=1)
             targets = shard(targets[rows], mesh.cp_index, cp, balanced=True, dim=1)
             saved = SavedBytes(params)
@@ -106,7 +108,7 @@ def train_cp(env, config) -> dict:
                 mean /= replicas
             losses.append(mean.item())
             if env.rank == 0:
-                progress(config, epoch, step, steps, losses[-1], per_step, start)
+                progress(config, epoch, step, steps, losses[-1], per_step, start, label=batches.label)
     seconds = time.perf_counter() - start
     if env.rank == 0:
         print(file=sys.stderr)
@@ -114,4 +116,4 @@ def train_cp(env, config) -> dict:
             "backend": env.backend, "epochs": config.epochs, "batch_size_per_dp_rank": config.batch_size, "seq": SEQ,
             "tokens_per_cp_rank": SEQ // cp, "steps": len(losses), "losses": losses,
             "saved_bytes_first_step": saved_bytes, "train_seconds": seconds,
-            "tokens_per_second": len(losses) * per_step * SEQ / seconds if seconds else None, "synthetic_data": True}
+            "tokens_per_second": len(losses) * per_step * SEQ / seconds if seconds else None, **batches.summary()}

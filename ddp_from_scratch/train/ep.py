@@ -1,5 +1,5 @@
 """The training program's expert-parallel run: the small transformer with a mixture-of-experts
-MLP in every block (expert_parallel/model.py) on synthetic tokens, its experts over --ep ranks,
+MLP in every block (expert_parallel/model.py) on text or synthetic tokens (data.py), its experts over --ep ranks,
 everything else data-parallel over all of them.
 
     python -m ddp_from_scratch.train --ep 2 --nproc 2 --synthetic                        # 4 experts over 2 ranks
@@ -50,8 +50,8 @@ import collectives as C
 from ..expert_parallel.model import MoETransformer, dense_parameters, expert_parameters, expert_parallel, expert_state
 from ..parts import shards
 from .args import DEFAULT_SEQUENCES, HEADS, HIDDEN, LAYERS, SEQ, VOCAB, ep_layout
+from .data import Batches
 from .progress import progress
-from ..workload.transformer import token_batch
 
 
 def _average(params, group, world_size: int) -> None:
@@ -105,6 +105,7 @@ def train_ep(env, config) -> dict:
     model = expert_parallel(full, grid.row) if ep > 1 else full
     dense, experts = list(dense_parameters(model)), list(expert_parameters(model))
     opt = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=0.9)
+    batches = Batches(config)
     per_step = config.batch_size * w
     steps = (config.train_size or DEFAULT_SEQUENCES) // per_step
     total = steps * config.epochs
@@ -115,7 +116,7 @@ def train_ep(env, config) -> dict:
     losses, aux_losses, dropped, moved, start = [], [], [], [], time.perf_counter()
     for done in range(first, end):
         epoch, step = divmod(done, steps)
-        tokens, targets = token_batch(done, 0, per_step, SEQ, VOCAB)
+        tokens, targets = batches(done, per_step)
         logits = model(tokens[rows])
         loss = F.cross_entropy(logits.reshape(-1, VOCAB), targets[rows].reshape(-1))
         aux = model.aux_loss()
@@ -141,7 +142,7 @@ def train_ep(env, config) -> dict:
         if env.rank == 0:
             slots = per_step * SEQ * config.top_k * LAYERS
             progress(config, epoch, step, steps, losses[-1], per_step, start,
-                     f" (balance {aux_losses[-1]:.3f}, dropped {dropped[-1]} of {slots} slots)")
+                     f" (balance {aux_losses[-1]:.3f}, dropped {dropped[-1]} of {slots} slots)", batches.label)
     seconds = time.perf_counter() - start
     if env.rank == 0:
         print(file=sys.stderr)
@@ -156,4 +157,4 @@ def train_ep(env, config) -> dict:
             "all_to_all_bytes_per_step": moved, "start_step": first, "end_step": end,
             "checkpoint": config.checkpoint, "train_seconds": seconds,
             "tokens_per_second": len(losses) * per_step * SEQ / seconds if seconds else None,
-            "synthetic_data": True}
+            **batches.summary()}

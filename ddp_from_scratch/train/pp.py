@@ -1,5 +1,5 @@
 """The training program's pipeline-parallel run: the small transformer (workload/transformer.py)
-on synthetic tokens, cut into --pp stages run by a schedule, TP over --tp ranks inside each stage,
+on text or synthetic tokens (data.py), cut into --pp stages run by a schedule, TP over --tp ranks inside each stage,
 and the bucketed DDP over the rest (pipeline_parallel/mesh3d.py lays the ranks out).
 
     python -m ddp_from_scratch.train --pp 2 --nproc 2 --synthetic                        # 1F1B over 2 stages
@@ -42,8 +42,9 @@ from ..steps.ddp import DistributedDataParallel
 from ..tensor_parallel.model import TensorParallelTransformer
 from ..tensor_parallel.vocab import vocab_parallel_cross_entropy
 from .args import DEFAULT_SEQUENCES, HEADS, HIDDEN, LAYERS, SEQ, VOCAB
+from .data import Batches
 from .progress import progress
-from ..workload.transformer import TinyTransformer, token_batch
+from ..workload.transformer import TinyTransformer
 
 
 def train_pp(env, config) -> dict:
@@ -71,13 +72,14 @@ def train_pp(env, config) -> dict:
     stage = Stage(mine, s, p, group=mesh.pp, loss_fn=loss_fn)
     schedule = make(config.schedule, p, config.microbatches, v)
     opt = torch.optim.SGD([q for m in mine for q in m.parameters()], lr=config.lr, momentum=0.9)
+    batches = Batches(config)
     per_step = config.batch_size * mesh.data_size  # the DP replicas of one data index share its rows (CP)
     steps = (config.train_size or DEFAULT_SEQUENCES) // per_step
     rows = slice(mesh.data_index * config.batch_size, (mesh.data_index + 1) * config.batch_size)
     losses, idle, start = [], [], time.perf_counter()
     for epoch in range(config.epochs):
         for step in range(steps):
-            tokens, targets = token_batch(epoch * steps + step, 0, per_step, SEQ, VOCAB)
+            tokens, targets = batches(epoch * steps + step, per_step)
             tokens, targets = (shard(t[rows], mesh.cp_index, cp, balanced=True, dim=1) for t in (tokens, targets))
             xs = list(tokens.tensor_split(config.microbatches))
             ys = list(targets.tensor_split(config.microbatches))
@@ -93,7 +95,7 @@ def train_pp(env, config) -> dict:
             idle.append(result.idle_share)
             losses.append(_global_mean(result, mesh, config.microbatches))
             if env.rank == 0:
-                progress(config, epoch, step, steps, losses[-1], per_step, start)
+                progress(config, epoch, step, steps, losses[-1], per_step, start, label=batches.label)
     seconds = time.perf_counter() - start
     if env.rank == 0:
         print(file=sys.stderr)
@@ -110,7 +112,7 @@ def train_pp(env, config) -> dict:
             "dp_buckets": sum(len(m.buckets) for m in mine if isinstance(m, DistributedDataParallel)),
             "train_seconds": seconds,
             "tokens_per_second": len(losses) * per_step * SEQ / seconds if seconds else None,
-            "synthetic_data": True}
+            **batches.summary()}
 
 
 def _no_sync(modules) -> contextlib.ExitStack:

@@ -1,5 +1,5 @@
 """The training program's tensor-parallel run: the small transformer (workload/transformer.py) on
-synthetic tokens, TP over --tp ranks and the bucketed DDP over the rest (a 2-D mesh).
+text as bytes or synthetic tokens (data.py), TP over --tp ranks and the bucketed DDP over the rest (a 2-D mesh).
 
     python -m ddp_from_scratch.train --tp 2 --nproc 2 --synthetic                  # TP over 2 ranks
     python -m ddp_from_scratch.train --tp 2 --nproc 4 --synthetic --epochs 2       # TP x DP, 2 x 2
@@ -11,8 +11,9 @@ of SEQ tokens (token_batch(step, 0, ...): the same global batch whatever the lay
 losses are the one-rank model's within float32 rounding, whatever --tp and --nproc are (the test
 checks this). The loss logged is the global batch's mean; the summary (the last line on stdout)
 lists every step's loss and the elements TP all-reduced in a step (the closed form of
-tensor_parallel/messages.py). --train-size counts sequences (default 512); there is no token dataset,
-so --tp needs --synthetic, and takes no checkpoint, compression or mixed precision yet.
+tensor_parallel/messages.py). --train-size counts sequences (default 512); the run trains on --text
+FILE (default: Python's documentation, workload/text.py) or on --synthetic tokens, and takes no
+checkpoint, compression or mixed precision yet.
 """
 
 from __future__ import annotations
@@ -30,9 +31,10 @@ from ..tensor_parallel.mesh import Mesh2D
 from ..tensor_parallel.model import TensorParallelTransformer
 from ..tensor_parallel.operators import counting
 from ..tensor_parallel.vocab import vocab_parallel_cross_entropy
+from .data import Batches
 from .progress import progress
 from .args import DEFAULT_SEQUENCES, HEADS, HIDDEN, LAYERS, SEQ, VOCAB  # the sizes, with the --tp flag checks
-from ..workload.transformer import TinyTransformer, token_batch
+from ..workload.transformer import TinyTransformer
 
 
 def train_tp(env, config) -> dict:
@@ -44,13 +46,14 @@ def train_tp(env, config) -> dict:
     model = DistributedDataParallel(split, group=mesh.dp, bucket_cap_mb=config.bucket_cap_mb) if mesh.dp_size > 1 \
         else split
     opt = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=0.9)
+    batches = Batches(config)
     per_step = config.batch_size * mesh.dp_size
     steps = (config.train_size or DEFAULT_SEQUENCES) // per_step
     rows = slice(mesh.dp_index * config.batch_size, (mesh.dp_index + 1) * config.batch_size)
     losses, tp_elements, start = [], None, time.perf_counter()
     for epoch in range(config.epochs):
         for step in range(steps):
-            tokens, targets = token_batch(epoch * steps + step, 0, per_step, SEQ, VOCAB)
+            tokens, targets = batches(epoch * steps + step, per_step)
             tokens, targets = tokens[rows], targets[rows]
             with counting() as messages:
                 logits = model(tokens)
@@ -70,7 +73,7 @@ def train_tp(env, config) -> dict:
                 mean /= mesh.dp_size
             losses.append(mean.item())
             if env.rank == 0:
-                progress(config, epoch, step, steps, losses[-1], per_step, start)
+                progress(config, epoch, step, steps, losses[-1], per_step, start, label=batches.label)
     seconds = time.perf_counter() - start
     if env.rank == 0:
         print(file=sys.stderr)
@@ -81,4 +84,4 @@ def train_tp(env, config) -> dict:
             "tp_elements_per_step": tp_elements, "parameters": shape.parameters(),
             "dp_buckets": len(model.buckets) if mesh.dp_size > 1 else 0, "train_seconds": seconds,
             "tokens_per_second": len(losses) * per_step * SEQ / seconds if seconds else None,
-            "synthetic_data": True}
+            **batches.summary()}

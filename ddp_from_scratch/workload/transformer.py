@@ -1,4 +1,4 @@
-"""A small decoder-only transformer (GPT-style, pre-LayerNorm) on synthetic tokens: the model the
+"""A small decoder-only transformer (GPT-style, pre-LayerNorm) on tokens (synthetic, or bytes of text): the model the
 tensor-parallel steps split (ddp_from_scratch/tensor_parallel/model.py).
 
     model = TinyTransformer(vocab=64, hidden=32, heads=4, layers=2)

@@ -66,7 +66,7 @@ def test_cp_x_pp_has_the_one_rank_models_losses():
     (["--cp", "2", "--ep", "2", "--nproc", "4", "--synthetic"], "--ep is not taken with --cp"),
     (["--cp", "2", "--tp", "2", "--nproc", "4", "--synthetic", "--sequence-parallel"],
      "--sequence-parallel is not taken with --cp"),
-    (["--cp", "2", "--nproc", "2"], "add --synthetic"),
+    (["--cp", "2", "--nproc", "2", "--text", "/dev/null"], "--text /dev/null: 0 bytes, too short: a window is 33 bytes"),
     (["--cp", "2", "--nproc", "2", "--synthetic", "--checkpoint", "ck"], "--checkpoint: not taken with --cp"),
 ])
 def test_what_a_cp_run_cannot_take_is_refused_before_any_rank_starts(argv, fragment, capsys, monkeypatch, tmp_path):

@@ -62,7 +62,7 @@ def test_an_ep_run_has_the_one_rank_models_losses_drops_and_load():
     (["--ep", "2", "--nproc", "2", "--synthetic", "--capacity-factor", "-1"], "--capacity-factor must be 0"),
     (["--ep", "2", "--nproc", "2", "--synthetic", "--aux-loss", "-0.1"], "--aux-loss must be 0 or more"),
     (["--ep", "2", "--tp", "2", "--nproc", "4", "--synthetic"], "composes with data parallelism only"),
-    (["--ep", "2", "--nproc", "2"], "add --synthetic"),
+    (["--ep", "2", "--nproc", "2", "--synthetic", "--text", "a.txt"], "--text and --synthetic: give one"),
     (["--ep", "2", "--nproc", "2", "--synthetic", "--impl", "torch"], "--impl torch: not taken with --ep"),
     (["--ep", "2", "--nproc", "2", "--synthetic", "--bucket-cap-mb", "1"], "--bucket-cap-mb 1.0: not taken with --ep"),
     (["--ep", "2", "--nproc", "2", "--synthetic", "--amp"], "--amp: not taken with --ep"),

@@ -148,8 +148,10 @@ def test_a_pp_run_at_the_edge_of_what_its_schedule_takes_passes_the_checks(argv,
         train.main([*argv, "--synthetic"])
 
 
-def test_a_pp_run_without_synthetic_tokens_is_refused(capsys, monkeypatch):
+def test_a_pp_run_on_a_text_too_short_for_a_window_is_refused_naming_it(capsys, monkeypatch, tmp_path):
+    short = tmp_path / "short.txt"
+    short.write_bytes(b"x" * 329)  # a window is 33 bytes and the last tenth is held out: 330 needed
     monkeypatch.setattr("collectives.run_or_join", lambda *a, **k: pytest.fail("a rank started"))
     with pytest.raises(SystemExit) as info:
-        train.main(["--pp", "2", "--nproc", "2"])
-    assert info.value.code == 2 and "--pp trains the small transformer on synthetic tokens" in capsys.readouterr().err
+        train.main(["--pp", "2", "--nproc", "2", "--text", str(short)])
+    assert info.value.code == 2 and f"--text {short}: 329 bytes, too short" in capsys.readouterr().err

@@ -56,7 +56,7 @@ def test_a_tp_run_has_the_one_rank_models_losses(tp, dp, extra):
 @pytest.mark.parametrize("argv, fragment", [
     (["--tp", "3", "--nproc", "3", "--synthetic"], "--tp 3 does not divide the transformer's 4 heads"),
     (["--tp", "2", "--nproc", "3", "--synthetic"], "--tp 2 must divide the 3 rank(s)"),
-    (["--tp", "2", "--nproc", "2"], "add --synthetic"),
+    (["--tp", "2", "--nproc", "2", "--text", "missing.txt"], "--text missing.txt: cannot read it (No such file"),
     (["--tp", "2", "--nproc", "2", "--synthetic", "--impl", "torch"], "--impl torch is not taken with --tp"),
     (["--tp", "2", "--nproc", "2", "--synthetic", "--checkpoint", "ck"], "--checkpoint: not taken with --tp"),
     (["--nproc", "2", "--synthetic", "--sequence-parallel"], "--sequence-parallel applies to a --tp run"),
