@@ -78,6 +78,7 @@ class TrainConfig:
     aux_loss: Optional[float] = None
     cp: Optional[int] = None
     text: Optional[str] = None
+    eval_every: Optional[int] = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "TrainConfig":
@@ -197,6 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="context parallelism: train the small transformer (with learned positions) on synthetic "
                         "tokens, each sequence cut over N ranks and attention by ring attention, with --tp inside and "
                         "data parallelism over the rest (ddp_from_scratch/train/cp.py)")
+    p.add_argument("--eval-every", type=int, default=None, metavar="K",
+                   help="with --tp, --ep or --cp: the validation loss every K steps, as well as at the end")
     p.add_argument("--json", default=None, help="also write the summary to this file")
     return p
 
@@ -349,6 +352,9 @@ PP_ONLY = ("schedule", "microbatches", "chunks")  # the flags that mean somethin
 def validate_pp(args, parser, world_size: int) -> None:
     """Refuse what a --pp run cannot do, before any rank starts (parser.error: exit 2)."""
     pp, tp, cp = args.pp, args.tp or 1, args.cp or 1
+    if args.eval_every is not None:
+        parser.error("--eval-every is not taken with --pp yet: the pipeline's schedules all run a backward, and a "
+                     "forward-only one is not built")
     if pp < 1:
         parser.error(f"--pp must be at least 1, got {pp}")
     if pp * tp * cp > world_size or world_size % (pp * tp * cp):
@@ -386,7 +392,7 @@ def validate_pp(args, parser, world_size: int) -> None:
 def validate(args, parser, world_size: int, local_ranks: Optional[int] = None) -> None:
     """Refuse every bad argument, dataset and checkpoint before any rank starts (parser.error: exit 2).
     `local_ranks`: the ranks on this machine, which share its memory (default: world_size)."""
-    cli.check_at_least(parser, args, {"--nproc": 1, "--batch-size": 1, "--epochs": 1, "--train-size": 1,
+    cli.check_at_least(parser, args, {"--eval-every": 1, "--nproc": 1, "--batch-size": 1, "--epochs": 1, "--train-size": 1,
                                       "--test-size": 1, "--checkpoint-every": 1, "--stop-at-step": 1})
     if args.sequence_parallel and args.tp is None:
         parser.error("--sequence-parallel applies to a --tp run")
@@ -413,6 +419,9 @@ def validate(args, parser, world_size: int, local_ranks: Optional[int] = None) -
         if args.pp is not None:
             validate_pp(args, parser, world_size)
         return validate_tp(args, parser, world_size, run)
+    if args.eval_every is not None:
+        parser.error("--eval-every applies to the transformer runs (--tp, --ep, --cp); the ResNet run evaluates on "
+                     "the test set after every epoch")
     if args.text is not None:
         parser.error("--text applies to the transformer runs (--tp, --pp, --ep, --cp); the ResNet run reads CIFAR-10 "
                      "(--data)")

@@ -37,7 +37,7 @@ from ..pipeline_parallel.saved import SavedBytes
 from ..tensor_parallel.model import TensorParallelTransformer
 from ..tensor_parallel.vocab import vocab_parallel_cross_entropy
 from .args import DEFAULT_SEQUENCES, HEADS, HIDDEN, LAYERS, SEQ, VOCAB
-from .data import Batches
+from .data import Batches, evaluation_due
 from .progress import progress
 from ..workload.transformer import TinyTransformer
 
@@ -84,36 +84,53 @@ def train_cp(env, config) -> dict:
     steps = (config.train_size or DEFAULT_SEQUENCES) // per_step
     rows = slice(mesh.dp_index * config.batch_size, (mesh.dp_index + 1) * config.batch_size)
     places = positions(SEQ, mesh.cp_index, cp, balanced=True)
-    losses, saved_bytes, start = [], None, time.perf_counter()
+    losses, validation, saved_bytes, start = [], [], None, time.perf_counter()
+
+    def loss_of(tokens, targets):
+        logits = model(tokens, places)
+        if tp > 1:
+            return vocab_parallel_cross_entropy(logits, targets, mesh.tp)
+        return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+    def global_mean(loss):
+        mean = loss.detach().clone()
+        if replicas > 1:
+            C.all_reduce(mean, group=mesh.replicas)
+            mean /= replicas
+        return mean.item()
+
+    def mine(tokens, targets):
+        return (shard(t[rows], mesh.cp_index, cp, balanced=True, dim=1) for t in (tokens, targets))
+
+    def evaluate(done):
+        with torch.no_grad():
+            validation.append({"step": done, "loss": global_mean(loss_of(*mine(*batches.validation(per_step))))})
+
     for epoch in range(config.epochs):
         for step in range(steps):
             tokens, targets = batches(epoch * steps + step, per_step)
-            tokens = shard(tokens[rows], mesh.cp_index, cp, balanced=True, dim=1)
-            targets = shard(targets[rows], mesh.cp_index, cp, balanced=True, dim=1)
+            tokens, targets = mine(tokens, targets)
             saved = SavedBytes(params)
             with saved:
-                logits = model(tokens, places)
-                if tp > 1:
-                    loss = vocab_parallel_cross_entropy(logits, targets, mesh.tp)
-                else:
-                    loss = F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+                loss = loss_of(tokens, targets)
             saved_bytes = saved_bytes or saved.peak
             loss.backward()
             _average(params, mesh.replicas, replicas)
             opt.step()
             opt.zero_grad()
-            mean = loss.detach().clone()
-            if replicas > 1:
-                C.all_reduce(mean, group=mesh.replicas)
-                mean /= replicas
-            losses.append(mean.item())
+            losses.append(global_mean(loss))
+            done = epoch * steps + step + 1
+            if evaluation_due(config, done, steps * config.epochs):
+                evaluate(done)
             if env.rank == 0:
-                progress(config, epoch, step, steps, losses[-1], per_step, start, label=batches.label)
+                progress(config, epoch, step, steps, losses[-1], per_step, start, label=batches.label,
+                         validation=validation)
     seconds = time.perf_counter() - start
     if env.rank == 0:
         print(file=sys.stderr)
     return {"model": "transformer", "cp": cp, "tp": tp, "dp": mesh.dp_size, "world_size": env.world_size,
             "backend": env.backend, "epochs": config.epochs, "batch_size_per_dp_rank": config.batch_size, "seq": SEQ,
             "tokens_per_cp_rank": SEQ // cp, "steps": len(losses), "losses": losses,
-            "saved_bytes_first_step": saved_bytes, "train_seconds": seconds,
+            "saved_bytes_first_step": saved_bytes, "train_seconds": seconds, "validation": validation,
+            "validation_loss": validation[-1]["loss"] if validation else None,
             "tokens_per_second": len(losses) * per_step * SEQ / seconds if seconds else None, **batches.summary()}

@@ -50,7 +50,7 @@ import collectives as C
 from ..expert_parallel.model import MoETransformer, dense_parameters, expert_parameters, expert_parallel, expert_state
 from ..parts import shards
 from .args import DEFAULT_SEQUENCES, HEADS, HIDDEN, LAYERS, SEQ, VOCAB, ep_layout
-from .data import Batches
+from .data import Batches, evaluation_due
 from .progress import progress
 
 
@@ -113,7 +113,16 @@ def train_ep(env, config) -> dict:
     layout = ep_layout(config, w)
     first = _resume(env, config, model, opt, layout) if config.resume or config.auto_resume else 0
     rows = slice(env.rank * config.batch_size, (env.rank + 1) * config.batch_size)
-    losses, aux_losses, dropped, moved, start = [], [], [], [], time.perf_counter()
+    losses, aux_losses, dropped, moved, validation, start = [], [], [], [], [], time.perf_counter()
+
+    def evaluate(done):  # the cross-entropy alone (the balance loss is a training term), averaged over every rank
+        tokens, targets = batches.validation(per_step)
+        with torch.no_grad():
+            mean = F.cross_entropy(model(tokens[rows]).reshape(-1, VOCAB), targets[rows].reshape(-1))
+        if w > 1:
+            C.all_reduce(mean)
+        validation.append({"step": done, "loss": mean.item() / w})
+
     for done in range(first, end):
         epoch, step = divmod(done, steps)
         tokens, targets = batches(done, per_step)
@@ -136,13 +145,16 @@ def train_ep(env, config) -> dict:
         aux_losses.append(logged[1].item() / w)
         dropped.append(int(logged[2].item()))
         moved.append(int(logged[3].item()) * 4 * HIDDEN * 4)  # dispatch + combine, forward and backward, float32
+        if evaluation_due(config, done + 1, total):
+            evaluate(done + 1)
         if config.checkpoint and ((config.checkpoint_every and (done + 1) % config.checkpoint_every == 0)
                                   or done + 1 == end):
             _save(env, config, model, opt, layout, done + 1)
         if env.rank == 0:
             slots = per_step * SEQ * config.top_k * LAYERS
             progress(config, epoch, step, steps, losses[-1], per_step, start,
-                     f" (balance {aux_losses[-1]:.3f}, dropped {dropped[-1]} of {slots} slots)", batches.label)
+                     f" (balance {aux_losses[-1]:.3f}, dropped {dropped[-1]} of {slots} slots)", batches.label,
+                     validation)
     seconds = time.perf_counter() - start
     if env.rank == 0:
         print(file=sys.stderr)
@@ -155,6 +167,7 @@ def train_ep(env, config) -> dict:
             "seq": SEQ, "steps": len(losses), "losses": losses, "aux_losses": aux_losses,
             "dropped_slots": dropped, "tokens_per_expert_last_step": load.tolist(),
             "all_to_all_bytes_per_step": moved, "start_step": first, "end_step": end,
-            "checkpoint": config.checkpoint, "train_seconds": seconds,
+            "checkpoint": config.checkpoint, "train_seconds": seconds, "validation": validation,
+            "validation_loss": validation[-1]["loss"] if validation else None,
             "tokens_per_second": len(losses) * per_step * SEQ / seconds if seconds else None,
             **batches.summary()}

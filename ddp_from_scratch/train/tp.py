@@ -31,7 +31,7 @@ from ..tensor_parallel.mesh import Mesh2D
 from ..tensor_parallel.model import TensorParallelTransformer
 from ..tensor_parallel.operators import counting
 from ..tensor_parallel.vocab import vocab_parallel_cross_entropy
-from .data import Batches
+from .data import Batches, evaluation_due
 from .progress import progress
 from .args import DEFAULT_SEQUENCES, HEADS, HIDDEN, LAYERS, SEQ, VOCAB  # the sizes, with the --tp flag checks
 from ..workload.transformer import TinyTransformer
@@ -50,30 +50,45 @@ def train_tp(env, config) -> dict:
     per_step = config.batch_size * mesh.dp_size
     steps = (config.train_size or DEFAULT_SEQUENCES) // per_step
     rows = slice(mesh.dp_index * config.batch_size, (mesh.dp_index + 1) * config.batch_size)
-    losses, tp_elements, start = [], None, time.perf_counter()
+    losses, validation, tp_elements, start = [], [], None, time.perf_counter()
+
+    def loss_of(tokens, targets):
+        logits = model(tokens)
+        if config.tp > 1:
+            return vocab_parallel_cross_entropy(logits, targets, mesh.tp)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    def global_mean(loss):
+        mean = loss.detach().clone()
+        if mesh.dp_size > 1:
+            dist.all_reduce(mean, group=mesh.dp)  # the global batch's mean loss
+            mean /= mesh.dp_size
+        return mean.item()
+
+    def evaluate(done):
+        tokens, targets = batches.validation(per_step)
+        with torch.no_grad():
+            validation.append({"step": done, "loss": global_mean(loss_of(tokens[rows], targets[rows]))})
+
     for epoch in range(config.epochs):
         for step in range(steps):
             tokens, targets = batches(epoch * steps + step, per_step)
             tokens, targets = tokens[rows], targets[rows]
             with counting() as messages:
-                logits = model(tokens)
-                if config.tp > 1:
-                    loss = vocab_parallel_cross_entropy(logits, targets, mesh.tp)
-                else:
-                    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+                loss = loss_of(tokens, targets)
                 loss.backward()
             if config.sequence_parallel:
                 split.sequence_parallel_grads()
             opt.step()
             opt.zero_grad()
             tp_elements = sum(n for _, n in messages)
-            mean = loss.detach().clone()
-            if mesh.dp_size > 1:
-                dist.all_reduce(mean, group=mesh.dp)  # the global batch's mean loss, for the log
-                mean /= mesh.dp_size
-            losses.append(mean.item())
+            losses.append(global_mean(loss))
+            done = epoch * steps + step + 1
+            if evaluation_due(config, done, steps * config.epochs):
+                evaluate(done)
             if env.rank == 0:
-                progress(config, epoch, step, steps, losses[-1], per_step, start, label=batches.label)
+                progress(config, epoch, step, steps, losses[-1], per_step, start, label=batches.label,
+                         validation=validation)
     seconds = time.perf_counter() - start
     if env.rank == 0:
         print(file=sys.stderr)
@@ -84,4 +99,5 @@ def train_tp(env, config) -> dict:
             "tp_elements_per_step": tp_elements, "parameters": shape.parameters(),
             "dp_buckets": len(model.buckets) if mesh.dp_size > 1 else 0, "train_seconds": seconds,
             "tokens_per_second": len(losses) * per_step * SEQ / seconds if seconds else None,
+            "validation": validation, "validation_loss": validation[-1]["loss"] if validation else None,
             **batches.summary()}

@@ -40,6 +40,7 @@ def test_a_cp_run_has_the_one_rank_models_losses_on_cp_cp_x_dp_and_cp_x_tp():
         assert (split["cp"], split["tp"], split["dp"], split["steps"]) == (cp, tp, dp, STEPS), case
         torch.testing.assert_close(torch.tensor(split["losses"]), torch.tensor(one["losses"]), rtol=0,
                                    atol=LOSS_ATOL, msg=case)
+        assert abs(split["validation_loss"] - one["validation_loss"]) <= LOSS_ATOL, case  # evaluated at the end
         if tp == 1:  # 1 / (cp x dp) of the tokens a rank: that share of the activations (but a few bytes)
             assert split["saved_bytes_first_step"] * cp * dp == pytest.approx(one["saved_bytes_first_step"], rel=1e-3)
 

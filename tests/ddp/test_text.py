@@ -2,7 +2,7 @@
 held out, a step's batch drawn from (seed, step) alone and never from the held-out tail, each
 target the byte after its token, the validation windows inside the tail; a missing or short file
 refused in one line naming it; with no file, Python's own documentation text; and a TP run on
-text that trains (its loss falls) with the one-rank model's losses.
+text that trains (its loss falls) with the one-rank model's losses and validation losses.
 
     pytest tests/ddp/test_text.py -q
 """
@@ -76,10 +76,16 @@ def test_a_tp_run_on_text_learns_with_the_one_rank_models_losses():
     """The global batch is the text's, the same on every layout: TP over 2 ranks gives the one-rank
     model's losses within float32 rounding, and 6 steps on real text bring the loss down."""
     def run(tp):
-        args = build_parser().parse_args(["--tp", str(tp), "--train-size", "48", "--batch-size", "8", "--lr", "0.05"])
+        args = build_parser().parse_args(["--tp", str(tp), "--train-size", "48", "--batch-size", "8", "--lr", "0.05",
+                                          "--eval-every", "3"])
         return run_on_ranks(train_tp, tp, args=(TrainConfig.from_args(args),), backend="gloo")[0]
 
     one, split = run(1), run(2)
     assert one["text"] == split["text"] and not one["synthetic_data"]
     torch.testing.assert_close(torch.tensor(split["losses"]), torch.tensor(one["losses"]), rtol=1e-5, atol=1e-6)
     assert one["losses"][-1] < one["losses"][0] - 0.5  # bytes of English and code: learnable fast
+    # the held-out tail's loss after steps 3 and 6, the same on both layouts, and falling
+    assert [v["step"] for v in one["validation"]] == [v["step"] for v in split["validation"]] == [3, 6]
+    torch.testing.assert_close(torch.tensor([v["loss"] for v in split["validation"]]),
+                               torch.tensor([v["loss"] for v in one["validation"]]), rtol=1e-5, atol=1e-6)
+    assert one["validation"][1]["loss"] < one["validation"][0]["loss"] and one["validation_loss"] == one["validation"][1]["loss"]

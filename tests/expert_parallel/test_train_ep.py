@@ -51,6 +51,7 @@ def test_an_ep_run_has_the_one_rank_models_losses_drops_and_load():
         torch.testing.assert_close(torch.tensor(split["aux_losses"]), torch.tensor(one["aux_losses"]), rtol=0,
                                    atol=LOSS_ATOL, msg=case)
         assert split["dropped_slots"] == one["dropped_slots"], case
+        assert abs(split["validation_loss"] - one["validation_loss"]) <= LOSS_ATOL, case  # evaluated at the end
         assert split["tokens_per_expert_last_step"] == one["tokens_per_expert_last_step"], case
         assert all(b > 0 for b in split["all_to_all_bytes_per_step"]) and one["all_to_all_bytes_per_step"][0] == 0
 

@@ -148,6 +148,13 @@ def test_a_pp_run_at_the_edge_of_what_its_schedule_takes_passes_the_checks(argv,
         train.main([*argv, "--synthetic"])
 
 
+def test_eval_every_is_refused_with_pp_for_its_reason(capsys, monkeypatch):
+    monkeypatch.setattr("collectives.run_or_join", lambda *a, **k: pytest.fail("a rank started"))
+    with pytest.raises(SystemExit) as info:
+        train.main(["--pp", "2", "--nproc", "2", "--synthetic", "--eval-every", "2"])
+    assert info.value.code == 2 and "a forward-only one is not built" in capsys.readouterr().err
+
+
 def test_a_pp_run_on_a_text_too_short_for_a_window_is_refused_naming_it(capsys, monkeypatch, tmp_path):
     short = tmp_path / "short.txt"
     short.write_bytes(b"x" * 329)  # a window is 33 bytes and the last tenth is held out: 330 needed
