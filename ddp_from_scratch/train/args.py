@@ -79,6 +79,7 @@ class TrainConfig:
     cp: Optional[int] = None
     text: Optional[str] = None
     eval_every: Optional[int] = None
+    sample: Optional[int] = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "TrainConfig":
@@ -200,6 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "data parallelism over the rest (ddp_from_scratch/train/cp.py)")
     p.add_argument("--eval-every", type=int, default=None, metavar="K",
                    help="with --tp, --ep or --cp: the validation loss every K steps, as well as at the end")
+    p.add_argument("--sample", type=int, default=None, metavar="N",
+                   help="with --tp 1, --ep or --cp: after training, write N bytes the model generates from the start "
+                        "of the held-out text (in the summary, and on stderr)")
     p.add_argument("--json", default=None, help="also write the summary to this file")
     return p
 
@@ -330,6 +334,8 @@ def validate_tp(args, parser, world_size: int, run: str = "--tp") -> None:
                      f"with {run}")
     if args.sequence_parallel and tp == 1:
         parser.error("--sequence-parallel splits the sequence over the TP group: give --tp 2 or more")
+    if args.sample is not None and tp > 1:
+        parser.error(f"--sample is not taken with --tp {tp} yet: the TP shards are not gathered into one model")
     refused = [n for n in NOT_WITH_TP if not (run == "--ep" and n in EP_CHECKPOINTS)]
     given = [f"--{name.replace('_', '-')}" for name in refused
              if getattr(args, name, None) is not None and getattr(args, name) is not False]
@@ -352,6 +358,8 @@ PP_ONLY = ("schedule", "microbatches", "chunks")  # the flags that mean somethin
 def validate_pp(args, parser, world_size: int) -> None:
     """Refuse what a --pp run cannot do, before any rank starts (parser.error: exit 2)."""
     pp, tp, cp = args.pp, args.tp or 1, args.cp or 1
+    if args.sample is not None:
+        parser.error("--sample is not taken with --pp yet: the stages are not gathered into one model")
     if args.eval_every is not None:
         parser.error("--eval-every is not taken with --pp yet: the pipeline's schedules all run a backward, and a "
                      "forward-only one is not built")
@@ -392,7 +400,7 @@ def validate_pp(args, parser, world_size: int) -> None:
 def validate(args, parser, world_size: int, local_ranks: Optional[int] = None) -> None:
     """Refuse every bad argument, dataset and checkpoint before any rank starts (parser.error: exit 2).
     `local_ranks`: the ranks on this machine, which share its memory (default: world_size)."""
-    cli.check_at_least(parser, args, {"--eval-every": 1, "--nproc": 1, "--batch-size": 1, "--epochs": 1, "--train-size": 1,
+    cli.check_at_least(parser, args, {"--sample": 1, "--eval-every": 1, "--nproc": 1, "--batch-size": 1, "--epochs": 1, "--train-size": 1,
                                       "--test-size": 1, "--checkpoint-every": 1, "--stop-at-step": 1})
     if args.sequence_parallel and args.tp is None:
         parser.error("--sequence-parallel applies to a --tp run")
@@ -419,6 +427,8 @@ def validate(args, parser, world_size: int, local_ranks: Optional[int] = None) -
         if args.pp is not None:
             validate_pp(args, parser, world_size)
         return validate_tp(args, parser, world_size, run)
+    if args.sample is not None:
+        parser.error("--sample applies to the transformer runs (--tp 1, --ep, --cp)")
     if args.eval_every is not None:
         parser.error("--eval-every applies to the transformer runs (--tp, --ep, --cp); the ResNet run evaluates on "
                      "the test set after every epoch")

@@ -39,6 +39,7 @@ from ..tensor_parallel.vocab import vocab_parallel_cross_entropy
 from .args import DEFAULT_SEQUENCES, HEADS, HIDDEN, LAYERS, SEQ, VOCAB
 from .data import Batches, evaluation_due
 from .progress import progress
+from .sample import one_rank_copy, sample
 from ..workload.transformer import TinyTransformer
 
 
@@ -128,9 +129,13 @@ def train_cp(env, config) -> dict:
     seconds = time.perf_counter() - start
     if env.rank == 0:
         print(file=sys.stderr)
+    written = sample(one_rank_copy(model), batches.prompt(), config.sample, config.seed) if config.sample else None
+    if written is not None and env.rank == 0:
+        print(f"sample: {batches.prompt().decode(errors='replace')}|{written.decode(errors='replace')}", file=sys.stderr)
     return {"model": "transformer", "cp": cp, "tp": tp, "dp": mesh.dp_size, "world_size": env.world_size,
             "backend": env.backend, "epochs": config.epochs, "batch_size_per_dp_rank": config.batch_size, "seq": SEQ,
             "tokens_per_cp_rank": SEQ // cp, "steps": len(losses), "losses": losses,
             "saved_bytes_first_step": saved_bytes, "train_seconds": seconds, "validation": validation,
             "validation_loss": validation[-1]["loss"] if validation else None,
+            "sample": None if written is None else written.decode(errors="replace"),
             "tokens_per_second": len(losses) * per_step * SEQ / seconds if seconds else None, **batches.summary()}

@@ -43,5 +43,10 @@ class Batches:
             return token_batch(10 ** 9, 0, rows, SEQ, VOCAB)
         return self.text.validation(rows, SEQ)
 
+    def prompt(self) -> bytes:
+        """The start of the first validation window: text the model never trained on."""
+        tokens, _ = self.validation(1)
+        return bytes(tokens[0, :SEQ // 2].tolist())
+
     def summary(self) -> dict:
         return {"synthetic_data": self.text is None, "text": None if self.text is None else self.text.name}

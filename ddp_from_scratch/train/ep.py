@@ -52,6 +52,7 @@ from ..parts import shards
 from .args import DEFAULT_SEQUENCES, HEADS, HIDDEN, LAYERS, SEQ, VOCAB, ep_layout
 from .data import Batches, evaluation_due
 from .progress import progress
+from .sample import gathered_moe, sample
 
 
 def _average(params, group, world_size: int) -> None:
@@ -161,6 +162,14 @@ def train_ep(env, config) -> dict:
     load = model.moe_layers()[0].last.routed.clone()
     if w > 1:
         C.all_reduce(load)
+    written = None
+    if config.sample:
+        whole = gathered_moe(model, (VOCAB, HIDDEN, HEADS, LAYERS, config.experts, config.top_k,
+                                     config.capacity_factor), grid.row) if ep > 1 else model
+        written = sample(whole, batches.prompt(), config.sample, config.seed)
+        if env.rank == 0:
+            print(f"sample: {batches.prompt().decode(errors='replace')}|{written.decode(errors='replace')}",
+                  file=sys.stderr)
     return {"model": "moe-transformer", "ep": ep, "dp": w // ep, "world_size": w, "backend": env.backend,
             "experts": config.experts, "top_k": config.top_k, "capacity_factor": config.capacity_factor,
             "aux_loss_weight": config.aux_loss, "epochs": config.epochs, "batch_size_per_rank": config.batch_size,
@@ -169,5 +178,6 @@ def train_ep(env, config) -> dict:
             "all_to_all_bytes_per_step": moved, "start_step": first, "end_step": end,
             "checkpoint": config.checkpoint, "train_seconds": seconds, "validation": validation,
             "validation_loss": validation[-1]["loss"] if validation else None,
+            "sample": None if written is None else written.decode(errors="replace"),
             "tokens_per_second": len(losses) * per_step * SEQ / seconds if seconds else None,
             **batches.summary()}

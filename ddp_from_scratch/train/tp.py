@@ -33,6 +33,7 @@ from ..tensor_parallel.operators import counting
 from ..tensor_parallel.vocab import vocab_parallel_cross_entropy
 from .data import Batches, evaluation_due
 from .progress import progress
+from .sample import sample
 from .args import DEFAULT_SEQUENCES, HEADS, HIDDEN, LAYERS, SEQ, VOCAB  # the sizes, with the --tp flag checks
 from ..workload.transformer import TinyTransformer
 
@@ -92,6 +93,9 @@ def train_tp(env, config) -> dict:
     seconds = time.perf_counter() - start
     if env.rank == 0:
         print(file=sys.stderr)
+    written = sample(split, batches.prompt(), config.sample, config.seed) if config.sample else None
+    if written is not None and env.rank == 0:
+        print(f"sample: {batches.prompt().decode(errors='replace')}|{written.decode(errors='replace')}", file=sys.stderr)
     shape = Shape(VOCAB, HIDDEN, HEADS, LAYERS, tokens=per_step * SEQ)
     return {"model": "transformer", "tp": config.tp, "dp": mesh.dp_size, "world_size": env.world_size,
             "sequence_parallel": config.sequence_parallel, "backend": env.backend, "epochs": config.epochs,
@@ -100,4 +104,4 @@ def train_tp(env, config) -> dict:
             "dp_buckets": len(model.buckets) if mesh.dp_size > 1 else 0, "train_seconds": seconds,
             "tokens_per_second": len(losses) * per_step * SEQ / seconds if seconds else None,
             "validation": validation, "validation_loss": validation[-1]["loss"] if validation else None,
-            **batches.summary()}
+            "sample": None if written is None else written.decode(errors="replace"), **batches.summary()}

@@ -40,10 +40,10 @@ def test_an_ep_run_has_the_one_rank_models_losses_drops_and_load():
     """The same global batch every step, whatever the layout: after each SGD step with momentum
     the losses and balance losses are the one-rank model's within a few ulps, each sequence drops
     the same slots, and the experts of the first block took the same tokens in the last step."""
-    one = _run(1, 1)
+    one = _run(1, 1, "--sample", "24")
     assert len(set(one["losses"])) == STEPS and sum(one["dropped_slots"]) > 0  # it learns, and the capacity bites
     for ep, world_size in ((2, 2), (2, 4)):
-        split = _run(ep, world_size)
+        split = _run(ep, world_size, "--sample", "24")
         case = f"--ep {ep} on {world_size} ranks"
         assert split["steps"] == STEPS and split["dp"] == world_size // ep, case
         torch.testing.assert_close(torch.tensor(split["losses"]), torch.tensor(one["losses"]), rtol=0,
@@ -51,6 +51,7 @@ def test_an_ep_run_has_the_one_rank_models_losses_drops_and_load():
         torch.testing.assert_close(torch.tensor(split["aux_losses"]), torch.tensor(one["aux_losses"]), rtol=0,
                                    atol=LOSS_ATOL, msg=case)
         assert split["dropped_slots"] == one["dropped_slots"], case
+        assert split["sample"] == one["sample"] and one["sample"], case  # every expert gathered to sample
         assert abs(split["validation_loss"] - one["validation_loss"]) <= LOSS_ATOL, case  # evaluated at the end
         assert split["tokens_per_expert_last_step"] == one["tokens_per_expert_last_step"], case
         assert all(b > 0 for b in split["all_to_all_bytes_per_step"]) and one["all_to_all_bytes_per_step"][0] == 0
