@@ -202,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-every", type=int, default=None, metavar="K",
                    help="with --tp, --ep or --cp: the validation loss every K steps, as well as at the end")
     p.add_argument("--sample", type=int, default=None, metavar="N",
-                   help="with --tp 1, --ep or --cp: after training, write N bytes the model generates from the start "
+                   help="with --tp, --ep or --cp: after training, write N bytes the model generates from the start "
                         "of the held-out text (in the summary, and on stderr)")
     p.add_argument("--json", default=None, help="also write the summary to this file")
     return p
@@ -334,8 +334,6 @@ def validate_tp(args, parser, world_size: int, run: str = "--tp") -> None:
                      f"with {run}")
     if args.sequence_parallel and tp == 1:
         parser.error("--sequence-parallel splits the sequence over the TP group: give --tp 2 or more")
-    if args.sample is not None and tp > 1:
-        parser.error(f"--sample is not taken with --tp {tp} yet: the TP shards are not gathered into one model")
     refused = [n for n in NOT_WITH_TP if not (run == "--ep" and n in EP_CHECKPOINTS)]
     given = [f"--{name.replace('_', '-')}" for name in refused
              if getattr(args, name, None) is not None and getattr(args, name) is not False]
@@ -428,7 +426,7 @@ def validate(args, parser, world_size: int, local_ranks: Optional[int] = None) -
             validate_pp(args, parser, world_size)
         return validate_tp(args, parser, world_size, run)
     if args.sample is not None:
-        parser.error("--sample applies to the transformer runs (--tp 1, --ep, --cp)")
+        parser.error("--sample applies to the transformer runs (--tp, --ep, --cp)")
     if args.eval_every is not None:
         parser.error("--eval-every applies to the transformer runs (--tp, --ep, --cp); the ResNet run evaluates on "
                      "the test set after every epoch")

@@ -39,7 +39,7 @@ from ..tensor_parallel.vocab import vocab_parallel_cross_entropy
 from .args import DEFAULT_SEQUENCES, HEADS, HIDDEN, LAYERS, SEQ, VOCAB
 from .data import Batches, evaluation_due
 from .progress import progress
-from .sample import one_rank_copy, sample
+from .sample import gathered_tp, one_rank_copy, sample
 from ..workload.transformer import TinyTransformer
 
 
@@ -129,7 +129,10 @@ def train_cp(env, config) -> dict:
     seconds = time.perf_counter() - start
     if env.rank == 0:
         print(file=sys.stderr)
-    written = sample(one_rank_copy(model), batches.prompt(), config.sample, config.seed) if config.sample else None
+    written = None
+    if config.sample:
+        whole = gathered_tp(model, mesh.tp, positions=SEQ) if tp > 1 else one_rank_copy(model)
+        written = sample(whole, batches.prompt(), config.sample, config.seed)
     if written is not None and env.rank == 0:
         print(f"sample: {batches.prompt().decode(errors='replace')}|{written.decode(errors='replace')}", file=sys.stderr)
     return {"model": "transformer", "cp": cp, "tp": tp, "dp": mesh.dp_size, "world_size": env.world_size,

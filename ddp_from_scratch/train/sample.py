@@ -1,6 +1,6 @@
 """--sample N: bytes the trained model writes, so one reads what it learned. The model is put
 together whole on every rank first (a context-parallel rank's copy attends alone; an
-expert-parallel rank gathers every expert), then each rank samples the same bytes from the same
+expert-parallel rank gathers every expert; a tensor-parallel one gathers its shards), then each rank samples the same bytes from the same
 generator.
 
     text = sample(one_rank_model, prompt=b"The ", n=200, seed=0)    # the bytes after the prompt
@@ -18,8 +18,10 @@ import torch
 import torch.distributed as dist
 
 from ..expert_parallel.model import MoETransformer, expert_state
-from ..workload.transformer import attend
-from .args import SEQ
+from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from ..tensor_parallel.vocab import VocabParallelEmbedding
+from ..workload.transformer import TinyTransformer, attend
+from .args import HEADS, HIDDEN, LAYERS, SEQ, VOCAB
 
 TEMPERATURE = 0.8
 
@@ -57,5 +59,32 @@ def gathered_moe(model, full_args: tuple, group) -> MoETransformer:
     for experts in everyone:
         state.update(experts)
     whole = MoETransformer(*full_args)
+    whole.load_state_dict(state)
+    return whole
+
+
+def _whole(t: torch.Tensor, dim: int, group) -> torch.Tensor:
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t.detach().contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def gathered_tp(model, group, positions: int = 0) -> TinyTransformer:
+    """The one-rank transformer from a tensor-parallel one (tensor_parallel/model.py): every
+    column-parallel weight and bias gathered along its rows, every row-parallel weight along its
+    columns, the embedding along the vocabulary; what every rank holds whole is taken as it is."""
+    whole = TinyTransformer(VOCAB, HIDDEN, HEADS, LAYERS, positions=positions)
+    split = dict(model.named_modules())
+    state = {}
+    for name, _ in whole.named_parameters():
+        owner, _, kind = name.rpartition(".")
+        tp_name = owner.replace(".mlp.0", ".mlp.up").replace(".mlp.2", ".mlp.down")
+        module = split[tp_name]
+        t = getattr(module, kind)
+        if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
+            t = _whole(t, 0, group)
+        elif isinstance(module, RowParallelLinear) and kind == "weight":
+            t = _whole(t, 1, group)
+        state[name] = t.detach()
     whole.load_state_dict(state)
     return whole

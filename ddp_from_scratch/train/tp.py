@@ -33,7 +33,7 @@ from ..tensor_parallel.operators import counting
 from ..tensor_parallel.vocab import vocab_parallel_cross_entropy
 from .data import Batches, evaluation_due
 from .progress import progress
-from .sample import sample
+from .sample import gathered_tp, sample
 from .args import DEFAULT_SEQUENCES, HEADS, HIDDEN, LAYERS, SEQ, VOCAB  # the sizes, with the --tp flag checks
 from ..workload.transformer import TinyTransformer
 
@@ -93,7 +93,10 @@ def train_tp(env, config) -> dict:
     seconds = time.perf_counter() - start
     if env.rank == 0:
         print(file=sys.stderr)
-    written = sample(split, batches.prompt(), config.sample, config.seed) if config.sample else None
+    written = None
+    if config.sample:
+        whole = gathered_tp(split, mesh.tp) if config.tp > 1 else split
+        written = sample(whole, batches.prompt(), config.sample, config.seed)
     if written is not None and env.rank == 0:
         print(f"sample: {batches.prompt().decode(errors='replace')}|{written.decode(errors='replace')}", file=sys.stderr)
     shape = Shape(VOCAB, HIDDEN, HEADS, LAYERS, tokens=per_step * SEQ)
