@@ -40,6 +40,9 @@ Its parts, read in order:
     checkpoint.py  the ResNet run's checkpoint: what it holds, when a resume is refused
     resnet.py      the ResNet / CNN run on CIFAR-10 (any --impl)
     progress.py    the transformer runs' progress line
+    data.py        the transformer runs' batches (text or synthetic) and when they evaluate
+    gradients.py   the EP and CP runs' flat gradient average
+    sample.py      --sample: the model put together whole, and the bytes it writes
     tp.py          --tp: the small transformer, TP x DP
     pp.py          --pp: the small transformer in pipeline stages, PP x TP x DP (x CP)
     ep.py          --ep: the transformer with mixture-of-experts blocks, EP x DP

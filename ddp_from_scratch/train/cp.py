@@ -37,9 +37,10 @@ from ..pipeline_parallel.saved import SavedBytes
 from ..tensor_parallel.model import TensorParallelTransformer
 from ..tensor_parallel.vocab import vocab_parallel_cross_entropy
 from .args import DEFAULT_SEQUENCES, HEADS, HIDDEN, LAYERS, SEQ, VOCAB
-from .data import Batches, evaluation_due
+from .data import Batches, evaluation_due, validation_summary
 from .progress import progress
-from .sample import gathered_tp, one_rank_copy, sample
+from .gradients import average_gradients
+from .sample import gathered_tp, one_rank_copy, write_sample
 from ..workload.transformer import TinyTransformer
 
 
@@ -56,16 +57,6 @@ class CPMesh:
         self.tp = C.split([[at(d, c, t) for t in range(tp)] for d in range(dp) for c in range(cp)])
         self.cp = C.split([[at(d, c, t) for c in range(cp)] for d in range(dp) for t in range(tp)])
         self.replicas = C.split([[at(d, c, t) for d in range(dp) for c in range(cp)] for t in range(tp)])
-
-
-def _average(params, group, size: int) -> None:
-    grads = [p.grad for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    if size > 1:
-        C.all_reduce(flat, group=group)
-        flat /= size
-    for g, part in zip(grads, flat.split([g.numel() for g in grads])):
-        g.copy_(part.view_as(g))
 
 
 def train_cp(env, config) -> dict:
@@ -116,7 +107,7 @@ def train_cp(env, config) -> dict:
                 loss = loss_of(tokens, targets)
             saved_bytes = saved_bytes or saved.peak
             loss.backward()
-            _average(params, mesh.replicas, replicas)
+            average_gradients(params, mesh.replicas, replicas)
             opt.step()
             opt.zero_grad()
             losses.append(global_mean(loss))
@@ -132,13 +123,10 @@ def train_cp(env, config) -> dict:
     written = None
     if config.sample:
         whole = gathered_tp(model, mesh.tp, positions=SEQ) if tp > 1 else one_rank_copy(model)
-        written = sample(whole, batches.prompt(), config.sample, config.seed)
-    if written is not None and env.rank == 0:
-        print(f"sample: {batches.prompt().decode(errors='replace')}|{written.decode(errors='replace')}", file=sys.stderr)
+        written = write_sample(whole, batches, config, env.rank)
     return {"model": "transformer", "cp": cp, "tp": tp, "dp": mesh.dp_size, "world_size": env.world_size,
             "backend": env.backend, "epochs": config.epochs, "batch_size_per_dp_rank": config.batch_size, "seq": SEQ,
             "tokens_per_cp_rank": SEQ // cp, "steps": len(losses), "losses": losses,
-            "saved_bytes_first_step": saved_bytes, "train_seconds": seconds, "validation": validation,
-            "validation_loss": validation[-1]["loss"] if validation else None,
-            "sample": None if written is None else written.decode(errors="replace"),
+            "saved_bytes_first_step": saved_bytes, "train_seconds": seconds, **validation_summary(validation),
+            "sample": written,
             "tokens_per_second": len(losses) * per_step * SEQ / seconds if seconds else None, **batches.summary()}

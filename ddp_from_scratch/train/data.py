@@ -19,6 +19,11 @@ from ..workload.transformer import token_batch
 from .args import SEQ, VOCAB
 
 
+def validation_summary(validation: list) -> dict:
+    """The summary's validation entries: every evaluation, and the last one's loss."""
+    return {"validation": validation, "validation_loss": validation[-1]["loss"] if validation else None}
+
+
 def evaluation_due(config, done: int, end: int) -> bool:
     """After `done` steps of a run that ends at `end`: evaluate now?"""
     every = getattr(config, "eval_every", None)

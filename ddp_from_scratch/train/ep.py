@@ -50,22 +50,10 @@ import collectives as C
 from ..expert_parallel.model import MoETransformer, dense_parameters, expert_parameters, expert_parallel, expert_state
 from ..parts import shards
 from .args import DEFAULT_SEQUENCES, HEADS, HIDDEN, LAYERS, SEQ, VOCAB, ep_layout
-from .data import Batches, evaluation_due
+from .data import Batches, evaluation_due, validation_summary
 from .progress import progress
-from .sample import gathered_moe, sample
-
-
-def _average(params, group, world_size: int) -> None:
-    """Sum the parameters' gradients over `group` in one flat all_reduce, then divide by the world size."""
-    grads = [p.grad for p in params]
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    if dist.get_world_size(group) > 1:
-        C.all_reduce(flat, group=group)
-    flat /= world_size
-    for g, part in zip(grads, flat.split([g.numel() for g in grads])):
-        g.copy_(part.view_as(g))
+from .gradients import average_gradients
+from .sample import gathered_moe, write_sample
 
 
 def _save(env, config, model, opt, layout: dict, done: int) -> None:
@@ -132,8 +120,8 @@ def train_ep(env, config) -> dict:
         aux = model.aux_loss()
         (loss + config.aux_loss * aux).backward()
         if w > 1:
-            _average(dense, None, w)  # over every rank
-            _average(experts, grid.col, w)  # over the ranks holding the same experts
+            average_gradients(dense, None, w)  # over every rank
+            average_gradients(experts, grid.col, w)  # over the ranks holding the same experts
         opt.step()
         opt.zero_grad()
         layers = model.moe_layers()
@@ -166,18 +154,14 @@ def train_ep(env, config) -> dict:
     if config.sample:
         whole = gathered_moe(model, (VOCAB, HIDDEN, HEADS, LAYERS, config.experts, config.top_k,
                                      config.capacity_factor), grid.row) if ep > 1 else model
-        written = sample(whole, batches.prompt(), config.sample, config.seed)
-        if env.rank == 0:
-            print(f"sample: {batches.prompt().decode(errors='replace')}|{written.decode(errors='replace')}",
-                  file=sys.stderr)
+        written = write_sample(whole, batches, config, env.rank)
     return {"model": "moe-transformer", "ep": ep, "dp": w // ep, "world_size": w, "backend": env.backend,
             "experts": config.experts, "top_k": config.top_k, "capacity_factor": config.capacity_factor,
             "aux_loss_weight": config.aux_loss, "epochs": config.epochs, "batch_size_per_rank": config.batch_size,
             "seq": SEQ, "steps": len(losses), "losses": losses, "aux_losses": aux_losses,
             "dropped_slots": dropped, "tokens_per_expert_last_step": load.tolist(),
             "all_to_all_bytes_per_step": moved, "start_step": first, "end_step": end,
-            "checkpoint": config.checkpoint, "train_seconds": seconds, "validation": validation,
-            "validation_loss": validation[-1]["loss"] if validation else None,
-            "sample": None if written is None else written.decode(errors="replace"),
+            "checkpoint": config.checkpoint, "train_seconds": seconds, **validation_summary(validation),
+            "sample": written,
             "tokens_per_second": len(losses) * per_step * SEQ / seconds if seconds else None,
             **batches.summary()}

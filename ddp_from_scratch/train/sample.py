@@ -13,6 +13,7 @@ held-out text the model never trained on.
 from __future__ import annotations
 
 import copy
+import sys
 
 import torch
 import torch.distributed as dist
@@ -35,6 +36,18 @@ def sample(model, prompt: bytes, n: int, seed: int = 0) -> bytes:
         logits = model(x)[0, -1]
         context.append(int(torch.multinomial((logits / TEMPERATURE).softmax(-1), 1, generator=g)))
     return bytes(context[len(prompt):])
+
+
+def write_sample(whole, batches, config, rank: int):
+    """`--sample`: the bytes `whole` (the one-rank model) writes after the held-out prompt, printed
+    on rank 0's stderr; the summary's text, or None without --sample."""
+    if not config.sample:
+        return None
+    prompt = batches.prompt()
+    written = sample(whole, prompt, config.sample, config.seed).decode(errors="replace")
+    if rank == 0:
+        print(f"sample: {prompt.decode(errors='replace')}|{written}", file=sys.stderr)
+    return written
 
 
 def one_rank_copy(model):

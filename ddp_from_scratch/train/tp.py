@@ -31,9 +31,9 @@ from ..tensor_parallel.mesh import Mesh2D
 from ..tensor_parallel.model import TensorParallelTransformer
 from ..tensor_parallel.operators import counting
 from ..tensor_parallel.vocab import vocab_parallel_cross_entropy
-from .data import Batches, evaluation_due
+from .data import Batches, evaluation_due, validation_summary
 from .progress import progress
-from .sample import gathered_tp, sample
+from .sample import gathered_tp, write_sample
 from .args import DEFAULT_SEQUENCES, HEADS, HIDDEN, LAYERS, SEQ, VOCAB  # the sizes, with the --tp flag checks
 from ..workload.transformer import TinyTransformer
 
@@ -93,12 +93,8 @@ def train_tp(env, config) -> dict:
     seconds = time.perf_counter() - start
     if env.rank == 0:
         print(file=sys.stderr)
-    written = None
-    if config.sample:
-        whole = gathered_tp(split, mesh.tp) if config.tp > 1 else split
-        written = sample(whole, batches.prompt(), config.sample, config.seed)
-    if written is not None and env.rank == 0:
-        print(f"sample: {batches.prompt().decode(errors='replace')}|{written.decode(errors='replace')}", file=sys.stderr)
+    written = write_sample(gathered_tp(split, mesh.tp) if config.sample and config.tp > 1 else split, batches, config,
+                           env.rank)
     shape = Shape(VOCAB, HIDDEN, HEADS, LAYERS, tokens=per_step * SEQ)
     return {"model": "transformer", "tp": config.tp, "dp": mesh.dp_size, "world_size": env.world_size,
             "sequence_parallel": config.sequence_parallel, "backend": env.backend, "epochs": config.epochs,
@@ -106,5 +102,4 @@ def train_tp(env, config) -> dict:
             "tp_elements_per_step": tp_elements, "parameters": shape.parameters(),
             "dp_buckets": len(model.buckets) if mesh.dp_size > 1 else 0, "train_seconds": seconds,
             "tokens_per_second": len(losses) * per_step * SEQ / seconds if seconds else None,
-            "validation": validation, "validation_loss": validation[-1]["loss"] if validation else None,
-            "sample": None if written is None else written.decode(errors="replace"), **batches.summary()}
+            **validation_summary(validation), "sample": written, **batches.summary()}

@@ -131,3 +131,13 @@ def test_the_plan_skips_later_blocks_without_balance_and_never_with_it():
     with pytest.raises(ValueError, match="balances a causal mask"):
         ring_attention(torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 2, 4), causal=False,
                        balanced=True)
+
+
+@settings(max_examples=2, deadline=None)
+@example(batch=1, heads=2, head_dim=8, per_rank=4, mode=(True, True))
+@example(batch=1, heads=2, head_dim=8, per_rank=4, mode=(True, False))
+@given(**_sizes())
+@distributed(world_size=3)
+def test_ring_attention_is_torchs_ring_bit_for_bit_on_3_ranks(env, batch, heads, head_dim, per_rank, mode):
+    """An odd ring: the head-tail layout's 6 pieces, and a key gradient travelling 3 ranks home."""
+    _compare(env, "gloo", batch, heads, head_dim, per_rank, *mode)

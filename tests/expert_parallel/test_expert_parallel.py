@@ -155,3 +155,13 @@ def test_the_ranks_experts_put_together_are_the_one_rank_models(env):
     want = expert_state(full)
     assert sorted(merged) == sorted(want) and all(torch.equal(merged[k], want[k]) for k in want)
     assert len(mine) == len(want) // env.world_size
+
+
+@settings(max_examples=3, deadline=None)
+@_named
+@given(**CASES)
+@distributed(world_size=3)
+def test_expert_parallel_is_the_one_rank_layer_bit_for_bit_on_3_ranks(env, tokens, groups, per_rank_experts, top_k,
+                                                                       capacity_factor, skewed):
+    """An odd world size: 3 or 6 experts, the router's gradients added over 3 ranks in rank order."""
+    _compare(env, "gloo", tokens, groups, per_rank_experts, top_k, capacity_factor, skewed)
