@@ -22,16 +22,18 @@ from .ring import ring_attention
 
 class RingAttend:
     """`attend(q, k, v, heads)` of workload/transformer.py, by ring attention over `group`:
-    (batch, this rank's tokens, heads x head_dim) projections in, the same shape out."""
+    (batch, this rank's tokens, heads x head_dim) projections in, the same shape out. The ring runs in
+    float32 whatever the projections' dtype (under --amp's autocast, bfloat16): its merge adds
+    blocks weighted by exp(lse) in float32, and the result goes back to the projections' dtype."""
 
     def __init__(self, group, balanced: bool):
         self.group, self.balanced = group, balanced
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int) -> torch.Tensor:
         b, s, width = q.shape
-        split = lambda t: t.view(b, s, heads, width // heads).transpose(1, 2)  # noqa: E731
+        split = lambda t: t.view(b, s, heads, width // heads).transpose(1, 2).float()  # noqa: E731
         y = ring_attention(split(q), split(k), split(v), self.group, causal=True, balanced=self.balanced)
-        return y.transpose(1, 2).reshape(b, s, width)
+        return y.transpose(1, 2).reshape(b, s, width).to(q.dtype)
 
 
 def context_parallel(model: nn.Module, group, balanced: bool = True) -> nn.Module:

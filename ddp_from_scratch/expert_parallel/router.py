@@ -33,13 +33,17 @@ from torch import nn
 
 
 class _BlockedLinear(torch.autograd.Function):
+    # under autocast (--amp) the router still runs in float32, as Switch Transformer keeps it
+    # ("selective precision"): a token's expert must not hang on bfloat16 rounding
     @staticmethod
+    @torch.amp.custom_fwd(device_type="cpu", cast_inputs=torch.float32)
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, blocks: int) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.blocks = blocks
         return torch.cat([F.linear(b, weight) for b in x.chunk(blocks)]) if blocks > 1 else F.linear(x, weight)
 
     @staticmethod
+    @torch.amp.custom_bwd(device_type="cpu")
     def backward(ctx, grad: torch.Tensor):
         x, weight = ctx.saved_tensors
         xs, gs = x.chunk(ctx.blocks), grad.chunk(ctx.blocks)

@@ -1,10 +1,12 @@
 """A checkpoint in shards: each rank writes its own file, and rank 0 a manifest that names the
-layout, the step and every shard's digest. The transformer runs' checkpoint (train --ep).
+layout, the step and every shard's digest. The transformer runs' checkpoint (train --ep's, and
+train/sharded_checkpoint.py's for --tp, --pp and --cp, which may load into another layout).
 
     save_shard(folder, rank, world_size, state)            # every rank, its own file, atomically
     write_manifest(folder, layout, step, world_size)       # rank 0, once every shard is written
     manifest = read_manifest(folder)                       # before any rank starts: refused in one line
     check_layout(manifest, layout, folder)                 #   if it is damaged, foreign or of another layout
+    check_settings(manifest, run, settings, folder)        #   (or, for a run that reshards: of other settings)
     verify_shards(folder, manifest)                        #   or a shard is damaged
     state = load_shard(folder, rank, manifest)             # each rank, its own file, its digest checked
 
@@ -25,6 +27,8 @@ import json
 import os
 import pickle
 import zipfile
+from typing import Optional
+
 import torch
 
 from collectives import output_files
@@ -55,11 +59,18 @@ def save_shard(folder: str, rank: int, world_size: int, state: dict) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def write_manifest(folder: str, layout: dict, step: int, digests: list) -> None:
-    """Rank 0, after every rank has written its shard: the layout, the steps done, each shard's digest."""
+def write_manifest(folder: str, layout: dict, step: int, digests: list, settings: Optional[dict] = None) -> None:
+    """Rank 0, after every rank has written its shard: the layout, the steps done, each shard's
+    digest, and the settings any layout resuming it must share (when it may reshard)."""
     shards = [{"file": shard_name(r, len(digests)), "sha256": d} for r, d in enumerate(digests)]
-    output_files.write_json(os.path.join(folder, MANIFEST), {"format": FORMAT, "layout": layout, "step": step,
-                                                             "shards": shards}, "--checkpoint")
+    manifest = {"format": FORMAT, "layout": layout, "step": step, "shards": shards}
+    if settings is not None:
+        manifest["settings"] = settings
+    output_files.write_json(os.path.join(folder, MANIFEST), manifest, "--checkpoint")
+    named = {s["file"] for s in shards}
+    for name in os.listdir(folder):  # another layout's shards, left by the run this one resumed: unused now
+        if name.startswith("shard-") and name.endswith(".pt") and name not in named:
+            os.remove(os.path.join(folder, name))
 
 
 def read_manifest(folder: str) -> dict:
@@ -93,6 +104,19 @@ def check_layout(manifest: dict, layout: dict, folder: str) -> None:
     if differ:
         raise ShardError(f"--resume: {os.path.join(folder, MANIFEST)} was written by another layout or settings: "
                          f"{'; '.join(differ)}. Resume with the checkpoint's, or start a new --checkpoint folder")
+
+
+def check_settings(manifest: dict, run: str, settings: dict, folder: str) -> None:
+    """Refuse a resume by another run, or with other settings (the layout may differ: a reshard), naming each difference."""
+    path = os.path.join(folder, MANIFEST)
+    if manifest["layout"].get("run") != run or not isinstance(manifest.get("settings"), dict):
+        raise ShardError(f"--resume: {path} was written by another run ({manifest['layout'].get('run')!r}, not "
+                         f"{run!r}); start a new --checkpoint folder")
+    saved = manifest["settings"]
+    differ = [f"{k} {saved.get(k)!r} in the checkpoint, {settings[k]!r} now" for k in settings if saved.get(k) != settings[k]]
+    if differ:
+        raise ShardError(f"--resume: {path} was written with other settings: {'; '.join(differ)}. Resume with the "
+                         "checkpoint's, or start a new --checkpoint folder")
 
 
 def verify_shards(folder: str, manifest: dict) -> None:

@@ -29,6 +29,7 @@ excluded) and freed, so the peak is measured, not computed.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from typing import Callable, Dict, List, Optional
@@ -104,7 +105,11 @@ def _check_microbatches(what: str, given, microbatches: int, meta) -> None:
 
 
 class Stage:
-    def __init__(self, modules, rank: int, ranks: int, group=None, loss_fn: Optional[Callable] = None):
+    def __init__(self, modules, rank: int, ranks: int, group=None, loss_fn: Optional[Callable] = None,
+                 autocast: Optional[Callable] = None):
+        """`autocast`: a context a forward (and its loss) runs in, made anew each time (mixed
+        precision: `lambda: torch.autocast("cpu", torch.bfloat16)`); backwards run outside it."""
+        self.autocast = autocast or contextlib.nullcontext
         self.chunks = list(modules) if isinstance(modules, (list, tuple)) else [modules]
         if not 0 <= rank < ranks:
             raise ValueError(f"rank {rank} is not one of the pipeline's {ranks} ranks")
@@ -126,6 +131,10 @@ class Stage:
 
     def owner(self, stage: int) -> int:
         return stage % self.ranks
+
+    def peer(self, stage: int) -> int:
+        """The global rank that holds `stage` (for a message to or from it)."""
+        return self._global[self.owner(stage)]
 
     @property
     def module(self) -> nn.Module:
@@ -273,7 +282,7 @@ class Stage:
         else:
             x = self._inbox.pop((FORWARD, a.microbatch, stage - 1)).requires_grad_()
         began = time.perf_counter()
-        with self.saved:
+        with self.saved, self.autocast():
             y = self.chunks[a.chunk](x)
             if stage == last:
                 y = self.loss_fn(y, step.targets[a.microbatch])

@@ -13,8 +13,8 @@ With sequence_parallel=True the activations between the blocks are this rank's s
 sequence: the embedding reduce-scatters instead of all-reducing, each block all-gathers the
 slices before its attention and MLP and reduce-scatters after them, the head all-gathers, and
 after backward `sequence_parallel_grads()` all-reduces the gradients of the parameters every
-rank holds whole (the LayerNorms, the biases added to a slice), which each rank computed from its
-slice alone.
+rank holds whole (the LayerNorms, the biases added to a slice, the learned positions), which each
+rank computed from its slice alone.
 
 Messages per step, for L blocks on (batch, seq) tokens with hidden size h (closed form, checked
 by tests/tensor_parallel/test_tensor_parallel.py): forward, 1 + 2L all_reduces of batch x seq x h elements
@@ -25,6 +25,7 @@ backward, 2L + 1 of batch x seq x h (f before each attention and MLP, and before
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -62,10 +63,11 @@ class TensorParallelTransformer(TinyTransformer):
     def forward(self, tokens: torch.Tensor, positions=None) -> torch.Tensor:
         if not self.sequence_parallel:
             return super().forward(tokens, positions)
-        if self.pos is not None:
-            raise ValueError("a sequence-parallel model here has no position embedding (its slices would need "
-                             "their places)")
         x = self.embed(tokens)  # this rank's slice of the sequence from here to the last LayerNorm
+        if self.pos is not None:  # the places of this rank's slice
+            places = positions if positions is not None else torch.arange(tokens.shape[1])
+            k, r = x.shape[1], dist.get_rank(self.group)
+            x = x + self.pos(places[r * k:(r + 1) * k])
         for block in self.blocks:
             x = block(x)
         whole = gather_sequence(self.ln(x), self.group)  # the head needs every position
@@ -82,12 +84,12 @@ class TensorParallelTransformer(TinyTransformer):
 
     def sequence_parallel_grads(self) -> None:
         """With sequence parallelism, after backward: the parameters every rank holds whole (the
-        LayerNorms, the biases added after a reduce_scatter) got a gradient from this rank's slice
+        LayerNorms, the biases added after a reduce_scatter, the learned positions) got a gradient from this rank's slice
         only; all-reduce them over the TP group (Megatron's step for its sequence-parallel
         parameters). One all_reduce per parameter."""
         if not self.sequence_parallel:
             return
-        shared = [self.ln] + [m for b in self.blocks for m in (b.ln1, b.ln2)]
+        shared = [self.ln] + [m for b in self.blocks for m in (b.ln1, b.ln2)] + ([self.pos] if self.pos is not None else [])
         params = [p for m in shared for p in m.parameters()]
         params += [row.bias for b in self.blocks for row in (b.attn.out, b.mlp.down) if row.bias_needs_all_reduce()]
         for p in params:

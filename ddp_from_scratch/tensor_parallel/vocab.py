@@ -101,7 +101,9 @@ def vocab_parallel_cross_entropy(local_logits: torch.Tensor, targets: torch.Tens
     _check_in_vocabulary(targets, local_logits.shape[-1] * p, "target", group, ignore_index)
     start = dist.get_rank(group) * local_logits.shape[-1]
     counted = targets != ignore_index
-    per_token = _VocabParallelCrossEntropy.apply(local_logits, targets, start, group, counted)
+    # float32 whatever the logits (under autocast, bfloat16): the softmax's sums need its precision,
+    # as F.cross_entropy takes them in float32 under autocast
+    per_token = _VocabParallelCrossEntropy.apply(local_logits.float(), targets, start, group, counted)
     if reduction == "none":
         return per_token
     return per_token.sum() / counted.sum() if reduction == "mean" else per_token.sum()

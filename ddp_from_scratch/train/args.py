@@ -1,6 +1,7 @@
 """The training program's command line: every flag (build_parser), the run they describe
 (TrainConfig, what every rank reads), and the checks that refuse a bad argument, dataset or
-checkpoint before any rank starts (validate). train.py is the loop.
+checkpoint before any rank starts (validate: the ResNet run's here, the transformer runs' in
+transformer_args.py).
 
     args = build_parser().parse_args(argv)
     validate(args, parser, world_size)               # parser.error (exit 2) on anything wrong
@@ -23,20 +24,20 @@ from .checkpoint import CheckpointError, RunComplete, check_resume, load_checkpo
 from ..steps.ddp import rebuilt_bucket_count
 from ..workload.models import MODELS, batch, check_batch_fits, check_batchnorm_fits
 from ..steps.powersgd import CLI_NAMES as POWERSGD_CLI_NAMES
-from ..parts import shards
 from ..parts.torch_hooks import POWERSGD_ON_GLOO
-from ..pipeline_parallel.schedule import CHUNKED, SCHEDULES, rounds_of
-from ..workload.text import Text, TextError
+from ..pipeline_parallel.schedule import CHUNKED, SCHEDULES
 from ..wrap import IMPLS, SHARDED_IMPLS, STAGES
+from .transformer_args import (DEFAULT_AUX_LOSS, DEFAULT_CAPACITY_FACTOR, DEFAULT_CHUNKS, DEFAULT_EXPERTS_PER_RANK,
+                               DEFAULT_SCHEDULE, EP_ONLY, HEADS, HIDDEN, LAYERS, PP_ONLY, SEQ, validate_transformer)
 
 CIFAR_TRAIN_SIZE, CIFAR_TEST_SIZE = 50_000, 10_000
 # Memory a rank holds per synthetic image while making the set (numpy's int64 noise, then the
 # 3,072-byte image): 27,913 bytes measured at the peak (cifar10.SyntheticCIFAR10, 20,000 images)
 SYNTHETIC_PEAK_BYTES = 28_000
+SIZES = ("hidden", "heads", "layers", "seq")  # the transformer's sizes, from flags
 TRAIN_DESCRIPTION = "Train ResNet-50 on CIFAR-10 with torch's DDP or one of ours, as the public DDP tutorials do."
 DEFAULT_MODEL = "resnet50"
 POWERSGD_DEFAULTS = {"powersgd_rank": 1, "powersgd_start_iter": 1000}  # torch's PowerSGDState's
-DEFAULT_SCHEDULE, DEFAULT_CHUNKS = "1f1b", 2  # --pp's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +81,10 @@ class TrainConfig:
     text: Optional[str] = None
     eval_every: Optional[int] = None
     sample: Optional[int] = None
+    hidden: Optional[int] = None
+    heads: Optional[int] = None
+    layers: Optional[int] = None
+    seq: Optional[int] = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "TrainConfig":
@@ -149,12 +154,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--powersgd-start-iter", type=int, default=None, metavar="N",
                    help="PowerSGD's start_powerSGD_iter: plain all_reduce for the first N steps (with --compress "
                         f"powersgd; torch's default, {POWERSGD_DEFAULTS['powersgd_start_iter']}, if not given)")
-    p.add_argument("--amp", action="store_true", help="mixed precision: bf16 autocast on CPU, fp16 + GradScaler on CUDA")
+    p.add_argument("--amp", action="store_true", help="mixed precision: bf16 autocast on CPU, fp16 + GradScaler on CUDA (the ResNet run); "
+                        "bf16 autocast (the transformer runs)")
     p.add_argument("--seed", type=int, default=0, help="initialisation, shuffling and augmentation")
     p.add_argument("--deterministic", action="store_true",
                    help="deterministic kernels (cuDNN's deterministic mode, torch.use_deterministic_algorithms with "
                         "warnings): on CUDA, runs otherwise differ in the losses' 3rd decimal from the 2nd step")
-    p.add_argument("--checkpoint", default=None, help="folder for checkpoint.pt, written each epoch")
+    p.add_argument("--checkpoint", default=None, help="folder for checkpoint.pt, written each epoch (the ResNet run); with --tp, --pp, --cp or --ep, "
+                        "for each rank's shard and a manifest, written at the end (and every --checkpoint-every "
+                        "steps); a --tp/--pp/--cp checkpoint resumes on any of their layouts")
     p.add_argument("--checkpoint-every", type=int, default=None, metavar="K",
                    help="also write the checkpoint every K steps within an epoch (a restart loses at most K steps)")
     p.add_argument("--stop-at-step", type=int, default=None, metavar="N",
@@ -196,203 +204,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"with --ep: the weight of the load-balancing loss added to the cross-entropy (default "
                         f"{DEFAULT_AUX_LOSS}; 0: off)")
     p.add_argument("--cp", type=int, default=None, metavar="N",
-                   help="context parallelism: train the small transformer (with learned positions) on synthetic "
-                        "tokens, each sequence cut over N ranks and attention by ring attention, with --tp inside and "
+                   help="context parallelism: train the small transformer on text or --synthetic tokens, each sequence "
+                        "cut over N ranks and attention by ring attention, with --tp inside and "
                         "data parallelism over the rest (ddp_from_scratch/train/cp.py)")
+    p.add_argument("--hidden", type=int, default=None, metavar="H",
+                   help=f"with --tp, --pp, --ep or --cp: the transformer's hidden size (default {HIDDEN})")
+    p.add_argument("--heads", type=int, default=None, metavar="A",
+                   help=f"with --tp, --pp, --ep or --cp: attention heads, dividing --hidden (default {HEADS})")
+    p.add_argument("--layers", type=int, default=None, metavar="L",
+                   help=f"with --tp, --pp, --ep or --cp: transformer blocks (default {LAYERS})")
+    p.add_argument("--seq", type=int, default=None, metavar="S",
+                   help=f"with --tp, --pp, --ep or --cp: tokens (bytes) a sequence, and the learned positions "
+                        f"(default {SEQ})")
     p.add_argument("--eval-every", type=int, default=None, metavar="K",
-                   help="with --tp, --ep or --cp: the validation loss every K steps, as well as at the end")
+                   help="with --tp, --pp, --ep or --cp: the validation loss every K steps, as well as at the end")
     p.add_argument("--sample", type=int, default=None, metavar="N",
-                   help="with --tp, --ep or --cp: after training, write N bytes the model generates from the start "
+                   help="with --tp, --pp, --ep or --cp: after training, write N bytes the model generates from the start "
                         "of the held-out text (in the summary, and on stderr)")
     p.add_argument("--json", default=None, help="also write the summary to this file")
     return p
-
-
-DEFAULT_EXPERTS_PER_RANK, DEFAULT_CAPACITY_FACTOR, DEFAULT_AUX_LOSS = 2, 1.25, 0.01  # --ep's (Switch's factor and weight)
-EP_ONLY = ("experts", "top_k", "capacity_factor", "aux_loss")  # the flags that mean something only with --ep
-
-
-EP_CHECKPOINTS = ("checkpoint", "checkpoint_every", "stop_at_step", "resume", "auto_resume")  # --ep takes these
-
-
-def ep_layout(config: "TrainConfig", world_size: int) -> dict:
-    """What an --ep checkpoint must match to resume: the layout and the settings that decide the result."""
-    return {"run": "ep", "world_size": world_size, "ep": config.ep, "experts": config.experts, "top_k": config.top_k,
-            "capacity_factor": config.capacity_factor, "aux_loss": config.aux_loss, "batch_size": config.batch_size,
-            "train_size": config.train_size or DEFAULT_SEQUENCES, "lr": config.lr, "seed": config.seed,
-            "model": [VOCAB, HIDDEN, HEADS, LAYERS, SEQ]}
-
-
-def validate_ep_checkpoint(args, parser, world_size: int) -> None:
-    """--checkpoint and its companions with --ep: the folder writable; a resume's manifest, layout and
-    shards checked now, so a damaged or foreign checkpoint is one line before any rank starts."""
-    for flag, given in (("--resume", args.resume), ("--auto-resume", args.auto_resume),
-                        ("--checkpoint-every", args.checkpoint_every), ("--stop-at-step", args.stop_at_step)):
-        if given and not args.checkpoint:
-            parser.error(f"{flag} needs --checkpoint FOLDER (each rank writes its shard there, rank 0 the manifest)")
-    if args.resume and args.auto_resume:
-        parser.error("--resume and --auto-resume: give one (--auto-resume also starts when there is no checkpoint)")
-    if not args.checkpoint:
-        return
-    if os.path.exists(args.checkpoint) and not os.path.isdir(args.checkpoint):
-        parser.error(f"--checkpoint {args.checkpoint} is a file; it must be a folder (the shards are written in it)")
-    try:
-        os.makedirs(args.checkpoint, exist_ok=True)
-    except OSError as exc:
-        parser.error(f"--checkpoint {args.checkpoint}: cannot write there ({exc.strerror or exc})")
-    cli.check_outputs(parser, {"--checkpoint": os.path.join(args.checkpoint, shards.MANIFEST)})
-    has = os.path.exists(os.path.join(args.checkpoint, shards.MANIFEST))
-    if not (args.resume or (args.auto_resume and has)):
-        return
-    config = TrainConfig.from_args(args)
-    try:
-        manifest = shards.read_manifest(args.checkpoint)
-        shards.check_layout(manifest, ep_layout(config, world_size), args.checkpoint)
-        shards.verify_shards(args.checkpoint, manifest)
-    except shards.ShardError as exc:
-        parser.error(str(exc))
-    total = (config.train_size or DEFAULT_SEQUENCES) // (config.batch_size * world_size) * config.epochs
-    if manifest["step"] >= total:
-        done = f"{args.checkpoint} has already trained {manifest['step']} of {total} steps (--epochs {config.epochs})"
-        if args.auto_resume:
-            parser.exit(0, f"python -m ddp_from_scratch.train: --auto-resume: {done}: the run is complete, nothing to "
-                           "do\n")
-        parser.error(f"--resume: {done}; raise --epochs to train further")
-
-
-def validate_cp(args, parser, world_size: int) -> None:
-    """Refuse what a --cp run cannot do, before any rank starts (parser.error: exit 2)."""
-    cp, tp = args.cp, args.tp or 1
-    if cp < 1 or world_size % (cp * tp):
-        parser.error(f"--cp {cp}{f' x --tp {tp}' if tp > 1 else ''} = {cp * tp} must divide the {world_size} rank(s) "
-                     "(--nproc, or the launcher's world size)")
-    if SEQ % (2 * cp):
-        parser.error(f"--cp {cp}: the transformer's {SEQ}-token sequences do not cut into 2 x {cp} equal pieces (the "
-                     "head-tail layout)")
-    if args.pp is not None and world_size % (cp * tp * args.pp):
-        parser.error(f"--pp {args.pp} x --cp {cp}{f' x --tp {tp}' if tp > 1 else ''} = {args.pp * cp * tp} must divide "
-                     f"the {world_size} rank(s) (--nproc, or the launcher's world size)")
-    for flag, given, why in (("--ep", args.ep, "the MoE blocks' run is data-parallel only"),
-                             ("--sequence-parallel", args.sequence_parallel,
-                              "context parallelism already keeps every activation split along the sequence")):
-        if given:
-            parser.error(f"{flag} is not taken with --cp: {why}")
-
-
-def validate_ep(args, parser, world_size: int) -> None:
-    """Refuse what an --ep run cannot do, before any rank starts (parser.error: exit 2)."""
-    ep = args.ep
-    if ep < 1 or world_size % ep:
-        parser.error(f"--ep {ep} must divide the {world_size} rank(s) (--nproc, or the launcher's world size)")
-    if args.tp is not None or args.pp is not None:
-        parser.error(f"--ep with {'--tp' if args.tp is not None else '--pp'}: expert parallelism here composes with "
-                     "data parallelism only (the MoE blocks are not split over a TP group or cut into stages)")
-    experts = args.experts if args.experts is not None else DEFAULT_EXPERTS_PER_RANK * ep
-    if experts < 1 or experts % ep:
-        parser.error(f"--experts {experts} must be a positive multiple of --ep {ep} (each rank holds experts/ep)")
-    k = args.top_k if args.top_k is not None else 1
-    if not 1 <= k <= experts:
-        parser.error(f"--top-k {k} must be between 1 and the {experts} experts")
-    if args.capacity_factor is not None and args.capacity_factor < 0:
-        parser.error(f"--capacity-factor must be 0 (no capacity) or more, got {args.capacity_factor}")
-    if args.aux_loss is not None and args.aux_loss < 0:
-        parser.error(f"--aux-loss must be 0 or more, got {args.aux_loss}")
-    if args.sequence_parallel:
-        parser.error("--sequence-parallel applies to a --tp run")
-
-
-# --tp trains the small transformer of train/tp.py: the tensor-parallel benchmark's model
-VOCAB, HIDDEN, HEADS, LAYERS, SEQ = 256, 64, 4, 2, 32
-DEFAULT_SEQUENCES = 512
-# the flags --tp does not take (none of them means anything for the transformer run yet)
-NOT_WITH_TP = ("compress", "powersgd_rank", "powersgd_start_iter", "amp", "checkpoint", "checkpoint_every",
-               "stop_at_step", "resume", "auto_resume", "test_size", "deterministic")
-
-
-def validate_tp(args, parser, world_size: int, run: str = "--tp") -> None:
-    """Refuse what a --tp run (or, with run="--pp", a --pp run with or without --tp) cannot do,
-    before any rank starts (parser.error: exit 2)."""
-    tp = args.tp or 1
-    if tp < 1 or world_size % tp:
-        parser.error(f"--tp {tp} must divide the {world_size} rank(s) (--nproc, or the launcher's world size)")
-    for what, size in (("heads", HEADS), ("hidden size", HIDDEN), ("vocabulary", VOCAB)):
-        if size % tp:
-            parser.error(f"--tp {tp} does not divide the transformer's {size} {what}: use 1, 2 or 4")
-    if args.text is not None and args.synthetic:
-        parser.error("--text and --synthetic: give one (the transformer runs train on a text, or on synthetic tokens)")
-    if not args.synthetic:
-        try:  # the file read now, so a missing or short one is one line before any rank starts
-            Text.load(args.text, SEQ)
-        except TextError as exc:
-            parser.error(str(exc))
-    if run == "--ep" and (args.impl != "bucketed" or args.bucket_cap_mb is not None):
-        given = f"--impl {args.impl}" if args.impl != "bucketed" else f"--bucket-cap-mb {args.bucket_cap_mb}"
-        parser.error(f"{given}: not taken with --ep (it averages its gradients itself, in two flat all_reduces: the "
-                     "dense parameters over every rank, each expert over the ranks holding it)")
-    if args.impl != "bucketed":
-        parser.error(f"{run} puts the bucketed DDP on the data-parallel dimension: --impl {args.impl} is not taken "
-                     f"with {run}")
-    if args.sequence_parallel and tp == 1:
-        parser.error("--sequence-parallel splits the sequence over the TP group: give --tp 2 or more")
-    refused = [n for n in NOT_WITH_TP if not (run == "--ep" and n in EP_CHECKPOINTS)]
-    given = [f"--{name.replace('_', '-')}" for name in refused
-             if getattr(args, name, None) is not None and getattr(args, name) is not False]
-    if given:
-        has = "has no compression" if run == "--ep" else "has no checkpoints, compression"
-        parser.error(f"{', '.join(given)}: not taken with {run} (the transformer run {has}, mixed precision or test set "
-                     "yet)")
-    if run == "--ep":
-        validate_ep_checkpoint(args, parser, world_size)
-    dp = world_size // (tp * (args.pp or 1) * (args.cp or 1))
-    sequences = args.train_size or DEFAULT_SEQUENCES
-    if sequences // (args.batch_size * dp) == 0:
-        parser.error(f"{sequences} sequences make no full step of {args.batch_size} per DP rank on {dp} DP rank(s): "
-                     f"use at least {args.batch_size * dp} (--train-size) or a smaller --batch-size")
-
-
-PP_ONLY = ("schedule", "microbatches", "chunks")  # the flags that mean something only with --pp
-
-
-def validate_pp(args, parser, world_size: int) -> None:
-    """Refuse what a --pp run cannot do, before any rank starts (parser.error: exit 2)."""
-    pp, tp, cp = args.pp, args.tp or 1, args.cp or 1
-    if args.sample is not None:
-        parser.error("--sample is not taken with --pp yet: the stages are not gathered into one model")
-    if args.eval_every is not None:
-        parser.error("--eval-every is not taken with --pp yet: the pipeline's schedules all run a backward, and a "
-                     "forward-only one is not built")
-    if pp < 1:
-        parser.error(f"--pp must be at least 1, got {pp}")
-    if pp * tp * cp > world_size or world_size % (pp * tp * cp):
-        parser.error(f"--pp {pp}{f' x --tp {tp}' if tp > 1 else ''}{f' x --cp {cp}' if cp > 1 else ''} = {pp * tp * cp} "
-                     f"must divide the {world_size} rank(s) (--nproc, or the launcher's world size)")
-    if args.sequence_parallel:
-        parser.error("--sequence-parallel is not taken with --pp (a stage's activations travel whole)")
-    m = args.microbatches if args.microbatches is not None else 2 * pp
-    if m < 1:
-        parser.error(f"--microbatches must be at least 1, got {m}")
-    schedule = args.schedule or DEFAULT_SCHEDULE
-    if args.chunks is not None and schedule not in CHUNKED:
-        parser.error(f"--chunks applies to --schedule {' and '.join(CHUNKED)}, not {schedule}")
-    v = (args.chunks if args.chunks is not None else DEFAULT_CHUNKS) if schedule in CHUNKED else 1
-    if v < 1:
-        parser.error(f"--chunks must be at least 1, got {v}")
-    pieces = LAYERS + 2  # the embedding, each block, the last LayerNorm with the head
-    if pp * v > pieces:
-        parser.error(f"--pp {pp}{f' x --chunks {v}' if v > 1 else ''}: the transformer has {pieces} pieces to cut "
-                     f"into {pp * v} stages (the embedding, {LAYERS} blocks, the head), at least one a stage")
-    if args.batch_size % m:
-        parser.error(f"--microbatches {m} does not divide --batch-size {args.batch_size} (the sequences a DP rank "
-                     "takes a step)")
-    if schedule == "1f1b" and m < pp:
-        parser.error(f"--schedule 1f1b needs at least as many microbatches as stages: --microbatches {m} for "
-                     f"--pp {pp} (use gpipe, or more microbatches)")
-    if schedule in CHUNKED and m % rounds_of(pp, m):
-        parser.error(f"--schedule {schedule} runs the microbatches in rounds of about one a stage: "
-                     f"--microbatches {m} on --pp {pp} make {rounds_of(pp, m)} rounds, which must divide them")
-    if args.impl != "bucketed":
-        parser.error(f"--pp puts the bucketed DDP on the data-parallel dimension: --impl {args.impl} is not taken "
-                     "with --pp")
 
 
 def validate(args, parser, world_size: int, local_ranks: Optional[int] = None) -> None:
@@ -410,25 +240,16 @@ def validate(args, parser, world_size: int, local_ranks: Optional[int] = None) -
         given = [f"--{name.replace('_', '-')}" for name in EP_ONLY if getattr(args, name) is not None]
         if given:
             parser.error(f"{', '.join(given)}: appl{'ies' if len(given) == 1 else 'y'} to an --ep run")
-    if args.cp is not None:
-        validate_cp(args, parser, world_size)
-    elif args.ep is not None:
-        validate_ep(args, parser, world_size)
     if args.tp is not None or args.pp is not None or args.ep is not None or args.cp is not None:
-        run = ("--pp" if args.pp is not None else "--cp" if args.cp is not None else "--tp" if args.tp is not None
-               else "--ep")
-        if args.model is not None:
-            parser.error(f"--model {args.model}: a {run} run trains the small transformer, not a CNN; leave out --model")
-        cli.check_outputs(parser, {"--json": args.json})
-        cli.check_positive(parser, args, "--lr")
-        cli.check_positive(parser, args, "--bucket-cap-mb", "MiB")
-        if args.pp is not None:
-            validate_pp(args, parser, world_size)
-        return validate_tp(args, parser, world_size, run)
+        return validate_transformer(args, parser, world_size, TrainConfig.from_args)
+    given = [f"--{name}" for name in SIZES if getattr(args, name) is not None]
+    if given:
+        parser.error(f"{', '.join(given)}: appl{'ies' if len(given) == 1 else 'y'} to the transformer runs (--tp, --pp, "
+                     "--ep, --cp); the ResNet run's model is --model")
     if args.sample is not None:
-        parser.error("--sample applies to the transformer runs (--tp, --ep, --cp)")
+        parser.error("--sample applies to the transformer runs (--tp, --pp, --ep, --cp)")
     if args.eval_every is not None:
-        parser.error("--eval-every applies to the transformer runs (--tp, --ep, --cp); the ResNet run evaluates on "
+        parser.error("--eval-every applies to the transformer runs (--tp, --pp, --ep, --cp); the ResNet run evaluates on "
                      "the test set after every epoch")
     if args.text is not None:
         parser.error("--text applies to the transformer runs (--tp, --pp, --ep, --cp); the ResNet run reads CIFAR-10 "

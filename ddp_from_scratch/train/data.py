@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from ..workload.text import Text
 from ..workload.transformer import token_batch
-from .args import SEQ, VOCAB
+from .transformer_args import VOCAB, sizes
 
 
 def validation_summary(validation: list) -> dict:
@@ -32,26 +32,26 @@ def evaluation_due(config, done: int, end: int) -> bool:
 
 class Batches:
     def __init__(self, config):
-        self.seed = config.seed
-        self.text = None if config.synthetic else Text.load(getattr(config, "text", None), SEQ)
+        self.seed, self.seq = config.seed, sizes(config)[4]
+        self.text = None if config.synthetic else Text.load(getattr(config, "text", None), self.seq)
         self.label = "[synthetic tokens]" if self.text is None else f"[text: {self.text.name}]"
 
     def __call__(self, step: int, rows: int):
         if self.text is None:
-            return token_batch(step, 0, rows, SEQ, VOCAB)
-        return self.text.batch(step, rows, SEQ, self.seed)
+            return token_batch(step, 0, rows, self.seq, VOCAB)
+        return self.text.batch(step, rows, self.seq, self.seed)
 
     def validation(self, rows: int):
         """The validation batch: `rows` fixed windows of the held-out tail (synthetic: a fixed batch
         no training step draws)."""
         if self.text is None:
-            return token_batch(10 ** 9, 0, rows, SEQ, VOCAB)
-        return self.text.validation(rows, SEQ)
+            return token_batch(10 ** 9, 0, rows, self.seq, VOCAB)
+        return self.text.validation(rows, self.seq)
 
     def prompt(self) -> bytes:
         """The start of the first validation window: text the model never trained on."""
         tokens, _ = self.validation(1)
-        return bytes(tokens[0, :SEQ // 2].tolist())
+        return bytes(tokens[0, :self.seq // 2].tolist())
 
     def summary(self) -> dict:
         return {"synthetic_data": self.text is None, "text": None if self.text is None else self.text.name}

@@ -49,11 +49,12 @@ import collectives as C
 
 from ..expert_parallel.model import MoETransformer, dense_parameters, expert_parameters, expert_parallel, expert_state
 from ..parts import shards
-from .args import DEFAULT_SEQUENCES, HEADS, HIDDEN, LAYERS, SEQ, VOCAB, ep_layout
+from .transformer_args import DEFAULT_SEQUENCES, VOCAB, ep_layout, sizes
 from .data import Batches, evaluation_due, validation_summary
 from .progress import progress
 from .gradients import average_gradients
 from .sample import gathered_moe, write_sample
+from .transformer import autocast_of
 
 
 def _save(env, config, model, opt, layout: dict, done: int) -> None:
@@ -89,8 +90,10 @@ def train_ep(env, config) -> dict:
     """One rank of an --ep run; the summary on every rank."""
     torch.manual_seed(config.seed)
     w, ep = env.world_size, config.ep
+    _, hidden, heads, blocks, seq = sizes(config)
     grid = C.RankGrid(w // ep, ep)  # rows: expert-parallel groups; columns: the same experts
-    full = MoETransformer(VOCAB, HIDDEN, HEADS, LAYERS, config.experts, config.top_k, config.capacity_factor)
+    full = MoETransformer(VOCAB, hidden, heads, blocks, config.experts, config.top_k, config.capacity_factor)
+    autocast = autocast_of(config, env.device)
     model = expert_parallel(full, grid.row) if ep > 1 else full
     dense, experts = list(dense_parameters(model)), list(expert_parameters(model))
     opt = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=0.9)
@@ -106,18 +109,18 @@ def train_ep(env, config) -> dict:
 
     def evaluate(done):  # the cross-entropy alone (the balance loss is a training term), averaged over every rank
         tokens, targets = batches.validation(per_step)
-        with torch.no_grad():
-            mean = F.cross_entropy(model(tokens[rows]).reshape(-1, VOCAB), targets[rows].reshape(-1))
+        with torch.no_grad(), autocast():
+            mean = F.cross_entropy(model(tokens[rows]).reshape(-1, VOCAB), targets[rows].reshape(-1)).float()
         if w > 1:
             C.all_reduce(mean)
         validation.append({"step": done, "loss": mean.item() / w})
 
     for done in range(first, end):
-        epoch, step = divmod(done, steps)
         tokens, targets = batches(done, per_step)
-        logits = model(tokens[rows])
-        loss = F.cross_entropy(logits.reshape(-1, VOCAB), targets[rows].reshape(-1))
-        aux = model.aux_loss()
+        with autocast():
+            logits = model(tokens[rows])
+            loss = F.cross_entropy(logits.reshape(-1, VOCAB), targets[rows].reshape(-1))
+            aux = model.aux_loss()
         (loss + config.aux_loss * aux).backward()
         if w > 1:
             average_gradients(dense, None, w)  # over every rank
@@ -125,7 +128,7 @@ def train_ep(env, config) -> dict:
         opt.step()
         opt.zero_grad()
         layers = model.moe_layers()
-        logged = torch.stack([loss.detach(), aux.detach(),
+        logged = torch.stack([loss.detach().float(), aux.detach().float(),
                               sum(layer.last.dropped.sum() for layer in layers).float(),
                               torch.tensor(float(sum(layer.last.sent_rows for layer in layers)))])
         if w > 1:
@@ -133,15 +136,15 @@ def train_ep(env, config) -> dict:
         losses.append(logged[0].item() / w)
         aux_losses.append(logged[1].item() / w)
         dropped.append(int(logged[2].item()))
-        moved.append(int(logged[3].item()) * 4 * HIDDEN * 4)  # dispatch + combine, forward and backward, float32
+        moved.append(int(logged[3].item()) * 4 * hidden * 4)  # dispatch + combine, forward and backward, float32
         if evaluation_due(config, done + 1, total):
             evaluate(done + 1)
         if config.checkpoint and ((config.checkpoint_every and (done + 1) % config.checkpoint_every == 0)
                                   or done + 1 == end):
             _save(env, config, model, opt, layout, done + 1)
         if env.rank == 0:
-            slots = per_step * SEQ * config.top_k * LAYERS
-            progress(config, epoch, step, steps, losses[-1], per_step, start,
+            slots = per_step * seq * config.top_k * blocks
+            progress(config, done, first, steps, losses[-1], per_step, start,
                      f" (balance {aux_losses[-1]:.3f}, dropped {dropped[-1]} of {slots} slots)", batches.label,
                      validation)
     seconds = time.perf_counter() - start
@@ -152,16 +155,16 @@ def train_ep(env, config) -> dict:
         C.all_reduce(load)
     written = None
     if config.sample:
-        whole = gathered_moe(model, (VOCAB, HIDDEN, HEADS, LAYERS, config.experts, config.top_k,
+        whole = gathered_moe(model, (VOCAB, hidden, heads, blocks, config.experts, config.top_k,
                                      config.capacity_factor), grid.row) if ep > 1 else model
         written = write_sample(whole, batches, config, env.rank)
     return {"model": "moe-transformer", "ep": ep, "dp": w // ep, "world_size": w, "backend": env.backend,
             "experts": config.experts, "top_k": config.top_k, "capacity_factor": config.capacity_factor,
             "aux_loss_weight": config.aux_loss, "epochs": config.epochs, "batch_size_per_rank": config.batch_size,
-            "seq": SEQ, "steps": len(losses), "losses": losses, "aux_losses": aux_losses,
+            "seq": seq, "amp": config.amp, "steps": len(losses), "losses": losses, "aux_losses": aux_losses,
             "dropped_slots": dropped, "tokens_per_expert_last_step": load.tolist(),
             "all_to_all_bytes_per_step": moved, "start_step": first, "end_step": end,
             "checkpoint": config.checkpoint, "train_seconds": seconds, **validation_summary(validation),
             "sample": written,
-            "tokens_per_second": len(losses) * per_step * SEQ / seconds if seconds else None,
+            "tokens_per_second": len(losses) * per_step * seq / seconds if seconds else None,
             **batches.summary()}

@@ -10,17 +10,20 @@ import time
 
 from collectives.cli import eta
 
-from .args import SEQ
+from .transformer_args import sizes
 
 
-def progress(config, epoch: int, step: int, steps: int, loss: float, per_step: int, start: float, note: str = "",
+def progress(config, done: int, first: int, steps: int, loss: float, per_step: int, start: float, note: str = "",
              label: str = "[synthetic tokens]", validation=None) -> None:
-    """Rank 0's progress line of a transformer run (--tp, --pp, --ep) on stderr: step, loss (and
-    `note`), tokens/s, time left."""
-    done = epoch * steps + step + 1
+    """Rank 0's progress line of a transformer run (--tp, --pp, --ep, --cp) on stderr after global
+    step `done` (counting from 0; a resumed run started at `first`): step, loss (and `note`),
+    tokens/s, time left."""
+    epoch, step = divmod(done, steps)
+    done, ran = done + 1, done + 1 - first
     if validation:
         note += f", validation {validation[-1]['loss']:.4f} (step {validation[-1]['step']})"
     elapsed = time.perf_counter() - start
     print(f"\repoch {epoch + 1}/{config.epochs} step {step + 1}/{steps} loss {loss:.4f}{note} "
-          f"{done * per_step * SEQ / elapsed:.0f} tokens/s, {eta(done, steps * config.epochs, elapsed)} "
+          f"{ran * per_step * sizes(config)[4] / elapsed:.0f} tokens/s, "
+          f"{eta(ran, steps * config.epochs - first, elapsed)} "
           f"{label}", end="", flush=True, file=sys.stderr)

@@ -6,10 +6,10 @@ tensor-parallel steps split (ddp_from_scratch/tensor_parallel/model.py).
     loss = model.loss(tokens, targets)          # cross-entropy of the next tokens
 
 Embedding, then per block x + attention(LayerNorm(x)) and x + MLP(LayerNorm(x)), a last
-LayerNorm and an untied head to the vocabulary. No positional embedding by default: the causal
-attention already tells positions apart enough for a synthetic-token workload, and the model
-stays the size of its four parts; `positions=N` adds a learned one for N places (the
-context-parallel run, whose ranks hold tokens from all over each sequence).
+LayerNorm and an untied head to the vocabulary. `positions=N` adds a learned position embedding
+for N places (GPT-2's kind; the training program's transformer runs all have one, so a
+context-parallel rank's tokens from all over a sequence keep their places); without it (the
+benchmarks' model) the causal attention alone tells positions apart.
 """
 
 from __future__ import annotations
@@ -78,8 +78,11 @@ class TinyTransformer(nn.Module):
         self.blocks = nn.ModuleList(Block(hidden, heads) for _ in range(layers))
         self.ln = nn.LayerNorm(hidden)
         self.head = nn.Linear(hidden, vocab, bias=False)
-        # learned positions, made last so the other weights are those of a model without them
+        # learned positions, made last so the other weights are those of a model without them; small
+        # at the start (GPT-2's 0.02), so they do not drown the tokens' embeddings (standard normal)
         self.pos = nn.Embedding(positions, hidden) if positions else None
+        if self.pos is not None:
+            nn.init.normal_(self.pos.weight, std=0.02)
 
     def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Logits of (batch, seq) tokens. `positions`: each token's place in its whole sequence

@@ -71,8 +71,7 @@ def test_cp_x_pp_has_the_one_rank_models_losses():
     (["--cp", "2", "--tp", "2", "--nproc", "4", "--synthetic", "--sequence-parallel"],
      "--sequence-parallel is not taken with --cp"),
     (["--cp", "2", "--nproc", "2", "--text", "/dev/null"], "--text /dev/null: 0 bytes, too short: a window is 33 bytes"),
-    (["--cp", "2", "--nproc", "2", "--synthetic", "--checkpoint", "ck"], "--checkpoint: not taken with --cp"),
-    (["--cp", "2", "--pp", "2", "--nproc", "4", "--synthetic", "--sample", "8"], "--sample is not taken with --pp yet"),
+    (["--cp", "2", "--nproc", "2", "--synthetic", "--seq", "30"], "30-token sequences do not cut into 2 x 2 equal pieces"),
     (["--nproc", "1", "--synthetic", "--sample", "8"], "--sample applies to the transformer runs"),
 ])
 def test_what_a_cp_run_cannot_take_is_refused_before_any_rank_starts(argv, fragment, capsys, monkeypatch, tmp_path):

@@ -67,7 +67,6 @@ def test_an_ep_run_has_the_one_rank_models_losses_drops_and_load():
     (["--ep", "2", "--nproc", "2", "--synthetic", "--text", "a.txt"], "--text and --synthetic: give one"),
     (["--ep", "2", "--nproc", "2", "--synthetic", "--impl", "torch"], "--impl torch: not taken with --ep"),
     (["--ep", "2", "--nproc", "2", "--synthetic", "--bucket-cap-mb", "1"], "--bucket-cap-mb 1.0: not taken with --ep"),
-    (["--ep", "2", "--nproc", "2", "--synthetic", "--amp"], "--amp: not taken with --ep"),
     (["--ep", "2", "--nproc", "2", "--synthetic", "--resume"], "--resume needs --checkpoint FOLDER"),
     (["--nproc", "2", "--synthetic", "--experts", "4"], "--experts: applies to an --ep run"),
     (["--tp", "2", "--nproc", "2", "--synthetic", "--top-k", "2"], "--top-k: applies to an --ep run"),

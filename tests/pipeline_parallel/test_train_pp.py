@@ -112,7 +112,7 @@ def test_the_mesh_puts_each_rank_where_its_closed_form_says(pp, tp, world):
     (["--pp", "2", "--impl", "torch", "--nproc", "2"], "--impl torch is not taken with --pp"),
     (["--pp", "2", "--nproc", "2", "--sequence-parallel", "--tp", "1"], "--sequence-parallel is not taken with --pp"),
     (["--pp", "2", "--nproc", "2", "--model", "small"], "--model small: a --pp run trains the small transformer"),
-    (["--pp", "2", "--nproc", "2", "--checkpoint", "ck"], "--checkpoint: not taken with --pp"),
+    (["--pp", "4", "--nproc", "4", "--layers", "1"], "the transformer has 3 pieces to cut into 4 stages"),
     (["--pp", "0", "--nproc", "2"], "--pp must be at least 1"),
     (["--schedule", "gpipe", "--nproc", "2"], "--schedule: applies to a --pp run"),
     (["--microbatches", "4", "--chunks", "2", "--nproc", "2"], "--microbatches, --chunks: apply to a --pp run"),
@@ -146,13 +146,6 @@ def test_a_pp_run_at_the_edge_of_what_its_schedule_takes_passes_the_checks(argv,
     monkeypatch.setattr("collectives.run_or_join", started)
     with pytest.raises(_Started):
         train.main([*argv, "--synthetic"])
-
-
-def test_eval_every_is_refused_with_pp_for_its_reason(capsys, monkeypatch):
-    monkeypatch.setattr("collectives.run_or_join", lambda *a, **k: pytest.fail("a rank started"))
-    with pytest.raises(SystemExit) as info:
-        train.main(["--pp", "2", "--nproc", "2", "--synthetic", "--eval-every", "2"])
-    assert info.value.code == 2 and "a forward-only one is not built" in capsys.readouterr().err
 
 
 def test_a_pp_run_on_a_text_too_short_for_a_window_is_refused_naming_it(capsys, monkeypatch, tmp_path):

@@ -58,7 +58,14 @@ def test_a_tp_run_has_the_one_rank_models_losses(tp, dp, extra):
     (["--tp", "2", "--nproc", "3", "--synthetic"], "--tp 2 must divide the 3 rank(s)"),
     (["--tp", "2", "--nproc", "2", "--text", "missing.txt"], "--text missing.txt: cannot read it (No such file"),
     (["--tp", "2", "--nproc", "2", "--synthetic", "--impl", "torch"], "--impl torch is not taken with --tp"),
-    (["--tp", "2", "--nproc", "2", "--synthetic", "--checkpoint", "ck"], "--checkpoint: not taken with --tp"),
+    (["--tp", "2", "--nproc", "2", "--synthetic", "--compress", "fp16"], "--compress: not taken with --tp"),
+    (["--tp", "4", "--nproc", "4", "--synthetic", "--heads", "6", "--hidden", "48"],
+     "--tp 4 does not divide the transformer's 6 heads"),
+    (["--tp", "1", "--nproc", "1", "--synthetic", "--hidden", "30"], "--hidden 30 does not split into --heads 4"),
+    (["--tp", "2", "--nproc", "2", "--synthetic", "--sequence-parallel", "--seq", "33"],
+     "--tp 2 does not divide the 33-token sequences"),
+    (["--nproc", "1", "--synthetic", "--layers", "3"], "--layers: applies to the transformer runs"),
+    (["--tp", "1", "--nproc", "1", "--synthetic", "--seq", "0"], "--seq must be at least 1"),
     (["--nproc", "2", "--synthetic", "--sequence-parallel"], "--sequence-parallel applies to a --tp run"),
     (["--tp", "1", "--nproc", "1", "--synthetic", "--sequence-parallel"], "give --tp 2 or more"),
     (["--tp", "2", "--nproc", "4", "--synthetic", "--train-size", "8", "--batch-size", "8"],
@@ -73,16 +80,16 @@ def test_what_a_tp_run_cannot_take_is_refused_before_any_rank_starts(argv, fragm
 
 
 # A value each flag takes; the rest are switches.
-_VALUES = {"compress": "fp16", "powersgd_rank": "2", "powersgd_start_iter": "10", "checkpoint": "ck",
-           "checkpoint_every": "5", "stop_at_step": "3", "test_size": "10"}
+_VALUES = {"compress": "fp16", "powersgd_rank": "2", "powersgd_start_iter": "10", "test_size": "10"}
 
 
-@pytest.mark.parametrize("name", ["compress", "compress powersgd", "powersgd_rank", "powersgd_start_iter", "amp",
-                                  "checkpoint", "checkpoint_every", "stop_at_step", "resume", "auto_resume", "test_size",
-                                  "deterministic", "model small", "model resnet50"])
+@pytest.mark.parametrize("name", ["compress", "compress powersgd", "powersgd_rank", "powersgd_start_iter", "test_size",
+                                  "model small", "model resnet50"])
 def test_every_flag_a_tp_run_cannot_take_is_refused_alone(name, capsys, monkeypatch, tmp_path):
     """Each one by itself (a check that returned early let --powersgd-rank through, and --model
-    small trained the transformer): the whole option space, not a sample of it."""
+    small trained the transformer): the whole option space, not a sample of it. The ResNet run's
+    other flags (--amp, --deterministic, the checkpoint's) work with the transformer runs
+    (tests/ddp/test_transformer_checkpoint.py)."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr("collectives.run_or_join", lambda *a, **k: pytest.fail("a rank started"))
     flag, _, value = name.partition(" ")
