@@ -57,6 +57,7 @@ from .options import options, what_was_compared
 from .pp import PP_HEADERS, PP_IMPL, pp_checks
 from .pp import table_rows as pp_table_rows
 from .tp import ATTENTION_NOTE, TP_HEADERS, TP_IMPL, table_rows, tp_checks
+from .layouts import GLOBAL_BATCH, LAYOUT_HEADERS, LAYOUTS_IMPL, layout_rows
 from ..wrap import WRAPPERS, wrap
 
 def train_side_by_side(env, wrapper, steps: int, model="small", batch_size: int = 4, image: int = 12,
@@ -139,8 +140,9 @@ ranks a sum of two values does not depend on the order. The bucketed wrapper use
 # which rows each flag acts on: "wrappers" (naive, flat, bucketed and the bucketed wrapper's
 # options), "sharded" (zero1, zero2, zero2-bucketed, fsdp), "tp"; the pp rows take none of them
 FLAG_ROWS = {"--model": ("wrappers", "sharded"), "--batch-size": ("wrappers", "sharded"),
-             "--image": ("wrappers", "sharded"), "--steps": ("wrappers", "sharded", "tp"), "--units": ("sharded",),
-             "--show-layout": ("wrappers", "sharded"), "--no-options": ("bucketed",)}
+             "--image": ("wrappers", "sharded"), "--steps": ("wrappers", "sharded", "tp", LAYOUTS_IMPL),
+             "--units": ("sharded",), "--show-layout": ("wrappers", "sharded"), "--no-options": ("bucketed",),
+             "--world-sizes": ("wrappers", "sharded", "tp", "pp", "bucketed")}
 
 
 def rows_asked(impls) -> set:
@@ -162,7 +164,9 @@ def check_flags_used(parser, args) -> None:
 
 FLAG_ROWS_SAY = {"wrappers": "the wrappers' rows (naive, flat, bucketed)",
                  "sharded": "the sharded steps' rows (zero1, zero2, zero2-bucketed, fsdp)",
-                 "tp": "the tensor-parallel rows (tp)", "bucketed": "the bucketed wrapper's options table (bucketed)"}
+                 "tp": "the tensor-parallel rows (tp)", "bucketed": "the bucketed wrapper's options table (bucketed)",
+                 "pp": "the pipeline schedules' rows (pp)",
+                 LAYOUTS_IMPL: "the transformer run's layouts table (layouts), on its own ranks"}
 
 
 def _validate(args, parser, image: int) -> None:
@@ -182,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = cli.ArgumentParser(prog=cli.program_name(__name__), description="Compare our data-parallel wrappers with torch's DDP, step by step.")
     parser.add_argument("--model", choices=list(MODELS), default="small",
                         help="small CNN, ResNet-50 (10 classes), or the small CNN with unused heads")
-    parser.add_argument("--impl", nargs="+", choices=list(WRAPPERS) + parity_impls + [TP_IMPL, PP_IMPL],
+    parser.add_argument("--impl", nargs="+", choices=list(WRAPPERS) + parity_impls + [TP_IMPL, PP_IMPL, LAYOUTS_IMPL],
                         default=list(WRAPPERS) + [TP_IMPL],
                         help="wrappers to compare; zero1, zero2, zero2-bucketed (in buckets of a quarter of the "
                              "model) and fsdp (the sharded steps) go into a table of their own, each against "
@@ -194,7 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--units", choices=["children", "blocks"], default="children",
                         help="how fsdp (and fully_shard beside it) cut the model into units: each child with "
                              "parameters, or one level deeper inside containers (ResNet-50's bottleneck blocks)")
-    parser.add_argument("--steps", type=int, default=4, help="training steps compared (at least 1)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="training steps compared (at least 1; default 4, and 8 for the layouts table)")
     parser.add_argument("--batch-size", type=int, default=4, help="images per rank per step (at least 1)")
     parser.add_argument("--image", type=int, default=None, help="image side in pixels (default 12 small, 32 resnet50)")
     parser.add_argument("--no-options", action="store_true",
@@ -222,6 +227,8 @@ class _Runs:
         print(f"[{self.done + 1}/{self.total}] running {what} ... {left}".rstrip(), file=sys.stderr, flush=True)
 
     def run(self) -> "_Runs":
+        if not self.total:  # only the layouts table, which starts its own ranks
+            return self
         on = lambda backend: [label for label, o in self.chosen.items() if o.backend == backend]  # noqa: E731
         for n in self.args.world_sizes:
             with collectives.RankPool(n) as pool:  # one spawn per world size, shared by every comparison
@@ -350,15 +357,23 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     image = args.image or (32 if args.model == "resnet50" else 12)
     _validate(args, parser, image)
+    layout_steps, args.steps = args.steps or 8, args.steps or 4
     data = f"synthetic CIFAR-shaped data ({args.batch_size} x 3 x {image} x {image} per rank)"
     chosen = {} if args.no_options or "bucketed" not in args.impl else options(args.model, args.batch_size)
     preload(*TRAINING)  # every rank builds an optimizer: the fork server imports what that needs, once
-    plain = [impl for impl in args.impl if impl not in PARITY_IMPLS and impl not in (TP_IMPL, PP_IMPL)]
+    plain = [impl for impl in args.impl if impl not in PARITY_IMPLS and impl not in (TP_IMPL, PP_IMPL, LAYOUTS_IMPL)]
     sharded = [impl for impl in args.impl if impl in PARITY_IMPLS]
     runs = _Runs(args, image, chosen, plain, sharded).run()
     _print_tables(runs, data)
     _print_layouts(args, image, plain, sharded)
+    layouts_ok = True
+    if LAYOUTS_IMPL in args.impl:
+        rows, layouts_ok = layout_rows(layout_steps)
+        print(f"\nthe training program's transformer run on every layout against the one-rank model: {layout_steps} "
+              f"steps on Python's documentation, a global batch of {GLOBAL_BATCH} sequences, SGD momentum 0.9, Gloo; "
+              "every step's loss, the validation loss, every final parameter (from the checkpoint's shards)")
+        print(tabulate(rows, headers=LAYOUT_HEADERS, disable_numparse=True))
     sharded_ok = all(row[4] == "yes" for row in runs.sharded_rows if row[5] == "yes")
     compared = [row for row in runs.option_rows if row[3] != "not compared"]  # stopped before the option acted
-    return 0 if sharded_ok and runs.tp_ok and runs.pp_ok and all(row[3] == "yes" for row in runs.rows + compared
+    return 0 if sharded_ok and runs.tp_ok and runs.pp_ok and layouts_ok and all(row[3] == "yes" for row in runs.rows + compared
                                    if row[0] not in ("naive", "flat") or row[1] <= 2) else 1

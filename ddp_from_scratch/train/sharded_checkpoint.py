@@ -14,14 +14,16 @@ this rank's out with its own layout's places. On the layout that wrote it each r
 exactly what it saved, buckets included, so the run ends bitwise equal to the unbroken one; on
 another layout (one rank included) the parameters and momentum are the same numbers resharded,
 and the losses go on within float32 rounding of the unbroken run's (the arithmetic differs as it
-does between the layouts). What every layout must share is checked first (sizes_of:
-transformer_args.settings_of: the model's sizes, the global batch, the data, lr and seed).
+does between the layouts). What every layout must share is checked first
+(transformer_args.settings_of: the model's sizes, the global batch, the data, lr and seed).
+
+    whole = one_rank_vector("ck")       # the one-rank model's parameters from any layout's shards
 """
 
 from __future__ import annotations
 
 import os
-from typing import List, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -97,5 +99,9 @@ def checkpoint_summary(checkpoint: Optional[ShardedCheckpoint], first: int, end:
             "resumed": checkpoint.resumed if checkpoint else None}
 
 
-def flat_parameters(params: List[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in params])
+def one_rank_vector(folder: str, what: str = "parameters") -> torch.Tensor:
+    """The one-rank model's flat parameters (or "momentum") put together from a checkpoint's shards."""
+    manifest = shards.read_manifest(folder)
+    states = [shards.load_shard(folder, r, manifest) for r in range(len(manifest["shards"]))]
+    total = int(max(int(s["places"].max()) for s in states)) + 1
+    return assemble([(s["places"], s[what]) for s in states], total, f"the {what} in {folder}")

@@ -19,8 +19,8 @@ from collectives.testing import run_on_ranks
 from ddp_from_scratch import train
 from ddp_from_scratch.parts import shards
 from ddp_from_scratch.train.args import TrainConfig, build_parser
-from ddp_from_scratch.train.places import assemble
 from ddp_from_scratch.train.pp import train_pp
+from ddp_from_scratch.train.sharded_checkpoint import one_rank_vector
 from ddp_from_scratch.train.tp import train_tp
 
 # 6 steps of a global batch of 8 sequences: 4 a DP rank on PP x TP x DP, 8 on one rank
@@ -35,11 +35,7 @@ def _run(loop, ranks: int, argv: list) -> dict:
 
 
 def _whole(folder, what: str = "parameters") -> torch.Tensor:
-    """The one-rank model's flat parameters (or momentum) put together from a checkpoint's shards."""
-    manifest = shards.read_manifest(str(folder))
-    states = [shards.load_shard(str(folder), r, manifest) for r in range(len(manifest["shards"]))]
-    total = int(max(s["places"].max() for s in states)) + 1
-    return assemble([(s["places"], s[what]) for s in states], total)
+    return one_rank_vector(str(folder), what)
 
 
 @pytest.fixture(scope="module")
