@@ -11,6 +11,7 @@ and Mixed-Precision Techniques", 2024: torchvision's ResNet-50, CIFAR-10, SGD, l
     python -m ddp_from_scratch.train --pp 2 --schedule 1f1b --microbatches 4 --nproc 4 --synthetic  # PP x DP (train/pp.py)
     python -m ddp_from_scratch.train --ep 2 --nproc 4 --synthetic --experts 4 --top-k 2  # MoE, EP x DP (train/ep.py)
     python -m ddp_from_scratch.train --cp 2 --tp 2 --nproc 4 --synthetic    # ring attention, CP x TP (train/cp.py)
+    python -m ddp_from_scratch.train --pp 2 --tp 2 --nproc 8 --checkpoint ck --resume   # any layout resumes any other's
     torchrun --nnodes 1:2 --nproc-per-node 2 --max-restarts 2 --rdzv-backend c10d --rdzv-endpoint node0:29500 \
         -m ddp_from_scratch.train --checkpoint ckpt --checkpoint-every 20 --auto-resume --data ./data
 
@@ -36,14 +37,18 @@ sharded it.
 
 Its parts, read in order:
 
-    args.py        the flags, TrainConfig, and every check made before any rank starts
+    args.py        the flags, TrainConfig, and the ResNet run's checks, made before any rank starts
+    transformer_args.py  the transformer runs' sizes, checks and checkpoint layout
     checkpoint.py  the ResNet run's checkpoint: what it holds, when a resume is refused
     resnet.py      the ResNet / CNN run on CIFAR-10 (any --impl)
     progress.py    the transformer runs' progress line
     data.py        the transformer runs' batches (text or synthetic) and when they evaluate
+    places.py      where each of a rank's parameter elements sits in the one-rank model
+    sharded_checkpoint.py  the --tp/--pp/--cp runs' checkpoint: a shard a rank, resharded on resume
+    transformer.py the --tp/--pp/--cp runs' one loop (evaluation, --amp, checkpoints, --sample)
     gradients.py   the EP and CP runs' flat gradient average
-    sample.py      --sample: the model put together whole, and the bytes it writes
-    tp.py          --tp: the small transformer, TP x DP
+    sample.py      --sample: the bytes the model, put together whole, writes
+    tp.py          --tp: the small transformer, TP x DP (and DP alone: --tp 1)
     pp.py          --pp: the small transformer in pipeline stages, PP x TP x DP (x CP)
     ep.py          --ep: the transformer with mixture-of-experts blocks, EP x DP
     cp.py          --cp: the small transformer with each sequence over ranks, CP x TP x DP
