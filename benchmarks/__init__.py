@@ -11,6 +11,7 @@ Programs (`python -m benchmarks.NAME --help`; their figures are in benchmarks/RE
     pipeline_parallel    GPipe, 1F1B, interleaved 1F1B and zero bubble: step time, bubble and activations against microbatches
     expert_parallel      a mixture-of-experts layer over ranks: load, all_to_all bytes and drops, balanced and skewed
     context_parallel     ring attention over ranks: memory per rank, causal balance, waits with and without overlap
+    transformer_speed    the training program's transformer run: tokens/s and FLOP/s per layout against a bare product
     wrapper_overhead     what the checked wrappers add to a raw call
     ddp_step_time        DDP step time, torch's and ours
     sharded              ZeRO and FSDP memory and step time
@@ -26,5 +27,5 @@ The pytest-benchmark latency test lives with the tests: tests/benchmarks/test_la
 """
 
 PROGRAMS = ("bandwidth", "bandwidth_agreement", "plot", "algorithms", "shm", "shm_native", "tensor_parallel",
-            "pipeline_parallel", "expert_parallel", "context_parallel", "wrapper_overhead", "ddp_step_time", "sharded", "powersgd", "cuda_determinism")
+            "pipeline_parallel", "expert_parallel", "context_parallel", "transformer_speed", "wrapper_overhead", "ddp_step_time", "sharded", "powersgd", "cuda_determinism")
 HELPERS = ()  # at the top: none (benchmarks/parts/ holds them)

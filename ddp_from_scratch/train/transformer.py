@@ -87,12 +87,14 @@ def train_transformer(env, config, make_layout) -> dict:
         if config.checkpoint else None
     first = checkpoint.resume() if checkpoint else 0
     rows = slice(layout.data_index * config.batch_size, (layout.data_index + 1) * config.batch_size)
-    losses, validation, start = [], [], time.perf_counter()
+    losses, validation, step_seconds, start = [], [], [], time.perf_counter()
     for done in range(first, end):
+        began = time.perf_counter()
         tokens, targets = batches(done, per_step)
         losses.append(layout.step(tokens[rows], targets[rows]))
         opt.step()
         opt.zero_grad()
+        step_seconds.append(time.perf_counter() - began)  # this rank's, batch to update
         if evaluation_due(config, done + 1, end):
             tokens, targets = batches.validation(per_step)
             validation.append({"step": done + 1, "loss": layout.evaluate(tokens[rows], targets[rows])})
@@ -114,6 +116,6 @@ def train_transformer(env, config, make_layout) -> dict:
             "world_size": env.world_size, "backend": env.backend, "amp": config.amp, "epochs": config.epochs,
             "batch_size_per_dp_rank": config.batch_size, "seq": seq, "steps": len(losses), "losses": losses,
             "parameters": size_of(full), **validation_summary(validation), "sample": written,
-            **checkpoint_summary(checkpoint, first, end), "train_seconds": seconds,
+            **checkpoint_summary(checkpoint, first, end), "train_seconds": seconds, "step_seconds": step_seconds,
             "tokens_per_second": len(losses) * per_step * seq / seconds if seconds else None,
             **layout.summary(), **batches.summary()}
