@@ -27,6 +27,7 @@ from ..steps.powersgd import CLI_NAMES as POWERSGD_CLI_NAMES
 from ..parts.torch_hooks import POWERSGD_ON_GLOO
 from ..pipeline_parallel.schedule import CHUNKED, SCHEDULES
 from ..wrap import IMPLS, SHARDED_IMPLS, STAGES
+from .compression import POWERSGD_DEFAULTS, check_powersgd_flags
 from .transformer_args import (DEFAULT_AUX_LOSS, DEFAULT_CAPACITY_FACTOR, DEFAULT_CHUNKS, DEFAULT_EXPERTS_PER_RANK,
                                DEFAULT_SCHEDULE, EP_ONLY, HEADS, HIDDEN, LAYERS, PP_ONLY, SEQ, validate_transformer)
 
@@ -37,7 +38,6 @@ SYNTHETIC_PEAK_BYTES = 28_000
 SIZES = ("hidden", "heads", "layers", "seq")  # the transformer's sizes, from flags
 TRAIN_DESCRIPTION = "Train ResNet-50 on CIFAR-10 with torch's DDP or one of ours, as the public DDP tutorials do."
 DEFAULT_MODEL = "resnet50"
-POWERSGD_DEFAULTS = {"powersgd_rank": 1, "powersgd_start_iter": 1000}  # torch's PowerSGDState's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,16 +265,7 @@ def validate(args, parser, world_size: int, local_ranks: Optional[int] = None) -
         parser.error(f"--bucket-cap-mb applies to --impl {', '.join(takers)}, not {args.impl}")
     if args.compress and args.impl not in ("bucketed", "torch"):
         parser.error(f"--compress applies to --impl bucketed and torch, not {args.impl}")
-    powersgd = args.compress in POWERSGD_CLI_NAMES
-    given = [f"--{name.replace('_', '-')}" for name in POWERSGD_DEFAULTS if getattr(args, name) is not None]
-    if not powersgd and given:
-        parser.error(f"{' and '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to --compress powersgd or batched_powersgd, "
-                     f"not {'--compress ' + args.compress if args.compress else 'a run without --compress'}")
-    if powersgd:
-        cli.check_at_least(parser, args, {"--powersgd-rank": 1})
-    if powersgd and args.powersgd_start_iter is not None and args.powersgd_start_iter < 2:
-        parser.error(f"--powersgd-start-iter must be at least 2 (error feedback and warm start keep memories per "
-                     f"bucket, and DDP settles its buckets in the first steps), got {args.powersgd_start_iter}")
+    powersgd = check_powersgd_flags(args, parser)
     resuming = [flag for flag, given in (("--resume", args.resume), ("--auto-resume", args.auto_resume),
                                          ("--stop-at-step", args.stop_at_step)) if given]
     if powersgd and args.impl == "torch" and resuming:
@@ -356,7 +347,3 @@ def torch_powersgd_refusal(args, local_ranks: int) -> Optional[str]:
     return (f"--impl torch --compress {args.compress} on Gloo: model {args.model} with {cap} makes {buckets} buckets, "
             f"and {POWERSGD_ON_GLOO}; use --impl bucketed (ours: the same arithmetic, bit for bit torch's hook), "
             "COLLECTIVES_BACKEND=shm, or a --bucket-cap-mb that holds the whole model in one bucket")
-
-
-def powersgd_options(config: TrainConfig) -> dict:
-    return {"matrix_approximation_rank": config.powersgd_rank, "start_powerSGD_iter": config.powersgd_start_iter}

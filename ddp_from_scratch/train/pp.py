@@ -40,6 +40,7 @@ from ..pipeline_parallel.stage import Stage
 from ..steps.ddp import DistributedDataParallel
 from ..tensor_parallel.model import TensorParallelTransformer
 from ..tensor_parallel.vocab import vocab_parallel_cross_entropy
+from .compression import compress_of
 from .places import element_places
 from .transformer import Layout, train_transformer
 from .transformer_args import sizes
@@ -65,7 +66,8 @@ class PPLayout(Layout):
         chunks = mine(full)
         self.params = [q for c in chunks for q in c.parameters()]
         if mesh.dp_size > 1:
-            chunks = [DistributedDataParallel(c, group=mesh.dp, bucket_cap_mb=config.bucket_cap_mb) for c in chunks]
+            chunks = [DistributedDataParallel(c, group=mesh.dp, bucket_cap_mb=config.bucket_cap_mb,
+                                              compress=compress_of(config)) for c in chunks]
         self.chunks = chunks
         self.ddps = [c for c in chunks if isinstance(c, DistributedDataParallel)]
 

@@ -22,9 +22,10 @@ from collectives.cli import eta
 from ..workload import cifar10
 from .checkpoint import check_resume, gather_state, load_checkpoint, load_state, run_settings, save, weights_sha256
 from ..workload.models import MODELS
-from ..steps.powersgd import CLI_NAMES as POWERSGD_CLI_NAMES, PowerSGD
+from ..steps.powersgd import CLI_NAMES as POWERSGD_CLI_NAMES
 from ..parts.torch_hooks import bf16_compress_hook_on_gloo, powersgd_hook, powersgd_state
-from .args import (CIFAR_TEST_SIZE, CIFAR_TRAIN_SIZE, TrainConfig, powersgd_options)
+from .args import CIFAR_TEST_SIZE, CIFAR_TRAIN_SIZE, TrainConfig
+from .compression import compress_of, powersgd_options
 from ..wrap import SHARDED_IMPLS, STAGES, wrap
 
 
@@ -93,20 +94,13 @@ def _build(env, config):
     if config.impl in SHARDED_IMPLS:
         return _sharded(MODELS[config.model]().to(env.device), config)
     device_ids = [env.device.index] if config.impl == "torch" and env.device.type == "cuda" else None
-    options = {"device_ids": device_ids} if config.impl == "torch" else {"compress": _compress(config)}
+    options = {"device_ids": device_ids} if config.impl == "torch" else {"compress": compress_of(config)}
     model = wrap(MODELS[config.model]().to(env.device), config.impl, bucket_cap_mb=config.bucket_cap_mb, **options)
     if config.impl == "torch" and config.compress:
         state, hook = _torch_hook(config)
         model.register_comm_hook(state, hook)
         model.powersgd_state = state  # None but for PowerSGD; the checkpoint keeps its memories (checkpoint.py)
     return model, torch.optim.SGD(model.parameters(), lr=config.lr, momentum=0.9)
-
-
-def _compress(config: TrainConfig):
-    """--compress for our bucketed DDP."""
-    if config.compress in POWERSGD_CLI_NAMES:
-        return PowerSGD(**powersgd_options(config), batched=config.compress == "batched_powersgd")
-    return config.compress
 
 
 def _torch_hook(config: TrainConfig):

@@ -7,8 +7,9 @@ checks the files).
     python -m ddp_from_scratch.train --tp 1 --nproc 1 --batch-size 16 --checkpoint ck --resume   # resharded
 
 A shard holds the rank's parameters and SGD momentum as flat vectors, beside each element's place
-in the one-rank model's flat parameter vector (train/places.py), and its bucketed DDPs' rebuilt
-bucket layouts. A resume reads every shard, puts the one-rank model's parameters and momentum
+in the one-rank model's flat parameter vector (train/places.py), its bucketed DDPs' rebuilt
+bucket layouts, and with --compress powersgd their error-feedback memories (which belong to the
+buckets: a resume on another layout starts them afresh, as PowerSGD's first step does). A resume reads every shard, puts the one-rank model's parameters and momentum
 together from them (a replica's copy lands where the first one did, with the same bits), and cuts
 this rank's out with its own layout's places. On the layout that wrote it each rank gets back
 exactly what it saved, buckets included, so the run ends bitwise equal to the unbroken one; on
@@ -29,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ..parts import shards
+from ..steps.powersgd import PowerSGD
 from .places import assemble, take
 
 
@@ -50,7 +52,9 @@ class ShardedCheckpoint:
         state = {"places": torch.cat(self.places),
                  "parameters": torch.cat([p.detach().reshape(-1) for p in self.params]),
                  "momentum": torch.cat([self._momentum(p).reshape(-1) for p in self.params]),
-                 "buckets": [d.bucket_layout_state() for d in self.ddps], "step": done}
+                 "buckets": [d.bucket_layout_state() for d in self.ddps],
+                 "powersgd": [d.compress.state_dict() if isinstance(d.compress, PowerSGD) else None for d in self.ddps],
+                 "step": done}
         os.makedirs(self.config.checkpoint, exist_ok=True)
         digest = shards.save_shard(self.config.checkpoint, self.env.rank, self.env.world_size, state)
         digests = [digest]
@@ -87,9 +91,12 @@ class ShardedCheckpoint:
             for p, value, buffer in zip(self.params, params, momentum):
                 p.copy_(value.view_as(p))
                 self.opt.state[p]["momentum_buffer"] = buffer.view_as(p).clone()
-        if same:  # the buckets this rank reduced in: a resume on the same layout stays bitwise
-            for d, buckets in zip(self.ddps, states[self.env.rank]["buckets"]):
+        if same:  # the buckets this rank reduced in, PowerSGD's memories: a resume on the same layout stays bitwise
+            mine = states[self.env.rank]
+            for d, buckets, powersgd in zip(self.ddps, mine["buckets"], mine.get("powersgd", [None] * len(self.ddps))):
                 d.load_bucket_layout_state(buckets)
+                if powersgd is not None:
+                    d.compress.load_state_dict(powersgd)
         self.resumed = {"step": manifest["step"], "resharded": not same, "from_layout": manifest["layout"]}
         return manifest["step"]
 

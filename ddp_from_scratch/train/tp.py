@@ -24,6 +24,7 @@ from ..tensor_parallel.mesh import Mesh2D
 from ..tensor_parallel.model import TensorParallelTransformer
 from ..tensor_parallel.operators import counting
 from ..tensor_parallel.vocab import vocab_parallel_cross_entropy
+from .compression import compress_of
 from .places import element_places
 from .transformer import Layout, train_transformer
 from .transformer_args import HEADS, HIDDEN, LAYERS, SEQ, VOCAB, sizes  # noqa: F401  (the default sizes, for the tests)
@@ -36,8 +37,8 @@ class TPLayout(Layout):
         split = lambda m: TensorParallelTransformer(m, mesh.tp, config.sequence_parallel) if config.tp > 1 else m  # noqa: E731
         self.places = element_places(full, lambda m: list(split(m).parameters()))
         self.split = split(full)
-        self.model = DistributedDataParallel(self.split, group=mesh.dp, bucket_cap_mb=config.bucket_cap_mb) \
-            if mesh.dp_size > 1 else self.split
+        self.model = DistributedDataParallel(self.split, group=mesh.dp, bucket_cap_mb=config.bucket_cap_mb,
+                                             compress=compress_of(config)) if mesh.dp_size > 1 else self.split
         self.params = list(self.split.parameters())
         self.ddps = [self.model] if mesh.dp_size > 1 else []
         self.data_size, self.data_index = mesh.dp_size, mesh.dp_index

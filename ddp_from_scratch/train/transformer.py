@@ -113,7 +113,7 @@ def train_transformer(env, config, make_layout) -> dict:
         written = write_sample(whole, batches, config, env.rank)
     return {"model": "transformer", "sizes": {"vocab": vocab, "hidden": hidden, "heads": heads, "layers": layers},
             "tp": config.tp or 1, "pp": config.pp or 1, "cp": config.cp or 1, "dp": layout.data_size,
-            "world_size": env.world_size, "backend": env.backend, "amp": config.amp, "epochs": config.epochs,
+            "world_size": env.world_size, "backend": env.backend, "amp": config.amp, "compress": config.compress, "epochs": config.epochs,
             "batch_size_per_dp_rank": config.batch_size, "seq": seq, "steps": len(losses), "losses": losses,
             "parameters": size_of(full), **validation_summary(validation), "sample": written,
             **checkpoint_summary(checkpoint, first, end), "train_seconds": seconds, "step_seconds": step_seconds,

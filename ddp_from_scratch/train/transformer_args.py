@@ -13,6 +13,8 @@ import os
 from collectives import cli
 
 from ..parts import shards
+from ..steps.powersgd import CLI_NAMES as POWERSGD_CLI_NAMES
+from .compression import check_powersgd_flags, powersgd_options
 from ..pipeline_parallel.schedule import CHUNKED, rounds_of
 from ..workload.text import Text, TextError
 
@@ -58,7 +60,8 @@ def settings_of(config, world_size: int) -> dict:
     """What decides a transformer run's result whatever its layout: a resume on any layout must match them."""
     return {"model": list(sizes(config)), "global_batch": global_batch(config, world_size),
             "train_size": config.train_size or DEFAULT_SEQUENCES, "lr": config.lr, "seed": config.seed,
-            "synthetic": config.synthetic, "text": config.text, "amp": config.amp}
+            "synthetic": config.synthetic, "text": config.text, "amp": config.amp, "compress": config.compress,
+            **({"powersgd": powersgd_options(config)} if config.compress in POWERSGD_CLI_NAMES else {})}
 
 
 def validate_checkpoint(args, parser, config, world_size: int) -> None:
@@ -145,10 +148,6 @@ def validate_ep(args, parser, world_size: int) -> None:
 
 # The flags of the ResNet run that a transformer run refuses, and why
 NOT_TAKEN = {
-    "compress": "the transformer runs average their gradients over the data-parallel ranks uncompressed (the ResNet "
-                "run's --compress hooks act on torch's and our DDP's buckets of a CNN's gradients)",
-    "powersgd_rank": "it is a --compress powersgd setting, and the transformer runs do not compress",
-    "powersgd_start_iter": "it is a --compress powersgd setting, and the transformer runs do not compress",
     "test_size": "it counts CIFAR-10 test images; a transformer run validates on the last tenth of its text "
                  "(--eval-every)",
 }
@@ -196,7 +195,14 @@ def validate_tp(args, parser, world_size: int, run: str = "--tp") -> None:
     for name, why in NOT_TAKEN.items():
         if getattr(args, name, None) is not None:
             parser.error(f"--{name.replace('_', '-')}: not taken with {run}: {why}")
+    check_powersgd_flags(args, parser)
     dp = world_size // (tp * (args.pp or 1) * (args.cp or 1))
+    if args.compress and run in ("--cp", "--ep"):
+        parser.error(f"--compress: not taken with {run}: it compresses the bucketed DDP's all_reduces, and a {run} "
+                     "run averages its gradients in flat all_reduces of its own (train/gradients.py)")
+    if args.compress and dp == 1:
+        parser.error(f"--compress {args.compress}: this layout has 1 data-parallel rank, so no gradient is "
+                     "all-reduced to compress (--nproc must be more than --tp x --pp)")
     sequences = args.train_size or DEFAULT_SEQUENCES
     if sequences // (args.batch_size * dp) == 0:
         parser.error(f"{sequences} sequences make no full step of {args.batch_size} per DP rank on {dp} DP rank(s): "

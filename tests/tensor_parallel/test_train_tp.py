@@ -58,7 +58,7 @@ def test_a_tp_run_has_the_one_rank_models_losses(tp, dp, extra):
     (["--tp", "2", "--nproc", "3", "--synthetic"], "--tp 2 must divide the 3 rank(s)"),
     (["--tp", "2", "--nproc", "2", "--text", "missing.txt"], "--text missing.txt: cannot read it (No such file"),
     (["--tp", "2", "--nproc", "2", "--synthetic", "--impl", "torch"], "--impl torch is not taken with --tp"),
-    (["--tp", "2", "--nproc", "2", "--synthetic", "--compress", "fp16"], "--compress: not taken with --tp"),
+    (["--tp", "2", "--nproc", "2", "--synthetic", "--compress", "fp16"], "this layout has 1 data-parallel rank"),
     (["--tp", "4", "--nproc", "4", "--synthetic", "--heads", "6", "--hidden", "48"],
      "--tp 4 does not divide the transformer's 6 heads"),
     (["--tp", "1", "--nproc", "1", "--synthetic", "--hidden", "30"], "--hidden 30 does not split into --heads 4"),
@@ -87,9 +87,10 @@ _VALUES = {"compress": "fp16", "powersgd_rank": "2", "powersgd_start_iter": "10"
                                   "model small", "model resnet50"])
 def test_every_flag_a_tp_run_cannot_take_is_refused_alone(name, capsys, monkeypatch, tmp_path):
     """Each one by itself (a check that returned early let --powersgd-rank through, and --model
-    small trained the transformer): the whole option space, not a sample of it. The ResNet run's
-    other flags (--amp, --deterministic, the checkpoint's) work with the transformer runs
-    (tests/ddp/test_transformer_checkpoint.py)."""
+    small trained the transformer): the whole option space, not a sample of it. Here, on TP alone,
+    --compress has no data-parallel all_reduce to act on; the ResNet run's other flags (--amp,
+    --deterministic, the checkpoint's, --compress with DP ranks) work with the transformer runs
+    (tests/ddp/test_transformer_checkpoint.py, tests/ddp/test_transformer_runs.py)."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr("collectives.run_or_join", lambda *a, **k: pytest.fail("a rank started"))
     flag, _, value = name.partition(" ")
