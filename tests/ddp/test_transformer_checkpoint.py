@@ -41,7 +41,7 @@ def _whole(folder, what: str = "parameters") -> torch.Tensor:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("transformer-checkpoint")
-    unbroken = _run(train_pp, 8, [*PP_TP_DP, "--checkpoint", str(d / "unbroken")])
+    unbroken = _run(train_pp, 8, [*PP_TP_DP, "--checkpoint", str(d / "unbroken"), "--auto-resume"])  # none yet: from 0
     first = _run(train_pp, 8, [*PP_TP_DP, "--checkpoint", str(d / "parts"), "--stop-at-step", "2"])
     shutil.copytree(d / "parts", d / "reshard")
     rest = _run(train_pp, 8, [*PP_TP_DP, "--checkpoint", str(d / "parts"), "--resume"])
@@ -52,6 +52,7 @@ def runs(tmp_path_factory):
 def test_a_pp_x_tp_x_dp_run_stopped_and_resumed_ends_bitwise_equal_to_the_unbroken_one(runs):
     unbroken, first, rest = runs["unbroken"], runs["first"], runs["rest"]
     assert (first["end_step"], rest["start_step"], rest["end_step"]) == (2, 2, 6)
+    assert (unbroken["start_step"], unbroken["resumed"]) == (0, None)  # --auto-resume with no checkpoint starts
     assert rest["resumed"]["step"] == 2 and not rest["resumed"]["resharded"]
     assert first["losses"] + rest["losses"] == unbroken["losses"]  # the same floats, not close ones
     assert rest["validation"] == unbroken["validation"]  # steps 3 and 6, after the resume
@@ -137,3 +138,14 @@ def test_a_shard_holds_its_ranks_elements_once_and_the_shards_cover_the_model(ru
     whole = _whole(runs["dir"] / "unbroken")
     assert whole.numel() == runs["unbroken"]["parameters"] and torch.isfinite(whole).all()
 
+
+
+@pytest.mark.parametrize("every, end, due", [(None, 5, [5]), (2, 5, [2, 4, 5]), (3, 6, [3, 6]), (1, 3, [1, 2, 3])])
+def test_a_checkpoint_is_due_every_k_steps_and_at_the_end(every, end, due):
+    from types import SimpleNamespace
+
+    from ddp_from_scratch.train.sharded_checkpoint import ShardedCheckpoint
+
+    checkpoint = ShardedCheckpoint.__new__(ShardedCheckpoint)
+    checkpoint.config = SimpleNamespace(checkpoint="ck", checkpoint_every=every)
+    assert [done for done in range(1, end + 1) if checkpoint.due(done, end)] == due
