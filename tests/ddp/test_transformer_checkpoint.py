@@ -149,3 +149,17 @@ def test_a_checkpoint_is_due_every_k_steps_and_at_the_end(every, end, due):
     checkpoint = ShardedCheckpoint.__new__(ShardedCheckpoint)
     checkpoint.config = SimpleNamespace(checkpoint="ck", checkpoint_every=every)
     assert [done for done in range(1, end + 1) if checkpoint.due(done, end)] == due
+
+
+@pytest.mark.parametrize("schedule", ["interleaved", "zero-bubble"])
+def test_a_pipeline_of_chunks_or_split_backwards_resumes_bitwise(schedule, tmp_path):
+    """Two chunks a rank (stages 0 and 2 on rank 0): each chunk's parameters, momentum and DDP
+    buckets go back where they were."""
+    flags = ["--pp", "2", "--schedule", schedule, "--microbatches", "2", "--batch-size", "4", "--train-size", "32",
+             "--lr", "0.05"]
+    unbroken = _run(train_pp, 4, [*flags, "--checkpoint", str(tmp_path / "unbroken")])
+    first = _run(train_pp, 4, [*flags, "--checkpoint", str(tmp_path / "parts"), "--stop-at-step", "2"])
+    rest = _run(train_pp, 4, [*flags, "--checkpoint", str(tmp_path / "parts"), "--resume"])
+    assert first["losses"] + rest["losses"] == unbroken["losses"] and unbroken["chunks"] == 2
+    assert torch.equal(_whole(tmp_path / "parts"), _whole(tmp_path / "unbroken"))
+    assert torch.equal(_whole(tmp_path / "parts", "momentum"), _whole(tmp_path / "unbroken", "momentum"))
