@@ -4,19 +4,21 @@ checks the files).
 
     python -m ddp_from_scratch.train --pp 2 --tp 2 --nproc 8 --checkpoint ck --checkpoint-every 4
     python -m ddp_from_scratch.train --pp 2 --tp 2 --nproc 8 --checkpoint ck --resume         # bitwise
-    python -m ddp_from_scratch.train --tp 1 --nproc 1 --batch-size 16 --checkpoint ck --resume   # resharded
+    python -m ddp_from_scratch.train --tp 1 --nproc 1 --batch-size 64 --checkpoint ck --resume   # resharded
 
 A shard holds the rank's parameters and SGD momentum as flat vectors, beside each element's place
 in the one-rank model's flat parameter vector (train/places.py), its bucketed DDPs' rebuilt
 bucket layouts, and with --compress powersgd their error-feedback memories (which belong to the
-buckets: a resume on another layout starts them afresh, as PowerSGD's first step does). A resume reads every shard, puts the one-rank model's parameters and momentum
-together from them (a replica's copy lands where the first one did, with the same bits), and cuts
+buckets: a resume on another layout starts them afresh, as PowerSGD's first step does).
+
+A resume reads every shard, puts the one-rank model's parameters and momentum together from them (a replica's copy lands where the first one did, with the same bits), and cuts
 this rank's out with its own layout's places. On the layout that wrote it each rank gets back
 exactly what it saved, buckets included, so the run ends bitwise equal to the unbroken one; on
 another layout (one rank included) the parameters and momentum are the same numbers resharded,
 and the losses go on within float32 rounding of the unbroken run's (the arithmetic differs as it
 does between the layouts). What every layout must share is checked first
-(transformer_args.settings_of: the model's sizes, the global batch, the data, lr and seed).
+(transformer_args.settings_of: the model's sizes, the global batch of 64 sequences here (32 a
+data-parallel rank by default), the data, lr, seed, --amp and --compress).
 
     whole = one_rank_vector("ck")       # the one-rank model's parameters from any layout's shards
 """
