@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from collectives import cli
 
 from ..workload import cifar10
-from .checkpoint import CheckpointError, RunComplete, check_resume, load_checkpoint, run_settings
+from .checkpoint import (CheckpointError, RunComplete, check_checkpoint_flags, check_resume, load_checkpoint,
+                         run_settings)
 from ..steps.ddp import rebuilt_bucket_count
 from ..workload.models import MODELS, batch, check_batch_fits, check_batchnorm_fits
 from ..steps.powersgd import CLI_NAMES as POWERSGD_CLI_NAMES
@@ -297,19 +298,7 @@ def validate(args, parser, world_size: int, local_ranks: Optional[int] = None) -
     if images // world_size // args.batch_size == 0:
         parser.error(f"{images} training images make no full step of {args.batch_size} per rank on {world_size} "
                      f"rank(s): use at least {per_step} images (--train-size) or a smaller --batch-size")
-    for flag, given in (("--resume", args.resume), ("--auto-resume", args.auto_resume),
-                        ("--checkpoint-every", args.checkpoint_every), ("--stop-at-step", args.stop_at_step)):
-        if given and not args.checkpoint:
-            parser.error(f"{flag} needs --checkpoint FOLDER (the folder checkpoint.pt is written to)")
-    if args.resume and args.auto_resume:
-        parser.error("--resume and --auto-resume: give one (--auto-resume also starts when there is no checkpoint)")
-    if args.checkpoint:
-        if os.path.exists(args.checkpoint) and not os.path.isdir(args.checkpoint):
-            parser.error(f"--checkpoint {args.checkpoint} is a file; it must be a folder (checkpoint.pt is written in it)")
-        try:
-            os.makedirs(args.checkpoint, exist_ok=True)
-        except OSError as exc:
-            parser.error(f"--checkpoint {args.checkpoint}: cannot write there ({exc.strerror or exc})")
+    if check_checkpoint_flags(args, parser, "the folder checkpoint.pt is written to", "checkpoint.pt is written in it"):
         cli.check_outputs(parser, {"--checkpoint": os.path.join(args.checkpoint, "checkpoint.pt")})
         path = os.path.join(args.checkpoint, "checkpoint.pt")
         if args.resume or (args.auto_resume and os.path.exists(path)):

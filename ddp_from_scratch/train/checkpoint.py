@@ -40,6 +40,28 @@ class CheckpointError(ValueError):
     """The checkpoint is missing, damaged, or was written by a run with other settings."""
 
 
+def check_checkpoint_flags(args, parser, written: str, written_in: str) -> bool:
+    """--checkpoint and its companions, for every run: --resume, --auto-resume, --checkpoint-every
+    and --stop-at-step need it, --resume and --auto-resume exclude each other, and the folder is a
+    folder this process can write (made now). `written`, `written_in`: what the messages say is
+    written there. Whether a folder was given (parser.error, exit 2, on anything wrong)."""
+    for flag, given in (("--resume", args.resume), ("--auto-resume", args.auto_resume),
+                        ("--checkpoint-every", args.checkpoint_every), ("--stop-at-step", args.stop_at_step)):
+        if given and not args.checkpoint:
+            parser.error(f"{flag} needs --checkpoint FOLDER ({written})")
+    if args.resume and args.auto_resume:
+        parser.error("--resume and --auto-resume: give one (--auto-resume also starts when there is no checkpoint)")
+    if not args.checkpoint:
+        return False
+    if os.path.exists(args.checkpoint) and not os.path.isdir(args.checkpoint):
+        parser.error(f"--checkpoint {args.checkpoint} is a file; it must be a folder ({written_in})")
+    try:
+        os.makedirs(args.checkpoint, exist_ok=True)
+    except OSError as exc:
+        parser.error(f"--checkpoint {args.checkpoint}: cannot write there ({exc.strerror or exc})")
+    return True
+
+
 def load_checkpoint(path: str, map_location="cpu") -> dict:
     """The checkpoint at `path`; a damaged file is a CheckpointError naming it, in one line."""
     if not os.path.isfile(path):

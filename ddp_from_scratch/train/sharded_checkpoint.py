@@ -11,8 +11,10 @@ in the one-rank model's flat parameter vector (train/places.py), its bucketed DD
 bucket layouts, and with --compress powersgd their error-feedback memories (which belong to the
 buckets: a resume on another layout starts them afresh, as PowerSGD's first step does).
 
-A resume reads every shard, puts the one-rank model's parameters and momentum together from them (a replica's copy lands where the first one did, with the same bits), and cuts
-this rank's out with its own layout's places. On the layout that wrote it each rank gets back
+A resume on the layout that wrote it reads the rank's own shard. On another layout it reads every
+shard, puts the one-rank model's parameters and momentum together from them (a replica's copy
+lands where the first one did, with the same bits), and cuts this rank's out with its own
+layout's places. On the layout that wrote it each rank gets back
 exactly what it saved, buckets included, so the run ends bitwise equal to the unbroken one; on
 another layout (one rank included) the parameters and momentum are the same numbers resharded,
 and the losses go on within float32 rounding of the unbroken run's (the arithmetic differs as it
@@ -82,19 +84,23 @@ class ShardedCheckpoint:
             return 0
         manifest = shards.read_manifest(folder)
         shards.check_settings(manifest, "transformer", self.settings, folder)
-        states = [shards.load_shard(folder, r, manifest) for r in range(len(manifest["shards"]))]
         same = manifest["layout"] == self.layout
-        where = f"{folder} ({manifest['layout'].get('world_size')} ranks)"
-        params = take(assemble([(s["places"], s["parameters"]) for s in states], self.total,
-                               f"the parameters in {where}"), self.places)
-        momentum = take(assemble([(s["places"], s["momentum"]) for s in states], self.total,
-                                 f"the momentum in {where}"), self.places)
+        if same:  # this rank's own shard holds exactly its elements, in its order
+            mine = shards.load_shard(folder, self.env.rank, manifest)
+            sizes = [len(idx) for idx in self.places]
+            params, momentum = mine["parameters"].split(sizes), mine["momentum"].split(sizes)
+        else:  # every shard, put together in the one-rank order, then this rank's places cut out
+            states = [shards.load_shard(folder, r, manifest) for r in range(len(manifest["shards"]))]
+            where = f"{folder} ({manifest['layout'].get('world_size')} ranks)"
+            params = take(assemble([(s["places"], s["parameters"]) for s in states], self.total,
+                                   f"the parameters in {where}"), self.places)
+            momentum = take(assemble([(s["places"], s["momentum"]) for s in states], self.total,
+                                     f"the momentum in {where}"), self.places)
         with torch.no_grad():
             for p, value, buffer in zip(self.params, params, momentum):
                 p.copy_(value.view_as(p))
                 self.opt.state[p]["momentum_buffer"] = buffer.view_as(p).clone()
         if same:  # the buckets this rank reduced in, PowerSGD's memories: a resume on the same layout stays bitwise
-            mine = states[self.env.rank]
             for d, buckets, powersgd in zip(self.ddps, mine["buckets"], mine.get("powersgd", [None] * len(self.ddps))):
                 d.load_bucket_layout_state(buckets)
                 if powersgd is not None:

@@ -14,6 +14,7 @@ from collectives import cli
 
 from ..parts import shards
 from ..steps.powersgd import CLI_NAMES as POWERSGD_CLI_NAMES
+from .checkpoint import check_checkpoint_flags
 from .compression import check_powersgd_flags, powersgd_options
 from ..pipeline_parallel.schedule import CHUNKED, rounds_of
 from ..workload.text import Text, TextError
@@ -68,20 +69,9 @@ def validate_checkpoint(args, parser, config, world_size: int) -> None:
     """--checkpoint and its companions: the folder writable; a resume's manifest, layout or
     settings, and shards checked now, so a damaged or foreign checkpoint is one line before any
     rank starts."""
-    for flag, given in (("--resume", args.resume), ("--auto-resume", args.auto_resume),
-                        ("--checkpoint-every", args.checkpoint_every), ("--stop-at-step", args.stop_at_step)):
-        if given and not args.checkpoint:
-            parser.error(f"{flag} needs --checkpoint FOLDER (each rank writes its shard there, rank 0 the manifest)")
-    if args.resume and args.auto_resume:
-        parser.error("--resume and --auto-resume: give one (--auto-resume also starts when there is no checkpoint)")
-    if not args.checkpoint:
+    if not check_checkpoint_flags(args, parser, "each rank writes its shard there, rank 0 the manifest",
+                                  "the shards are written in it"):
         return
-    if os.path.exists(args.checkpoint) and not os.path.isdir(args.checkpoint):
-        parser.error(f"--checkpoint {args.checkpoint} is a file; it must be a folder (the shards are written in it)")
-    try:
-        os.makedirs(args.checkpoint, exist_ok=True)
-    except OSError as exc:
-        parser.error(f"--checkpoint {args.checkpoint}: cannot write there ({exc.strerror or exc})")
     cli.check_outputs(parser, {"--checkpoint": os.path.join(args.checkpoint, shards.MANIFEST)})
     has = os.path.exists(os.path.join(args.checkpoint, shards.MANIFEST))
     if not (args.resume or (args.auto_resume and has)):
