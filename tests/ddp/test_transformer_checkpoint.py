@@ -44,9 +44,11 @@ def runs(tmp_path_factory):
     unbroken = _run(train_pp, 8, [*PP_TP_DP, "--checkpoint", str(d / "unbroken"), "--auto-resume"])  # none yet: from 0
     first = _run(train_pp, 8, [*PP_TP_DP, "--checkpoint", str(d / "parts"), "--stop-at-step", "2"])
     shutil.copytree(d / "parts", d / "reshard")
+    shutil.copytree(d / "parts", d / "reshard-tp")
     rest = _run(train_pp, 8, [*PP_TP_DP, "--checkpoint", str(d / "parts"), "--resume"])
     one = _run(train_tp, 1, [*ONE_RANK, "--checkpoint", str(d / "reshard"), "--resume"])
-    return {"dir": d, "unbroken": unbroken, "first": first, "rest": rest, "one": one}
+    tp2 = _run(train_tp, 2, ["--tp", "2", *ONE_RANK[2:], "--checkpoint", str(d / "reshard-tp"), "--resume"])
+    return {"dir": d, "unbroken": unbroken, "first": first, "rest": rest, "one": one, "tp2": tp2}
 
 
 def test_a_pp_x_tp_x_dp_run_stopped_and_resumed_ends_bitwise_equal_to_the_unbroken_one(runs):
@@ -78,6 +80,15 @@ def test_the_same_checkpoint_resumed_on_one_rank_is_resharded_and_goes_on(runs):
     for what in ("parameters", "momentum"):  # the one rank's model at the end is the 8 ranks', put together
         torch.testing.assert_close(_whole(runs["dir"] / "reshard", what), _whole(runs["dir"] / "unbroken", what),
                                    rtol=1e-4, atol=1e-6)
+
+
+def test_the_same_checkpoint_resumed_on_tp_2_is_resharded_over_its_shards_too(runs):
+    """Another split, not only the whole model: the head's and the MLP's rows cut in two."""
+    tp2, unbroken = runs["tp2"], runs["unbroken"]
+    assert tp2["resumed"]["resharded"] and (tp2["tp"], tp2["start_step"]) == (2, 2)
+    torch.testing.assert_close(torch.tensor(tp2["losses"]), torch.tensor(unbroken["losses"][2:]), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(_whole(runs["dir"] / "reshard-tp"), _whole(runs["dir"] / "unbroken"), rtol=1e-4,
+                               atol=1e-6)
 
 
 def _refused(argv, capsys, monkeypatch) -> str:
