@@ -4,14 +4,17 @@ A block that defines a @distributed test is run with pytest; any other block is 
 A line `print(...)  # text` must print text (for the first example: `# [6.0, 6.0, 6.0]`).
 
     pytest tests/test_readme.py -q
+
+Each example runs in a fork of a warm interpreter that imported torch once (tests/warm_python.py),
+as `python FILE` would run it: a fresh interpreter per example would spend most of its time
+importing torch again.
 """
 
 import pathlib
 import re
-import subprocess
-import sys
-
 import pytest
+
+from .warm_python import WarmPython
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -40,20 +43,26 @@ def test_the_readme_and_docs_have_examples():
 FIRSTS = [places[0] for places in PLACES.values()]
 
 
+@pytest.fixture(scope="module")
+def python():
+    with WarmPython() as warm:
+        yield warm
+
+
 @pytest.mark.parametrize("index", [pytest.param(i, marks=() if i == 0 else pytest.mark.slow) for i, _ in FIRSTS],
                          ids=[f"{page}-{i}" for i, page in FIRSTS])
-def test_readme_example_runs_as_pasted(index, tmp_path):
+def test_readme_example_runs_as_pasted(index, tmp_path, python):
     _, block = BLOCKS[index]
     page = " and ".join(f"{page} (block {i})" for i, page in PLACES[block])
     if "@distributed" in block:
         path = tmp_path / "test_readme_example.py"
         path.write_text(block)
-        argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(path)]
+        argv = ["-m", "pytest", "-q", "-p", "no:cacheprovider", str(path)]
     else:
         path = tmp_path / "example.py"
         path.write_text(block)
-        argv = [sys.executable, str(path)]
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        argv = [str(path)]
+    out = python.run(argv, cwd=tmp_path, timeout=300)
     assert out.returncode == 0, f"the example at {page} failed:\n{block}\n--- stdout\n{out.stdout}\n--- stderr\n{out.stderr}"
     for text in expected_output(block):
         assert text in out.stdout, f"the example at {page} should print {text!r}; it printed:\n{out.stdout}"
