@@ -14,8 +14,8 @@ warm interpreter imported are already in sys.modules, so a file that forgot an i
 still fails (its names are its own) but one that relies on importing torch first does not show
 it. Ranks the file starts by forkserver or spawn are fresh processes as always.
 
-The warm interpreter runs no threads and no torch operations before it forks, so the children
-start as clean as a fork can.
+The warm interpreter starts no thread of its own and runs no torch operation before it forks: it
+is in the state of multiprocessing's fork server after its preload, which forks every pooled rank.
 """
 
 from __future__ import annotations
