@@ -16,6 +16,8 @@ import os
 import sys
 import threading
 
+import pytest
+
 os.environ.setdefault("COLLECTIVES_BACKEND", "gloo")
 # The suite starts hundreds of Python processes (workers, ranks, the programs under test). Where
 # PYTHONDONTWRITEBYTECODE is set, each compiled the project's modules from source again: about
@@ -98,3 +100,12 @@ def pytest_sessionfinish(session):
     if "thread" in _build:
         _build["thread"].join()
 
+
+@pytest.fixture(scope="session")
+def warm_python():
+    """One warm interpreter per pytest process (tests/warm_python.py), started when a test first
+    asks: `warm_python.run(["file.py"], cwd=folder)` is `python file.py` without importing torch again."""
+    from .warm_python import WarmPython
+
+    with WarmPython() as warm:
+        yield warm

@@ -5,16 +5,16 @@ A line `print(...)  # text` must print text (for the first example: `# [6.0, 6.0
 
     pytest tests/test_readme.py -q
 
-Each example runs in a fork of a warm interpreter that imported torch once (tests/warm_python.py),
+Each example runs in a fork of a warm interpreter that imported torch once (tests/warm_python.py,
+the `warm_python` fixture),
 as `python FILE` would run it: a fresh interpreter per example would spend most of its time
 importing torch again.
 """
 
 import pathlib
 import re
-import pytest
 
-from .warm_python import WarmPython
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -43,15 +43,9 @@ def test_the_readme_and_docs_have_examples():
 FIRSTS = [places[0] for places in PLACES.values()]
 
 
-@pytest.fixture(scope="module")
-def python():
-    with WarmPython() as warm:
-        yield warm
-
-
 @pytest.mark.parametrize("index", [pytest.param(i, marks=() if i == 0 else pytest.mark.slow) for i, _ in FIRSTS],
                          ids=[f"{page}-{i}" for i, page in FIRSTS])
-def test_readme_example_runs_as_pasted(index, tmp_path, python):
+def test_readme_example_runs_as_pasted(index, tmp_path, warm_python):
     _, block = BLOCKS[index]
     page = " and ".join(f"{page} (block {i})" for i, page in PLACES[block])
     if "@distributed" in block:
@@ -62,7 +56,7 @@ def test_readme_example_runs_as_pasted(index, tmp_path, python):
         path = tmp_path / "example.py"
         path.write_text(block)
         argv = [str(path)]
-    out = python.run(argv, cwd=tmp_path, timeout=300)
+    out = warm_python.run(argv, cwd=tmp_path, timeout=300)
     assert out.returncode == 0, f"the example at {page} failed:\n{block}\n--- stdout\n{out.stdout}\n--- stderr\n{out.stderr}"
     for text in expected_output(block):
         assert text in out.stdout, f"the example at {page} should print {text!r}; it printed:\n{out.stdout}"
