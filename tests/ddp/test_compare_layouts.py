@@ -22,6 +22,7 @@ def _pooled(loop, n, args):
     return run_on_ranks(loop, n, args=args, backend="gloo", timeout=300)
 
 
+@pytest.mark.slow  # every layout, up to 8 ranks; the quick run keeps each layout's one-rank losses (tests/*/test_train_*.py)
 def test_every_layout_trains_as_one_rank_within_its_bound():
     rows, ok = table.layout_rows(8, progress=False, runner=_pooled)
     by_name = {r[0]: r for r in rows}

@@ -28,6 +28,10 @@ COMMON = ["--train-size", "48", "--lr", "0.05", "--eval-every", "3", "--seed", "
 PP_TP_DP = ["--pp", "2", "--tp", "2", "--batch-size", "4", "--microbatches", "2", *COMMON]
 ONE_RANK = ["--tp", "1", "--batch-size", "8", *COMMON]
 
+# The runs below are one module fixture, made once: under pytest-xdist (--dist loadgroup) this
+# module's tests all go to one worker, which would otherwise make them again on the other.
+pytestmark = pytest.mark.xdist_group("transformer-checkpoint")
+
 
 def _run(loop, ranks: int, argv: list) -> dict:
     config = TrainConfig.from_args(build_parser().parse_args(argv))
