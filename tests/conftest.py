@@ -31,14 +31,14 @@ HOSTS_TESTS = os.path.join(HERE, "multinode") + os.sep
 # Modules that never start an shm group, so never need the shm bridge: under pytest-xdist they run
 # right after the test hosts' tests, on the workers that would otherwise wait for the bridge's
 # build, and they do not wait for it. The quick run has no test hosts' tests: without these, both
-# its workers waited ~40 s for the build from a fresh clone, one core idle. The training modules
+# its workers waited 26-41 s for the build from a fresh clone, one core idle. The training modules
 # here run their ranks on Gloo pools. The launcher's tests are not here: they start ranks and
 # launchers by the dozen, and fresh interpreters beside the build cost more CPU than the wait they
 # would save. A module named here that came to use shm would still pass: its ranks would wait for
 # the build themselves (torch's build lock).
 WITHOUT_BRIDGE = tuple(os.path.join(HERE, name) for name in (
     "algorithms/test_fit.py", "algorithms/test_simulated.py", "algorithms/test_topology.py",
-    "algorithms/test_token_bucket.py", "algorithms/test_post_order.py",
+    "algorithms/test_token_bucket.py", "algorithms/test_post_order.py", "algorithms/test_on_ranks.py",
     "collectives/test_plain_mode_table.py",
     "ddp/test_zero.py", "ddp/test_parity.py", "ddp/test_transformer_runs.py", "ddp/test_transformer_checkpoint.py",
     "tensor_parallel/test_train_tp.py", "pipeline_parallel/test_train_pp.py", "context_parallel/test_train_cp.py",
