@@ -14,7 +14,7 @@ import re
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 FILE = re.compile(r"`([A-Za-z0-9_.{},*\-]+\.(?:\*|json|txt|png|csv|md|\{[a-z,]+\}))`")
-HISTORY = re.compile(r"(^|[-_])(before|now)([-_.]|$)|_[0-9a-f]{7}\.")
+HISTORY = re.compile(r"(^|[-_])(before|now)([-_.]|$)|[-_][0-9a-f]{7}[-_.]")  # a commit hash between separators
 
 
 def expand(pattern: str) -> list:
@@ -46,7 +46,8 @@ def test_the_expansion_and_the_history_names():
     assert expand("a_{1,2}_{x,y}.*") == ["a_1_x.*", "a_1_y.*", "a_2_x.*", "a_2_y.*"]
     assert named_files("(file `shm-native_{2,4}ranks.txt`, `..._b.json`)") == [
         "shm-native_2ranks.txt", "shm-native_4ranks.txt", "*_b.json"]
-    for name in ("shm-native-busy-now_cpu.txt", "suite-durations_before_cpu.txt", "gpu-checks_h100_ed7d1f0.txt"):
+    for name in ("shm-native-busy-now_cpu.txt", "suite-durations_before_cpu.txt", "gpu-checks_h100_ed7d1f0.txt",
+                 "suite_fresh-clone-ci-a1e082f_cpu.txt"):
         assert HISTORY.search(name), name
     for name in ("shm-native-busy_cpu.txt", "pipeline-nowait.txt", "bandwidth_2026-11-22.json"):
         assert not HISTORY.search(name), name
