@@ -29,20 +29,26 @@ sys.dont_write_bytecode = False
 HERE = os.path.dirname(os.path.abspath(__file__))
 HOSTS_TESTS = os.path.join(HERE, "multinode") + os.sep
 # Modules that never start an shm group, so never need the shm bridge: under pytest-xdist they run
-# right after the test hosts' tests, on the workers that would otherwise wait for the bridge's
-# build, and they do not wait for it. The quick run has no test hosts' tests: without these, both
-# its workers waited 26-41 s for the build from a fresh clone, one core idle. The training modules
-# here run their ranks on Gloo pools. The launcher's tests are not here: they start ranks and
-# launchers by the dozen, and fresh interpreters beside the build cost more CPU than the wait they
-# would save. A module named here that came to use shm would still pass: its ranks would wait for
-# the build themselves (torch's build lock).
+# right after the test hosts' tests, on the worker that would otherwise wait for the bridge's
+# build, and they do not wait for it. They start few processes, or mostly wait (planted hangs'
+# timeouts), which leaves a core to the build. The launcher's tests are not here: they start
+# ranks and launchers by the dozen, and fresh interpreters beside the build cost more CPU than the
+# wait they would save. A module named here that came to use shm would still pass: its ranks would
+# wait for the build themselves (torch's build lock).
 WITHOUT_BRIDGE = tuple(os.path.join(HERE, name) for name in (
     "algorithms/test_fit.py", "algorithms/test_simulated.py", "algorithms/test_topology.py",
-    "algorithms/test_token_bucket.py", "algorithms/test_post_order.py", "algorithms/test_on_ranks.py",
+    "algorithms/test_token_bucket.py", "algorithms/test_post_order.py",
     "collectives/test_plain_mode_table.py",
-    "ddp/test_zero.py", "ddp/test_parity.py", "ddp/test_transformer_runs.py", "ddp/test_transformer_checkpoint.py",
-    "tensor_parallel/test_train_tp.py", "pipeline_parallel/test_train_pp.py", "context_parallel/test_train_cp.py",
-    "expert_parallel/test_train_ep.py",
+))
+# More of them, whose ranks train on Gloo pools: they go first too when no test hosts' tests run
+# (the quick run), where both workers otherwise waited 26-41 s for the build from a fresh clone,
+# a core idle. In a run with the test hosts, one worker starts on those, and training beside them
+# and the build slowed the hosts' tests more than the wait it saved (one run: 931.5 s against
+# 791.3-858.5 s).
+WITHOUT_BRIDGE_WHEN_NO_HOSTS = tuple(os.path.join(HERE, name) for name in (
+    "algorithms/test_on_ranks.py", "ddp/test_zero.py", "ddp/test_parity.py", "ddp/test_transformer_runs.py",
+    "ddp/test_transformer_checkpoint.py", "tensor_parallel/test_train_tp.py", "pipeline_parallel/test_train_pp.py",
+    "context_parallel/test_train_cp.py", "expert_parallel/test_train_ep.py",
 ))
 _build = {}
 
@@ -76,11 +82,14 @@ def pytest_configure(config):
     preload(*TRAINING)
 
 
+@pytest.hookimpl(trylast=True)  # after `-m` has deselected what will not run
 def pytest_collection_modifyitems(config, items):
     """The modules in WITHOUT_BRIDGE go first after the test hosts' tests (which
-    tests/multinode/conftest.py puts first)."""
+    tests/multinode/conftest.py puts first); with no test hosts' tests to run, those in
+    WITHOUT_BRIDGE_WHEN_NO_HOSTS too."""
     hosts = [item for item in items if str(item.path).startswith(HOSTS_TESTS)]
-    early = [item for item in items if str(item.path) in WITHOUT_BRIDGE]
+    first = WITHOUT_BRIDGE if hosts else WITHOUT_BRIDGE + WITHOUT_BRIDGE_WHEN_NO_HOSTS
+    early = [item for item in items if str(item.path) in first]
     placed = {id(item) for item in hosts + early}
     items[:] = hosts + early + [item for item in items if id(item) not in placed]
 
@@ -89,7 +98,7 @@ def pytest_runtest_setup(item):
     """Before a test that may use the shm backend: the bridge is built, so that ranks starting shm
     groups never wait for it inside a test's timeout."""
     path = str(item.path)
-    if path.startswith(HOSTS_TESTS) or path in WITHOUT_BRIDGE or _build.get("ready"):
+    if path.startswith(HOSTS_TESTS) or path in WITHOUT_BRIDGE + WITHOUT_BRIDGE_WHEN_NO_HOSTS or _build.get("ready"):
         return
     if "thread" in _build:
         _build["thread"].join()
