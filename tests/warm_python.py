@@ -104,6 +104,7 @@ class WarmPython:
     def __init__(self, preload=PRELOAD):
         self._preload = tuple(preload)
         self._server: Optional[subprocess.Popen] = None
+        self._unread = b""  # what the server has written past the last line read
 
     def __enter__(self) -> "WarmPython":
         return self
@@ -114,7 +115,8 @@ class WarmPython:
     def _start(self) -> subprocess.Popen:
         if self._server is None or self._server.poll() is not None:
             self._server = subprocess.Popen([sys.executable, "-c", _SERVER, *self._preload], stdin=subprocess.PIPE,
-                                            stdout=subprocess.PIPE, text=True, bufsize=1)
+                                            stdout=subprocess.PIPE, bufsize=0)
+            self._unread = b""
         return self._server
 
     def run(self, argv: List[str], cwd, timeout: float = 300, env=None) -> subprocess.CompletedProcess:
@@ -126,26 +128,38 @@ class WarmPython:
             out, err = os.path.join(folder, "stdout"), os.path.join(folder, "stderr")
             request = {"argv": [str(a) for a in argv], "cwd": str(cwd), "stdout": out, "stderr": err,
                        "env": dict(os.environ if env is None else env)}
-            server.stdin.write(json.dumps(request) + "\n")
-            server.stdin.flush()
-            pid = json.loads(server.stdout.readline())["pid"]
+            server.stdin.write((json.dumps(request) + "\n").encode())
+            pid = self._line(server, None)["pid"]
             reply = self._reply(server, pid, timeout, argv)
             with open(out) as o, open(err) as e:
                 stdout, stderr = o.read(), e.read()
         return subprocess.CompletedProcess([sys.executable, *argv], reply["returncode"], stdout, stderr)
 
-    def _reply(self, server: subprocess.Popen, pid: int, timeout: float, argv) -> dict:
-        import selectors
+    def _line(self, server: subprocess.Popen, timeout: Optional[float]) -> Optional[dict]:
+        """The server's next reply, or None if none comes within `timeout` seconds. Read straight
+        from the pipe: a buffered reader could hold the next reply already while select() waits."""
+        import select
 
-        with selectors.DefaultSelector() as wait:
-            wait.register(server.stdout, selectors.EVENT_READ)
-            if wait.select(timeout):
-                return json.loads(server.stdout.readline())
+        fd = server.stdout.fileno()
+        while b"\n" not in self._unread:
+            if not select.select([fd], [], [], timeout)[0]:
+                return None
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                raise RuntimeError(f"the warm interpreter ended (exit code {server.wait()})")
+            self._unread += chunk
+        line, self._unread = self._unread.split(b"\n", 1)
+        return json.loads(line)
+
+    def _reply(self, server: subprocess.Popen, pid: int, timeout: float, argv) -> dict:
+        reply = self._line(server, timeout)
+        if reply is not None:
+            return reply
         try:
             os.killpg(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        json.loads(server.stdout.readline())  # the server reaps it and can take the next file
+        self._line(server, None)  # the server reaps it and can take the next file
         raise subprocess.TimeoutExpired([sys.executable, *argv], timeout)
 
     def close(self) -> None:
