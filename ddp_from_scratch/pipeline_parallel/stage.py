@@ -41,7 +41,7 @@ from torch import nn
 from .messages import RECV, Message, check_messages, with_messages
 from .saved import SavedBytes
 from .schedule import BACKWARD, FORWARD, INPUT, WEIGHT, Action, check, chunks_of, stage_index
-from .two_part_backward import input_gradient
+from .two_part_backward import SplitBackward
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32]
 _META = 10  # dtype, ndim, then up to 8 dims
@@ -118,6 +118,7 @@ class Stage:
             raise ValueError(f"a pipeline over {ranks} ranks needs a group of {ranks} ranks, got {size}")
         self.rank, self.ranks, self.group, self.loss_fn = rank, ranks, group, loss_fn
         self.num_stages = ranks * len(self.chunks)
+        self._split = [SplitBackward() for _ in self.chunks]  # zero bubble's I and W, a chunk each
         self._global = [dist.get_global_rank(group, r) if group is not None else r for r in range(ranks)]
         if self.num_stages - 1 in self.stages and loss_fn is None:
             raise ValueError("the last stage computes the loss: give loss_fn")
@@ -303,7 +304,8 @@ class Stage:
         grad = None if stage == last else self._inbox.pop((BACKWARD, a.microbatch, stage + 1))
         began = time.perf_counter()
         if a.kind == INPUT:
-            dx, step.weights_later[key] = input_gradient(y, grad, x, self.chunks[a.chunk].parameters())
+            split, chunk = self._split[a.chunk], self.chunks[a.chunk]
+            dx, step.weights_later[key] = split.input_gradient(y, grad, x, chunk.parameters())
         else:
             torch.autograd.backward(y, grad)
             dx = x.grad

@@ -6,14 +6,24 @@ otherwise idle.
     ...                                                              # other actions
     weights()                                                        # W: adds to each p.grad
 
+    split = SplitBackward()             # a stage's, for every microbatch: keeps each weight's node
+    dx, weights = split.input_gradient(y, grad, x, stage.parameters())
+
 autograd computes only what the asked-for inputs need: asking for x's gradient alone runs the
 nodes on the path from the output down to x and nothing on the weights' side. Where that path
 meets a weight's side (a Linear's addmm node: its input goes down the path, its weight off it),
-the gradient arriving at the node is kept (a pre-hook on the node). The W part asks autograd for
-the weights' gradients from those kept gradients, at those same nodes: each node's weight-side
-arithmetic runs once, in the W part, with the same kernels a whole backward runs, so the
-gradients are the same bits. torch.distributed.pipelining's stage_backward_input and
+the gradient arriving at the node is kept (asked of the same call as x's, as a GradientEdge at the
+node). The W part asks autograd for the weights' gradients from those kept gradients, at those
+same nodes, a call a node: each node's weight-side arithmetic runs once, in the W part, with the
+same kernels a whole backward runs, so the gradients are the same bits. torch.distributed.pipelining's stage_backward_input and
 stage_backward_weight split a backward the same way.
+
+A split backward makes one call of autograd's engine a weight group where a whole backward makes
+one, and on small layers each call's own cost is not small beside its arithmetic. So the calls go
+to the engine directly, without the argument checks of torch.autograd.grad and backward (their
+arguments come from autograd itself here); the walk of the graph stops at the input and at the
+weights; and a SplitBackward keeps each weight's gradient accumulator from one microbatch to the
+next (benchmarks/pipeline_parallel.py prints the I + W against a whole backward).
 
 A stage whose input needs no gradient (the first) has nothing to send: its I does nothing and
 its W runs the whole backward. A weight reached from two places on the input's path (used twice)
@@ -26,6 +36,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Set, Tuple
 
 import torch
 from torch.autograd.graph import GradientEdge
+from torch.autograd.variable import Variable
 
 
 def _node(t: torch.Tensor):
@@ -37,38 +48,60 @@ def _children(node) -> List:
     return [n for n, _ in node.next_functions if n is not None]
 
 
-def _walk(root) -> List:
-    """Every node below root, each after all its children (post-order), without recursion."""
-    order, seen, stack = [], {root}, [(root, iter(_children(root)))]
+def _run_engine(outputs: tuple, grads: tuple, inputs: tuple, *, keep_graph: bool, accumulate: bool) -> tuple:
+    """The call into autograd's engine that torch.autograd.grad (accumulate=False: returns the
+    inputs' gradients) and torch.autograd.backward (accumulate=True: adds them to .grad) end in."""
+    return Variable._execution_engine.run_backward(outputs, grads, keep_graph, False, inputs,
+                                                   allow_unreachable=True, accumulate_grad=accumulate)
+
+
+def _walk(root, stops: Set) -> Tuple[List, Dict[object, List]]:
+    """Every node below root, each after all its children (post-order), without recursion and
+    without going below a node in stops; and each node's children, read once."""
+    children = {root: [] if root in stops else _children(root)}
+    order, stack = [], [(root, iter(children[root]))]
     while stack:
-        node, children = stack[-1]
-        child = next(children, None)
+        node, pending = stack[-1]
+        child = next(pending, None)
         if child is None:
             order.append(node)
             stack.pop()
-        elif child not in seen:
-            seen.add(child)
-            stack.append((child, iter(_children(child))))
-    return order
+        elif child not in children:
+            children[child] = [] if child in stops else _children(child)
+            stack.append((child, iter(children[child])))
+    return order, children
+
+
+def _weights_below(node, children: Dict[object, List], weight_nodes: Set, found: List) -> None:
+    """Adds to found the weights' accumulators in node's subgraph (off the input's path: small)."""
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if n in weight_nodes:
+            if n not in found:
+                found.append(n)
+        else:
+            stack.extend(children[n])
 
 
 def weight_groups(root, x_node, weight_nodes: Set) -> List[Tuple[object, List]]:
     """The nodes where the input's path meets a weight's side, each with the accumulators of the
     weights below it on that side: [(node, [accumulator, ...])]."""
-    on_path: Dict[object, bool] = {}
-    below: Dict[object, frozenset] = {}  # off the path: the weights' accumulators under a node
-    for node in _walk(root):
-        kids = _children(node)
-        on_path[node] = node is x_node or any(on_path[k] for k in kids)
-        if not on_path[node]:
-            below[node] = frozenset([node] if node in weight_nodes else []).union(*(below[k] for k in kids))
-    if not on_path[root]:
+    order, children = _walk(root, weight_nodes | {x_node})
+    on_path = set()
+    for node in order:  # children first: a node is on the path if one of its children is
+        if node is x_node or any(k in on_path for k in children[node]):
+            on_path.add(node)
+    if root not in on_path:
         raise ValueError("the stage's output does not depend on its input: there is no input gradient to send")
     groups, owner = [], {}
-    for node, path in on_path.items():
-        if not path:
+    for node in order:
+        if node not in on_path:
             continue
-        weights = sorted(frozenset().union(*(below[k] for k in _children(node) if not on_path[k])), key=id)
+        weights: List = []
+        for k in children[node]:
+            if k not in on_path:
+                _weights_below(k, children, weight_nodes, weights)
         for w in weights:
             if w in owner:
                 raise ValueError(f"the weight {tuple(w.variable.shape)} is reached from two places on the input's "
@@ -79,42 +112,62 @@ def weight_groups(root, x_node, weight_nodes: Set) -> List[Tuple[object, List]]:
     return groups
 
 
+class SplitBackward:
+    """A stage's split backward, microbatch after microbatch. It holds each weight's gradient
+    accumulator, so autograd gives every microbatch's graph the same one (a tensor keeps its
+    accumulator only while something holds it) and it is found once."""
+
+    def __init__(self) -> None:
+        self._accumulators: Dict[torch.Tensor, object] = {}
+
+    def accumulators(self, parameters: Iterable[torch.Tensor]) -> Set:
+        found = set()
+        for p in parameters:
+            if p.requires_grad:
+                acc = self._accumulators.get(p)
+                if acc is None:
+                    acc = self._accumulators[p] = _node(p)
+                found.add(acc)
+        return found
+
+    def input_gradient(self, y: torch.Tensor, grad: Optional[torch.Tensor], x: torch.Tensor,
+                       parameters: Iterable[torch.Tensor]) -> Tuple[Optional[torch.Tensor], Callable[[], None]]:
+        """The I part: x's gradient (None where x needs none), and the W part to call later."""
+        if not x.requires_grad:  # the first stage: nothing to send, the whole backward is the W part
+            return None, lambda: torch.autograd.backward(y, grad)
+        if grad is None:
+            if y.numel() != 1:
+                raise ValueError(f"a gradient for the stage's output of shape {tuple(y.shape)} is needed: only a "
+                                 "one-element output (a loss) starts its backward without one")
+            grad = torch.ones_like(y)  # what torch.autograd.backward(loss) starts from
+        groups = weight_groups(y.grad_fn, _node(x), self.accumulators(parameters))
+        # The gradient arriving at each group's node, for its W: asked of the engine beside x's
+        # (an edge (node, i) is the gradient of the node's i-th forward output; a node still runs).
+        arriving = [[GradientEdge(node, i) for i in range(len(node._input_metadata))] for node, _ in groups]
+        dx, *kept = _run_engine((y,), (grad,), (x, *(e for edges in arriving for e in edges)),
+                                keep_graph=True, accumulate=False)
+        calls, at = [], 0
+        for (node, accumulators), edges in zip(groups, arriving):
+            grads, at = kept[at:at + len(edges)], at + len(edges)
+            used = [(e, g) for e, g in zip(edges, grads) if g is not None]
+            if used:
+                calls.append((tuple(e for e, _ in used), tuple(g for _, g in used),
+                              tuple(acc.variable for acc in accumulators)))
+        del kept
+
+        def weights_part() -> None:
+            # A call a group: a weight's side hangs below one node, and the input's path below it
+            # leads to the next group's weights, which this call must not reach again. The
+            # accumulators add to each p.grad, as in a whole backward, and in its order: the
+            # groups nearest the output first.
+            while calls:
+                edges, grads, weights = calls.pop()
+                _run_engine(edges, grads, weights, keep_graph=False, accumulate=True)
+
+        return dx, weights_part
+
+
 def input_gradient(y: torch.Tensor, grad: Optional[torch.Tensor], x: torch.Tensor,
                    parameters: Iterable[torch.Tensor]) -> Tuple[Optional[torch.Tensor], Callable[[], None]]:
     """The I part: x's gradient (None where x needs none), and the W part to call later."""
-    if not x.requires_grad:  # the first stage: nothing to send, the whole backward is the W part
-        return None, lambda: torch.autograd.backward(y, grad)
-    weights = {_node(p) for p in parameters if p.requires_grad}
-    groups = weight_groups(y.grad_fn, _node(x), weights)
-    kept: Dict[object, tuple] = {}
-
-    def keeper(node):
-        def hook(grad_outputs):
-            kept[node] = grad_outputs
-        return hook
-
-    handles = [node.register_prehook(keeper(node)) for node, _ in groups]
-    try:
-        (dx,) = torch.autograd.grad(y, x, grad, retain_graph=True)
-    finally:
-        for h in handles:
-            h.remove()
-
-    def weights_part() -> None:
-        for node, accumulators in groups:
-            grads = kept.pop(node)
-            edges = [(GradientEdge(node, i), g) for i, g in enumerate(grads) if g is not None]
-            if not edges:
-                continue
-            dws = torch.autograd.grad([e for e, _ in edges], [GradientEdge(a, 0) for a in accumulators],
-                                      [g for _, g in edges], allow_unused=True)
-            for acc, dw in zip(accumulators, dws):
-                if dw is None:
-                    continue
-                p = acc.variable
-                if p.grad is None:
-                    p.grad = dw
-                else:
-                    p.grad += dw
-
-    return dx, weights_part
+    return SplitBackward().input_gradient(y, grad, x, parameters)

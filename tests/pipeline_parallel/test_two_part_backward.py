@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from ddp_from_scratch.pipeline_parallel.two_part_backward import input_gradient
+from ddp_from_scratch.pipeline_parallel.two_part_backward import SplitBackward, input_gradient
 
 
 class Residual(nn.Module):
@@ -38,11 +38,13 @@ def _model(kind: str, width: int, seed: int) -> nn.Module:
 
 @settings(max_examples=30, deadline=None)
 @given(kind=st.sampled_from(["mlp", "residual", "conv"]), width=st.integers(2, 9), batch=st.integers(2, 5),
-       microbatches=st.integers(1, 4), later=st.booleans(), seed=st.integers(0, 10**6))
-def test_i_then_w_is_the_whole_backward_bit_for_bit(kind, width, batch, microbatches, later, seed):
+       microbatches=st.integers(1, 4), later=st.booleans(), kept=st.booleans(), seed=st.integers(0, 10**6))
+def test_i_then_w_is_the_whole_backward_bit_for_bit(kind, width, batch, microbatches, later, kept, seed):
     """Against loss.backward() on a copy, microbatch after microbatch: every input gradient and,
-    after the Ws (all at once at the end, or each right after its I), every weight's."""
+    after the Ws (all at once at the end, or each right after its I), every weight's; with one
+    SplitBackward for every microbatch (as a stage keeps it) or the one-off function."""
     ours, whole = _model(kind, width, seed), _model(kind, width, seed)
+    split = SplitBackward().input_gradient if kept else input_gradient
     g = torch.Generator().manual_seed(seed)
     pending = []
     for _ in range(microbatches):
@@ -50,7 +52,7 @@ def test_i_then_w_is_the_whole_backward_bit_for_bit(kind, width, batch, microbat
         grad_out = torch.randn(batch, 3 if kind != "mlp" else width, generator=g)
         xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
         before = {n: None if q.grad is None else q.grad.clone() for n, q in ours.named_parameters()}
-        dx, weights = input_gradient(ours(xa), grad_out, xa, ours.parameters())
+        dx, weights = split(ours(xa), grad_out, xa, ours.parameters())
         for n, q in ours.named_parameters():  # the I part touched no weight's gradient
             assert (q.grad is None and before[n] is None) or torch.equal(q.grad, before[n]), n
         whole(xb).backward(grad_out)
@@ -84,3 +86,66 @@ def test_a_weight_used_twice_on_the_inputs_path_and_an_output_without_the_input_
         input_gradient(lin(lin(x)), torch.ones(2, 4), x, lin.parameters())
     with pytest.raises(ValueError, match="the stage's output does not depend on its input"):
         input_gradient(lin(torch.randn(2, 4)), torch.ones(2, 4), x, lin.parameters())
+
+
+class _TwoOutputs(torch.autograd.Function):
+    """y1 = x @ w and y2 = x @ w * 2 from one node: a node on the input's path with two outputs."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        y = x @ w
+        return y, y * 2
+
+    @staticmethod
+    def backward(ctx, g1, g2):
+        x, w = ctx.saved_tensors
+        g = g1 + g2 * 2
+        return (g @ w.t() if ctx.needs_input_grad[0] else None), (x.t() @ g if ctx.needs_input_grad[1] else None)
+
+
+@pytest.mark.parametrize("used", ["first", "both"])
+def test_a_node_with_two_outputs_one_of_them_unused(used):
+    """The gradient kept for a node's W is one per output, and an output no gradient reached
+    (the second, when only the first is used) stays unset, as in the whole backward."""
+    torch.manual_seed(0)
+    w_ours, w_whole = nn.Parameter(torch.randn(4, 4)), None
+    w_whole = nn.Parameter(w_ours.detach().clone())
+    x = torch.randn(3, 4)
+
+    def out(x, w):
+        y1, y2 = _TwoOutputs.apply(torch.tanh(x), w)
+        return (y1 if used == "first" else y1 + y2).sum()
+
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    dx, weights = input_gradient(out(xa, w_ours), None, xa, [w_ours])
+    assert w_ours.grad is None
+    weights()
+    out(xb, w_whole).backward()
+    assert torch.equal(dx, xb.grad) and torch.equal(w_ours.grad, w_whole.grad)
+
+
+def test_a_stage_whose_parameter_is_replaced_splits_onto_the_new_one():
+    """A SplitBackward keeps each parameter's gradient accumulator; a parameter put in another's
+    place (load_state_dict(assign=True)) is found anew, and its gradient lands in it."""
+    model, whole = _model("mlp", 4, 1), _model("mlp", 4, 1)
+    split = SplitBackward()
+    x = torch.randn(3, 4, requires_grad=True)
+    split.input_gradient(model(x), torch.ones(3, 4), x, model.parameters())[1]()
+    model.load_state_dict({k: v.detach().clone() for k, v in model.state_dict().items()}, assign=True)
+    assert all(q.grad is None for q in model.parameters())
+    x = torch.randn(3, 4)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    dx, weights = split.input_gradient(model(xa), torch.ones(3, 4), xa, model.parameters())
+    weights()
+    whole(xb).backward(torch.ones(3, 4))
+    assert torch.equal(dx, xb.grad)
+    for (n, a), b in zip(model.named_parameters(), whole.parameters()):
+        assert torch.equal(a.grad, b.grad), n
+
+
+def test_an_output_of_more_than_one_element_needs_its_gradient():
+    lin = nn.Linear(4, 4)
+    x = torch.randn(2, 4, requires_grad=True)
+    with pytest.raises(ValueError, match=r"a gradient for the stage's output of shape \(2, 4\) is needed"):
+        input_gradient(lin(x), None, x, lin.parameters())
