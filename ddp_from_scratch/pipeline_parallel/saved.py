@@ -10,8 +10,6 @@ they are saved and as they are freed, so a step's peak is measured, not computed
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 
 
@@ -48,15 +46,19 @@ class SavedBytes:
     def _unpack(saved):
         return saved.tensor if isinstance(saved, _Saved) else saved
 
-    def _freed(self, nbytes: int) -> None:
-        self.live -= nbytes
-
 
 class _Saved:
-    """One tensor autograd saved for backward, counted in its SavedBytes while it lives."""
+    """One tensor autograd saved for backward, counted in its SavedBytes while it lives (__del__:
+    it holds nothing that refers back to it, so it goes when autograd lets go of it; cheaper on
+    every saved tensor than a weakref.finalize)."""
+
+    __slots__ = ("tensor", "counter", "nbytes")
 
     def __init__(self, counter: SavedBytes, tensor: torch.Tensor):
-        self.tensor, nbytes = tensor, tensor.numel() * tensor.element_size()
-        counter.live += nbytes
-        counter.peak = max(counter.peak, counter.live)
-        weakref.finalize(self, counter._freed, nbytes)
+        self.tensor, self.counter, self.nbytes = tensor, counter, tensor.numel() * tensor.element_size()
+        counter.live += self.nbytes
+        if counter.live > counter.peak:
+            counter.peak = counter.live
+
+    def __del__(self) -> None:
+        self.counter.live -= self.nbytes
