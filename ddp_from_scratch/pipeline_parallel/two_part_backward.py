@@ -12,10 +12,10 @@ otherwise idle.
 autograd computes only what the asked-for inputs need: asking for x's gradient alone runs the
 nodes on the path from the output down to x and nothing on the weights' side. Where that path
 meets a weight's side (a Linear's addmm node: its input goes down the path, its weight off it),
-the gradient arriving at the node is kept (asked of the same call as x's, as a GradientEdge at the
-node). The W part asks autograd for the weights' gradients from those kept gradients, at those
-same nodes, a call a node: each node's weight-side arithmetic runs once, in the W part, with the
-same kernels a whole backward runs, so the gradients are the same bits. torch.distributed.pipelining's stage_backward_input and
+the gradient arriving at the node is kept (a pre-hook on the node). The W part asks autograd for
+the weights' gradients from those kept gradients, at those same nodes, a call a node: each node's
+weight-side arithmetic runs once, in the W part, with the same kernels a whole backward runs, so
+the gradients are the same bits. torch.distributed.pipelining's stage_backward_input and
 stage_backward_weight split a backward the same way.
 
 A split backward makes one call of autograd's engine a weight group where a whole backward makes
@@ -141,19 +141,27 @@ class SplitBackward:
                                  "one-element output (a loss) starts its backward without one")
             grad = torch.ones_like(y)  # what torch.autograd.backward(loss) starts from
         groups = weight_groups(y.grad_fn, _node(x), self.accumulators(parameters))
-        # The gradient arriving at each group's node, for its W: asked of the engine beside x's
-        # (an edge (node, i) is the gradient of the node's i-th forward output; a node still runs).
-        arriving = [[GradientEdge(node, i) for i in range(len(node._input_metadata))] for node, _ in groups]
-        dx, *kept = _run_engine((y,), (grad,), (x, *(e for edges in arriving for e in edges)),
-                                keep_graph=True, accumulate=False)
-        calls, at = [], 0
-        for (node, accumulators), edges in zip(groups, arriving):
-            grads, at = kept[at:at + len(edges)], at + len(edges)
-            used = [(e, g) for e, g in zip(edges, grads) if g is not None]
+        # The gradient arriving at each group's node, for its W: a pre-hook on the node keeps
+        # it (one per output of the node's forward; None where none arrived) as the node runs.
+        kept: Dict[object, tuple] = {}
+
+        def keep(node):
+            def hook(grad_outputs):
+                kept[node] = grad_outputs
+            return hook
+
+        handles = [node.register_prehook(keep(node)) for node, _ in groups]
+        try:
+            (dx,) = _run_engine((y,), (grad,), (x,), keep_graph=True, accumulate=False)
+        finally:
+            for h in handles:
+                h.remove()
+        calls = []
+        for node, accumulators in groups:
+            used = [(GradientEdge(node, i), g) for i, g in enumerate(kept.pop(node)) if g is not None]
             if used:
                 calls.append((tuple(e for e, _ in used), tuple(g for _, g in used),
                               tuple(acc.variable for acc in accumulators)))
-        del kept
 
         def weights_part() -> None:
             # A call a group: a weight's side hangs below one node, and the input's path below it
