@@ -149,3 +149,31 @@ def test_an_output_of_more_than_one_element_needs_its_gradient():
     x = torch.randn(2, 4, requires_grad=True)
     with pytest.raises(ValueError, match=r"a gradient for the stage's output of shape \(2, 4\) is needed"):
         input_gradient(lin(x), None, x, lin.parameters())
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_one_split_backward_over_optimizer_steps_trains_as_the_whole_backward(set_to_none):
+    """A stage keeps its SplitBackward across steps: an optimizer changes the weights in place and
+    zero_grad clears (or zeroes) their gradients between steps; three SGD steps with momentum,
+    two microbatches each, give the whole backward's weights bit for bit."""
+    ours, whole = _model("residual", 5, 3), _model("residual", 5, 3)
+    opt_a = torch.optim.SGD(ours.parameters(), lr=0.1, momentum=0.9)
+    opt_b = torch.optim.SGD(whole.parameters(), lr=0.1, momentum=0.9)
+    split, g = SplitBackward(), torch.Generator().manual_seed(7)
+    for _ in range(3):
+        pending = []
+        for _ in range(2):
+            x, grad_out = torch.randn(4, 5, generator=g), torch.randn(4, 3, generator=g)
+            xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+            dx, weights = split.input_gradient(ours(xa), grad_out, xa, ours.parameters())
+            pending.append(weights)
+            whole(xb).backward(grad_out)
+            assert torch.equal(dx, xb.grad)
+        for weights in pending:
+            weights()
+        opt_a.step()
+        opt_b.step()
+        opt_a.zero_grad(set_to_none=set_to_none)
+        opt_b.zero_grad(set_to_none=set_to_none)
+    for (n, a), b in zip(ours.named_parameters(), whole.parameters()):
+        assert torch.equal(a, b), n
