@@ -45,16 +45,10 @@ WITHOUT_BRIDGE = tuple(os.path.join(HERE, name) for name in (
 # a core idle. In a run with the test hosts, one worker starts on those, and training beside them
 # and the build slowed the hosts' tests more than the wait it saved (one run: 931.5 s against
 # 791.3-858.5 s).
-# After them, modules that start no ranks at all (or only Gloo ones) and ran after the build: with
-# the training alone, both workers still waited about 18 s for it from a fresh clone.
 WITHOUT_BRIDGE_WHEN_NO_HOSTS = tuple(os.path.join(HERE, name) for name in (
     "algorithms/test_on_ranks.py", "ddp/test_zero.py", "ddp/test_parity.py", "ddp/test_transformer_runs.py",
     "ddp/test_transformer_checkpoint.py", "tensor_parallel/test_train_tp.py", "pipeline_parallel/test_train_pp.py",
     "context_parallel/test_train_cp.py", "expert_parallel/test_train_ep.py",
-    "test_import_graph.py", "test_output_files.py", "test_results_page.py", "test_docs_fences.py",
-    "collectives/test_wire.py", "ddp/test_resnet.py", "ddp/test_registry.py", "expert_parallel/test_moe.py",
-    "pipeline_parallel/test_two_part_backward.py", "pipeline_parallel/test_saved.py",
-    "pipeline_parallel/test_pipeline_mistakes.py", "benchmarks/test_across_hosts_script.py",
 ))
 _build = {}
 
