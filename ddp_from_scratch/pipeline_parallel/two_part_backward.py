@@ -142,7 +142,8 @@ class SplitBackward:
             grad = torch.ones_like(y)  # what torch.autograd.backward(loss) starts from
         groups = weight_groups(y.grad_fn, _node(x), self.accumulators(parameters))
         # The gradient arriving at each group's node, for its W: a pre-hook on the node keeps
-        # it (one per output of the node's forward; None where none arrived) as the node runs.
+        # it (one per output of the node's forward; None where none arrived) as the node runs (a
+        # node that did not run keeps nothing, and its W call is left out).
         kept: Dict[object, tuple] = {}
 
         def keep(node):
@@ -158,7 +159,7 @@ class SplitBackward:
                 h.remove()
         calls = []
         for node, accumulators in groups:
-            used = [(GradientEdge(node, i), g) for i, g in enumerate(kept.pop(node)) if g is not None]
+            used = [(GradientEdge(node, i), g) for i, g in enumerate(kept.pop(node, ())) if g is not None]
             if used:
                 calls.append((tuple(e for e, _ in used), tuple(g for _, g in used),
                               tuple(acc.variable for acc in accumulators)))
