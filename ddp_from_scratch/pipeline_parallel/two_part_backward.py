@@ -121,14 +121,11 @@ class SplitBackward:
         self._accumulators: Dict[torch.Tensor, object] = {}
 
     def accumulators(self, parameters: Iterable[torch.Tensor]) -> Set:
-        found = set()
-        for p in parameters:
-            if p.requires_grad:
-                acc = self._accumulators.get(p)
-                if acc is None:
-                    acc = self._accumulators[p] = _node(p)
-                found.add(acc)
-        return found
+        """The accumulators of the parameters that need a gradient, kept for these parameters only
+        (one put in another's place is found anew, and the one it replaced is let go)."""
+        known = self._accumulators
+        self._accumulators = {p: known.get(p) or _node(p) for p in parameters if p.requires_grad}
+        return set(self._accumulators.values())
 
     def input_gradient(self, y: torch.Tensor, grad: Optional[torch.Tensor], x: torch.Tensor,
                        parameters: Iterable[torch.Tensor]) -> Tuple[Optional[torch.Tensor], Callable[[], None]]:
