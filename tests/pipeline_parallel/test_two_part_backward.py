@@ -8,6 +8,9 @@ microbatches accumulating, on graphs with branches, residuals and norms.
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -36,26 +39,44 @@ def _model(kind: str, width: int, seed: int) -> nn.Module:
                          nn.Flatten(), nn.Linear(2 * width, 3))
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(kind=st.sampled_from(["mlp", "residual", "conv"]), width=st.integers(2, 9), batch=st.integers(2, 5),
-       microbatches=st.integers(1, 4), later=st.booleans(), kept=st.booleans(), seed=st.integers(0, 10**6))
-def test_i_then_w_is_the_whole_backward_bit_for_bit(kind, width, batch, microbatches, later, kept, seed):
+       microbatches=st.integers(1, 4), later=st.booleans(), kept=st.booleans(),
+       precision=st.sampled_from(["float32", "float64", "bfloat16 autocast"]), frozen=st.booleans(),
+       seed=st.integers(0, 10**6))
+def test_i_then_w_is_the_whole_backward_bit_for_bit(kind, width, batch, microbatches, later, kept, precision, frozen,
+                                                    seed):
     """Against loss.backward() on a copy, microbatch after microbatch: every input gradient and,
     after the Ws (all at once at the end, or each right after its I), every weight's; with one
-    SplitBackward for every microbatch (as a stage keeps it) or the one-off function."""
+    SplitBackward for every microbatch (as a stage keeps it) or the one-off function; in float32,
+    float64, or a forward under bfloat16 autocast (as Stage(autocast=...) runs it); with the first
+    parameter frozen (no gradient on either side) or not."""
     ours, whole = _model(kind, width, seed), _model(kind, width, seed)
+    dtype = torch.float64 if precision == "float64" else torch.float32
+    ours, whole = ours.to(dtype), whole.to(dtype)
+    if frozen:
+        next(ours.parameters()).requires_grad_(False)
+        next(whole.parameters()).requires_grad_(False)
+
+    def forward(model, x):
+        if precision == "bfloat16 autocast":
+            with torch.autocast("cpu", torch.bfloat16):
+                return model(x)
+        return model(x)
+
     split = SplitBackward().input_gradient if kept else input_gradient
     g = torch.Generator().manual_seed(seed)
     pending = []
     for _ in range(microbatches):
-        x = torch.randn(batch, width, generator=g)
-        grad_out = torch.randn(batch, 3 if kind != "mlp" else width, generator=g)
+        x = torch.randn(batch, width, generator=g, dtype=dtype)
         xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
         before = {n: None if q.grad is None else q.grad.clone() for n, q in ours.named_parameters()}
-        dx, weights = split(ours(xa), grad_out, xa, ours.parameters())
+        ya, yb = forward(ours, xa), forward(whole, xb)
+        grad_out = torch.randn(ya.shape, generator=g, dtype=dtype).to(ya.dtype)
+        dx, weights = split(ya, grad_out, xa, ours.parameters())
         for n, q in ours.named_parameters():  # the I part touched no weight's gradient
             assert (q.grad is None and before[n] is None) or torch.equal(q.grad, before[n]), n
-        whole(xb).backward(grad_out)
+        yb.backward(grad_out)
         assert torch.equal(dx, xb.grad)
         assert xa.grad is None  # the I part returns the input's gradient, it does not accumulate it
         if later:
@@ -65,7 +86,10 @@ def test_i_then_w_is_the_whole_backward_bit_for_bit(kind, width, batch, microbat
     for weights in pending:
         weights()
     for (n, a), b in zip(ours.named_parameters(), whole.parameters()):
-        assert torch.equal(a.grad, b.grad), n
+        if not a.requires_grad:
+            assert a.grad is None and b.grad is None, n
+        else:
+            assert torch.equal(a.grad, b.grad), n
 
 
 def test_the_first_stage_sends_nothing_and_its_w_is_the_whole_backward():
@@ -127,16 +151,20 @@ def test_a_node_with_two_outputs_one_of_them_unused(used):
 
 def test_a_stage_whose_parameter_is_replaced_splits_onto_the_new_one():
     """A SplitBackward keeps each parameter's gradient accumulator; a parameter put in another's
-    place (load_state_dict(assign=True)) is found anew, and its gradient lands in it."""
+    place (load_state_dict(assign=True)) is found anew, its gradient lands in it, and the one it
+    replaced is let go."""
     model, whole = _model("mlp", 4, 1), _model("mlp", 4, 1)
     split = SplitBackward()
     x = torch.randn(3, 4, requires_grad=True)
     split.input_gradient(model(x), torch.ones(3, 4), x, model.parameters())[1]()
+    replaced = weakref.ref(next(model.parameters()))
     model.load_state_dict({k: v.detach().clone() for k, v in model.state_dict().items()}, assign=True)
     assert all(q.grad is None for q in model.parameters())
     x = torch.randn(3, 4)
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
     dx, weights = split.input_gradient(model(xa), torch.ones(3, 4), xa, model.parameters())
+    gc.collect()
+    assert replaced() is None, "the SplitBackward still holds the parameter that was replaced"
     weights()
     whole(xb).backward(torch.ones(3, 4))
     assert torch.equal(dx, xb.grad)
