@@ -16,17 +16,19 @@ from ddp_from_scratch.pipeline_parallel.saved import SavedBytes
 
 
 @pytest.mark.parametrize("rows,width", [(1, 3), (4, 8), (5, 17)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("end", ["backward", "dropped"])
-def test_a_linear_then_tanh_saves_its_input_and_its_output_and_gives_them_back(rows, width, end):
+def test_a_linear_then_tanh_saves_its_input_and_its_output_and_gives_them_back(rows, width, dtype, end):
     """Linear saves its input (rows x width) and its weight (a parameter: not counted); tanh saves
-    its output (rows x width). So the peak is two activations, and none is left at the end."""
+    its output (rows x width). So the peak is two activations of the dtype's size, and none is
+    left at the end."""
     torch.manual_seed(0)
-    lin = nn.Linear(width, width)
+    lin = nn.Linear(width, width).to(dtype)
     saved = SavedBytes(lin.parameters())
-    x = torch.randn(rows, width, requires_grad=True)
+    x = torch.randn(rows, width, dtype=dtype, requires_grad=True)
     with saved:
         y = torch.tanh(lin(x)).sum()
-    one = rows * width * 4
+    one = rows * width * x.element_size()
     assert (saved.live, saved.peak) == (2 * one, 2 * one)
     if end == "backward":
         y.backward()
