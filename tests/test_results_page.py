@@ -1,6 +1,7 @@
 """benchmarks/RESULTS.md and the files under benchmarks/results/: every file the page names (a
 name, or a pattern with {a,b} and *) is there, and no file is named by when it was measured
-against a change (before, now, a commit hash) rather than by what it measured and where.
+against a change (before, after, now, head, final, a commit hash) or by the time of day it ran
+(morning, late, 0900) rather than by what it measured and where.
 
     pytest tests/test_results_page.py -q
 """
@@ -14,7 +15,10 @@ import re
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 FILE = re.compile(r"`([A-Za-z0-9_.{},*\-]+\.(?:\*|json|txt|png|csv|md|\{[a-z,]+\}))`")
-HISTORY = re.compile(r"(^|[-_])(before|now)([-_.]|$)|[-_][0-9a-f]{7}[-_.]")  # a commit hash between separators
+HISTORY = re.compile(
+    r"(^|[-_])(before|after|now|head|final|old|new|earlier|late|morning|evening|night|midnight)([-_.]|$)"
+    r"|[-_][0-9a-f]{7}[-_.]"  # a commit hash between separators
+    r"|[-_](?:[01][0-9]|2[0-3])[0-5][0-9](?!-[0-9]{2}-[0-9]{2})[-_.]")  # a time of day, 0900; not a date's year
 
 
 def expand(pattern: str) -> list:
@@ -47,7 +51,11 @@ def test_the_expansion_and_the_history_names():
     assert named_files("(file `shm-native_{2,4}ranks.txt`, `..._b.json`)") == [
         "shm-native_2ranks.txt", "shm-native_4ranks.txt", "*_b.json"]
     for name in ("shm-native-busy-now_cpu.txt", "suite-durations_before_cpu.txt", "gpu-checks_h100_ed7d1f0.txt",
-                 "suite_fresh-clone-ci-a1e082f_cpu.txt"):
+                 "suite_fresh-clone-ci-a1e082f_cpu.txt", "suite-durations_after_cpu-2core_2026-11-25.txt",
+                 "suite-durations_ab-0900-head_cpu.txt", "shm-ddp-floor-late_cpu.txt", "shm-native-final_cpu.txt",
+                 "suite_fresh-clone-ci-midnight_cpu.txt", "suite_fresh-clone-ci-2359_cpu.txt"):
         assert HISTORY.search(name), name
-    for name in ("shm-native-busy_cpu.txt", "pipeline-nowait.txt", "bandwidth_2026-11-22.json"):
+    for name in ("shm-native-busy_cpu.txt", "pipeline-nowait.txt", "bandwidth_2026-11-22.json", "latency_cpu.txt",
+                 "suite_fresh-clone-ci-2778-tests_cpu-2core_2026-11-28.txt", "newton_2026-11-22.txt",
+                 "shm-native_16ranks_2026-11-26_run2.txt"):
         assert not HISTORY.search(name), name
