@@ -201,6 +201,7 @@ def test_a_program_s_usage_error_names_it_as_python_dash_m(module, capsys, monke
     assert info.value.code == 2 and err.startswith(f"python -m {module}: error: "), err
 
 
+@pytest.mark.slow  # a fresh interpreter that imports torch
 def test_trace_run_with_dash_m_names_itself_for_a_missing_folder(tmp_path):
     import subprocess
     import sys

@@ -9,6 +9,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from benchmarks.studies import suite_cpu
 
 # Two children, each started as a test's: one computes for 0.6 s, one sleeps as long. The busy one then
@@ -106,6 +108,7 @@ def test_computes_itself():
 """
 
 
+@pytest.mark.slow  # a pytest session in a fresh interpreter
 def test_inside_pytest_a_long_lived_childs_cpu_and_pytests_own_go_to_the_test_running_then(tmp_path):
     (tmp_path / "test_session.py").write_text(SESSION)
     out = tmp_path / "cpu.json"

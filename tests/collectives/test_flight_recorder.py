@@ -323,7 +323,8 @@ def test_dumps_are_written_and_read_by_us_and_by_torchfrtrace(tmp_path, monkeypa
     assert said.count("all_reduce(input_sizes=[[4]], state=scheduled)") == 7, said[-3000:]  # rank 0: 4, rank 1: 3
 
 
-def test_the_reader_says_what_is_wrong_with_its_folder(tmp_path):
+@pytest.mark.slow  # a fresh interpreter: the reader as a user runs it
+def test_the_reader_run_with_dash_m_says_what_is_wrong_with_its_folder_in_one_line(tmp_path):
     import subprocess
     import sys
 
@@ -332,6 +333,13 @@ def test_the_reader_says_what_is_wrong_with_its_folder(tmp_path):
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "no dump files in it (files PREFIX<rank>" in out.stderr, out.stderr
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr  # one line: no runpy warning before it
+
+
+def test_the_reader_says_what_is_wrong_with_its_folder(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(SystemExit) as info:
+        flight_recorder.main([str(tmp_path)])
+    assert info.value.code == 2 and "no dump files in it (files PREFIX<rank>" in capsys.readouterr().err
     with pytest.raises(SystemExit) as info:
         flight_recorder.main([str(tmp_path), "--last", "0"])
     assert info.value.code == 2
