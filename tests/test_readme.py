@@ -82,3 +82,14 @@ def test_every_link_to_a_page_and_a_section_finds_them():
                 if anchor not in headings:
                     broken.append(f"{page.relative_to(ROOT)}: {target}#{anchor}: no such section")
     assert not broken, "\n".join(broken)
+
+
+def test_every_picture_and_file_a_page_links_to_is_there():
+    """Links to anything but a page (a plot, a results file, a source file): the file exists. A
+    results file renamed or measured again under a new date must take the pages' links along."""
+    pages = PAGES + [ROOT / "benchmarks" / "RESULTS.md"]
+    links = [(page, target) for page in pages
+             for target in re.findall(r"\]\(([^)#\s:]+)\)", page.read_text()) if not target.endswith(".md")]
+    assert any(target.endswith(".png") for _, target in links), "no picture found: the pattern lost them"
+    missing = [f"{page.relative_to(ROOT)}: {target}" for page, target in links if not (page.parent / target).exists()]
+    assert not missing, "\n".join(missing)
