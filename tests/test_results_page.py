@@ -18,7 +18,9 @@ FILE = re.compile(r"`([A-Za-z0-9_.{},*\-]+\.(?:\*|json|txt|png|csv|md|\{[a-z,]+\
 HISTORY = re.compile(
     r"(^|[-_])(before|after|now|head|final|old|new|earlier|late|morning|evening|night|midnight)([-_.]|$)"
     r"|[-_][0-9a-f]{7}[-_.]"  # a commit hash between separators
-    r"|[-_](?:[01][0-9]|2[0-3])[0-5][0-9](?!-[0-9]{2}-[0-9]{2})[-_.]")  # a time of day, 0900; not a date's year
+    r"|[-_](?:[01][0-9]|2[0-3])[0-5][0-9](?!-[0-9]{2}-[0-9]{2})[-_.]"  # a time of day, 0900; not a date's year
+    # a repeat of a measurement kept beside its first run (its place: the first run's file, as runs[i])
+    r"|(^|[-_])(?:run[0-9]+|repeat|rerun|again|second|third|[b-e])([-_.]|$)")
 
 
 def expand(pattern: str) -> list:
@@ -53,9 +55,12 @@ def test_the_expansion_and_the_history_names():
     for name in ("shm-native-busy-now_cpu.txt", "suite-durations_before_cpu.txt", "gpu-checks_h100_ed7d1f0.txt",
                  "suite_fresh-clone-ci-a1e082f_cpu.txt", "suite-durations_after_cpu-2core_2026-11-25.txt",
                  "suite-durations_ab-0900-head_cpu.txt", "shm-ddp-floor-late_cpu.txt", "shm-native-final_cpu.txt",
-                 "suite_fresh-clone-ci-midnight_cpu.txt", "suite_fresh-clone-ci-2359_cpu.txt"):
+                 "suite_fresh-clone-ci-midnight_cpu.txt", "suite_fresh-clone-ci-2359_cpu.txt",
+                 "shm-native_16ranks_2026-11-26_run2.txt", "shm-native-regions_cpu-2core_2026-11-26_b.json",
+                 "shm-ddp-floor-121rounds-c_cpu-2core_2026-11-27.txt", "bandwidth_cpu-2core_2026-11-26_repeat.json"):
         assert HISTORY.search(name), name
     for name in ("shm-native-busy_cpu.txt", "pipeline-nowait.txt", "bandwidth_2026-11-22.json", "latency_cpu.txt",
                  "suite_fresh-clone-ci-2778-tests_cpu-2core_2026-11-28.txt", "newton_2026-11-22.txt",
-                 "shm-native_16ranks_2026-11-26_run2.txt"):
+                 "shm-native-rounds-slow-handoff-spell_cpu-2core_2026-11-26.txt", "shm-ddp-repeats_cpu-2core.txt",
+                 "shm-native-busy_h200-host-2of16cores_2ranks_2026-11-27.json", "runtime_b8_cpu.txt"):
         assert not HISTORY.search(name), name
