@@ -1,7 +1,9 @@
 """benchmarks/RESULTS.md and the files under benchmarks/results/: every file the page names (a
 name, or a pattern with {a,b} and *) is there, and no file is named by when it was measured
 against a change (before, after, now, head, final, a commit hash) or by the time of day it ran
-(morning, late, 0900) rather than by what it measured and where.
+(morning, late, 0900) rather than by what it measured and where. A measurement run more than once
+keeps its runs in one file: the text has a part a run ("## run 2 of 3"), the JSON a row set a run
+under "runs", and the two agree.
 
     pytest tests/test_results_page.py -q
 """
@@ -9,6 +11,7 @@ against a change (before, after, now, head, final, a commit hash) or by the time
 from __future__ import annotations
 
 import fnmatch
+import json
 import pathlib
 import re
 
@@ -46,6 +49,49 @@ def test_every_file_the_results_page_names_is_there():
 
 def test_no_result_file_is_named_by_a_change_or_a_commit():
     assert [p.name for p in RESULTS.iterdir() if HISTORY.search(p.name)] == []
+
+
+def runs_disagreeing(text: str, saved) -> str:
+    """Why a file of several runs is not whole ("" if it is): its first line says how many runs,
+    its parts are numbered 1 to that many, each part pointing at its row set in the JSON, which
+    holds that many (saved: the JSON's content, None where there is none)."""
+    head = re.match(r"(\d+) runs\b", text)
+    parts = re.findall(r"^## run (\d+) of (\d+)(?: \(its rows: runs\[(\d+)\] in [^)]+\.json\))?$", text, flags=re.M)
+    if head is None:
+        return "its first line does not say how many runs it holds" if parts else ""
+    n = int(head.group(1))
+    if [(int(i), int(of)) for i, of, _ in parts] != [(i, n) for i in range(1, n + 1)]:
+        return f"it says {n} runs; its parts are {[f'{i} of {of}' for i, of, _ in parts]}"
+    if saved is not None:
+        if not isinstance(saved, dict) or len(saved.get("runs", ())) != n:
+            return f"its JSON does not hold {n} row sets under runs"
+        if [r for _, _, r in parts] != [str(i) for i in range(n)]:
+            return "its parts do not point at runs[0], runs[1], ... in turn"
+    return ""
+
+
+def test_a_file_of_several_runs_holds_each_run_once_in_its_text_and_its_json():
+    bad = {}
+    for path in sorted(RESULTS.glob("*.txt")):
+        text = path.read_text()
+        json_path = path.with_suffix(".json")
+        saved = json.loads(json_path.read_text()) if json_path.exists() and re.match(r"\d+ runs\b", text) else None
+        why = runs_disagreeing(text, saved)
+        if why:
+            bad[path.name] = why
+    assert bad == {}, bad
+    assert sum(1 for p in RESULTS.glob("*.txt") if re.match(r"\d+ runs\b", p.read_text())) >= 10
+
+
+def test_the_runs_check_fails_on_a_run_left_out():
+    whole = ("2 runs on the 2-core VM\n\n## run 1 of 2 (its rows: runs[0] in a.json)\nx\n\n"
+             "## run 2 of 2 (its rows: runs[1] in a.json)\ny\n")
+    assert runs_disagreeing(whole, {"runs": [{}, {}]}) == ""
+    assert "JSON does not hold 2" in runs_disagreeing(whole, {"runs": [{}]})
+    assert "parts are" in runs_disagreeing(whole.replace("## run 2 of 2", "## run 1 of 2"), {"runs": [{}, {}]})
+    assert "parts are" in runs_disagreeing("3" + whole[1:], None)
+    assert "in turn" in runs_disagreeing(whole.replace("runs[1]", "runs[0]"), {"runs": [{}, {}]})
+    assert "how many" in runs_disagreeing(whole.split("\n", 1)[1], None)
 
 
 def test_the_expansion_and_the_history_names():
