@@ -13,7 +13,9 @@ schedule runs one step (forward and backward of every microbatch of --microbatch
 every microbatch count, in a shuffled order the same on every rank, after a barrier; a cell is the
 median over --rounds rounds (after one warm-up round). Per rank, the executor's own timestamps give
 the share of the step it spent not computing (its idle share: also the messages' time) and
-autograd's saved tensors give the most activation bytes it held (measured, parameters excluded).
+autograd's saved tensors give the most activation bytes it held (measured, parameters excluded, in
+the warm-up round: the timed rounds run uncounted, as torch's schedules run, since counting runs
+Python on every saved tensor; --count-saved counts in them too, to time what that costs).
 The bubble is the least idle rank's share (the busiest stage's): the closed form takes every
 stage as long as every other, and a stage lighter than the busiest idles its difference as well
 (the first stage computes no gradient for the model's input, so it is lighter here). Beside them the closed form,
@@ -103,14 +105,16 @@ def measure(env, config) -> dict:
             for chunk in stage.chunks:
                 chunk.zero_grad(set_to_none=True)
             dist.barrier(group=group)
-            result = stage.run(make(name, p, m, v if name == "interleaved" else 1), xs if r == 0 else None, ys if r == p - 1 else None)
-            if k == 0:
-                continue  # warm-up
+            # the warm-up round counts the activations saved; the timed rounds run as torch's do, uncounted
+            result = stage.run(make(name, p, m, v if name == "interleaved" else 1), xs if r == 0 else None,
+                               ys if r == p - 1 else None, count_saved=k == 0 or config["count_saved"])
             cell = out[f"{name} {m}"]
+            if k == 0:
+                cell["saved"].append(result.peak_saved_bytes)
+                continue
             cell["step_s"].append(result.step_s)
             cell["idle"].append(result.idle_share)
             cell["compute_s"].append(result.compute_s)
-            cell["saved"].append(result.peak_saved_bytes)
             cell["in_flight"].append(result.peak_in_flight)
             kinds: dict = {}  # compute ms by action kind (F, B, I, W) this step
             for action, _, began, ended in result.timeline:
@@ -231,6 +235,9 @@ def build_parser():
     parser.add_argument("--no-torch", action="store_true",
                         help="leave out torch.distributed.pipelining's schedules (by default each is timed on "
                              "copies of the same stages, in the same rounds)")
+    parser.add_argument("--count-saved", action="store_true",
+                        help="count the saved activations in the timed rounds too (by default only the warm-up "
+                             "round counts them): what counting costs, against a run without this")
     parser.add_argument("--timeline", default=None, metavar="PREFIX",
                         help="draw each schedule's step as PREFIX-<schedule>.png and .json")
     parser.add_argument("--timeline-m", type=int, default=None, help="the microbatches drawn (default the median -m)")
@@ -273,7 +280,7 @@ def main(argv=None) -> int:
     config = {"stages": args.stages, "chunks": args.chunks, "counts": counts, "schedules": list(dict.fromkeys(args.schedules)),
               "backend": args.backend, "width": args.width, "depth": args.depth,
               "microbatch_size": args.microbatch_size, "rounds": args.rounds, "timeline_m": timeline_m,
-              "torch": not args.no_torch}
+              "torch": not args.no_torch, "count_saved": args.count_saved}
     preload(*TRAINING)
     cores = machine.cpus()  # before the ranks pin themselves to a core each (under torchrun, this process is one)
     launched = read_env(os.environ)
@@ -288,7 +295,8 @@ def main(argv=None) -> int:
     print(f"# {args.stages} stages on {args.backend}, MLP {args.depth} x {args.width}, {args.microbatch_size} rows a "
           f"microbatch, {cores} cpus, median over {args.rounds} rounds; idle: a rank's share of its step spent "
           "not computing (median); bubble: the least idle rank's share (a lighter stage idles that and its "
-          "imbalance too); saved: the most activation bytes autograd held for backward")
+          "imbalance too); saved: the most activation bytes autograd held for backward (counted in the warm-up "
+          f"round{' and the timed ones' if args.count_saved else ''})")
     print(report(rows, args.stages))
     if args.timeline:
         from ddp_from_scratch.pipeline_parallel.timeline import plot, write_chrome_trace

@@ -45,12 +45,13 @@ def odd_count(name: str, p: int) -> int:
     return p + 1 if name in CHUNKED else 2 * p + 1
 
 
-def run_ours(env, stage_modules, name: str, m: int, x, y, chunks: int = 1):
+def run_ours(env, stage_modules, name: str, m: int, x, y, chunks: int = 1, count_saved: bool = True):
     p, r = env.world_size, env.rank
     stage = Stage(stage_modules, r, p, loss_fn=F.cross_entropy)
     xs, ys = list(x.tensor_split(m)), list(y.tensor_split(m))
     stage.agree_shapes(xs[0] if r == 0 else None)
-    return stage.run(make(name, p, m, chunks), xs if r == 0 else None, ys if r == p - 1 else None)
+    return stage.run(make(name, p, m, chunks), xs if r == 0 else None, ys if r == p - 1 else None,
+                     count_saved=count_saved)
 
 
 def _stages(p: int, chunks: int, depth: int):
@@ -89,10 +90,10 @@ def against_torch(env, name: str, counts, depth: int = 4, chunks: int = 1) -> di
     return out
 
 
-def against_one_rank(env, name: str, m: int, depth: int, sizes, chunks: int = 1):
+def against_one_rank(env, name: str, m: int, depth: int, sizes, chunks: int = 1, count_saved: bool = True):
     """Ours against the whole model on one rank, accumulating the same microbatches in the same
     order and dividing by their count: (every gradient same bits, every loss same bits (last rank),
-    the most microbatch-chunks held)."""
+    the most microbatch-chunks held). count_saved: whether our step counts its saved activations."""
     p, r = env.world_size, env.rank
     n = p * chunks
     whole = mlp(depth)
@@ -106,7 +107,8 @@ def against_one_rank(env, name: str, m: int, depth: int, sizes, chunks: int = 1)
         q.grad.div_(m)
     want = [split(whole, n, sizes)[stage_index(c, r, p)] for c in range(chunks)]
     mine = [split(mlp(depth), n, sizes)[stage_index(c, r, p)] for c in range(chunks)]
-    result = run_ours(env, mine, name, m, x, y, chunks)
+    result = run_ours(env, mine, name, m, x, y, chunks, count_saved)
+    assert (result.peak_saved_bytes is None) == (not count_saved), result.peak_saved_bytes
     grads = [torch.equal(a.grad, b.grad) for c in range(chunks) for a, b in zip(mine[c].parameters(), want[c].parameters())]
     losses = [torch.equal(result.losses[i], one_losses[i]) for i in range(m)] if r == p - 1 else []
     return grads, losses, result.peak_in_flight

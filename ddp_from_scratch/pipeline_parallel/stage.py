@@ -7,6 +7,7 @@ from and go, and the executor that runs any schedule (schedule.py) on it.
     result = stage.run(one_f_one_b(p, m), microbatches, targets)   # the whole schedule: every rank's actions
     result.losses                                 # the last stage's loss of each microbatch
     result.timeline, result.peak_saved_bytes      # what ran when; the activations held at most
+    stage.run(schedule, microbatches, targets, count_saved=False)   # a step as torch's: nothing counted
 
 A forward on stage s > 0 first receives its input from stage s-1; on any stage but the last it
 sends its output to stage s+1 (isend: the rank goes on at once). A backward on the last stage
@@ -24,7 +25,10 @@ BatchNorm's running statistics stay as they were) and sends the output's dtype a
 1, which does the same, and so on through every chunk. The timeline records, per action, when it began waiting for
 its message, when it began computing and when it ended; a rank's idle time is what its step spent
 not computing. Saved activations are counted as autograd saves them for backward (parameters
-excluded) and freed, so the peak is measured, not computed.
+excluded) and freed, so the peak is measured, not computed. Counting runs Python on every tensor
+autograd saves and frees (about 3% of a forward and backward of the benchmark's 512-wide stages),
+so run(..., count_saved=False) leaves it out: benchmarks/pipeline_parallel.py counts in its
+warm-up round and times steps without it, as torch's schedules run.
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ class StepResult:
     timeline: List[tuple]  # (action, waited from, computed from, ended), seconds since the step began
     step_s: float
     compute_s: float
-    peak_saved_bytes: int
+    peak_saved_bytes: Optional[int]  # None where the step ran with count_saved=False
     peak_in_flight: int  # microbatches whose activations were held at once
     started: float = 0.0  # time.perf_counter() at the step's start (CLOCK_MONOTONIC: one clock for every rank here)
 
@@ -73,6 +77,7 @@ class _Step:
     losses: Dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
     sends: list = dataclasses.field(default_factory=list)
     peak_in_flight: int = 0
+    counting: contextlib.AbstractContextManager = dataclasses.field(default_factory=contextlib.nullcontext)
 
 
 def _check_output(stage: int, y) -> None:
@@ -234,11 +239,13 @@ class Stage:
 
 
     def run(self, schedule: List[List[Action]], inputs: Optional[List[torch.Tensor]] = None,
-            targets: Optional[List[torch.Tensor]] = None) -> StepResult:
+            targets: Optional[List[torch.Tensor]] = None, count_saved: bool = True) -> StepResult:
         """Run this rank's actions of `schedule` (every rank's lists: the order peers send in comes
         from theirs); `inputs`: the microbatches (stage 0's rank), `targets`: their targets (the
         last stage's rank). Each action is one small method (ACTIONS); the loop around them times
-        it: from when it began waiting for its message, from when it began computing, to its end."""
+        it: from when it began waiting for its message, from when it began computing, to its end.
+        `count_saved`: count the activations autograd saves (the result's peak_saved_bytes); False
+        runs the forwards without that count's hooks, the same arithmetic, peak_saved_bytes None."""
         if not self.input_meta:
             raise RuntimeError("call agree_shapes() once before run()")
         if len(schedule) != self.ranks:
@@ -251,6 +258,8 @@ class Stage:
         self._outbox: Dict[tuple, torch.Tensor] = {}  # an action's output until the SEND after it
         step, timeline, compute = _Step(inputs, targets), [], 0.0
         self.saved.reset(self.parameters())
+        if count_saved:
+            step.counting = self.saved
         start = time.perf_counter()
         waited = None  # when the receives before the next action began
         for a in self._lowered[self.rank]:
@@ -271,8 +280,8 @@ class Stage:
         for p in self.parameters():
             if p.grad is not None:
                 p.grad.div_(microbatches)  # a mean over microbatches, as torch's scale_grads
-        return StepResult(step.losses, timeline, time.perf_counter() - start, compute, self.saved.peak,
-                          step.peak_in_flight, start)
+        return StepResult(step.losses, timeline, time.perf_counter() - start, compute,
+                          self.saved.peak if count_saved else None, step.peak_in_flight, start)
 
     def _forward(self, step: _Step, a: Action) -> tuple:
         """F: the input (stage 0's microbatch, or the activation the stage before sent), the chunk
@@ -283,7 +292,7 @@ class Stage:
         else:
             x = self._inbox.pop((FORWARD, a.microbatch, stage - 1)).requires_grad_()
         began = time.perf_counter()
-        with self.saved, self.autocast():
+        with step.counting, self.autocast():
             y = self.chunks[a.chunk](x)
             if stage == last:
                 y = self.loss_fn(y, step.targets[a.microbatch])

@@ -51,12 +51,13 @@ def test_bitwise_torchs_schedule(p, name, chunks, backend):
 @settings(max_examples=12, deadline=None)
 @given(p=st.integers(2, 4), extra=st.integers(0, 5), depth=st.integers(3, 6),
        name=st.sampled_from(sorted(SCHEDULES)), chunks=st.integers(1, 3), balanced=st.booleans(),
-       data=st.data())
+       count_saved=st.booleans(), data=st.data())
 def test_property_bitwise_the_one_rank_model_over_stages_microbatches_chunks_and_depth(p, extra, depth, name, chunks,
-                                                                                        balanced, data):
+                                                                                        balanced, count_saved, data):
     """The same arithmetic as one rank accumulating gradients over the microbatches: a stage's
     backward gets the same output gradient the whole model's autograd would, and a parameter's
-    gradient adds the microbatches in the same order; so bit for bit, for any cut, any schedule."""
+    gradient adds the microbatches in the same order; so bit for bit, for any cut, any schedule,
+    with the saved activations counted or not."""
     m = p + extra
     chunks = chunks if name in CHUNKED else 1
     if name in CHUNKED and m % rounds_of(p, m):
@@ -69,7 +70,7 @@ def test_property_bitwise_the_one_rank_model_over_stages_microbatches_chunks_and
         cuts = sorted(data.draw(st.lists(st.integers(1, layers - 1), min_size=n - 1, max_size=n - 1, unique=True)))
         sizes = [b - a for a, b in zip([0] + cuts, cuts + [layers])]
     for rank, (grads, losses, in_flight) in enumerate(run_on_ranks(_against_one_rank, p,
-                                                                   args=(name, m, depth, sizes, chunks),
+                                                                   args=(name, m, depth, sizes, chunks, count_saved),
                                                                    backend="gloo", timeout=120)):
         assert all(grads), (rank, name, p, m, depth, sizes, grads)
         assert all(losses) and len(losses) == (m if rank == p - 1 else 0), (rank, losses)
@@ -196,17 +197,21 @@ def _held_after(env, name, chunks, m):
     for _ in range(3):  # a step's activations are all freed by its end, so the next step's peak is the same
         result = stage.run(make(name, p, m, chunks), xs if r == 0 else None, ys if r == p - 1 else None)
         peaks.append(result.peak_saved_bytes)
-    return stage.saved.live, peaks, result.peak_in_flight
+    uncounted = stage.run(make(name, p, m, chunks), xs if r == 0 else None, ys if r == p - 1 else None,
+                          count_saved=False)  # no hooks: nothing counted, nothing left from the count before
+    return stage.saved.live, peaks, result.peak_in_flight, (uncounted.peak_saved_bytes, stage.saved.peak)
 
 
 @pytest.mark.parametrize("name,chunks", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zero-bubble", 1),
                                          ("zero-bubble", 2)])
 def test_every_activation_a_step_saved_is_freed_by_its_end(name, chunks):
     """Counted as autograd frees them: none left after a step (a split backward's I keeps the
-    graph for its W, which must not keep it beyond), and each step's peak the same."""
-    for rank, (left, peaks, in_flight) in enumerate(run_on_ranks(_held_after, 2, args=(name, chunks, 4),
-                                                                 backend="gloo")):
+    graph for its W, which must not keep it beyond), and each step's peak the same; a step run
+    with count_saved=False counts nothing."""
+    for rank, (left, peaks, in_flight, uncounted) in enumerate(run_on_ranks(_held_after, 2, args=(name, chunks, 4),
+                                                                            backend="gloo")):
         assert left == 0 and peaks[0] > 0 and len(set(peaks)) == 1, (rank, left, peaks)
+        assert uncounted == (None, 0), (rank, uncounted)
         assert in_flight == peak_in_flight(make(name, 2, 4, chunks)[rank])
 
 
