@@ -49,7 +49,7 @@ from ddp_from_scratch.pipeline_parallel.split import split
 from ddp_from_scratch.pipeline_parallel.stage import Stage
 
 
-def _model(config) -> nn.Sequential:
+def model(config) -> nn.Sequential:
     torch.manual_seed(0)
     w = config["width"]
     layers = [m for _ in range(config["depth"]) for m in (nn.Linear(w, w), nn.Tanh())]
@@ -74,9 +74,9 @@ def measure(env, config) -> dict:
     group = dist.new_group(backend=config["backend"])
     v = config["chunks"]
     # GPipe and 1F1B: the model in p stages, one a rank; interleaved: in p*v, rank r holding r, p+r, ...
-    cut = split(_model(config), p * v)
+    cut = split(model(config), p * v)
     executors = {name: Stage([cut[stage_index(c, r, p)] for c in range(v)], r, p, group=group, loss_fn=F.cross_entropy)
-                 if name == "interleaved" else Stage(split(_model(config), p)[r], r, p, group=group,
+                 if name == "interleaved" else Stage(split(model(config), p)[r], r, p, group=group,
                                                      loss_fn=F.cross_entropy)
                  for name in config["schedules"]}
     g = torch.Generator().manual_seed(1)

@@ -56,7 +56,7 @@ def runs_disagreeing(text: str, saved) -> str:
     its parts are numbered 1 to that many, each part pointing at its row set in the JSON, which
     holds that many (saved: the JSON's content, None where there is none)."""
     head = re.match(r"(\d+) runs\b", text)
-    parts = re.findall(r"^## run (\d+) of (\d+)(?: \(its rows: runs\[(\d+)\] in [^)]+\.json\))?$", text, flags=re.M)
+    parts = re.findall(r"^## run (\d+) of (\d+)(?: \(its rows: runs\[(\d+)\] in [^)]+\.json\))?(?:, .+)?$", text, flags=re.M)
     if head is None:
         return "its first line does not say how many runs it holds" if parts else ""
     n = int(head.group(1))

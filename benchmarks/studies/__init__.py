@@ -1,6 +1,6 @@
 """The studies behind benchmarks/RESULTS.md: each measured how one part of the shm backend, the
-harness or the suite was chosen or tuned. A user picking a backend or a layout runs the programs
-one folder up; these answer how the project got there (`python -m benchmarks.studies.NAME --help`).
+harness, the pipeline executor or the suite was chosen or tuned. A user picking a backend or a
+layout runs the programs one folder up; these answer how the project got there (`python -m benchmarks.studies.NAME --help`).
 
     shm_wait             how an shm rank waits (spin, yield, futex, sleep), and its spin's length
     shm_paths            the shm all_reduce's paths against the memory roofline
@@ -9,6 +9,7 @@ one folder up; these answer how the project got there (`python -m benchmarks.stu
     bridge_load          loading shm's built C++ bridge: from its stamp, or through torch's build tools
     race_ablation        what each part of the two-level cost model buys across hosts
     ddp_hook_cost        what a Python gradient hook costs the backward
+    split_backward       where zero bubble's split backward (I + W) costs more than one backward
     harness_speed        multi-rank test cases a minute, by start method
     suite_durations      where the test suite's time goes, from pytest's --durations
     suite_cpu            where the test suite's CPU goes: each test's processes, read from /proc
@@ -19,4 +20,4 @@ C programs (cc -O2, their headers say how to run them):
 """
 
 STUDIES = ("shm_wait", "shm_paths", "shm_small_path", "recorder_cost", "bridge_load", "race_ablation", "ddp_hook_cost",
-           "harness_speed", "suite_durations", "suite_cpu", "pool_idle")
+           "harness_speed", "suite_durations", "suite_cpu", "pool_idle", "split_backward")
