@@ -26,9 +26,9 @@ BatchNorm's running statistics stay as they were) and sends the output's dtype a
 its message, when it began computing and when it ended; a rank's idle time is what its step spent
 not computing. Saved activations are counted as autograd saves them for backward (parameters
 excluded) and freed, so the peak is measured, not computed. Counting runs Python on every tensor
-autograd saves and frees (about 3% of a forward and backward of the benchmark's 512-wide stages),
-so run(..., count_saved=False) leaves it out: benchmarks/pipeline_parallel.py counts in its
-warm-up round and times steps without it, as torch's schedules run.
+autograd saves and frees (about 2% of the pipeline benchmark's step: benchmarks/RESULTS.md), so
+run(..., count_saved=False) leaves it out: benchmarks/pipeline_parallel.py counts in its warm-up
+round and times steps without it, as torch's schedules run.
 """
 
 from __future__ import annotations
