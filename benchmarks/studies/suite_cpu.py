@@ -21,7 +21,9 @@ A process's last tenth of a second of CPU, or the whole of one that lives less, 
 and the poll's own CPU is not counted. Processes that were running before the command are left out.
 
 Prints the machine's busy CPU over the run (from /proc/stat), the CPU of the processes counted,
-and the costliest tests with how many processes each was charged for. Linux only.
+the CPU by kind of program (a fork server that imports torch for the ranks it forks, a rank forked
+from one, a torchrun agent, pytest and its workers, the compiler, ...), and the costliest tests
+with how many processes each was charged for. Linux only.
 """
 
 from __future__ import annotations
@@ -122,6 +124,34 @@ def _owner(pid: str) -> Tuple[str, str]:
     return NO_TEST, argv
 
 
+FORK_SERVER = "multiprocessing.forkserver import main"
+KINDS = (  # (kind, what its command line holds), the first that matches
+    ("torchrun agent", ("torch.distributed.run", "bin/torchrun")),
+    ("pytest and its workers", ("exec(eval(sys.stdin.readline()))", "-m pytest", "bin/pytest")),
+    ("spawned interpreter (a rank or a DataLoader worker)", ("multiprocessing.spawn", "spawn_main")),
+    ("compiler and linker", ("cc1plus", "c++ ", "g++ ", "/ld ", "collect2", "ninja", "as --")),
+    ("multiprocessing's resource tracker", ("resource_tracker",)),
+    ("another Python program", ("python",)),
+)
+
+
+def kind(argv: str, parent_argv: str = "") -> str:
+    """The kind of program a command line is. A fork server's forked children (ranks, and their
+    DataLoader workers) keep its command line: one whose parent has it too is a forked child."""
+    if FORK_SERVER in argv:
+        return "forked from a fork server (a rank)" if FORK_SERVER in parent_argv else "fork server (imports torch once)"
+    return next((name for name, marks in KINDS if any(m in argv for m in marks)), "other")
+
+
+def per_kind(processes: Dict[str, dict]) -> Dict[str, Tuple[float, int]]:
+    """{kind: (CPU seconds, processes)} over every process counted (its "kind", from `poll`)."""
+    totals: Dict[str, list] = defaultdict(lambda: [0.0, 0])
+    for entry in processes.values():
+        totals[entry.get("kind") or kind(entry["argv"])][0] += entry["cpu"]
+        totals[entry.get("kind") or kind(entry["argv"])][1] += 1
+    return {name: (cpu, n) for name, (cpu, n) in totals.items()}
+
+
 def _busy_ticks() -> int:
     with open("/proc/stat") as f:
         values = [int(v) for v in f.readline().split()[1:]]
@@ -135,13 +165,14 @@ def running() -> Dict[str, int]:
 
 def poll(proc: subprocess.Popen, before: Dict[str, int], interval: float = 0.1,
          folder: Optional[str] = None) -> Dict[str, dict]:
-    """{pid:start: {"test", "argv", "cpu", "charged": {test: CPU s}}} for every process not in
+    """{pid:start: {"test", "argv", "kind", "cpu", "charged": {test: CPU s}}} for every process not in
     `before` (from `running()` before `proc` started), until `proc` ends. "test" is the one it
     started under; "charged" splits its CPU between the tests that ran while it used it, as the
     module docstring says, with `folder` the one where pytest processes name their test."""
     me = str(os.getpid())
     seen: Dict[str, dict] = {}
     chains: Dict[str, List[str]] = {}  # each process's ancestry when first seen: it outlives a parent's exit
+    argvs: Dict[str, str] = {}  # pid -> the command line it was first seen with
     while True:
         done = proc.poll() is not None
         now = _now_running(folder)
@@ -153,7 +184,11 @@ def poll(proc: subprocess.Popen, before: Dict[str, int], interval: float = 0.1,
             key = f"{pid}:{start}"
             if key not in seen:
                 test, argv = _owner(pid)
-                seen[key] = {"test": test, "argv": argv[:300], "cpu": 0.0, "charged": {}}
+                if pid not in argvs and parents.get(pid) not in argvs and parents.get(pid) in stats:
+                    argvs[parents[pid]] = _owner(parents[pid])[1]  # a parent older than the command, or unseen
+                argvs[pid] = argv
+                seen[key] = {"test": test, "argv": argv[:300], "kind": kind(argv, argvs.get(parents.get(pid), "")),
+                             "cpu": 0.0, "charged": {}}
                 chains[key] = _ancestry(pid, parents)
             entry = seen[key]
             used, entry["cpu"] = cpu - entry["cpu"], cpu
@@ -209,7 +244,10 @@ def main(argv=None) -> int:
     counted = sum(cpu for cpu, _ in totals.values())
     print(f"\n{' '.join(args.command)}: exit {proc.returncode}, {wall:.1f} s wall; the machine was busy "
           f"{busy:.1f} CPU s ({os.cpu_count()} cores); {len(processes)} processes counted, {counted:.1f} CPU s")
-    print(f"{'CPU s':>8} {'procs':>6}  test")
+    print(f"{'CPU s':>8} {'procs':>6}  kind of program")
+    for name, (cpu, n) in sorted(per_kind(processes).items(), key=lambda kv: -kv[1][0]):
+        print(f"{cpu:8.1f} {n:6d}  {name}")
+    print(f"\n{'CPU s':>8} {'procs':>6}  test")
     for test, (cpu, n) in sorted(totals.items(), key=lambda kv: -kv[1][0])[: args.top]:
         print(f"{cpu:8.1f} {n:6d}  {test}")
     if args.json:

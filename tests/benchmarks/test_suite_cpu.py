@@ -42,6 +42,9 @@ def test_each_process_is_charged_to_its_test_by_the_cpu_it_used(tmp_path, capsys
     assert not any(key.startswith(f"{older.pid}:") for key in processes), "a process older than the command was counted"
     printed = capsys.readouterr().out
     assert "tests/a.py::test_burns" in printed.split("tests/a.py::test_sleeps")[0], printed  # costliest first
+    ours = [entry for entry in processes.values() if entry["test"].startswith("tests/a.py::")]
+    assert [entry["kind"] for entry in ours] == ["another Python program"] * 2, ours  # whatever else runs beside
+    assert "kind of program" in printed and "another Python program" in printed.split("\n\n")[-2], printed
 
 
 def test_per_test_sums_cpu_and_counts_processes():
@@ -121,3 +124,23 @@ def test_inside_pytest_a_long_lived_childs_cpu_and_pytests_own_go_to_the_test_ru
     assert cpu.get("test_gives_the_rank_work", 0) >= 0.5, totals  # not the test that started the child
     assert cpu.get("test_starts_the_rank", 0) < 0.3, totals
     assert cpu.get("test_computes_itself", 0) >= 0.5, totals  # not "(no test: pytest and its workers)"
+
+
+def test_each_program_is_put_with_its_kind_and_a_fork_servers_children_apart_from_it():
+    server = "/usr/bin/python3 -c from multiprocessing.forkserver import main; main(16, 18, ['torch'])"
+    worker = "/usr/bin/python3 -u -c import sys;exec(eval(sys.stdin.readline()))"
+    assert suite_cpu.kind(server, worker) == "fork server (imports torch once)"
+    assert suite_cpu.kind(server, server) == "forked from a fork server (a rank)"
+    assert suite_cpu.kind(worker) == "pytest and its workers"
+    assert suite_cpu.kind("python -m torch.distributed.run --nnodes 2 -m ddp_from_scratch.train") == "torchrun agent"
+    assert suite_cpu.kind("python -c from multiprocessing.spawn import spawn_main; spawn_main(tracker_fd=5)") == \
+        "spawned interpreter (a rank or a DataLoader worker)"
+    assert suite_cpu.kind("/usr/lib/gcc/x86_64-linux-gnu/12/cc1plus -quiet forward.cpp") == "compiler and linker"
+    assert suite_cpu.kind("python -m ddp_from_scratch.train --nproc 2") == "another Python program"
+    assert suite_cpu.kind("sleep 60") == "other"
+    processes = {"1:5": {"argv": server, "kind": "fork server (imports torch once)", "cpu": 6.5},
+                 "2:6": {"argv": server, "kind": "forked from a fork server (a rank)", "cpu": 0.5},
+                 "3:7": {"argv": server, "kind": "forked from a fork server (a rank)", "cpu": 0.25},
+                 "4:8": {"argv": "sleep 1", "cpu": 0.0}}
+    assert suite_cpu.per_kind(processes) == {"fork server (imports torch once)": (6.5, 1),
+                                             "forked from a fork server (a rank)": (0.75, 2), "other": (0.0, 1)}
