@@ -50,7 +50,9 @@ FAST_RENDEZVOUS = ("--rdzv-conf", "keep_alive_interval=1,keep_alive_max_attempt=
 
 
 def _elastic(hosts, folder, rdzv_id, extra=(), max_restarts=2):
-    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    # LOGLEVEL=INFO: the agents say when they restart and why (a failure, with the attempts left,
+    # or a host joining), which a failed assertion shows beside the end of the output (_story)
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "LOGLEVEL": "INFO"}
     return [subprocess.Popen(cluster.host_command(h, [
         sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "2",
         "--max-restarts", str(max_restarts), "--rdzv-backend", "c10d", "--rdzv-endpoint", "node0:29500", "--rdzv-id", rdzv_id,
@@ -84,6 +86,14 @@ def _wait_for_checkpoint_step(folder, at_least, procs, timeout=120):
     raise AssertionError(f"no checkpoint of step {at_least} in {timeout} s")
 
 
+def _story(out: str) -> str:
+    """What a failed assertion shows of an agent's output: its restarts and rendezvous rounds, then
+    the end of it."""
+    marks = ("attempts left", "new nodes", "Rendezvous", "rendezvous", "will restart", "torchrun restarted this job")
+    said = [line for line in out.splitlines() if any(m in line for m in marks)]
+    return "--- the agent's restarts and rounds:\n" + "\n".join(said[-40:]) + "\n--- its output's end:\n" + out[-3000:]
+
+
 def _summary(outs):
     text = next(o for o in outs if "weights_sha256" in o)
     return json.loads(next(line for line in text.splitlines() if line.startswith("{\"impl\"")))
@@ -106,7 +116,7 @@ def test_a_worker_killed_on_host_2_restarts_the_group_and_ends_bitwise(hosts, tm
         for p in procs:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outs)
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(_story(o) for o in outs)
     resumed, alone = _summary(outs), uninterrupted
     # the resume itself shows the restart: TORCHELASTIC_RESTART_COUNT is each agent's own count, 0
     # on an agent that restarted for the other host (a membership change, which torch does not count)
@@ -129,10 +139,10 @@ def test_a_host_gone_scales_down_and_our_side_says_so_in_one_line(hosts, tmp_pat
         for p in procs:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
-    assert procs[0].returncode == 1, out[-3000:]
+    assert procs[0].returncode == 1, _story(out)
     refusals = [line for line in out.splitlines() if "torchrun restarted this job" in line]
     assert refusals and all("on 2 ranks" in line and "written by 4 ranks: a host left or joined" in line
-                            for line in refusals), out[-3000:]
+                            for line in refusals), _story(out)
     assert "Traceback" not in "\n".join(refusals)
     assert not _pids("node0", agent=False) and not _pids("node0", agent=True)
 
