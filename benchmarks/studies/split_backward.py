@@ -67,23 +67,27 @@ def _gradients(stage, x0, target, variant, splitter, params):
         weights()
         end = time.perf_counter()
         return {"I": middle - start, "W": end - middle, "I + W": end - start}, dx, [p.grad for p in params]
-    if variant == "products":
-        return _products(stage, x0), None, None
     inputs = (x,) if variant == "input's gradient alone" else tuple(params)
     torch.autograd.grad(loss, inputs)
     return {variant: time.perf_counter() - start}, None, None
 
 
-def _products(stage, x0) -> dict:
-    """The square Linears' two backward products (a gradient the shape of their output), timed
-    paired layer by layer and then split into all the input products and all the weight products."""
+def square_layers(stage, x0) -> list:
+    """(input, weight, a gradient the shape of its output) of each square Linear of the stage, in
+    the order a backward meets them."""
     with torch.no_grad():
         layers, h = [], x0
         for m in stage:
             if isinstance(m, torch.nn.Linear) and m.in_features == m.out_features:
                 layers.append((h, m.weight, torch.randn_like(h)))
             h = m(h)
-        layers.reverse()  # as a backward meets them
+    return layers[::-1]
+
+
+def _products(layers) -> dict:
+    """The layers' two backward products, timed paired layer by layer and then split into all the
+    input products and all the weight products."""
+    with torch.no_grad():
         start = time.perf_counter()
         for x, w, g in layers:
             torch.mm(g, w)
@@ -103,7 +107,7 @@ def measure(rounds: int, width: int, depth: int, rows: int) -> dict:
     params = [p for p in stage.parameters() if p.requires_grad]
     g = torch.Generator().manual_seed(0)
     x0, target = torch.randn(rows, width, generator=g), torch.randint(0, 10, (rows,), generator=g)
-    splitter = SplitBackward()
+    splitter, layers = SplitBackward(), square_layers(stage, x0)
     _, dx_b, grads_b = _gradients(stage, x0, target, "B", splitter, params)
     _, dx_s, grads_s = _gradients(stage, x0, target, "I + W", splitter, params)
     same = torch.equal(dx_b, dx_s) and all(torch.equal(a, b) for a, b in zip(grads_b, grads_s))
@@ -113,7 +117,8 @@ def measure(rounds: int, width: int, depth: int, rows: int) -> dict:
     for k in range(rounds + 1):  # the first round warms up
         this_round = {}
         for variant in order.sample(VARIANTS, len(VARIANTS)):
-            this_round.update(_gradients(stage, x0, target, variant, splitter, params)[0])
+            this_round.update(_products(layers) if variant == "products"
+                              else _gradients(stage, x0, target, variant, splitter, params)[0])
         if k:
             for part, s in this_round.items():
                 times.setdefault(part, []).append(s)

@@ -147,8 +147,9 @@ def per_kind(processes: Dict[str, dict]) -> Dict[str, Tuple[float, int]]:
     """{kind: (CPU seconds, processes)} over every process counted (its "kind", from `poll`)."""
     totals: Dict[str, list] = defaultdict(lambda: [0.0, 0])
     for entry in processes.values():
-        totals[entry.get("kind") or kind(entry["argv"])][0] += entry["cpu"]
-        totals[entry.get("kind") or kind(entry["argv"])][1] += 1
+        total = totals[entry.get("kind") or kind(entry["argv"])]
+        total[0] += entry["cpu"]
+        total[1] += 1
     return {name: (cpu, n) for name, (cpu, n) in totals.items()}
 
 
@@ -172,7 +173,6 @@ def poll(proc: subprocess.Popen, before: Dict[str, int], interval: float = 0.1,
     me = str(os.getpid())
     seen: Dict[str, dict] = {}
     chains: Dict[str, List[str]] = {}  # each process's ancestry when first seen: it outlives a parent's exit
-    argvs: Dict[str, str] = {}  # pid -> the command line it was first seen with
     while True:
         done = proc.poll() is not None
         now = _now_running(folder)
@@ -184,11 +184,11 @@ def poll(proc: subprocess.Popen, before: Dict[str, int], interval: float = 0.1,
             key = f"{pid}:{start}"
             if key not in seen:
                 test, argv = _owner(pid)
-                if pid not in argvs and parents.get(pid) not in argvs and parents.get(pid) in stats:
-                    argvs[parents[pid]] = _owner(parents[pid])[1]  # a parent older than the command, or unseen
-                argvs[pid] = argv
-                seen[key] = {"test": test, "argv": argv[:300], "kind": kind(argv, argvs.get(parents.get(pid), "")),
-                             "cpu": 0.0, "charged": {}}
+                parent = parents.get(pid)  # its command line as seen, or read now (older than the command)
+                known = seen.get(f"{parent}:{stats[parent][1]}") if parent in stats else None
+                parent_argv = known["argv"] if known else _owner(parent)[1] if parent in stats else ""
+                seen[key] = {"test": test, "argv": argv[:300], "kind": kind(argv, parent_argv), "cpu": 0.0,
+                             "charged": {}}
                 chains[key] = _ancestry(pid, parents)
             entry = seen[key]
             used, entry["cpu"] = cpu - entry["cpu"], cpu
