@@ -12,11 +12,13 @@ otherwise idle.
 autograd computes only what the asked-for inputs need: asking for x's gradient alone runs the
 nodes on the path from the output down to x and nothing on the weights' side. Where that path
 meets a weight's side (a Linear's addmm node: its input goes down the path, its weight off it),
-the gradient arriving at the node is kept (a pre-hook on the node). The W part asks autograd for
-the weights' gradients from those kept gradients, at those same nodes, a call a node: each node's
-weight-side arithmetic runs once, in the W part, with the same kernels a whole backward runs, so
-the gradients are the same bits. torch.distributed.pipelining's stage_backward_input and
-stage_backward_weight split a backward the same way.
+the gradient arriving at the node is kept: the I asks the engine for it beside x's, naming the
+node's edge (a GradientEdge) among the call's inputs, which costs less than a pre-hook registered
+on each node and removed every microbatch. The W part asks autograd for the weights' gradients
+from those kept gradients, at those same nodes, a call a node: each node's weight-side arithmetic
+runs once, in the W part, with the same kernels a whole backward runs, so the gradients are the
+same bits. torch.distributed.pipelining's stage_backward_input and stage_backward_weight split a
+backward the same way (with pre-hooks).
 
 A split backward makes one call of autograd's engine a weight group where a whole backward makes
 one, and on small layers each call's own cost is not small beside its arithmetic. So the calls go
@@ -44,10 +46,6 @@ def _node(t: torch.Tensor):
     return t.grad_fn if t.grad_fn is not None else t.view_as(t).grad_fn.next_functions[0][0]
 
 
-def _children(node) -> List:
-    return [n for n, _ in node.next_functions if n is not None]
-
-
 def _run_engine(outputs: tuple, grads: tuple, inputs: tuple, *, keep_graph: bool, accumulate: bool) -> tuple:
     """The call into autograd's engine that torch.autograd.grad (accumulate=False: returns the
     inputs' gradients) and torch.autograd.backward (accumulate=True: adds them to .grad) end in."""
@@ -55,10 +53,23 @@ def _run_engine(outputs: tuple, grads: tuple, inputs: tuple, *, keep_graph: bool
                                                    allow_unreachable=True, accumulate_grad=accumulate)
 
 
-def _walk(root, stops: Set) -> Tuple[List, Dict[object, List]]:
+def _walk(root, stops: Set, outputs: Dict[object, List[int]]) -> Tuple[List, Dict[object, List]]:
     """Every node below root, each after all its children (post-order), without recursion and
-    without going below a node in stops; and each node's children, read once."""
-    children = {root: [] if root in stops else _children(root)}
+    without going below a node in stops; and each node's children, read once. Adds to outputs,
+    for each node reached, the outputs of its forward that a node above it takes (an edge is a
+    node and an output's number): the only ones a gradient can arrive at."""
+
+    def children_of(node) -> List:
+        if node in stops:
+            return []
+        found = []
+        for child, output in node.next_functions:
+            if child is not None:
+                found.append(child)
+                outputs.setdefault(child, []).append(output)
+        return found
+
+    children = {root: children_of(root)}
     order, stack = [], [(root, iter(children[root]))]
     while stack:
         node, pending = stack[-1]
@@ -67,7 +78,7 @@ def _walk(root, stops: Set) -> Tuple[List, Dict[object, List]]:
             order.append(node)
             stack.pop()
         elif child not in children:
-            children[child] = [] if child in stops else _children(child)
+            children[child] = children_of(child)
             stack.append((child, iter(children[child])))
     return order, children
 
@@ -84,10 +95,12 @@ def _weights_below(node, children: Dict[object, List], weight_nodes: Set, found:
             stack.extend(children[n])
 
 
-def weight_groups(root, x_node, weight_nodes: Set) -> List[Tuple[object, List]]:
+def weight_groups(root, x_node, weight_nodes: Set, root_output: int = 0) -> List[Tuple[object, List, List[int]]]:
     """The nodes where the input's path meets a weight's side, each with the accumulators of the
-    weights below it on that side: [(node, [accumulator, ...])]."""
-    order, children = _walk(root, weight_nodes | {x_node})
+    weights below it on that side and the outputs of its forward that a gradient can arrive at
+    (root_output: the stage output's own, for root): [(node, [accumulator, ...], [output, ...])]."""
+    outputs: Dict[object, List[int]] = {root: [root_output]}
+    order, children = _walk(root, weight_nodes | {x_node}, outputs)
     on_path = set()
     for node in order:  # children first: a node is on the path if one of its children is
         if node is x_node or any(k in on_path for k in children[node]):
@@ -108,7 +121,7 @@ def weight_groups(root, x_node, weight_nodes: Set) -> List[Tuple[object, List]]:
                                  "path (used twice): its gradient cannot be split into I and W bit for bit")
             owner[w] = node
         if weights:
-            groups.append((node, weights))
+            groups.append((node, weights, sorted(set(outputs[node]))))
     return groups
 
 
@@ -137,26 +150,16 @@ class SplitBackward:
                 raise ValueError(f"a gradient for the stage's output of shape {tuple(y.shape)} is needed: only a "
                                  "one-element output (a loss) starts its backward without one")
             grad = torch.ones_like(y)  # what torch.autograd.backward(loss) starts from
-        groups = weight_groups(y.grad_fn, _node(x), self.accumulators(parameters))
-        # The gradient arriving at each group's node, for its W: a pre-hook on the node keeps
-        # it (one per output of the node's forward; None where none arrived) as the node runs (a
-        # node that did not run keeps nothing, and its W call is left out).
-        kept: Dict[object, tuple] = {}
-
-        def keep(node):
-            def hook(grad_outputs):
-                kept[node] = grad_outputs
-            return hook
-
-        handles = [node.register_prehook(keep(node)) for node, _ in groups]
-        try:
-            (dx,) = _run_engine((y,), (grad,), (x,), keep_graph=True, accumulate=False)
-        finally:
-            for h in handles:
-                h.remove()
-        calls = []
-        for node, accumulators in groups:
-            used = [(GradientEdge(node, i), g) for i, g in enumerate(kept.pop(node, ())) if g is not None]
+        groups = weight_groups(y.grad_fn, _node(x), self.accumulators(parameters), y.output_nr)
+        # The gradient arriving at each group's node, for its W: the engine returns it beside x's
+        # when asked for the node's edges (one per output of the node's forward that a node above
+        # takes; None where none arrived, and a node that did not run gets none: its W call is
+        # left out), as it would give a hook on the node before it runs, without the hooks' cost.
+        edges = [GradientEdge(node, output) for node, _, outputs in groups for output in outputs]
+        dx, *arrived = _run_engine((y,), (grad,), (x, *edges), keep_graph=True, accumulate=False)
+        calls, arrived = [], iter(zip(edges, arrived))
+        for node, accumulators, outputs in groups:
+            used = [(e, g) for e, g in (next(arrived) for _ in outputs) if g is not None]
             if used:
                 calls.append((tuple(e for e, _ in used), tuple(g for _, g in used),
                               tuple(acc.variable for acc in accumulators)))

@@ -1,7 +1,8 @@
 """A backward split into the input's gradient (I) and the weights' (W), as zero bubble runs it
 (ddp_from_scratch/pipeline_parallel/two_part_backward.py): the I part computes no weight's
 gradient, the W part no input's, and together they give whole-backward bits, over several
-microbatches accumulating, on graphs with branches, residuals and norms.
+microbatches accumulating, on graphs with branches, residuals, norms and a layer's output used
+twice.
 
     pytest tests/pipeline_parallel/test_two_part_backward.py -q
 """
@@ -29,8 +30,23 @@ class Residual(nn.Module):
         return x + torch.tanh(self.fc(self.norm(x)))
 
 
+class Reused(nn.Module):
+    """A Linear whose output goes two ways (y + tanh(y)): two gradients arrive at its node, and
+    its W must start from their sum, once."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x):
+        y = self.fc(x)
+        return y + torch.tanh(y)
+
+
 def _model(kind: str, width: int, seed: int) -> nn.Module:
     torch.manual_seed(seed)
+    if kind == "reused":
+        return nn.Sequential(Reused(width), nn.Tanh(), Reused(width), nn.Linear(width, 3))
     if kind == "mlp":
         return nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width, bias=False))
     if kind == "residual":
@@ -40,7 +56,7 @@ def _model(kind: str, width: int, seed: int) -> nn.Module:
 
 
 @settings(max_examples=40, deadline=None)
-@given(kind=st.sampled_from(["mlp", "residual", "conv"]), width=st.integers(2, 9), batch=st.integers(2, 5),
+@given(kind=st.sampled_from(["mlp", "residual", "conv", "reused"]), width=st.integers(2, 9), batch=st.integers(2, 5),
        microbatches=st.integers(1, 4), later=st.booleans(), kept=st.booleans(),
        precision=st.sampled_from(["float32", "float64", "bfloat16 autocast"]), frozen=st.booleans(),
        seed=st.integers(0, 10**6))
