@@ -95,15 +95,22 @@ def _weights_below(node, children: Dict[object, List], weight_nodes: Set, found:
             stack.extend(children[n])
 
 
-def weight_groups(root, x_node, weight_nodes: Set, root_output: int = 0) -> List[Tuple[object, List, List[int]]]:
-    """The nodes where the input's path meets a weight's side, each with the accumulators of the
-    weights below it on that side and the outputs of its forward that a gradient can arrive at
-    (root_output: the stage output's own, for root): [(node, [accumulator, ...], [output, ...])]."""
+def weight_groups(root, x: torch.Tensor, weight_nodes: Set,
+                  root_output: int = 0) -> List[Tuple[object, List, List[int]]]:
+    """The nodes where the path from root down to x meets a weight's side, each with the
+    accumulators of the weights below it on that side and the outputs of its forward that a
+    gradient can arrive at (root_output: the stage output's own, for root):
+    [(node, [accumulator, ...], [output, ...])]."""
     outputs: Dict[object, List[int]] = {root: [root_output]}
-    order, children = _walk(root, weight_nodes | {x_node}, outputs)
+    x_fn = x.grad_fn  # where x's gradient arrives; a leaf's accumulator is found in the walk instead
+    order, children = _walk(root, weight_nodes if x_fn is None else weight_nodes | {x_fn}, outputs)
     on_path = set()
     for node in order:  # children first: a node is on the path if one of its children is
-        if node is x_node or any(k in on_path for k in children[node]):
+        below = children[node]
+        if below:
+            if not on_path.isdisjoint(below):
+                on_path.add(node)
+        elif node is x_fn or (x_fn is None and node not in weight_nodes and getattr(node, "variable", None) is x):
             on_path.add(node)
     if root not in on_path:
         raise ValueError("the stage's output does not depend on its input: there is no input gradient to send")
@@ -132,13 +139,21 @@ class SplitBackward:
 
     def __init__(self) -> None:
         self._accumulators: Dict[torch.Tensor, object] = {}
+        self._key: tuple = ()
+        self._found: Set = set()
 
     def accumulators(self, parameters: Iterable[torch.Tensor]) -> Set:
         """The accumulators of the parameters that need a gradient, kept for these parameters only
-        (one put in another's place is found anew, and the one it replaced is let go)."""
-        known = self._accumulators
-        self._accumulators = {p: known.get(p) or _node(p) for p in parameters if p.requires_grad}
-        return set(self._accumulators.values())
+        (one put in another's place is found anew, and the one it replaced is let go). The same
+        parameters as last time (the same objects, each needing a gradient or not as then: it
+        holds them, so their ids are theirs) give the same set without looking each one up."""
+        parameters = list(parameters)
+        key = tuple(map(id, parameters)) + tuple(p.requires_grad for p in parameters)
+        if key != self._key:
+            known = self._accumulators
+            self._accumulators = {p: known.get(p) or _node(p) for p in parameters if p.requires_grad}
+            self._key, self._found = key, set(self._accumulators.values())
+        return self._found
 
     def input_gradient(self, y: torch.Tensor, grad: Optional[torch.Tensor], x: torch.Tensor,
                        parameters: Iterable[torch.Tensor]) -> Tuple[Optional[torch.Tensor], Callable[[], None]]:
@@ -150,7 +165,7 @@ class SplitBackward:
                 raise ValueError(f"a gradient for the stage's output of shape {tuple(y.shape)} is needed: only a "
                                  "one-element output (a loss) starts its backward without one")
             grad = torch.ones_like(y)  # what torch.autograd.backward(loss) starts from
-        groups = weight_groups(y.grad_fn, _node(x), self.accumulators(parameters), y.output_nr)
+        groups = weight_groups(y.grad_fn, x, self.accumulators(parameters), y.output_nr)
         # The gradient arriving at each group's node, for its W: the engine returns it beside x's
         # when asked for the node's edges (one per output of the node's forward that a node above
         # takes; None where none arrived, and a node that did not run gets none: its W call is

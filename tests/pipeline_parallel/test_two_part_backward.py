@@ -221,3 +221,38 @@ def test_one_split_backward_over_optimizer_steps_trains_as_the_whole_backward(se
         opt_b.zero_grad(set_to_none=set_to_none)
     for (n, a), b in zip(ours.named_parameters(), whole.parameters()):
         assert torch.equal(a, b), n
+
+
+def test_a_parameter_frozen_or_thawed_between_microbatches_is_split_as_it_is_then():
+    """One SplitBackward over microbatches while a weight is frozen, thawed, frozen and thawed
+    again (frozen first: its accumulator is found when it first needs a gradient): the W adds a
+    gradient to it only for the microbatches it needed one in, as the whole backward does."""
+    ours, whole = _model("mlp", 4, 5), _model("mlp", 4, 5)
+    split, g = SplitBackward(), torch.Generator().manual_seed(5)
+    for frozen in (True, False, True, False):
+        for model in (ours, whole):
+            model[0].weight.requires_grad_(not frozen)
+        x, grad_out = torch.randn(3, 4, generator=g), torch.randn(3, 4, generator=g)
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        dx, weights = split.input_gradient(ours(xa), grad_out, xa, ours.parameters())
+        weights()
+        whole(xb).backward(grad_out)
+        assert torch.equal(dx, xb.grad)
+        for (n, a), b in zip(ours.named_parameters(), whole.parameters()):
+            assert (a.grad is None and b.grad is None) or torch.equal(a.grad, b.grad), n
+
+
+def test_an_input_that_is_not_a_leaf_is_where_the_i_stops():
+    """x made by an op (not a leaf): the I returns x's own gradient, and nothing below x is run."""
+    model, whole = _model("residual", 4, 2), _model("residual", 4, 2)
+    base = torch.randn(3, 4, requires_grad=True)
+    x = base * 2
+    grad_out = torch.ones(3, 3)
+    dx, weights = input_gradient(model(x), grad_out, x, model.parameters())
+    weights()
+    assert base.grad is None  # the I stopped at x
+    xb = (base.detach() * 2).requires_grad_()
+    whole(xb).backward(grad_out)
+    assert torch.equal(dx, xb.grad)
+    for (n, a), b in zip(model.named_parameters(), whole.parameters()):
+        assert torch.equal(a.grad, b.grad), n
