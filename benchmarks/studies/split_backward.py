@@ -24,9 +24,10 @@ one thread. Each round runs a forward and then, in a random order, each of:
   input product first and then every layer's weight product, as I then W run them.
 
 Each figure is the median over rounds, and so is each page-fault count (B, W and the W later:
-the pages the kernel handed the process while that part ran, from getrusage); (I + W) / B is the median of each round's own ratio. The
-split's gradients are checked against B's bit for bit first (with the W later, the two microbatches
-are the same one, so each weight's gradient must be exactly twice B's). What it decides: how far
+the pages the kernel handed the process while that part ran, from getrusage); (I + W) / B is the
+median of each round's own ratio. The split's gradients are checked against B's bit for bit first
+(with the W later, the two microbatches are the same one, so each weight's gradient must be
+exactly twice B's). What it decides: how far
 zero bubble's I + W is from one backward's cost (the pipeline benchmark prints the same ratio from
 the schedule's own timeline), and which part of the difference is Python, which autograd's calls,
 and which the memory a W gets back from the allocator: glibc's malloc gives large freed blocks

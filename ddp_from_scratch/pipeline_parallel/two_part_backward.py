@@ -53,7 +53,7 @@ def _run_engine(outputs: tuple, grads: tuple, inputs: tuple, *, keep_graph: bool
                                                    allow_unreachable=True, accumulate_grad=accumulate)
 
 
-def _walk(root, stops: Set, outputs: Dict[object, List[int]]) -> Tuple[List, Dict[object, List]]:
+def _walk(root, stops: Set, outputs: Dict[object, Set[int]]) -> Tuple[List, Dict[object, List]]:
     """Every node below root, each after all its children (post-order), without recursion and
     without going below a node in stops; and each node's children, read once. Adds to outputs,
     for each node reached, the outputs of its forward that a node above it takes (an edge is a
@@ -66,7 +66,7 @@ def _walk(root, stops: Set, outputs: Dict[object, List[int]]) -> Tuple[List, Dic
         for child, output in node.next_functions:
             if child is not None:
                 found.append(child)
-                outputs.setdefault(child, []).append(output)
+                outputs.setdefault(child, set()).add(output)
         return found
 
     children = {root: children_of(root)}
@@ -101,7 +101,7 @@ def weight_groups(root, x: torch.Tensor, weight_nodes: Set,
     accumulators of the weights below it on that side and the outputs of its forward that a
     gradient can arrive at (root_output: the stage output's own, for root):
     [(node, [accumulator, ...], [output, ...])]."""
-    outputs: Dict[object, List[int]] = {root: [root_output]}
+    outputs: Dict[object, Set[int]] = {root: {root_output}}
     x_fn = x.grad_fn  # where x's gradient arrives; a leaf's accumulator is found in the walk instead
     order, children = _walk(root, weight_nodes if x_fn is None else weight_nodes | {x_fn}, outputs)
     on_path = set()
@@ -128,7 +128,7 @@ def weight_groups(root, x: torch.Tensor, weight_nodes: Set,
                                  "path (used twice): its gradient cannot be split into I and W bit for bit")
             owner[w] = node
         if weights:
-            groups.append((node, weights, sorted(set(outputs[node]))))
+            groups.append((node, weights, sorted(outputs[node])))
     return groups
 
 

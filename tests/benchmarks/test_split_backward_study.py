@@ -17,8 +17,9 @@ def test_a_short_run_times_each_part_and_its_split_is_bs_bits(tmp_path, capsys):
     assert split_backward.main(["--rounds", "2", "--width", "16", "--depth", "2", "--json", str(out)]) == 0
     saved, printed = json.loads(out.read_text()), capsys.readouterr().out
     assert saved["same_bits"] is True and saved["config"]["rounds"] == 2
-    for part in ("B", "I", "W", "I + W", "W later", "I + W, W later", "input's gradient alone", "weights' gradients alone",
-                 "products, layer by layer (as B)", "products, inputs' then weights' (as I, W)"):
+    for part in ("B", "I", "W", "I + W", "W later", "I + W, W later", "input's gradient alone",
+                 "weights' gradients alone", "products, layer by layer (as B)",
+                 "products, inputs' then weights' (as I, W)"):
         assert saved["ms"][part] > 0, part
         assert f"\n{part} " in printed, (part, printed)
     assert "the split's gradients are B's bit for bit: yes" in printed
