@@ -11,6 +11,9 @@
   exits with 1, instead of the launcher's own traceback glued under it.
 - An output that cannot be written (a full disk, /dev/full) is one line naming the flag and the
   path, and exit code 1 (output_files.py says how each kind of path is written).
+- A standard output that its reader closed (`... | head`) ends the program quietly, with exit
+  code 141 as a shell's program killed by SIGPIPE has; a broken pipe of the program's own (to a
+  rank, a socket) is still an error with its traceback.
 - Anything else is a bug in the program and keeps its traceback.
 SIGTERM and SIGKILL need nothing here: the ranks watch their parent and end with it (launcher/pool.py).
 
@@ -204,5 +207,27 @@ def command(main: Callable[..., int]) -> Callable[..., int]:
         except OutputError as exc:  # the work is done; only its file could not be written
             print(f"{program_name(main.__module__)}: {exc}", file=sys.stderr, flush=True)
             return 1
+        except BrokenPipeError:
+            if not stdout_reader_gone():
+                raise
+            # what is left in stdout's buffer would fail again as Python exits: send it nowhere
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+            return 141
 
     return wrapped
+
+
+def stdout_reader_gone() -> bool:
+    """Whether standard output is a pipe whose reading end is closed (`program | head` after
+    head has read its lines): poll() reports an error on the writing end of such a pipe."""
+    import select
+
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, ValueError, OSError):  # no stdout, or one without a file descriptor
+        return False
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    return any(events & select.POLLERR for _, events in poller.poll(0))

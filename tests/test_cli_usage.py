@@ -6,7 +6,9 @@ before any rank starts: sizes below 1, -b above -e, a step factor of 1 (it never
 
 from __future__ import annotations
 
+import os
 import re
+import sys
 
 import pytest
 
@@ -188,6 +190,54 @@ def test_an_output_that_fails_at_the_end_names_the_program_run_with_dash_m(monke
     assert cli.command(main)() == 1
     assert capsys.readouterr().err == ("python -m benchmarks.bandwidth: could not write --json out.json "
                                        "(No space left on device)\n")
+
+
+def _stdout_on_a_pipe(monkeypatch, reader_closed: bool):
+    """sys.stdout on the writing end of a new pipe, as `program | head` gives it; its reading end
+    closed (head has read its lines and exited) or kept open. Returns the reading end or None."""
+    import io
+
+    read_end, write_end = os.pipe()
+    if reader_closed:
+        os.close(read_end)
+    monkeypatch.setattr("sys.stdout", io.TextIOWrapper(io.FileIO(write_end, "w"), write_through=False))
+    return None if reader_closed else read_end
+
+
+def test_a_stdout_whose_reader_closed_ends_the_program_quietly_with_sigpipes_code(monkeypatch, capsys):
+    """`python -m benchmarks.studies.suite_durations run.log | head`: what head did not read is
+    dropped, with no traceback, neither from the print nor from the flush as Python exits."""
+    from collectives import cli
+
+    def main(argv=None):
+        for i in range(100_000):
+            print(f"row {i}")
+        return 0
+
+    with capsys.disabled():
+        _stdout_on_a_pipe(monkeypatch, reader_closed=True)
+        assert cli.command(main)() == 141
+        print("still buffered as the program exits")
+        sys.stdout.flush()  # what Python does at exit: stdout now leads nowhere, so no second error
+        sys.stdout.close()
+
+
+def test_a_broken_pipe_of_the_programs_own_keeps_its_traceback(monkeypatch, capsys):
+    """Only stdout's reader going away is the user's doing; a pipe to a rank or a peer that broke
+    is an error of the run, and must not pass for `| head`."""
+    from collectives import cli
+
+    def main(argv=None):
+        print("a line the reader will get")
+        raise BrokenPipeError(32, "Broken pipe")
+
+    with capsys.disabled():
+        read_end = _stdout_on_a_pipe(monkeypatch, reader_closed=False)
+        with pytest.raises(BrokenPipeError):
+            cli.command(main)()
+        sys.stdout.close()
+        assert os.read(read_end, 100) == b"a line the reader will get\n"
+        os.close(read_end)
 
 
 @pytest.mark.parametrize("module", PROGRAMS_WITHOUT_PROG)
