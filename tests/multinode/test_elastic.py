@@ -3,7 +3,8 @@ training CLI with a checkpoint every 8 steps and --auto-resume.
 
 - A worker on the second host killed with SIGKILL mid-run: both agents restart the group, it
   resumes from the last checkpoint, and the final weights are bitwise those of an uninterrupted
-  4-rank run on one host. torchrun runs with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: with torch
+  4-rank run of torch's DDP on one host (the runs across the hosts train our bucketed DDP, the
+  program's default: test_cluster.py leaves that proof to these runs). torchrun runs with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: with torch
   2.13's default (the agent's rendezvous store shared with the workers) the restarted ranks read
   the previous attempt's Gloo addresses and could not connect in 2 runs of 3 here
   (pytorch/pytorch#135712); collectives.launcher.env then says so in one line.
@@ -15,7 +16,7 @@ training CLI with a checkpoint every 8 steps and --auto-resume.
   round on one host); the test shortens both (FAST_RENDEZVOUS), which changes when torch scales
   down, not what it does.
 - Only the second host's agent SIGKILLed (its workers left running, as torchrun starts them in
-  sessions of their own): nothing restarts, the run finishes bitwise as the uninterrupted one,
+  sessions of their own): nothing restarts, the run finishes bitwise as torch's DDP on one host,
   each orphaned worker says in one line that its agent is gone (collectives/launcher/agent_watch.py), and
   the first host's torchrun waits at torch's exit barrier for the dead agent.
 
@@ -101,8 +102,9 @@ def _summary(outs):
 
 @pytest.fixture
 def uninterrupted(one_host):
-    """The summary of the same training on 4 ranks started on one host, never interrupted."""
-    return one_host(TRAIN[2:])
+    """The summary of the same training with torch's DDP on 4 ranks started on one host, never
+    interrupted: what our bucketed DDP across the hosts, interrupted or not, must end at."""
+    return one_host([*TRAIN[2:], "--impl", "torch"])
 
 
 def test_a_worker_killed_on_host_2_restarts_the_group_and_ends_bitwise(hosts, tmp_path, uninterrupted):
@@ -121,6 +123,7 @@ def test_a_worker_killed_on_host_2_restarts_the_group_and_ends_bitwise(hosts, tm
     # the resume itself shows the restart: TORCHELASTIC_RESTART_COUNT is each agent's own count, 0
     # on an agent that restarted for the other host (a membership change, which torch does not count)
     assert resumed["world_size"] == 4
+    assert (resumed["impl"], alone["impl"]) == ("bucketed", "torch")  # ours across the hosts, torch's on one
     assert (resumed["resumed_from_epoch"], resumed["resumed_from_step"]) >= seen  # not from the start
     assert resumed["weights_sha256"] == alone["weights_sha256"]
     assert not _pids("node0", agent=False) and not _pids("node1", agent=False)
@@ -170,4 +173,5 @@ def test_only_a_hosts_agent_killed_the_run_finishes_and_its_workers_say_so(hosts
     assert len(said) == 2 and all(line.startswith("rank ") and " on host node1: " in line for line in said), node1[-3000:]
     finished, alone = _summary([node0, node1]), uninterrupted
     assert finished["world_size"] == 4 and finished["resumed_from_step"] == 0, finished  # never restarted
+    assert (finished["impl"], alone["impl"]) == ("bucketed", "torch")  # ours across the hosts, torch's on one
     assert finished["weights_sha256"] == alone["weights_sha256"]
