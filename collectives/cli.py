@@ -224,6 +224,8 @@ def stdout_reader_gone() -> bool:
     head has read its lines): poll() reports an error on the writing end of such a pipe."""
     import select
 
+    if not hasattr(select, "poll"):  # Windows: no way to ask here, so the error keeps its traceback
+        return False
     try:
         fd = sys.stdout.fileno()
     except (AttributeError, ValueError, OSError):  # no stdout, or one without a file descriptor
