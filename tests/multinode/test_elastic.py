@@ -4,10 +4,11 @@ training CLI with a checkpoint every 8 steps and --auto-resume.
 - A worker on the second host killed with SIGKILL mid-run: both agents restart the group, it
   resumes from the last checkpoint, and the final weights are bitwise those of an uninterrupted
   4-rank run of torch's DDP on one host (the runs across the hosts train our bucketed DDP, the
-  program's default: test_cluster.py leaves that proof to these runs). torchrun runs with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: with torch
-  2.13's default (the agent's rendezvous store shared with the workers) the restarted ranks read
-  the previous attempt's Gloo addresses and could not connect in 2 runs of 3 here
-  (pytorch/pytorch#135712); collectives.launcher.env then says so in one line.
+  program's default: test_cluster.py leaves that proof to these runs). torchrun runs with
+  TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: with torch 2.13's default (the agent's rendezvous store
+  shared with the workers) the restarted ranks read the previous attempt's Gloo addresses and
+  could not connect in 2 runs of 3 here (pytorch/pytorch#135712); collectives.launcher.env then
+  says so in one line.
 - The second host gone (its agent and workers SIGKILLed): torch scales the job down to the
   first host (2 ranks) once the dead host's keep-alive lapses and the round's last call ends, and
   restarts it; our side refuses to resume a 4-rank checkpoint on 2 ranks in one line, the agent
