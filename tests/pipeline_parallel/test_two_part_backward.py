@@ -256,3 +256,45 @@ def test_an_input_that_is_not_a_leaf_is_where_the_i_stops():
     assert torch.equal(dx, xb.grad)
     for (n, a), b in zip(model.named_parameters(), whole.parameters()):
         assert torch.equal(a.grad, b.grad), n
+
+
+class _Halves(torch.autograd.Function):
+    """x @ w cut by columns into two outputs of one node, as a multi-output op with a weight
+    (an RNN's output and state) makes: a stage may return its second output."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        y = x @ w
+        k = y.shape[1] // 2
+        return y[:, :k].clone(), y[:, k:].clone()
+
+    @staticmethod
+    def backward(ctx, g0, g1):
+        x, w = ctx.saved_tensors
+        g = torch.cat([g0, g1], 1)
+        return g @ w.t(), x.t() @ g
+
+
+def test_a_stage_whose_output_is_its_last_nodes_second_output_splits_as_the_whole_backward():
+    """The W starts at the output the stage returned (its output number, here 1), not at the
+    node's first: started at output 0, no gradient arrives there and the weight's is lost."""
+    torch.manual_seed(4)
+    first, w = nn.Sequential(nn.Linear(4, 4), nn.Tanh()), nn.Parameter(torch.randn(4, 6))
+    params = [*first.parameters(), w]
+    x, grad_out = torch.randn(3, 4), torch.randn(3, 3)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya = _Halves.apply(first(xa), w)[1]
+    assert ya.output_nr == 1
+    dx, weights = input_gradient(ya, grad_out, xa, params)
+    grads = [p.grad for p in params]
+    assert all(g is None for g in grads)  # the I computes no weight's gradient
+    weights()
+    assert all(p.grad is not None for p in params), "the W lost a weight's gradient"
+    grads = [p.grad.clone() for p in params]
+    for p in params:
+        p.grad = None
+    _Halves.apply(first(xb), w)[1].backward(grad_out)
+    assert torch.equal(dx, xb.grad)
+    for a, p in zip(grads, params):
+        assert torch.equal(a, p.grad)
